@@ -1,0 +1,26 @@
+"""ipuloop: a minimal training loop for the PopTorch execution model.
+
+``from ipuloop import poptorch`` gives the real poptorch when it is installed, else the
+CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
+"""
+from __future__ import annotations
+
+from .backend import backend_name
+from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
+from .config import IPUConfig
+from .loop import Loop, NonFiniteLossError, WithLoss
+from .state import State
+
+__version__ = "0.1.0"
+
+__all__ = ["Callback", "CancelEpoch", "CancelFit", "CancelStep", "IPUConfig", "Loop",
+           "NonFiniteLossError", "ProgressBar", "State", "WithLoss", "backend_name", "poptorch",
+           "__version__"]
+
+
+def __getattr__(name: str):
+    # Resolved on first use, so importing ipuloop imports no poptorch and has no side effects.
+    if name == "poptorch":
+        from .backend import poptorch_module
+        return poptorch_module()
+    raise AttributeError(f"module 'ipuloop' has no attribute {name!r}")

@@ -1,0 +1,58 @@
+"""Which PopTorch ``ipuloop.poptorch`` is: the real one, or ``ipuloop.emulator``.
+
+``IPULOOP_BACKEND`` picks: ``auto`` (default: real poptorch when it imports, else the
+emulator), ``poptorch`` (the real one or an error, never a silent fallback) or ``emulator``.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+
+__all__ = ["poptorch_module", "backend_name", "BackendError"]
+
+logger = logging.getLogger("ipuloop")
+
+_CHOICES = ("auto", "poptorch", "emulator")
+_resolved: tuple[str, ModuleType] | None = None
+
+
+class BackendError(ImportError):
+    """The requested PopTorch backend cannot be used."""
+
+
+def _resolve() -> tuple[str, ModuleType]:
+    choice = os.environ.get("IPULOOP_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise BackendError(f"IPULOOP_BACKEND must be one of {', '.join(_CHOICES)}. "
+                           f"Received: IPULOOP_BACKEND={choice!r}.")
+    if choice in ("auto", "poptorch"):
+        try:
+            return "poptorch", importlib.import_module("poptorch")
+        except ImportError as e:
+            if choice == "poptorch":
+                raise BackendError(
+                    "IPULOOP_BACKEND=poptorch, but poptorch cannot be imported "
+                    f"({e}). poptorch ships with Graphcore's Poplar SDK: enable the SDK "
+                    "(source <sdk>/enable) and install its wheel with "
+                    "`pip install <sdk>/poptorch-*.whl`, or set IPULOOP_BACKEND=emulator "
+                    "to run on the CPU.") from e
+    return "emulator", importlib.import_module("ipuloop.emulator")
+
+
+def poptorch_module() -> ModuleType:
+    """The PopTorch module in use (resolved once per process, logged once)."""
+    global _resolved
+    if _resolved is None:
+        _resolved = _resolve()
+        name, module = _resolved
+        logger.info("ipuloop backend: %s (%s)", name,
+                    getattr(module, "__version__", "unknown version"))
+    return _resolved[1]
+
+
+def backend_name() -> str:
+    """"poptorch" (real IPUs) or "emulator" (CPU/CUDA emulation of PopTorch)."""
+    poptorch_module()
+    return _resolved[0]

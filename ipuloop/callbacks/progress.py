@@ -1,0 +1,79 @@
+"""Progress display: a tqdm bar per epoch on a terminal, plain periodic lines otherwise."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from .base import Callback
+
+__all__ = ["ProgressBar"]
+
+
+def _fmt(logs: dict[str, float], keys: list[str]) -> str:
+    return "  ".join(f"{k} {logs[k]:.4g}" for k in keys if k in logs)
+
+
+class ProgressBar(Callback):
+    """Shows loss and metrics while fitting.
+
+    Args:
+        every: on a non-terminal, print a line every ``every`` steps (default: about 10
+            lines an epoch); on a terminal, the bar's refresh period in steps (default 1).
+        stream: where to write (default ``sys.stderr`` for the bar, ``sys.stdout`` for lines).
+    """
+
+    order = 100  # after the callbacks that add logs
+
+    def __init__(self, every: int | None = None, stream: TextIO | None = None) -> None:
+        self.every = every
+        self.stream = stream
+        self._bar: Any = None
+
+    def _tty(self) -> bool:
+        s = self.stream or sys.stderr
+        return hasattr(s, "isatty") and s.isatty()
+
+    def on_epoch_start(self, loop: Any) -> None:
+        self._steps = getattr(loop, "_steps_hint", None)
+        self._start = time.perf_counter()
+        self._t0_step = loop.state.step
+        if self._tty():
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=self._steps, initial=loop.state.epoch_step,
+                             desc=f"Epoch {loop.state.epoch + 1}", file=self.stream or sys.stderr,
+                             leave=True, dynamic_ncols=True)
+
+    def on_train_step_end(self, loop: Any) -> None:
+        st = loop.state
+        if self._bar is not None:
+            every = self.every or 1
+            if st.epoch_step % every == 0:
+                self._bar.update(st.epoch_step - self._bar.n)
+                self._bar.set_postfix_str(_fmt(st.logs, ["loss"]), refresh=False)
+            return
+        every = self.every or max((self._steps or 100) // 10, 1)
+        if st.epoch_step % every == 0:
+            total = f"/{self._steps}" if self._steps else ""
+            rate = (st.step - self._t0_step) / max(time.perf_counter() - self._start, 1e-9)
+            print(f"epoch {st.epoch + 1} step {st.epoch_step}{total}  loss {st.logs['loss']:.4f}"
+                  f"  {rate:.2f} steps/s", file=self.stream or sys.stdout, flush=True)
+
+    def on_epoch_end(self, loop: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        logs = loop.state.logs
+        keys = [k for k in logs if k.startswith(("train_", "val_")) and k != "train_loss_exact"]
+        approx = "" if logs.get("train_loss_exact", 1.0) else " (train_loss estimated from " \
+            "the micro-batches the output mode returns)"
+        took = time.perf_counter() - self._start
+        print(f"epoch {loop.state.epoch}: {_fmt(logs, keys)}  [{took:.1f}s]{approx}",
+              file=self.stream or sys.stdout, flush=True)
+
+    def on_fit_end(self, loop: Any) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    on_exception = on_fit_end

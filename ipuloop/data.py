@@ -1,0 +1,186 @@
+"""Loaders as the loop runs them: rebuilt as ``poptorch.DataLoader`` with a resumable order.
+
+Every loader given to the loop is rebuilt as a ``poptorch.DataLoader`` over the same dataset,
+micro-batch size, sampler (or shuffle and generator), workers and collate function, with the
+loop's options. Its sampler is wrapped so that each epoch's order is drawn at one defined
+moment (``set_epoch``), from random state the checkpoint records, and so that a resumed epoch
+starts after the samples already seen without reading them.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler
+
+from .outputs import Layout
+
+__all__ = ["Plan", "ResumableSampler", "combined_factor", "describe_factors"]
+
+_KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+         "multiprocessing_context", "generator", "persistent_workers")
+
+
+def combined_factor(opts: Any, training: bool) -> int:
+    """Micro-batches in one host batch: DI * (RF / input group size) * GA."""
+    ga = opts.Training.gradient_accumulation if training else 1
+    return opts.device_iterations * max(opts.replication_factor // opts.input_group_size, 1) * ga
+
+
+def describe_factors(opts: Any, micro: int, training: bool) -> str:
+    ga = opts.Training.gradient_accumulation if training else 1
+    text = (f"micro-batch {micro} x deviceIterations {opts.device_iterations} x "
+            f"replicationFactor {opts.replication_factor}")
+    if opts.input_group_size != 1:
+        text += f" / input_group_size {opts.input_group_size}"
+    text += f" x gradientAccumulation {ga}"
+    return f"{text} = {micro * combined_factor(opts, training)} samples per host call"
+
+
+class ResumableSampler(Sampler):
+    """Wraps a sampler: the epoch's order is drawn in ``set_epoch``, then skipped into."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner = inner
+        self._order: list[int] | None = None
+
+    def set_epoch(self, skip: int = 0) -> None:
+        """Draw this epoch's order now (from the RNG as it is) and drop the first ``skip``."""
+        self._order = list(iter(self.inner))[skip:]
+
+    def generator_state(self) -> torch.Tensor | None:
+        g = getattr(self.inner, "generator", None)
+        return g.get_state() if isinstance(g, torch.Generator) else None
+
+    def set_generator_state(self, state: torch.Tensor | None) -> None:
+        g = getattr(self.inner, "generator", None)
+        if state is not None and isinstance(g, torch.Generator):
+            g.set_state(state)
+
+    def __iter__(self) -> Iterator[int]:
+        if self._order is None:
+            self.set_epoch()
+        order, self._order = self._order, None
+        return iter(order)
+
+    def __len__(self) -> int:
+        return len(self._order) if self._order is not None else len(self.inner)
+
+
+class _Padded(Dataset):
+    """The dataset followed by copies of its last sample, up to ``total`` (for predict)."""
+
+    def __init__(self, dataset: Dataset, total: int) -> None:
+        self.dataset, self.n, self.total = dataset, len(dataset), total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[min(i, self.n - 1)]
+
+
+@dataclass
+class Plan:
+    """A loader the loop can run, with what it needs to know about it."""
+
+    loader: Any  # poptorch.DataLoader
+    sampler: ResumableSampler | None  # None: iterable dataset or custom batch sampler
+    micro: int  # micro-batch size B
+    combined: int  # samples per host call
+    layout: Layout
+    samples: int | None  # dataset length, when known
+    name: str
+
+    @property
+    def steps(self) -> int | None:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return None
+
+    def epoch(self, skip_steps: int = 0) -> Iterator[Any]:
+        """An iterator over this epoch's host batches, after ``skip_steps`` of them."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(skip_steps * self.combined)
+            return iter(self.loader)
+        it = iter(self.loader)
+        for _ in range(skip_steps):  # no sampler to skip into: read and discard
+            next(it, None)
+        return it
+
+
+def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
+               name: str, pad: bool = False, sequential: bool = False) -> Plan:
+    """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader``."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
+                        f"Received: {name}={type(loader).__name__}.")
+    factor = combined_factor(opts, training)
+    dataset = loader.dataset
+    batch_sampler = loader.batch_sampler
+    custom_batches = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+    if isinstance(loader, poptorch.DataLoader):
+        combined = loader.combinedBatchSize
+        theirs = combined_factor(loader.options, training)
+        micro = combined // theirs if combined else None
+        if combined is not None and combined != (micro or 0) * factor:
+            raise ValueError(
+                f"{name} was built for {describe_factors(loader.options, micro, training)}, "
+                f"but the loop runs {describe_factors(opts, micro, training)}. Build the loader "
+                "with the same options as the loop, or pass a torch DataLoader with the "
+                "micro-batch size and let the loop build it.")
+        if custom_batches:
+            batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)
+    else:
+        micro = loader.batch_size
+        if micro is None and not custom_batches:
+            raise ValueError(f"{name} has batch_size=None: the loop needs micro-batches. "
+                             "Pass the micro-batch size as batch_size.")
+    if custom_batches:
+        if opts.replication_factor > 1:
+            raise ValueError(f"{name} has a batch sampler ({type(batch_sampler).__name__}), "
+                             "which cannot be used with more than one replica: the host batch "
+                             "is split between replicas. Use batch_size= and a sampler instead.")
+        micro = getattr(batch_sampler, "batch_size", micro or 1)
+    kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("persistent_workers", None)
+        kwargs.pop("timeout", None)
+    else:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    iterable = isinstance(dataset, IterableDataset)
+    samples = None if iterable else len(dataset)
+    sampler = None
+    if pad and samples is not None:
+        combined = micro * factor
+        dataset = _Padded(dataset, -(-samples // combined) * combined)
+    if custom_batches:
+        kwargs["batch_sampler"] = batch_sampler
+        micro_arg = 1
+    else:
+        micro_arg = micro
+        if not iterable:
+            inner = (torch.utils.data.SequentialSampler(dataset) if sequential or pad
+                     else loader.sampler)
+            sampler = ResumableSampler(inner)
+            kwargs["sampler"] = sampler
+    if samples is not None and not pad and not custom_batches:
+        combined = micro * factor
+        if samples < combined:
+            raise ValueError(
+                f"{name} has {samples} samples, fewer than one host call needs: "
+                f"{describe_factors(opts, micro, training)}. Lower the micro-batch size, "
+                "deviceIterations, gradientAccumulation or replicas, or use more data.")
+        if samples % combined:
+            warnings.warn(f"{name}: {samples % combined} of {samples} samples are dropped each "
+                          f"epoch ({describe_factors(opts, micro, training)}).", stacklevel=3)
+    if custom_batches:
+        kwargs.pop("generator", None)
+    built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
+    if samples is not None and len(built) == 0:
+        raise ValueError(f"{name} is empty: {samples} samples make no host call of "
+                         f"{describe_factors(opts, micro, training)}.")
+    return Plan(built, sampler, micro, micro * factor, layout, samples, name)

@@ -1,0 +1,514 @@
+"""``poptorch.DataLoader`` and ``AsynchronousDataAccessor`` (poptorch-semantics.md §3).
+
+One iteration of a ``DataLoader`` is one model call: it yields batches of
+``batch_size * deviceIterations * (replicationFactor // input_group_size) * gradientAccumulation``
+samples. PopTorch's accessor prefetches in a worker process through a shared-memory ring buffer;
+the emulator prefetches in a daemon thread through a bounded buffer. It yields the same batches
+in the same order as Sync mode, and returns fresh tensors (PopTorch's are overwritten by the
+next batch, so code that clones them behaves the same on both).
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import IterableDataset
+
+from .enums import DataLoaderMode, SharingStrategy
+from .errors import Error
+from .options import Options
+
+__all__ = ["AsynchronousDataAccessor", "DataLoader"]
+
+logger = logging.getLogger("poptorch")
+
+
+# -- batch structures: tensors, or (nested) tuples / lists / dicts of tensors ------------------
+def _is_structure(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, dict, list, tuple))
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch) if batch.dim() else 1
+    if isinstance(batch, dict):
+        return _batch_len(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch and _is_structure(batch[0]):
+        return _batch_len(batch[0])
+    return len(batch)  # a collated list of non-tensors (e.g. strings)
+
+
+def _cat(batches: list[Any]) -> Any:
+    """Concatenate batches along dim 0, keeping their structure."""
+    if len(batches) == 1:
+        return batches[0]
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return type(first)({k: _cat([b[k] for b in batches]) for k in first})
+    if isinstance(first, (list, tuple)) and first and _is_structure(first[0]):
+        return type(first)(_cat(list(parts)) for parts in zip(*batches))
+    return [x for b in batches for x in b]
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, dict):
+        return type(batch)({k: _slice(v, start, stop) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)) and batch and _is_structure(batch[0]):
+        return type(batch)(_slice(b, start, stop) for b in batch)
+    return batch[start:stop]
+
+
+def _combine(batches: Iterator[Any], count: int, drop_last: bool) -> Iterator[Any]:
+    """Concatenate ``count`` consecutive batches (batch_sampler case)."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == count:
+            yield _cat(group)
+            group = []
+    if group and not drop_last:
+        yield _cat(group)
+
+
+def _rebatch(batches: Iterator[Any], size: int, drop_last: bool) -> Iterator[Any]:
+    """Re-cut a stream of batches into batches of ``size``, carrying left-overs forward."""
+    pending: list[Any] = []
+    count = 0
+    for batch in batches:
+        pending.append(batch)
+        count += _batch_len(batch)
+        while count >= size:
+            merged = _cat(pending)
+            yield _slice(merged, 0, size)
+            count -= size
+            pending = [_slice(merged, size, size + count)] if count else []
+    if count and not drop_last:
+        yield _cat(pending)
+
+
+class _SubDataset:
+    """This process's contiguous slice of a map-style dataset (``Distributed.numProcesses > 1``).
+
+    With shuffling, all processes draw the same global permutation (seeded by ``randomSeed``)
+    and the left-over elements rotate into use on alternate epochs.
+    """
+
+    def __init__(self, dataset: Any, opts: Options, step: int, drop_last: bool) -> None:
+        n, procs, rank = len(dataset), opts.Distributed.numProcesses, opts.Distributed.processId
+        if drop_last:
+            per_proc = step * (n // (step * procs))
+            self._offset, self._length = rank * per_proc, per_proc
+            self._leftovers = n - per_proc * procs
+        else:  # spread everything as evenly as possible; the user handles the odd batch
+            sizes = [n // procs + (n % procs > p) for p in range(procs)]
+            self._offset, self._length, self._leftovers = sum(sizes[:rank]), sizes[rank], 0
+        self._base_offset = self._offset
+        self._dataset = dataset
+        self._seed = opts.random_seed if opts.exists("random_seed") else None
+        self._generator: torch.Generator | None = None
+        self._indices: torch.Tensor | None = None
+
+    def shuffle_global_indices(self) -> None:
+        if self._generator is None:
+            assert self._seed is not None, ("Seed must be set when shuffling so that all instances "
+                                            "end up with the same shuffled global indices.")
+            self._generator = torch.Generator().manual_seed(self._seed)
+        self._indices = torch.randperm(len(self._dataset), generator=self._generator)
+
+    def swap_range(self) -> None:
+        self._offset = self._base_offset + self._leftovers if self._offset == self._base_offset \
+            else self._base_offset
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self._length:
+            raise IndexError(f"index {index} out of range for a slice of {self._length} elements")
+        index += self._offset
+        if self._indices is not None:
+            index = int(self._indices[index])
+        return self._dataset[index]
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """``torch.utils.data.DataLoader`` yielding one model call's worth of samples per batch.
+
+    Args:
+        options: the ``Options`` the model will use (frozen here, as PopTorch does).
+        dataset, batch_size (the micro-batch), shuffle, num_workers, **kwargs: as in torch.
+        drop_last: drop the incomplete final combined batch (default True, unlike torch).
+        mode: ``DataLoaderMode.Sync``, ``Async`` (background prefetch) or ``AsyncRebatched``.
+        async_options: keyword arguments for ``AsynchronousDataAccessor``.
+        rebatched_worker_size: AsyncRebatched: batch size read by the torch loader (default 1).
+
+    Example::
+
+        loader = poptorch.DataLoader(opts, dataset, batch_size=16, shuffle=True)
+        for x, y in loader:
+            loss = training_model(x, y)
+    """
+
+    def __init__(self, options: Options, dataset: Any, batch_size: int | None = 1,
+                 shuffle: bool | None = None, num_workers: int = 0, drop_last: bool = True,
+                 persistent_workers: bool | None = None, auto_distributed_partitioning: bool = True,
+                 mode: DataLoaderMode = DataLoaderMode.Sync,
+                 async_options: dict[str, Any] | None = None,
+                 rebatched_worker_size: int | None = None, **kwargs: Any) -> None:
+        assert isinstance(options, Options), (
+            f"DataLoader expects a poptorch.Options as first argument. Received: {type(options).__name__}.")
+        options._freeze()
+        shuffle = bool(shuffle)
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        mode = DataLoaderMode(mode)
+        procs = options.Distributed.numProcesses
+        factor = (options.device_iterations * (options.replication_factor // options.input_group_size)
+                  * options.Training.gradient_accumulation)
+        self._options = options
+        self._accessor: AsynchronousDataAccessor | None = None
+        self._shuffle_distributed = False
+        self._combine, self._combine_drop_last = 1, drop_last
+        self.rebatched_drop_last = drop_last  # the user's drop_last, read by the accessor
+        rebatched_size = None
+        torch_kwargs = dict(num_workers=num_workers, persistent_workers=persistent_workers, **kwargs)
+
+        batch_sampler = kwargs.get("batch_sampler")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle:
+                raise ValueError("`batch_sampler` option is mutually exclusive with batch_size, "
+                                 f"shuffle. Received: batch_size={batch_size!r}, shuffle={shuffle!r}.")
+            if procs > 1 and auto_distributed_partitioning:
+                raise ValueError("`batch_sampler` option is mutually exclusive with "
+                                 "auto_distributed_partitioning when Distributed.numProcesses > 1: "
+                                 "pass auto_distributed_partitioning=False and partition yourself.")
+            micro = getattr(batch_sampler, "batch_size", None)
+            self._combined_batch_size = None if micro is None else micro * factor
+            self._combine = factor
+            if factor > 1 and len(batch_sampler) % factor:
+                logger.warning(
+                    "The number of batches generated by the batch sampler (%d) is not divisible by "
+                    "the number of batches combined per step (%d): the last %d batch(es) are %s.",
+                    len(batch_sampler), factor, len(batch_sampler) % factor,
+                    "dropped (drop_last=True)" if drop_last else "combined into a smaller batch")
+            super().__init__(dataset, **torch_kwargs)
+        else:
+            combined = None if batch_size is None else batch_size * factor
+            self._combined_batch_size = combined
+            if isinstance(dataset, IterableDataset):
+                if auto_distributed_partitioning:
+                    assert procs == 1, "auto_distributed_partitioning not supported for IterableDataset"
+                if num_workers > 1 and "worker_init_fn" not in kwargs:
+                    logger.warning(
+                        "IterableDataset used with num_workers=%d but no worker_init_fn specified: "
+                        "as a result the DataLoader will return %d times each element in the "
+                        "dataset (See torch.utils.data.IterableDataset's documentation for more "
+                        "information)", num_workers, num_workers)
+            else:
+                n = len(dataset)
+                if not drop_last and combined is not None and n % (combined * procs):
+                    logger.warning(
+                        "The number of elements in the dataset (%d) is not divisible by the number "
+                        "of elements processed per step (%d) and drop_last=False. The last tensor "
+                        "will have a batch size of %d. To avoid having to handle this special case "
+                        "switch to drop_last=True", n, combined * procs, n % (combined * procs))
+                if procs > 1 and auto_distributed_partitioning:
+                    assert not shuffle or options.exists("random_seed"), (
+                        "When using auto_distributed_partitioning you must set "
+                        "poptorch.Options.randomSeed() to ensure that tensors are in the same "
+                        "order in all processes.")
+                    assert combined is not None, (
+                        "batch_size=None not allowed when using auto_distributed_partitioning.")
+                    dataset = _SubDataset(dataset, options, combined, drop_last)
+                    self._shuffle_distributed, shuffle = shuffle, False
+
+            worker_batch = combined
+            if mode == DataLoaderMode.Async and not drop_last and combined is not None and combined > 1:
+                mode = DataLoaderMode.AsyncRebatched  # PopTorch converts this case automatically
+            if mode == DataLoaderMode.AsyncRebatched and combined is not None and combined > 1:
+                rebatched_size, worker_batch, drop_last = combined, 1, False
+                if rebatched_worker_size is not None:
+                    assert rebatched_worker_size <= combined, (
+                        f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to the "
+                        f"combined batch size ({combined})")
+                    worker_batch = rebatched_worker_size
+            super().__init__(dataset, batch_size=worker_batch, shuffle=shuffle,
+                             drop_last=drop_last, **torch_kwargs)
+
+        if mode != DataLoaderMode.Sync:
+            async_options = dict(async_options or {})
+            assert "rebatched_size" not in async_options, (
+                "You cannot use DataLoaderMode.AsyncRebatched and manually specify the "
+                "rebatched_size in async_options")
+            # A weak proxy: the prefetch thread must not keep this loader alive.
+            self._accessor = AsynchronousDataAccessor(weakref.proxy(self), **async_options,
+                                                      rebatched_size=rebatched_size)
+
+    @property
+    def combinedBatchSize(self) -> int | None:
+        """Samples consumed from the dataset per model call."""
+        return self._combined_batch_size
+
+    @property
+    def options(self) -> Options:
+        """The (frozen) options this loader was built with."""
+        return self._options
+
+    def __len__(self) -> int:
+        """Model calls per epoch."""
+        if self._accessor is not None and self._accessor.rebatched_size:
+            n, size = len(self.dataset), self._accessor.rebatched_size
+            return n // size + (1 if n % size and not self.rebatched_drop_last else 0)
+        length = super().__len__()
+        if self._combine > 1:
+            length = length // self._combine + (
+                1 if length % self._combine and not self._combine_drop_last else 0)
+        return length
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._accessor is not None:
+            return iter(self._accessor)
+        return self._sync_iter()
+
+    def _sync_iter(self) -> Iterator[Any]:
+        """The Sync-mode iterator (also what the Async prefetch thread reads)."""
+        if self._shuffle_distributed:
+            self.dataset.shuffle_global_indices()
+            self.dataset.swap_range()
+        batches = super().__iter__()
+        return _combine(batches, self._combine, self._combine_drop_last) if self._combine > 1 \
+            else batches
+
+    def terminate(self) -> None:
+        """Stop the background prefetch thread (Async modes); no effect in Sync mode."""
+        accessor = self.__dict__.get("_accessor")
+        if accessor is not None:
+            accessor.terminate()
+
+    def __del__(self) -> None:
+        self.terminate()
+
+
+_ITEM, _EOF = 0, 1
+
+
+class _Channel:
+    """Bounded buffer between the prefetch thread and the consumer.
+
+    Messages are tagged with the consumer's generation ``gen``; restarting an epoch midway bumps
+    ``gen`` so the producer abandons its iterator and stale messages are dropped.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.cond = threading.Condition()
+        self.buf: collections.deque[tuple[int, int, Any]] = collections.deque()
+        self.size = max(1, size)
+        self.gen = 0
+        self.started = self.stopped = self.finished = False
+        self.error: BaseException | None = None
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.buf.clear()
+            self.cond.notify_all()
+
+    def wait_start(self) -> int | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.started or self.stopped)
+            return None if self.stopped else self.gen
+
+    def put(self, gen: int, kind: int, payload: Any) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self.stopped or self.gen != gen or len(self.buf) < self.size)
+            if self.stopped or self.gen != gen:
+                return False
+            self.buf.append((gen, kind, payload))
+            self.cond.notify_all()
+            return True
+
+    def next_epoch(self, gen: int, load_indefinitely: bool) -> int | None:
+        """Generation of the next epoch to load (waits for the consumer if not indefinitely)."""
+        with self.cond:
+            if not load_indefinitely:
+                self.cond.wait_for(lambda: self.stopped or self.gen != gen)
+            return None if self.stopped else self.gen
+
+    def _drop_stale(self) -> None:
+        while self.buf and self.buf[0][0] != self.gen:
+            self.buf.popleft()
+
+    def get(self) -> tuple[int, Any]:
+        with self.cond:
+            while True:
+                self._drop_stale()
+                if self.buf:
+                    _, kind, payload = self.buf.popleft()
+                    self.cond.notify_all()
+                    return kind, payload
+                if self.error is not None:
+                    raise self.error
+                if self.finished or self.stopped:
+                    return _EOF, None
+                self.cond.wait()
+
+    def eof_is_next(self) -> bool:
+        """Consume a buffered end-of-epoch marker, if it is the next message."""
+        with self.cond:
+            self._drop_stale()
+            if self.buf and self.buf[0][1] == _EOF:
+                self.buf.popleft()
+                self.cond.notify_all()
+                return True
+            return False
+
+
+def _produce(channel: _Channel, make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
+             drop_last: bool, load_indefinitely: bool) -> None:
+    """Prefetch thread body: fill ``channel`` epoch after epoch until stopped."""
+    try:
+        gen = channel.wait_start()
+        while gen is not None:
+            batches = make_iter()
+            if rebatched_size:
+                batches = _rebatch(batches, rebatched_size, drop_last)
+            completed = True
+            for batch in batches:
+                if not channel.put(gen, _ITEM, batch):
+                    completed = False
+                    break
+            if hasattr(batches, "close"):
+                batches.close()
+            del batches
+            if completed and not channel.put(gen, _EOF, None):
+                completed = False
+            gen = channel.next_epoch(gen, load_indefinitely) if completed else \
+                (None if channel.stopped else channel.gen)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the consumer thread
+        with channel.cond:
+            channel.error = e
+    finally:
+        with channel.cond:
+            channel.finished = True
+            channel.cond.notify_all()
+
+
+class AsynchronousDataAccessor:
+    """Prefetch batches from ``dataset`` (any iterable, typically a DataLoader) in the background.
+
+    Args:
+        dataset: what to read; a ``poptorch.DataLoader`` must not already be in an Async mode.
+        buffer_size: batches prefetched ahead.
+        load_indefinitely: start the next epoch as soon as one ends.
+        early_preload: start prefetching now rather than on the first ``iter()``.
+        rebatched_size: re-cut the incoming batches into batches of this size (> 1).
+        miss_sleep_time_in_ms, sharing_strategy: accepted for compatibility (a thread needs neither).
+
+    Example::
+
+        accessor = poptorch.AsynchronousDataAccessor(loader)
+        for x, y in accessor:
+            ...
+        accessor.terminate()
+    """
+
+    def __init__(self, dataset: Any, buffer_size: int = 3, miss_sleep_time_in_ms: float = 0.1,
+                 load_indefinitely: bool = True, early_preload: bool = False,
+                 sharing_strategy: SharingStrategy = SharingStrategy.ForkServer,
+                 rebatched_size: int | None = None) -> None:
+        self._channel: _Channel | None = None
+        ours = isinstance(dataset, DataLoader)
+        if ours and dataset._accessor is not None:
+            raise Error("The DataLoader already uses an AsynchronousDataAccessor internally. Either "
+                        "use the existing one or set mode='poptorch.DataLoaderMode.Sync' in the "
+                        "DataLoader.")
+        if ours and not dataset.drop_last and rebatched_size is None and dataset._combine == 1:
+            assert dataset.combinedBatchSize is None or dataset.combinedBatchSize == 1, (
+                "The 'drop_last=False' option from the DataLoader only works if 'rebatched_size' "
+                "is specified too.")
+        if rebatched_size is not None:
+            assert rebatched_size > 1, (
+                f"rebatched_size must be None or greater than 1. Received: {rebatched_size!r}.")
+        self._dataset = dataset
+        self.rebatched_size = rebatched_size
+        self._load_indefinitely = load_indefinitely
+        self._consumed = False  # something was returned since the last iter()
+        self._at_eof = False
+
+        def make_iter() -> Iterator[Any]:
+            return dataset._sync_iter() if ours else iter(dataset)
+
+        channel = _Channel(buffer_size)
+        thread = threading.Thread(
+            target=_produce, name="poptorch.AsynchronousDataAccessor", daemon=True,
+            args=(channel, make_iter, rebatched_size, getattr(dataset, "rebatched_drop_last", True),
+                  load_indefinitely))
+        self._channel, self._thread = channel, thread
+        atexit.register(channel.stop)  # never block interpreter exit
+        thread.start()
+        if early_preload:
+            with channel.cond:
+                channel.started = True
+                channel.cond.notify_all()
+
+    def terminate(self) -> None:
+        """Stop the prefetch thread. Also runs on garbage collection and at exit."""
+        channel = self.__dict__.get("_channel")
+        if channel is None:
+            return
+        self._channel = None
+        channel.stop()
+        atexit.unregister(channel.stop)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        self.terminate()
+
+    def __len__(self) -> int:
+        length = len(self._dataset)
+        if self.rebatched_size and getattr(self._dataset, "_accessor", None) is not self:
+            samples = length * (getattr(self._dataset, "batch_size", None) or 1)
+            try:
+                samples = min(samples, len(self._dataset.dataset))
+            except (AttributeError, TypeError):
+                pass
+            length = samples // self.rebatched_size
+        return length
+
+    def __iter__(self) -> AsynchronousDataAccessor:
+        channel = self._channel
+        if channel is None:
+            raise Error("This AsynchronousDataAccessor has been terminated: create a new one.")
+        if self._consumed and not self._at_eof and channel.eof_is_next():
+            self._at_eof = True  # the previous epoch was in fact fully read
+        with channel.cond:
+            if not channel.started:
+                channel.started = True
+            elif self._consumed and not (self._at_eof and self._load_indefinitely) or \
+                    self._at_eof and not self._load_indefinitely:
+                channel.gen += 1  # restart: abandon what was prefetched
+                channel.buf.clear()
+            channel.cond.notify_all()
+        self._consumed = self._at_eof = False
+        return self
+
+    def __next__(self) -> Any:
+        channel = self._channel
+        if channel is None:
+            raise StopIteration
+        if not channel.started:
+            self.__iter__()
+        kind, payload = channel.get()
+        if kind == _EOF:
+            self._at_eof = True
+            raise StopIteration
+        self._consumed = True
+        return payload

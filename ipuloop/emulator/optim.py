@@ -1,0 +1,499 @@
+"""``poptorch.optim``: SGD, Adam, AdamW, RMSprop and LAMB with PopTorch's extra arguments.
+
+Each ``step()`` does what the IPU does with the gradients the executor leaves behind:
+
+    grads /= loss_scaling            # the executor multiplied the loss by it before backward
+    clip_grad_norm_(all params, max_grad_norm)      # SGD, Adam, AdamW only
+    torch's update (or the PopART variant: AdamW without bias correction, RMSprop TF, LAMB)
+
+Both are skipped at their defaults (1.0, inf), so a step costs what a plain torch step costs.
+The helpers at the bottom are what the executor uses to snapshot, check and upload
+hyper-parameters (poptorch-semantics §4.5, §4.6).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
+    "default_optimizer", "check_supported", "hyperparameters", "constant_attributes",
+    "changed_constants", "apply_hyperparameters", "loss_scaling",
+]
+
+logger = logging.getLogger("poptorch")
+
+DEFAULT_SGD_LR = 0.01  # PopTorch trains with SGD(lr=0.01) when given no optimizer
+_ACCUM_TYPES = (torch.float16, torch.float32)
+# Compiled into the graph (they pick the PopART optimizer or a tensor dtype): never variable.
+_STRUCTURAL = {"use_combined_accum", "bias_correction", "use_tf_variant", "accum_type",
+               "velocity_accum_type", "first_order_momentum_accum_type",
+               "second_order_momentum_accum_type"}
+
+
+class VariableAttributes:
+    """Which attributes may change after compilation (``opt.variable_attrs``, as in PopTorch)."""
+
+    def __init__(self, variable_attributes: list[str], allowed_attributes: list[str]) -> None:
+        self._variable = list(variable_attributes)
+        self._allowed = list(allowed_attributes)
+
+    def isConstant(self, attr: str) -> bool:
+        return attr not in self._variable
+
+    def markAsConstant(self, attr: str) -> None:
+        self._check(attr)
+        self._variable = [a for a in self._variable if a != attr]
+
+    def markAsVariable(self, attr: str) -> None:
+        self._check(attr)
+        self._variable.append(attr)
+
+    def _check(self, attr: str) -> None:
+        assert attr in self._allowed, f"Unknown attribute {attr}, allowed values: {self._allowed}"
+
+
+class _IpuOptimizer:
+    """Mixin: PopTorch's global extras, their pickling, and the unscale/clip before the update."""
+
+    _extras: tuple[str, ...] = ()  # global attributes set by the constructor
+
+    def _init_extras(self, init: Callable, params: Iterable, torch_args: dict, extras: dict,
+                     defaults: dict) -> None:
+        # PopTorch: arguments passed explicitly (not None) are variable, the others constant.
+        explicit = [k for k, v in {**torch_args, **extras}.items() if v is not None]
+        init(self, params, **{k: v for k, v in torch_args.items() if v is not None})
+        for name, value in extras.items():
+            value = defaults[name] if value is None else value
+            if name.endswith("accum_type") and value not in _ACCUM_TYPES:
+                raise ValueError(f"{name} must be set to either torch.float16 or torch.float32. "
+                                 f"Received: {name}={value!r}.")
+            if name in self._extras:
+                setattr(self, name, value)
+        self.variable_attrs = VariableAttributes(explicit, [*self.defaults, *extras])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's __getstate__ keeps only defaults/state/param_groups: deepcopy would drop ours.
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in (*self._extras, "variable_attrs")})
+        return state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                # Undo the executor's loss scaling; skipped at 1.0 so the default costs nothing.
+                if self.loss_scaling != 1.0:
+                    torch._foreach_div_([p.grad for p in params], float(self.loss_scaling))
+                max_norm = getattr(self, "max_grad_norm", math.inf)
+                if max_norm != math.inf:  # PopART global-norm clipping over every group
+                    torch.nn.utils.clip_grad_norm_(params, max_norm)
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        # torch's step, minus the profiling/hook wrapper torch may have put on the base class:
+        # our own step() already carries it, and hooks must run once per step.
+        base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim"))
+        fn = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
+        fn(self)
+
+
+class SGD(_IpuOptimizer, torch.optim.SGD):
+    """SGD with loss scaling, velocity scaling and gradient clipping.
+
+    Args: as ``torch.optim.SGD``, plus ``loss_scaling`` (1.0), ``velocity_scaling`` (1.0,
+    honoured only with ``use_combined_accum=True``), ``use_combined_accum`` (False),
+    ``accum_type`` / ``velocity_accum_type`` (torch.float32), ``max_grad_norm`` (inf).
+    Example: ``SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=128.0)``
+    """
+
+    _extras = ("loss_scaling", "use_combined_accum", "accum_type", "velocity_accum_type",
+               "max_grad_norm")
+
+    def __init__(self, params: Iterable, lr: float, momentum: float | None = None,
+                 dampening: float | None = None, weight_decay: float | None = None,
+                 nesterov: bool | None = None, maximize: bool | None = None,
+                 foreach: bool | None = None, differentiable: bool | None = None,
+                 loss_scaling: float | None = None, velocity_scaling: float | None = None,
+                 use_combined_accum: bool | None = None, accum_type: torch.dtype | None = None,
+                 velocity_accum_type: torch.dtype | None = None,
+                 max_grad_norm: float | None = None) -> None:
+        self._init_extras(
+            torch.optim.SGD.__init__, params,
+            dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                 nesterov=nesterov, maximize=maximize, foreach=foreach,
+                 differentiable=differentiable),
+            dict(loss_scaling=loss_scaling, velocity_scaling=velocity_scaling,
+                 use_combined_accum=use_combined_accum, accum_type=accum_type,
+                 velocity_accum_type=velocity_accum_type, max_grad_norm=max_grad_norm),
+            dict(loss_scaling=1.0, velocity_scaling=1.0, use_combined_accum=False,
+                 accum_type=torch.float32, velocity_accum_type=torch.float32,
+                 max_grad_norm=math.inf))
+        if velocity_scaling is not None and not self.use_combined_accum:
+            logger.warning("velocity_scaling value ignored when using the separate variant "
+                           "(use_combined_accum=False). In future, this will lead to an error. "
+                           "Please update your code.")
+        vs = 1.0 if velocity_scaling is None else velocity_scaling
+        self.defaults["velocity_scaling"] = vs  # per group, like lr
+        for group in self.param_groups:
+            group.setdefault("velocity_scaling", vs)
+
+    def _update(self) -> None:
+        # Combined variant: the velocity is stored scaled by velocity_scaling and unscaled when
+        # applied, so a change of velocity_scaling mid-training mis-scales it once, as on an IPU.
+        scaled = [g for g in self.param_groups
+                  if self.use_combined_accum and g["velocity_scaling"] != 1.0]
+        for g in scaled:
+            for buf in self._velocities(g):
+                buf.div_(g["velocity_scaling"])
+        super()._update()
+        for g in scaled:
+            for buf in self._velocities(g):
+                buf.mul_(g["velocity_scaling"])
+
+    def _velocities(self, group: dict) -> list[torch.Tensor]:
+        return [b for p in group["params"]
+                if (b := self.state.get(p, {}).get("momentum_buffer")) is not None]
+
+
+_ADAM_DEFAULTS = dict(loss_scaling=1.0, accum_type=torch.float32, bias_correction=True,
+                      first_order_momentum_accum_type=torch.float32,
+                      second_order_momentum_accum_type=torch.float32, max_grad_norm=math.inf)
+
+
+def _reject_amsgrad(amsgrad: bool | None) -> None:
+    if amsgrad:
+        raise ValueError("Only non-amsgrad Adam/AdamW optimizers are supported. Received: "
+                         "amsgrad=True. Remove the argument.")
+
+
+class Adam(_IpuOptimizer, torch.optim.Adam):
+    """Adam with loss scaling and gradient clipping (``amsgrad`` unsupported).
+
+    Args: as ``torch.optim.Adam``, plus ``loss_scaling`` (1.0), ``accum_type``,
+    ``first_order_momentum_accum_type``, ``second_order_momentum_accum_type`` (torch.float32)
+    and ``max_grad_norm`` (inf). Example: ``Adam(model.parameters(), lr=1e-3, max_grad_norm=1.0)``
+    """
+
+    _extras = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
+               "second_order_momentum_accum_type", "max_grad_norm")
+
+    def __init__(self, params: Iterable, lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, amsgrad: bool | None = None,
+                 foreach: bool | None = None, maximize: bool | None = None,
+                 capturable: bool | None = None, differentiable: bool | None = None,
+                 fused: bool | None = None, loss_scaling: float | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None,
+                 max_grad_norm: float | None = None) -> None:
+        _reject_amsgrad(amsgrad)
+        self._init_extras(
+            torch.optim.Adam.__init__, params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                 foreach=foreach, maximize=maximize, capturable=capturable,
+                 differentiable=differentiable, fused=fused),
+            dict(loss_scaling=loss_scaling, accum_type=accum_type,
+                 first_order_momentum_accum_type=first_order_momentum_accum_type,
+                 second_order_momentum_accum_type=second_order_momentum_accum_type,
+                 max_grad_norm=max_grad_norm),
+            _ADAM_DEFAULTS)
+
+
+class AdamW(_IpuOptimizer, torch.optim.AdamW):
+    """AdamW with loss scaling, gradient clipping and optional bias correction.
+
+    Args: as ``torch.optim.AdamW``, plus those of :class:`Adam` and ``bias_correction`` (True).
+    Example: ``AdamW(model.parameters(), lr=1e-3, bias_correction=False)``
+    """
+
+    _extras = Adam._extras + ("bias_correction",)
+
+    def __init__(self, params: Iterable, lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, amsgrad: bool | None = None,
+                 maximize: bool | None = None, foreach: bool | None = None,
+                 capturable: bool | None = None, differentiable: bool | None = None,
+                 fused: bool | None = None, loss_scaling: float | None = None,
+                 bias_correction: bool | None = None, accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None,
+                 max_grad_norm: float | None = None) -> None:
+        _reject_amsgrad(amsgrad)
+        self._init_extras(
+            torch.optim.AdamW.__init__, params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                 maximize=maximize, foreach=foreach, capturable=capturable,
+                 differentiable=differentiable, fused=fused),
+            dict(loss_scaling=loss_scaling, bias_correction=bias_correction,
+                 accum_type=accum_type,
+                 first_order_momentum_accum_type=first_order_momentum_accum_type,
+                 second_order_momentum_accum_type=second_order_momentum_accum_type,
+                 max_grad_norm=max_grad_norm),
+            _ADAM_DEFAULTS)
+
+    def _update(self) -> None:
+        if self.bias_correction:
+            return super()._update()
+        for g in self.param_groups:  # PopART's AdamW without bias correction
+            lr, wd, (b1, b2), eps = g["lr"], g["weight_decay"], g["betas"], g["eps"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad = -p.grad if g["maximize"] else p.grad
+                st = self.state[p]
+                if not st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                              exp_avg_sq=torch.zeros_like(p))
+                st["step"] += 1
+                p.mul_(1 - lr * wd)
+                st["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(eps), value=-lr)
+
+
+class RMSprop(_IpuOptimizer, torch.optim.RMSprop):
+    """RMSprop with loss scaling and an optional TensorFlow variant (no gradient clipping).
+
+    Args: as ``torch.optim.RMSprop``, plus ``loss_scaling`` (1.0), the three accum types
+    (torch.float32) and ``use_tf_variant`` (False). Every group must agree on ``centered``.
+    Example: ``RMSprop(model.parameters(), lr=1e-2, use_tf_variant=True)``
+    """
+
+    _extras = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
+               "second_order_momentum_accum_type", "use_tf_variant")
+
+    def __init__(self, params: Iterable, lr: float | None = None, alpha: float | None = None,
+                 eps: float | None = None, weight_decay: float | None = None,
+                 momentum: float | None = None, centered: bool | None = None,
+                 foreach: bool | None = None, maximize: bool | None = None,
+                 differentiable: bool | None = None, loss_scaling: float | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None,
+                 use_tf_variant: bool | None = None) -> None:
+        self._init_extras(
+            torch.optim.RMSprop.__init__, params,
+            dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                 centered=centered, foreach=foreach, maximize=maximize,
+                 differentiable=differentiable),
+            dict(loss_scaling=loss_scaling, accum_type=accum_type,
+                 first_order_momentum_accum_type=first_order_momentum_accum_type,
+                 second_order_momentum_accum_type=second_order_momentum_accum_type,
+                 use_tf_variant=use_tf_variant),
+            {**_ADAM_DEFAULTS, "use_tf_variant": False})
+
+    def _update(self) -> None:
+        if not self.use_tf_variant:
+            return super()._update()
+        # TensorFlow's RMSprop (PopTorch docstring): mean square initialised to ones, eps inside
+        # the sqrt, and lr folded into the momentum buffer: buf = m*buf + lr*g/sqrt(ms + eps).
+        for g in self.param_groups:
+            lr, alpha, eps, mom = g["lr"], g["alpha"], g["eps"], g["momentum"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                grad = -p.grad if g["maximize"] else p.grad
+                if g["weight_decay"]:
+                    grad = grad.add(p, alpha=g["weight_decay"])
+                st = self.state[p]
+                if not st:
+                    st.update(step=torch.tensor(0.0), square_avg=torch.ones_like(p),
+                              momentum_buffer=torch.zeros_like(p), grad_avg=torch.zeros_like(p))
+                st["step"] += 1
+                ms = st["square_avg"].mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+                if g["centered"]:
+                    mg = st["grad_avg"].mul_(alpha).add_(grad, alpha=1 - alpha)
+                    denom = ms.addcmul(mg, mg, value=-1).add_(eps).sqrt_()
+                else:
+                    denom = ms.add(eps).sqrt_()
+                if mom:
+                    p.sub_(st["momentum_buffer"].mul_(mom).addcdiv_(grad, denom, value=lr))
+                else:
+                    p.addcdiv_(grad, denom, value=-lr)
+
+
+def _lamb_init(self: torch.optim.Optimizer, params: Iterable, **defaults: Any) -> None:
+    torch.optim.Optimizer.__init__(self, params, defaults)
+
+
+class LAMB(_IpuOptimizer, torch.optim.Optimizer):
+    """LAMB (arXiv:1904.00962) with phi(z) = min(z, max_weight_norm); no ``max_grad_norm``.
+
+    Args: ``lr`` (1e-3), ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (1e-2),
+    ``bias_correction`` (True), ``loss_scaling`` (1.0), ``max_weight_norm`` (65500.0) and the
+    three accum types (torch.float32). Example: ``LAMB(model.parameters(), lr=1e-3)``
+    """
+
+    _extras = ("loss_scaling", "bias_correction", "max_weight_norm", "accum_type",
+               "first_order_momentum_accum_type", "second_order_momentum_accum_type")
+
+    def __init__(self, params: Iterable, lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, bias_correction: bool | None = None,
+                 loss_scaling: float | None = None, max_weight_norm: float | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None) -> None:
+        group = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                     max_weight_norm=max_weight_norm)
+        group_defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                              max_weight_norm=65500.0)
+        self._init_extras(
+            _lamb_init, params, group,
+            dict(loss_scaling=loss_scaling, bias_correction=bias_correction,
+                 max_weight_norm=max_weight_norm, accum_type=accum_type,
+                 first_order_momentum_accum_type=first_order_momentum_accum_type,
+                 second_order_momentum_accum_type=second_order_momentum_accum_type),
+            {**_ADAM_DEFAULTS, "max_weight_norm": 65500.0})
+        for name, value in group_defaults.items():  # torch.optim.Optimizer has no defaults
+            self.defaults.setdefault(name, value)
+            for g in self.param_groups:
+                g.setdefault(name, value)
+
+    def _update(self) -> None:
+        for g in self.param_groups:
+            lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                st["step"] += 1
+                m = st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                v = st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                bc1, bc2 = ((1 - b1 ** st["step"], 1 - b2 ** st["step"])
+                            if self.bias_correction else (1.0, 1.0))
+                r = (m / bc1).div_((v.sqrt() / math.sqrt(bc2)).add_(eps)).add_(p, alpha=wd)
+                w_norm = p.norm()
+                r_norm = r.norm()
+                # Trust ratio 1 when either norm is 0; torch.where avoids a host sync on the test.
+                ratio = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
+                p.sub_(r.mul_(ratio * lr))
+
+
+def default_optimizer(params: Iterable) -> SGD:
+    """The optimizer PopTorch trains with when ``trainingModel`` gets none."""
+    return SGD(params, lr=DEFAULT_SGD_LR)
+
+
+# -- helpers used by the executor ------------------------------------------------------------
+_OURS = (SGD, Adam, AdamW, RMSprop, LAMB)
+_TORCH = (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop)
+_warned_subclasses: set[type] = set()
+
+
+def _torch_base(optimizer: torch.optim.Optimizer) -> type | None:
+    # AdamW before Adam: recent torch makes AdamW a subclass of Adam.
+    return next((c for c in (*_TORCH, LAMB) if isinstance(optimizer, c)), None)
+
+
+def check_supported(optimizer: torch.optim.Optimizer) -> None:
+    """Raise what PopTorch raises for an optimizer it cannot run; warn for subclasses."""
+    base = _torch_base(optimizer)
+    if base is None:
+        names = [f"torch.optim.{c.__name__}" for c in _TORCH] + \
+                [f"poptorch.optim.{c.__name__}" for c in _OURS]
+        raise AssertionError(  # PopTorch asserts in convertOptimizerToDict
+            f"Unsupported optimizer type. Types supported {names}. Received: "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those.")
+    cls = type(optimizer)
+    if cls not in (*_OURS, *_TORCH) and cls not in _warned_subclasses:
+        _warned_subclasses.add(cls)
+        logger.warning("%s subclasses %s: its Python optimizer code is never run on the IPU, "
+                       "which applies the built-in %s update with the hyper-parameters read "
+                       "from param_groups.", cls.__name__, base.__name__, base.__name__)
+    groups = optimizer.param_groups
+    if isinstance(optimizer, torch.optim.Adam) and any(g.get("amsgrad") for g in groups):
+        _reject_amsgrad(True)
+    if isinstance(optimizer, torch.optim.RMSprop):
+        for i, g in enumerate(groups):
+            assert g["centered"] == groups[0]["centered"], (
+                "All parameter groups must have the same value for the 'centered' attribute "
+                f"(Group 0: {groups[0]['centered']} / Group {i}: {g['centered']}).")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()  # host read of a host-side hyper-parameter (setOptimizer time only)
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> dict:
+    """Comparable snapshot: ``{"groups": [non-"params" keys per group], "global": extras}``."""
+    return {"groups": [{k: _plain(v) for k, v in g.items() if k != "params"}
+                       for g in optimizer.param_groups],
+            "global": {k: getattr(optimizer, k) for k in getattr(optimizer, "_extras", ())}}
+
+
+def constant_attributes(optimizer: torch.optim.Optimizer) -> set[str]:
+    """Attributes that may not change after compilation (``lr`` never is)."""
+    if isinstance(optimizer, _IpuOptimizer):
+        va = optimizer.variable_attrs
+        names = {*optimizer.defaults, *optimizer._extras}
+        return {n for n in names if n in _STRUCTURAL or va.isConstant(n)} - {"lr"}
+    # torch.optim: a hyper-parameter left at its constructor default is constant; PopTorch
+    # also always treats betas and alpha as constant for them.
+    base = _torch_base(optimizer)
+    sig = inspect.signature(base.__init__).parameters if base else {}
+    const = {"loss_scaling"} | ({"betas", "alpha"} & set(optimizer.defaults))
+    for name, par in sig.items():
+        if par.default is inspect.Parameter.empty or name not in optimizer.defaults:
+            continue
+        if all(_plain(g.get(name, par.default)) == par.default for g in optimizer.param_groups):
+            const.add(name)
+    return const - {"lr"}
+
+
+_MISSING = object()
+
+
+def changed_constants(old_snapshot: dict, new_snapshot: dict, constants: set[str]) -> list[str]:
+    """Names in ``constants`` whose value differs between two snapshots (sorted)."""
+    if len(old_snapshot["groups"]) != len(new_snapshot["groups"]):
+        return ["param_groups"]
+    changed = {k for old, new in zip(old_snapshot["groups"], new_snapshot["groups"])
+               for k in constants if old.get(k, _MISSING) != new.get(k, _MISSING)}
+    old_g, new_g = old_snapshot["global"], new_snapshot["global"]
+    changed |= {k for k in constants if old_g.get(k, _MISSING) != new_g.get(k, _MISSING)}
+    return sorted(changed)
+
+
+def _write(old: Any, new: Any) -> Any:
+    if isinstance(old, torch.Tensor):
+        return old.fill_(new)  # keep a tensor hyper-parameter a tensor (capturable/fused)
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        return tuple(_write(o, n) for o, n in zip(old, new))
+    return new
+
+
+def apply_hyperparameters(device_optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
+    """Write a host snapshot into the device optimizer's groups and global extras."""
+    groups = device_optimizer.param_groups
+    if len(groups) != len(snapshot["groups"]):
+        raise ValueError(f"The optimizer has {len(snapshot['groups'])} parameter groups but the "
+                         f"compiled model's has {len(groups)}. Re-wrap the model to change them.")
+    for group, values in zip(groups, snapshot["groups"]):
+        for k, v in values.items():
+            group[k] = _write(group[k], v) if k in group else v
+    for k, v in snapshot["global"].items():
+        setattr(device_optimizer, k, v)
+
+
+def loss_scaling(optimizer: torch.optim.Optimizer) -> float:
+    """The factor the executor multiplies each loss by (1.0 for torch.optim optimizers)."""
+    return float(getattr(optimizer, "loss_scaling", 1.0))

@@ -1,0 +1,97 @@
+"""What a host call returns under each ``OutputMode``, turned into losses and metric inputs.
+
+A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns (poptorch-semantics
+§2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d with (d+1) % N == 0;
+Final: the last micro-batch of each replica; Sum: per replica, the sum over DI*GA.
+A scalar loss becomes ``[n]`` only when that count n is > 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Layout", "StepLoss"]
+
+# OutputMode values (PopTorch's enum values; shared by the real poptorch and the emulator).
+FINAL, EVERY_N, ALL, SUM, DEFAULT = 0, 1, 2, 3, 4
+MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    total: float  # sum of the micro-batch losses this step's output stands for
+    count: int  # how many micro-batch losses ``total`` sums
+    exact: bool  # False when the mode returns only some micro-batches (Final, EveryN>1)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of one host call: factors, the resolved output mode and its period."""
+
+    di: int
+    ga: int
+    rf: int
+    mode: int
+    period: int = 1
+    group: int = 1  # input replica group size g: replicas r read input group r // g
+    orthogonal: bool = False  # CommGroupType.Orthogonal: replica r reads group r % (RF/g)
+
+    @property
+    def input_groups(self) -> int:
+        return max(self.rf // self.group, 1)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches one call runs, all replicas together."""
+        return self.di * self.ga * self.rf
+
+    def returned_iterations(self) -> list[int]:
+        if self.mode in (ALL, SUM):
+            return list(range(self.di))
+        if self.mode == EVERY_N:
+            return [d for d in range(self.di) if (d + 1) % self.period == 0]
+        return [self.di - 1]
+
+    def step_loss(self, loss: torch.Tensor) -> StepLoss:
+        """Reduce the returned loss tensor (already on the host) to a step loss."""
+        total = float(loss.double().sum())  # host tensor: no device sync; needed for the log
+        if self.mode == SUM:  # per replica: sum over DI*GA micro-batches
+            return StepLoss(total, self.micro_batches, True)
+        if self.mode == FINAL:
+            return StepLoss(total, self.rf, self.micro_batches == self.rf)
+        n = len(self.returned_iterations()) * self.ga * self.rf
+        return StepLoss(total, n, n == self.micro_batches)
+
+    def micro_batch_index(self, returned_index: int) -> int:
+        """Index (in ``[DI, GA, RF]`` order) of the micro-batch behind a returned loss."""
+        if self.mode == SUM:
+            return returned_index  # a replica's sum: name the replica
+        per_iter = self.ga * self.rf
+        iters = self.returned_iterations()
+        if self.mode == FINAL:
+            return (self.di - 1) * per_iter + (self.ga - 1) * self.rf + returned_index
+        return iters[returned_index // per_iter] * per_iter + returned_index % per_iter
+
+    def align(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the micro-batches whose per-sample outputs the call returned."""
+        if self.mode == SUM:
+            raise ValueError("OutputMode.Sum returns per-replica sums of the outputs, not "
+                             "per-sample outputs, so per-sample metrics cannot be computed. "
+                             "Use OutputMode.All (exact) or Final, or drop the metrics.")
+        groups = self.input_groups
+        slots = self.di * self.ga * groups
+        b = labels.shape[0] // slots
+        x = labels.reshape(self.di, self.ga, groups, b, *labels.shape[1:])
+        if self.rf != groups:  # replicas of a group read the same inputs
+            idx = [(r % groups) if self.orthogonal else (r // self.group) for r in range(self.rf)]
+            x = x[:, :, idx]
+        if self.mode == FINAL:
+            x = x[-1:, -1:]
+        elif self.mode == EVERY_N and self.period > 1:
+            x = x[self.period - 1::self.period]
+        return x.reshape(-1, *labels.shape[1:])

@@ -1,0 +1,35 @@
+"""``State``: the loop's counters and logs, owned by the ``Loop`` and read by callbacks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["State"]
+
+
+@dataclass
+class State:
+    """Counters start at 0 and count what has *completed*.
+
+    A step is one host call (DI*GA*RF micro-batches); an update is one optimizer update
+    (DI per training step).
+    """
+
+    epoch: int = 0  # training epochs completed; the running epoch's index while it runs
+    step: int = 0  # training host calls completed, over the whole fit
+    update: int = 0  # optimizer updates completed (step * device_iterations)
+    micro_batch: int = 0  # training micro-batches completed, all replicas together
+    samples: int = 0  # training samples consumed (micro_batch * micro-batch size)
+    epoch_step: int = 0  # training host calls completed in the running epoch
+    logs: dict[str, float] = field(default_factory=dict)  # latest step and epoch values
+    history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch
+    compile_time: dict[str, float] = field(default_factory=dict)  # seconds, per executor
+    stop_requested: bool = False  # set by Loop.stop(); the fit ends after the current step
+
+    def counters(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in
+                ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")}
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        for k, v in counters.items():
+            setattr(self, k, int(v))

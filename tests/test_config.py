@@ -1,0 +1,424 @@
+"""IPUConfig against poptorch-semantics.md §7 (optimum-graphcore's documented rules and examples)."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ipuloop.config import CONFIG_NAME, IncompatibleIPUConfigError, IPUConfig, place_layers, unplace_layers
+
+
+# ---- §7.2 wildcard expansion: every documented example ----
+
+@pytest.mark.parametrize("kwargs, num_layers, expected", [
+    ({}, 9, [9]),                                                  # default: one IPU gets everything
+    ({"layers_per_ipu": [5]}, 3, [3]),                             # P == 1 ignores layers_per_ipu
+    ({"ipus_per_replica": 2}, 9, [4, 5]),                          # remainder to the last IPU
+    ({"ipus_per_replica": 2}, 7, [3, 4]),
+    ({"ipus_per_replica": 2}, 6, [3, 3]),
+    ({"layers_per_ipu": [-1, -1]}, 9, [4, 5]),
+    ({"ipus_per_replica": 4}, 3, [0, 0, 0, 3]),                    # T < P: zero-layer IPUs
+    ({"ipus_per_replica": 4}, 8, [2, 2, 2, 2]),
+    ({"layers_per_ipu": [2, -1]}, 6, [2, 4]),
+    ({"layers_per_ipu": [-1, 2]}, 6, [4, 2]),
+    ({"layers_per_ipu": [-1, 2, -1, 2]}, 7, [1, 2, 2, 2]),         # remainder to the last wildcard
+    ({"layers_per_ipu": [1, 2, -1, -1]}, 9, [1, 2, 3, 3]),         # the docstring's example
+    ({"layers_per_ipu": [1, 2, -1, -1]}, 10, [1, 2, 3, 4]),
+    ({"layers_per_ipu": [1, 2]}, 3, [1, 2]),
+    ({"layers_per_ipu": [1, 2]}, None, [1, 2]),                    # no model: unchanged
+    ({"layers_per_ipu": [2, -1]}, [nn.Identity()] * 5, [2, 3]),    # a sequence counts its length
+])
+def test_expand_layers_per_ipu_documented_examples(kwargs, num_layers, expected):
+    assert IPUConfig(**kwargs).expand_layers_per_ipu(num_layers) == expected
+
+
+@pytest.mark.parametrize("kwargs, num_layers, expected", [
+    ({"layers_per_ipu": [1, 2]}, 3, [0, 1, 1]),
+    ({"ipus_per_replica": 2}, 6, [0, 0, 0, 1, 1, 1]),
+    ({"ipus_per_replica": 2}, 7, [0, 0, 0, 1, 1, 1, 1]),
+    ({"layers_per_ipu": [2, -1]}, 6, [0, 0, 1, 1, 1, 1]),
+    ({"layers_per_ipu": [-1, 2]}, 6, [0, 0, 0, 0, 1, 1]),
+    ({"layers_per_ipu": [-1, 2, -1, 2]}, 7, [0, 1, 1, 2, 2, 3, 3]),
+    ({"ipus_per_replica": 4, "layers_per_ipu": [-1]}, 8, [0, 0, 1, 1, 2, 2, 3, 3]),
+    ({}, 4, [0, 0, 0, 0]),
+])
+def test_layer_ipu_documented_examples(kwargs, num_layers, expected):
+    assert IPUConfig(**kwargs).layer_ipu(num_layers) == expected
+
+
+def test_expansion_uses_the_inference_fields_for_inference():
+    cfg = IPUConfig(layers_per_ipu=[1, 2, 3, 4], inference_layers_per_ipu=[3, 7])
+    assert cfg.expand_layers_per_ipu(10) == [1, 2, 3, 4]
+    assert cfg.expand_layers_per_ipu(10, for_inference=True) == [3, 7]
+    assert cfg.layer_ipu(10, for_inference=True) == [0] * 3 + [1] * 7
+
+
+@pytest.mark.parametrize("num_layers", [2, 4])  # too few, too many
+def test_expansion_rejects_a_wrong_layer_count(num_layers):
+    with pytest.raises(IncompatibleIPUConfigError,
+                       match="layers_per_ipu does not define the correct number of layers for the current model"):
+        IPUConfig(layers_per_ipu=[1, 2]).layer_ipu(num_layers)
+
+
+def test_expansion_rejects_a_wildcard_list_of_the_wrong_length():
+    cfg = IPUConfig(layers_per_ipu=[1, -1], ipus_per_replica=4)  # accepted at construction, like optimum
+    with pytest.raises(IncompatibleIPUConfigError, match="layers_per_ipu has a non-default value set, but its "
+                                                          "length does not match ipus_per_replica"):
+        cfg.layer_ipu(3)
+
+
+def test_expansion_errors_name_the_inference_fields():
+    cfg = IPUConfig(inference_layers_per_ipu=[1, 2])
+    with pytest.raises(IncompatibleIPUConfigError, match="^inference_layers_per_ipu does not define"):
+        cfg.layer_ipu(4, for_inference=True)
+
+
+def test_expansion_rejects_fixed_entries_beyond_the_model():  # optimum would return [5, -2]
+    with pytest.raises(IncompatibleIPUConfigError, match="places 5 layers besides its wildcards"):
+        IPUConfig(layers_per_ipu=[5, -1]).expand_layers_per_ipu(3)
+
+
+# ---- §7.1 fallbacks and validation ----
+
+def test_fallbacks_follow_optimum():
+    cfg = IPUConfig(layers_per_ipu=[1, 2])
+    assert (cfg.ipus_per_replica, cfg.inference_layers_per_ipu, cfg.inference_ipus_per_replica) == (2, [1, 2], 2)
+    assert cfg.inference_layers_per_ipu is not cfg.layers_per_ipu
+    # layers_per_ipu=[-1] with an explicit P and no inference layers: inference keeps P.
+    assert IPUConfig(ipus_per_replica=4).inference_ipus_per_replica == 4
+    # inference_layers_per_ipu given (not [-1]): its length wins.
+    assert IPUConfig(ipus_per_replica=4, inference_layers_per_ipu=[-1, -1]).inference_ipus_per_replica == 2
+    cfg = IPUConfig(layers_per_ipu=[1, 2, 3, 4], matmul_proportion=[0.1, 0.2, 0.3, 0.4],
+                    inference_layers_per_ipu=[3, 7])
+    assert (cfg.inference_ipus_per_replica, cfg.inference_matmul_proportion) == (2, 0.2)  # length mismatch -> 0.2
+    cfg = IPUConfig(layers_per_ipu=[1, 2], matmul_proportion=[0.1, 0.3])
+    assert cfg.inference_matmul_proportion == [0.1, 0.3]
+    assert IPUConfig(matmul_proportion=0.5).inference_matmul_proportion == 0.5
+    # Explicit falsy values are honoured or rejected, not silently replaced (optimum replaces them).
+    assert IPUConfig(inference_matmul_proportion=0.0).inference_matmul_proportion == 0.0
+    with pytest.raises(ValueError, match=r"ipus_per_replica must be >= 1. Received: ipus_per_replica=0."):
+        IPUConfig(ipus_per_replica=0)
+
+
+def test_defaults():
+    d = IPUConfig().to_dict()
+    assert d == {
+        "replication_factor": 1, "inference_replication_factor": 1, "gradient_accumulation_steps": 1,
+        "device_iterations": 1, "inference_device_iterations": 1, "layers_per_ipu": [-1],
+        "inference_layers_per_ipu": [-1], "ipus_per_replica": 1, "inference_ipus_per_replica": 1,
+        "optimizer_state_offchip": False, "replicated_tensor_sharding": False, "matmul_proportion": 0.2,
+        "inference_matmul_proportion": 0.2, "enable_half_partials": True,
+        "recompute_checkpoint_every_layer": False, "output_mode": "final", "seed": None,
+        "auto_loss_scaling": False, "executable_cache_dir": ""}
+    params = set(inspect.signature(IPUConfig).parameters) - {"unknown"}
+    assert params == set(d)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"gradient_accumulation_steps": 0}, ValueError,
+     "gradient_accumulation_steps must be >= 1. Received: gradient_accumulation_steps=0."),
+    ({"replication_factor": 2.0}, TypeError, "replication_factor must be an int. Received: replication_factor=2.0"),
+    ({"device_iterations": True}, TypeError, "device_iterations must be an int"),
+    ({"layers_per_ipu": [1, -2]}, ValueError, "layers_per_ipu must have all elements >= -1"),
+    ({"layers_per_ipu": "1,2"}, TypeError, "layers_per_ipu must be a list of ints"),
+    ({"layers_per_ipu": []}, ValueError, "layers_per_ipu must not be empty"),
+    ({"matmul_proportion": -0.1}, ValueError, "matmul_proportion must have all elements >= 0"),
+    ({"matmul_proportion": "0.2"}, TypeError, "matmul_proportion must be a float or a non-empty list"),
+    ({"output_mode": "every"}, ValueError, "output_mode must be one of ('all', 'sum', 'final', 'default')"),
+    ({"output_mode": 2}, TypeError, "output_mode must be a str"),
+    ({"seed": 1.5}, TypeError, "seed must be an int or None"),
+    ({"enable_half_partials": 1}, TypeError, "enable_half_partials must be a bool"),
+    ({"executable_cache_dir": None}, TypeError, "executable_cache_dir must be a str"),
+    ({"matmul_proportion": [0.1, 0.2]}, IncompatibleIPUConfigError,
+     "matmul_proportion=[0.1, 0.2] should use the same number of IPUs as ipus_per_replica=1"),
+    ({"layers_per_ipu": [1, 2], "ipus_per_replica": 3}, IncompatibleIPUConfigError,
+     "layers_per_ipu=[1, 2] should use the same number of IPUs as ipus_per_replica=3"),
+    ({"inference_layers_per_ipu": [1, 2], "inference_ipus_per_replica": 3}, IncompatibleIPUConfigError,
+     "inference_layers_per_ipu=[1, 2] should use the same number of IPUs as inference_ipus_per_replica=3"),
+    ({"foo": 1, "bar": 2}, IncompatibleIPUConfigError, "IPUConfig received unknown arguments: bar=2, foo=1."),
+])
+def test_constructor_validation(kwargs, error, message):
+    with pytest.raises(error) as info:
+        IPUConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_incompatible_error_is_a_value_error():
+    assert issubclass(IncompatibleIPUConfigError, ValueError)
+
+
+def test_assignment_is_validated_and_rolled_back():
+    cfg = IPUConfig(layers_per_ipu=[2, 2])
+    with pytest.raises(ValueError, match="device_iterations must be >= 1"):
+        cfg.device_iterations = 0
+    with pytest.raises(IncompatibleIPUConfigError, match="should use the same number of IPUs"):
+        cfg.ipus_per_replica = 3  # cross-field check re-runs on assignment (optimum: only in __init__)
+    with pytest.raises(IncompatibleIPUConfigError):
+        cfg.matmul_proportion = [0.1, 0.2, 0.3]
+    assert (cfg.device_iterations, cfg.ipus_per_replica, cfg.matmul_proportion) == (1, 2, 0.2)
+    with pytest.raises(AttributeError, match="IPUConfig has no field 'gradient_accumulation'"):
+        cfg.gradient_accumulation = 4
+    cfg.update(layers_per_ipu=[1, 1, 1], ipus_per_replica=3, matmul_proportion=[0.1, 0.2, 0.3])
+    assert cfg.layer_ipu(3) == [0, 1, 2]
+
+
+# ---- §7.3 ----
+
+def test_batch_size_factor_both_modes():
+    cfg = IPUConfig(replication_factor=2, gradient_accumulation_steps=3, device_iterations=5,
+                    inference_replication_factor=7, inference_device_iterations=11)
+    assert cfg.batch_size_factor() == 2 * 3 * 5
+    assert cfg.batch_size_factor(for_inference=True) == 7 * 11  # GA does not apply to inference
+    assert IPUConfig().batch_size_factor() == IPUConfig().batch_size_factor(True) == 1
+
+
+# ---- §7.5 update_from_string ----
+
+def test_update_from_string_converts_by_current_type():
+    cfg = IPUConfig(ipus_per_replica=4)
+    cfg.update_from_string("replication_factor=4,matmul_proportion=[0.08 0.2 0.25 0.25],output_mode=all,"
+                           "optimizer_state_offchip=true,inference_matmul_proportion=0.5,executable_cache_dir=./c")
+    assert cfg.replication_factor == 4 and isinstance(cfg.replication_factor, int)
+    assert cfg.matmul_proportion == [0.08, 0.2, 0.25, 0.25]  # a float field may become a list
+    assert (cfg.output_mode, cfg.optimizer_state_offchip) == ("all", True)
+    assert cfg.inference_matmul_proportion == 0.5 and cfg.executable_cache_dir == "./c"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("true", True), ("1", True), ("y", True), ("yes", True), ("TRUE", True), ("Yes", True),
+    ("false", False), ("0", False), ("n", False), ("no", False), ("False", False), ("NO", False),
+])
+def test_update_from_string_bool_spellings(text, expected):
+    cfg = IPUConfig(auto_loss_scaling=not expected)
+    cfg.update_from_string(f"auto_loss_scaling={text}")
+    assert cfg.auto_loss_scaling is expected
+
+
+def test_update_from_string_lists_whitespace_and_none_fields():
+    cfg = IPUConfig()
+    cfg.update_from_string(" layers_per_ipu = [1, 2 3] , ipus_per_replica = 3 , seed = 0 ,")
+    assert (cfg.layers_per_ipu, cfg.ipus_per_replica, cfg.seed) == ([1, 2, 3], 3, 0)
+    cfg.update_from_string("seed=none")
+    assert cfg.seed is None
+    cfg.update_from_string("seed=42")
+    assert cfg.seed == 42
+    cfg.update_from_string("")  # nothing to do
+    assert cfg.seed == 42
+
+
+@pytest.mark.parametrize("text, error, message", [
+    ("gradient_accumulation=4", ValueError, "Key gradient_accumulation isn't in the original config dict. "
+                                            "Valid keys: replication_factor,"),
+    ("replication_factor=abc", ValueError, "Cannot convert replication_factor='abc'"),
+    ("ipus_per_replica=1.5", ValueError, "Cannot convert ipus_per_replica='1.5'"),
+    ("enable_half_partials=maybe", ValueError, "Can't derive true or false from 'maybe' (key enable_half_partials)"),
+    ("layers_per_ipu=[1.5 2]", TypeError, "layers_per_ipu must be a list of ints"),
+    ("layers_per_ipu=3", ValueError, "expected a list like [a b c]"),
+    ("seed=1.5", TypeError, "seed must be an int or None"),
+    ("output_mode=every", ValueError, "output_mode must be one of"),
+    ("replication_factor", ValueError, "update_from_string expects 'key=value' items"),
+])
+def test_update_from_string_errors(text, error, message):
+    cfg = IPUConfig()
+    with pytest.raises(error) as info:
+        cfg.update_from_string(text)
+    assert message in str(info.value)
+    assert cfg == IPUConfig()
+
+
+def test_update_from_string_reruns_cross_field_checks_and_is_atomic():
+    cfg = IPUConfig(layers_per_ipu=[2, 2])
+    with pytest.raises(IncompatibleIPUConfigError, match=r"matmul_proportion=\[0.1, 0.2, 0.3\] should use"):
+        cfg.update_from_string("device_iterations=8,matmul_proportion=[0.1 0.2 0.3]")
+    with pytest.raises(IncompatibleIPUConfigError, match=r"layers_per_ipu=\[2, 2\] should use"):
+        cfg.update_from_string("ipus_per_replica=3")
+    assert cfg == IPUConfig(layers_per_ipu=[2, 2])  # device_iterations=8 was not applied either
+    cfg.update_from_string("layers_per_ipu=[1 1 1],ipus_per_replica=3,matmul_proportion=[0.1 0.2 0.3]")
+    assert cfg.matmul_proportion == [0.1, 0.2, 0.3]
+
+
+# ---- §7.6 JSON ----
+
+def _rich_config() -> IPUConfig:
+    return IPUConfig(replication_factor=2, gradient_accumulation_steps=8, layers_per_ipu=[1, -1],
+                     inference_layers_per_ipu=[3], matmul_proportion=[0.1, 0.3], seed=0, output_mode="sum",
+                     executable_cache_dir="cache", recompute_checkpoint_every_layer=True)
+
+
+def test_json_round_trip_string_file_and_folder(tmp_path):
+    cfg = _rich_config()
+    assert IPUConfig.from_dict(json.loads(cfg.to_json_string())) == cfg
+    file = cfg.save(tmp_path / "my.json")
+    assert file == tmp_path / "my.json" and IPUConfig.load(file) == cfg
+    folder = tmp_path / "run"
+    folder.mkdir()
+    assert cfg.save(folder) == folder / CONFIG_NAME
+    assert IPUConfig.load(folder) == cfg
+    assert cfg.save(str(tmp_path / "new") + "/") == tmp_path / "new" / CONFIG_NAME  # trailing '/' = folder
+    assert sorted(os.listdir(tmp_path)) == ["my.json", "new", "run"]  # no temporary files left
+    assert IPUConfig.load(tmp_path / "new") != IPUConfig()
+
+
+def test_loading_reruns_validation(tmp_path):
+    data = IPUConfig().to_dict() | {"layer_per_ipu": [1]}
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
+    with pytest.raises(IncompatibleIPUConfigError, match="unknown arguments: layer_per_ipu=\\[1\\]"):
+        IPUConfig.load(tmp_path)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1"):
+        IPUConfig.from_dict(IPUConfig().to_dict() | {"gradient_accumulation_steps": 0})
+
+
+def test_equality():
+    assert IPUConfig(seed=0) == IPUConfig(seed=0)
+    assert IPUConfig(seed=0) != IPUConfig()
+    assert IPUConfig() != IPUConfig().to_dict()
+    assert eval(repr(_rich_config())) == _rich_config()
+
+
+# ---- §7.4 to_options, read back from the emulator's Options ----
+
+@pytest.fixture
+def emulated():
+    from ipuloop.backend import backend_name
+    if backend_name() != "emulator":
+        pytest.skip("reads the emulator's Options and block tracing")
+
+
+def test_to_options_training(emulated):
+    from ipuloop.emulator import blocks as _b, enums as _e, options as _o
+    cfg = IPUConfig(replication_factor=2, gradient_accumulation_steps=5, device_iterations=3,
+                    inference_replication_factor=4, inference_device_iterations=7,
+                    layers_per_ipu=[1, 1], matmul_proportion=[0.1, 0.3], seed=0, output_mode="sum",
+                    replicated_tensor_sharding=True, auto_loss_scaling=True,
+                    executable_cache_dir="cache")
+    opts = cfg.to_options()
+    assert isinstance(opts, _o.Options)
+    assert (opts.replication_factor, opts.device_iterations) == (2, 3)
+    assert opts.Training.gradient_accumulation == 5
+    assert opts.Training.accumulation_and_replication_reduction_type == _e.ReductionType.Mean
+    assert opts.auto_round_num_ipus is True
+    assert opts.output_mode == 3  # Sum
+    assert opts.exists("random_seed") and opts.random_seed == 0  # optimum drops seed 0
+    assert type(opts._execution_strategy) is _b.PipelinedExecution
+    assert opts._execution_strategy._auto_stage == _e.AutoStage.AutoIncrement
+    assert opts.available_memory_proportion == {0: 0.1, 1: 0.3}
+    assert opts.TensorLocations.location_optimizer == {"onChip": 1, "useReplicatedTensorSharding": 1}
+    popart = opts._Popart.options
+    assert popart["automaticLossScalingSettings.enabled"] is True
+    assert popart["enableStochasticRounding"] is True and popart["partialsTypeMatMuls"] == "half"
+    assert popart["cachePath"] == "cache" and popart["enableEngineCaching"] is True
+
+
+def test_to_options_inference(emulated):
+    from ipuloop.emulator import blocks as _b
+    cfg = IPUConfig(replication_factor=2, gradient_accumulation_steps=5, device_iterations=3,
+                    inference_replication_factor=4, inference_device_iterations=7,
+                    replicated_tensor_sharding=True, auto_loss_scaling=True,
+                    optimizer_state_offchip=True, ipus_per_replica=2, matmul_proportion=0.4,
+                    enable_half_partials=False, executable_cache_dir="disabled")
+    opts = cfg.to_options(for_inference=True)
+    assert (opts.replication_factor, opts.device_iterations) == (4, 7)
+    assert opts.Training.gradient_accumulation == 1  # GA is training only
+    assert opts.output_mode == 2  # always All for inference
+    assert not opts.exists("random_seed")
+    assert type(opts._execution_strategy) is _b.ShardedExecution
+    assert opts.available_memory_proportion == {0: 0.4, 1: 0.4}  # a float is broadcast per IPU
+    assert opts.TensorLocations.location_optimizer == {"onChip": 0, "useReplicatedTensorSharding": 1}
+    popart = opts._Popart.options
+    assert popart["enableStochasticRounding"] is False
+    assert "partialsTypeMatMuls" not in popart and "automaticLossScalingSettings.enabled" not in popart
+    assert "cachePath" not in popart or os.environ.get("POPTORCH_CACHE_DIR")
+    # RTS needs replicas: with RF=1 it is off.
+    with pytest.warns(UserWarning, match="replicated_tensor_sharding=True has no effect"):
+        cfg = IPUConfig(replicated_tensor_sharding=True)
+    assert cfg.to_options().TensorLocations.location_optimizer["useReplicatedTensorSharding"] == 0
+
+
+@pytest.mark.parametrize("mode, value", [("final", 0), ("all", 2), ("sum", 3), ("default", 4)])
+def test_to_options_output_modes(emulated, mode, value):
+    assert IPUConfig(output_mode=mode).to_options().output_mode == value
+    assert IPUConfig(output_mode=mode).to_options(for_inference=True).output_mode == 2
+
+
+# ---- automatic placement ----
+
+def _mlp(n_layers: int = 4, width: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)))
+
+
+@pytest.mark.parametrize("kwargs, for_inference, layer_ipus, stages", [
+    ({"layers_per_ipu": [1, 3]}, False, [0, 1, 1, 1], 2),
+    ({"ipus_per_replica": 4}, False, [0, 1, 2, 3], 4),
+    ({"ipus_per_replica": 2, "layers_per_ipu": [-1]}, False, [0, 0, 1, 1], 2),
+    ({"layers_per_ipu": [0, 4]}, False, [1, 1, 1, 1], 2),  # code before layer 0 runs on IPU 0
+    ({"layers_per_ipu": [1, 3], "inference_layers_per_ipu": [-1]}, True, [0, 0, 0, 0], 1),
+    ({"inference_layers_per_ipu": [3, -1]}, True, [0, 0, 0, 1], 2),
+])
+def test_place_layers_puts_each_layer_on_its_ipu(emulated, kwargs, for_inference, layer_ipus, stages):
+    from ipuloop.emulator import blocks as _b
+    model = _mlp()
+    strategy = place_layers(list(model), IPUConfig(**kwargs), for_inference=for_inference)
+    assert type(strategy) is (_b.ShardedExecution if for_inference else _b.PipelinedExecution)
+    with _b.trace_stages(strategy) as trace:
+        model(torch.randn(2, 8) * 2)
+    assert [ipu for _, _, ipu in trace.blocks] == layer_ipus
+    assert [block for block, _, _ in trace.blocks] == [f"ipu{ipu}" for ipu in layer_ipus]
+    assert trace.num_forward_stages == stages
+    unplace_layers(list(model))
+    assert all(not layer._forward_pre_hooks for layer in model)
+    with _b.trace_stages(strategy) as trace:
+        model(torch.randn(2, 8))
+    assert trace.blocks == []
+
+
+def test_place_layers_twice_needs_unplace(emulated):
+    model, cfg = _mlp(), IPUConfig(ipus_per_replica=2)
+    place_layers(list(model), cfg)
+    with pytest.raises(RuntimeError, match="module has already been assigned to a block"):
+        place_layers(list(model), cfg)
+    unplace_layers(list(model))
+    place_layers(list(model), cfg)
+
+
+def _count_calls(module: nn.Module) -> list[int]:
+    calls: list[int] = []
+    module.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_recompute_checkpointing_gives_identical_gradients(emulated):
+    plain, ckpt = _mlp(), _mlp()
+    place_layers(list(ckpt), IPUConfig(ipus_per_replica=2, recompute_checkpoint_every_layer=True))
+    x = torch.randn(5, 8)
+    for model in (plain, ckpt):
+        model(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+    calls = _count_calls(ckpt[0][0])  # the Linear inside layer 0 runs again in backward
+    ckpt(x).sum().backward()
+    assert len(calls) == 2
+    unplace_layers(list(ckpt))
+    calls.clear()
+    ckpt(x).sum().backward()
+    assert len(calls) == 1 and "forward" not in ckpt[0].__dict__
+
+
+def test_recompute_survives_deepcopy_and_skips_inference(emulated):
+    import copy
+    cfg = IPUConfig(ipus_per_replica=2, recompute_checkpoint_every_layer=True)
+    model = _mlp()
+    place_layers(list(model), cfg)
+    device = copy.deepcopy(model)  # what the executor does: the copy must checkpoint itself
+    device(torch.randn(3, 8)).sum().backward()
+    assert all(p.grad is not None for p in device.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    other = _mlp()
+    place_layers(list(other), cfg, for_inference=True)
+    calls = _count_calls(other[0][0])
+    other(torch.randn(3, 8)).sum().backward()
+    assert len(calls) == 1  # no recomputation for inference placement
