@@ -8,6 +8,7 @@ import contextlib
 import copy
 import math
 import random
+import sys
 import time
 import warnings
 from typing import Any, Callable, Iterable, Sequence
@@ -28,22 +29,27 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class WithLoss(torch.nn.Module):
-    """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs, labels=None)``.
+    """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs[, labels])``.
 
-    Returns ``(output, loss)`` with labels and ``output`` without. The loss runs after the
-    model's last layer, so it joins the model's last pipeline block.
+    Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
+    labels, it returns ``(output, loss_fn(output, labels))``. The loss runs after the model's
+    last layer, so it joins the model's last pipeline block.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
 
-    def forward(self, *inputs: Any, labels: torch.Tensor | None = None) -> Any:
-        output = self.model(*inputs)
-        if labels is None:
-            return output
-        return output, self.loss_fn(output, labels)
+    def forward(self, *args: Any) -> Any:
+        if len(args) == self.num_inputs:
+            return self.model(*args)
+        if len(args) != self.num_inputs + 1:
+            raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
+                            f"Received {len(args)} arguments.")
+        output = self.model(*args[:-1])
+        return output, self.loss_fn(output, args[-1])
 
 
 def _hyper(opt: torch.optim.Optimizer) -> tuple:
@@ -185,6 +191,7 @@ class Loop:
         self._device_rng: torch.Tensor | None = None
         self._max_steps: int | None = None
         self._exception_fired = False
+        self.exception: BaseException | None = None  # set while on_exception hooks run
 
     # -- configuration ------------------------------------------------------------------------
     def _resolve_options(self, opts: Any, inference_opts: Any) -> tuple[Any, Any]:
@@ -447,9 +454,10 @@ class Loop:
         return build_plan(self.poptorch, loader, opts, self._layout(opts, training),
                           training=training, name=name, pad=pad, sequential=pad)
 
-    @staticmethod
-    def _split(batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
+    def _split(self, batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            if isinstance(self.model, WithLoss):
+                self.model.num_inputs = len(batch) - 1
             return tuple(batch[:-1]), batch[-1]
         raise ValueError(f"{plan.name} must yield (inputs..., labels) tuples: the last element "
                          f"is the labels. Received a {type(batch).__name__}"
@@ -605,6 +613,8 @@ class Loop:
                 inputs = tuple(batch[:-1]) if isinstance(batch, (tuple, list)) \
                     and len(batch) >= 2 else (batch if isinstance(batch, (tuple, list))
                                               else (batch,))
+                if model is None and isinstance(self.model, WithLoss):
+                    self.model.num_inputs = len(inputs)
                 if model is None:
                     model = self._inference_model(plan, "predict", inputs)
                 self._activate(model)
@@ -622,6 +632,7 @@ class Loop:
         if self._exception_fired:
             return
         self._exception_fired = True
+        self.exception = sys.exc_info()[1]  # what on_exception callbacks are told about
         for hook in self._hooks["on_exception"]:
             try:
                 hook(self)

@@ -1,4 +1,4 @@
-"""IPUConfig against poptorch-semantics.md §7 (optimum-graphcore's documented rules and examples)."""
+"""IPUConfig against poptorch-semantics.md §7 (optimum-graphcore's rules and documented examples)."""
 from __future__ import annotations
 
 import inspect
@@ -9,13 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from ipuloop.config import CONFIG_NAME, IncompatibleIPUConfigError, IPUConfig, place_layers, unplace_layers
+from ipuloop.config import (CONFIG_NAME, IncompatibleIPUConfigError, IPUConfig, place_layers,
+                            unplace_layers)
 
 
 # ---- §7.2 wildcard expansion: every documented example ----
 
 @pytest.mark.parametrize("kwargs, num_layers, expected", [
-    ({}, 9, [9]),                                                  # default: one IPU gets everything
+    ({}, 9, [9]),                                                  # default: all on one IPU
     ({"layers_per_ipu": [5]}, 3, [3]),                             # P == 1 ignores layers_per_ipu
     ({"ipus_per_replica": 2}, 9, [4, 5]),                          # remainder to the last IPU
     ({"ipus_per_replica": 2}, 7, [3, 4]),
@@ -59,21 +60,23 @@ def test_expansion_uses_the_inference_fields_for_inference():
 
 @pytest.mark.parametrize("num_layers", [2, 4])  # too few, too many
 def test_expansion_rejects_a_wrong_layer_count(num_layers):
-    with pytest.raises(IncompatibleIPUConfigError,
-                       match="layers_per_ipu does not define the correct number of layers for the current model"):
+    match = "layers_per_ipu does not define the correct number of layers for the current model"
+    with pytest.raises(IncompatibleIPUConfigError, match=match):
         IPUConfig(layers_per_ipu=[1, 2]).layer_ipu(num_layers)
 
 
 def test_expansion_rejects_a_wildcard_list_of_the_wrong_length():
-    cfg = IPUConfig(layers_per_ipu=[1, -1], ipus_per_replica=4)  # accepted at construction, like optimum
-    with pytest.raises(IncompatibleIPUConfigError, match="layers_per_ipu has a non-default value set, but its "
-                                                          "length does not match ipus_per_replica"):
+    cfg = IPUConfig(layers_per_ipu=[1, -1], ipus_per_replica=4)  # constructs, like optimum
+    match = ("layers_per_ipu has a non-default value set, but its length does not match "
+             "ipus_per_replica")
+    with pytest.raises(IncompatibleIPUConfigError, match=match):
         cfg.layer_ipu(3)
 
 
 def test_expansion_errors_name_the_inference_fields():
     cfg = IPUConfig(inference_layers_per_ipu=[1, 2])
-    with pytest.raises(IncompatibleIPUConfigError, match="^inference_layers_per_ipu does not define"):
+    match = "^inference_layers_per_ipu does not define"
+    with pytest.raises(IncompatibleIPUConfigError, match=match):
         cfg.layer_ipu(4, for_inference=True)
 
 
@@ -86,31 +89,36 @@ def test_expansion_rejects_fixed_entries_beyond_the_model():  # optimum would re
 
 def test_fallbacks_follow_optimum():
     cfg = IPUConfig(layers_per_ipu=[1, 2])
-    assert (cfg.ipus_per_replica, cfg.inference_layers_per_ipu, cfg.inference_ipus_per_replica) == (2, [1, 2], 2)
+    assert (cfg.ipus_per_replica, cfg.inference_layers_per_ipu) == (2, [1, 2])
+    assert cfg.inference_ipus_per_replica == 2
     assert cfg.inference_layers_per_ipu is not cfg.layers_per_ipu
     # layers_per_ipu=[-1] with an explicit P and no inference layers: inference keeps P.
     assert IPUConfig(ipus_per_replica=4).inference_ipus_per_replica == 4
     # inference_layers_per_ipu given (not [-1]): its length wins.
-    assert IPUConfig(ipus_per_replica=4, inference_layers_per_ipu=[-1, -1]).inference_ipus_per_replica == 2
+    cfg = IPUConfig(ipus_per_replica=4, inference_layers_per_ipu=[-1, -1])
+    assert cfg.inference_ipus_per_replica == 2
     cfg = IPUConfig(layers_per_ipu=[1, 2, 3, 4], matmul_proportion=[0.1, 0.2, 0.3, 0.4],
                     inference_layers_per_ipu=[3, 7])
-    assert (cfg.inference_ipus_per_replica, cfg.inference_matmul_proportion) == (2, 0.2)  # length mismatch -> 0.2
+    # A per-IPU list whose length does not fit the inference IPUs falls back to 0.2.
+    assert (cfg.inference_ipus_per_replica, cfg.inference_matmul_proportion) == (2, 0.2)
     cfg = IPUConfig(layers_per_ipu=[1, 2], matmul_proportion=[0.1, 0.3])
     assert cfg.inference_matmul_proportion == [0.1, 0.3]
     assert IPUConfig(matmul_proportion=0.5).inference_matmul_proportion == 0.5
     # Explicit falsy values are honoured or rejected, not silently replaced (optimum replaces them).
     assert IPUConfig(inference_matmul_proportion=0.0).inference_matmul_proportion == 0.0
-    with pytest.raises(ValueError, match=r"ipus_per_replica must be >= 1. Received: ipus_per_replica=0."):
+    with pytest.raises(ValueError, match="ipus_per_replica must be >= 1. Received: "
+                                         "ipus_per_replica=0."):
         IPUConfig(ipus_per_replica=0)
 
 
 def test_defaults():
     d = IPUConfig().to_dict()
     assert d == {
-        "replication_factor": 1, "inference_replication_factor": 1, "gradient_accumulation_steps": 1,
-        "device_iterations": 1, "inference_device_iterations": 1, "layers_per_ipu": [-1],
-        "inference_layers_per_ipu": [-1], "ipus_per_replica": 1, "inference_ipus_per_replica": 1,
-        "optimizer_state_offchip": False, "replicated_tensor_sharding": False, "matmul_proportion": 0.2,
+        "replication_factor": 1, "inference_replication_factor": 1,
+        "gradient_accumulation_steps": 1, "device_iterations": 1, "inference_device_iterations": 1,
+        "layers_per_ipu": [-1], "inference_layers_per_ipu": [-1], "ipus_per_replica": 1,
+        "inference_ipus_per_replica": 1, "optimizer_state_offchip": False,
+        "replicated_tensor_sharding": False, "matmul_proportion": 0.2,
         "inference_matmul_proportion": 0.2, "enable_half_partials": True,
         "recompute_checkpoint_every_layer": False, "output_mode": "final", "seed": None,
         "auto_loss_scaling": False, "executable_cache_dir": ""}
@@ -121,14 +129,17 @@ def test_defaults():
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"gradient_accumulation_steps": 0}, ValueError,
      "gradient_accumulation_steps must be >= 1. Received: gradient_accumulation_steps=0."),
-    ({"replication_factor": 2.0}, TypeError, "replication_factor must be an int. Received: replication_factor=2.0"),
+    ({"replication_factor": 2.0}, TypeError,
+     "replication_factor must be an int. Received: replication_factor=2.0 (float)."),
     ({"device_iterations": True}, TypeError, "device_iterations must be an int"),
     ({"layers_per_ipu": [1, -2]}, ValueError, "layers_per_ipu must have all elements >= -1"),
     ({"layers_per_ipu": "1,2"}, TypeError, "layers_per_ipu must be a list of ints"),
     ({"layers_per_ipu": []}, ValueError, "layers_per_ipu must not be empty"),
     ({"matmul_proportion": -0.1}, ValueError, "matmul_proportion must have all elements >= 0"),
-    ({"matmul_proportion": "0.2"}, TypeError, "matmul_proportion must be a float or a non-empty list"),
-    ({"output_mode": "every"}, ValueError, "output_mode must be one of ('all', 'sum', 'final', 'default')"),
+    ({"matmul_proportion": "0.2"}, TypeError, "matmul_proportion must be a float or a non-empty"),
+    ({"output_mode": "every"}, ValueError,
+     "output_mode must be one of ('all', 'sum', 'final', 'default'). "
+     "Received: output_mode='every'."),
     ({"output_mode": 2}, TypeError, "output_mode must be a str"),
     ({"seed": 1.5}, TypeError, "seed must be an int or None"),
     ({"enable_half_partials": 1}, TypeError, "enable_half_partials must be a bool"),
@@ -137,9 +148,12 @@ def test_defaults():
      "matmul_proportion=[0.1, 0.2] should use the same number of IPUs as ipus_per_replica=1"),
     ({"layers_per_ipu": [1, 2], "ipus_per_replica": 3}, IncompatibleIPUConfigError,
      "layers_per_ipu=[1, 2] should use the same number of IPUs as ipus_per_replica=3"),
-    ({"inference_layers_per_ipu": [1, 2], "inference_ipus_per_replica": 3}, IncompatibleIPUConfigError,
-     "inference_layers_per_ipu=[1, 2] should use the same number of IPUs as inference_ipus_per_replica=3"),
-    ({"foo": 1, "bar": 2}, IncompatibleIPUConfigError, "IPUConfig received unknown arguments: bar=2, foo=1."),
+    ({"inference_layers_per_ipu": [1, 2], "inference_ipus_per_replica": 3},
+     IncompatibleIPUConfigError,
+     "inference_layers_per_ipu=[1, 2] should use the same number of IPUs as "
+     "inference_ipus_per_replica=3"),
+    ({"foo": 1, "bar": 2}, IncompatibleIPUConfigError,
+     "IPUConfig received unknown arguments: bar=2, foo=1. Remove them"),
 ])
 def test_constructor_validation(kwargs, error, message):
     with pytest.raises(error) as info:
@@ -156,7 +170,7 @@ def test_assignment_is_validated_and_rolled_back():
     with pytest.raises(ValueError, match="device_iterations must be >= 1"):
         cfg.device_iterations = 0
     with pytest.raises(IncompatibleIPUConfigError, match="should use the same number of IPUs"):
-        cfg.ipus_per_replica = 3  # cross-field check re-runs on assignment (optimum: only in __init__)
+        cfg.ipus_per_replica = 3  # cross-field checks re-run on assignment (optimum: __init__ only)
     with pytest.raises(IncompatibleIPUConfigError):
         cfg.matmul_proportion = [0.1, 0.2, 0.3]
     assert (cfg.device_iterations, cfg.ipus_per_replica, cfg.matmul_proportion) == (1, 2, 0.2)
@@ -180,8 +194,9 @@ def test_batch_size_factor_both_modes():
 
 def test_update_from_string_converts_by_current_type():
     cfg = IPUConfig(ipus_per_replica=4)
-    cfg.update_from_string("replication_factor=4,matmul_proportion=[0.08 0.2 0.25 0.25],output_mode=all,"
-                           "optimizer_state_offchip=true,inference_matmul_proportion=0.5,executable_cache_dir=./c")
+    cfg.update_from_string("replication_factor=4,matmul_proportion=[0.08 0.2 0.25 0.25],"
+                           "output_mode=all,optimizer_state_offchip=true,"
+                           "inference_matmul_proportion=0.5,executable_cache_dir=./c")
     assert cfg.replication_factor == 4 and isinstance(cfg.replication_factor, int)
     assert cfg.matmul_proportion == [0.08, 0.2, 0.25, 0.25]  # a float field may become a list
     assert (cfg.output_mode, cfg.optimizer_state_offchip) == ("all", True)
@@ -211,11 +226,13 @@ def test_update_from_string_lists_whitespace_and_none_fields():
 
 
 @pytest.mark.parametrize("text, error, message", [
-    ("gradient_accumulation=4", ValueError, "Key gradient_accumulation isn't in the original config dict. "
-                                            "Valid keys: replication_factor,"),
+    ("gradient_accumulation=4", ValueError,
+     "Key gradient_accumulation isn't in the original config dict. "
+     "Valid keys: replication_factor,"),
     ("replication_factor=abc", ValueError, "Cannot convert replication_factor='abc'"),
     ("ipus_per_replica=1.5", ValueError, "Cannot convert ipus_per_replica='1.5'"),
-    ("enable_half_partials=maybe", ValueError, "Can't derive true or false from 'maybe' (key enable_half_partials)"),
+    ("enable_half_partials=maybe", ValueError,
+     "Can't derive true or false from 'maybe' (key enable_half_partials)"),
     ("layers_per_ipu=[1.5 2]", TypeError, "layers_per_ipu must be a list of ints"),
     ("layers_per_ipu=3", ValueError, "expected a list like [a b c]"),
     ("seed=1.5", TypeError, "seed must be an int or None"),
@@ -232,12 +249,14 @@ def test_update_from_string_errors(text, error, message):
 
 def test_update_from_string_reruns_cross_field_checks_and_is_atomic():
     cfg = IPUConfig(layers_per_ipu=[2, 2])
-    with pytest.raises(IncompatibleIPUConfigError, match=r"matmul_proportion=\[0.1, 0.2, 0.3\] should use"):
+    match = r"matmul_proportion=\[0.1, 0.2, 0.3\] should use"
+    with pytest.raises(IncompatibleIPUConfigError, match=match):
         cfg.update_from_string("device_iterations=8,matmul_proportion=[0.1 0.2 0.3]")
     with pytest.raises(IncompatibleIPUConfigError, match=r"layers_per_ipu=\[2, 2\] should use"):
         cfg.update_from_string("ipus_per_replica=3")
     assert cfg == IPUConfig(layers_per_ipu=[2, 2])  # device_iterations=8 was not applied either
-    cfg.update_from_string("layers_per_ipu=[1 1 1],ipus_per_replica=3,matmul_proportion=[0.1 0.2 0.3]")
+    cfg.update_from_string("layers_per_ipu=[1 1 1],ipus_per_replica=3,"
+                           "matmul_proportion=[0.1 0.2 0.3]")
     assert cfg.matmul_proportion == [0.1, 0.2, 0.3]
 
 
@@ -245,8 +264,9 @@ def test_update_from_string_reruns_cross_field_checks_and_is_atomic():
 
 def _rich_config() -> IPUConfig:
     return IPUConfig(replication_factor=2, gradient_accumulation_steps=8, layers_per_ipu=[1, -1],
-                     inference_layers_per_ipu=[3], matmul_proportion=[0.1, 0.3], seed=0, output_mode="sum",
-                     executable_cache_dir="cache", recompute_checkpoint_every_layer=True)
+                     inference_layers_per_ipu=[3], matmul_proportion=[0.1, 0.3], seed=0,
+                     output_mode="sum", executable_cache_dir="cache",
+                     recompute_checkpoint_every_layer=True)
 
 
 def test_json_round_trip_string_file_and_folder(tmp_path):
@@ -258,7 +278,8 @@ def test_json_round_trip_string_file_and_folder(tmp_path):
     folder.mkdir()
     assert cfg.save(folder) == folder / CONFIG_NAME
     assert IPUConfig.load(folder) == cfg
-    assert cfg.save(str(tmp_path / "new") + "/") == tmp_path / "new" / CONFIG_NAME  # trailing '/' = folder
+    # A path ending in "/" is a folder, created if needed.
+    assert cfg.save(str(tmp_path / "new") + "/") == tmp_path / "new" / CONFIG_NAME
     assert sorted(os.listdir(tmp_path)) == ["my.json", "new", "run"]  # no temporary files left
     assert IPUConfig.load(tmp_path / "new") != IPUConfig()
 
@@ -266,7 +287,7 @@ def test_json_round_trip_string_file_and_folder(tmp_path):
 def test_loading_reruns_validation(tmp_path):
     data = IPUConfig().to_dict() | {"layer_per_ipu": [1]}
     (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
-    with pytest.raises(IncompatibleIPUConfigError, match="unknown arguments: layer_per_ipu=\\[1\\]"):
+    with pytest.raises(IncompatibleIPUConfigError, match=r"unknown arguments: layer_per_ipu=\[1\]"):
         IPUConfig.load(tmp_path)
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1"):
         IPUConfig.from_dict(IPUConfig().to_dict() | {"gradient_accumulation_steps": 0})
@@ -306,7 +327,8 @@ def test_to_options_training(emulated):
     assert type(opts._execution_strategy) is _b.PipelinedExecution
     assert opts._execution_strategy._auto_stage == _e.AutoStage.AutoIncrement
     assert opts.available_memory_proportion == {0: 0.1, 1: 0.3}
-    assert opts.TensorLocations.location_optimizer == {"onChip": 1, "useReplicatedTensorSharding": 1}
+    assert opts.TensorLocations.location_optimizer == {"onChip": 1,
+                                                       "useReplicatedTensorSharding": 1}
     popart = opts._Popart.options
     assert popart["automaticLossScalingSettings.enabled"] is True
     assert popart["enableStochasticRounding"] is True and popart["partialsTypeMatMuls"] == "half"
@@ -327,10 +349,12 @@ def test_to_options_inference(emulated):
     assert not opts.exists("random_seed")
     assert type(opts._execution_strategy) is _b.ShardedExecution
     assert opts.available_memory_proportion == {0: 0.4, 1: 0.4}  # a float is broadcast per IPU
-    assert opts.TensorLocations.location_optimizer == {"onChip": 0, "useReplicatedTensorSharding": 1}
+    assert opts.TensorLocations.location_optimizer == {"onChip": 0,
+                                                       "useReplicatedTensorSharding": 1}
     popart = opts._Popart.options
     assert popart["enableStochasticRounding"] is False
-    assert "partialsTypeMatMuls" not in popart and "automaticLossScalingSettings.enabled" not in popart
+    assert "partialsTypeMatMuls" not in popart
+    assert "automaticLossScalingSettings.enabled" not in popart  # training only
     assert "cachePath" not in popart or os.environ.get("POPTORCH_CACHE_DIR")
     # RTS needs replicas: with RF=1 it is off.
     with pytest.warns(UserWarning, match="replicated_tensor_sharding=True has no effect"):
@@ -348,7 +372,8 @@ def test_to_options_output_modes(emulated, mode, value):
 
 def _mlp(n_layers: int = 4, width: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_layers)))
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                           for _ in range(n_layers)))
 
 
 @pytest.mark.parametrize("kwargs, for_inference, layer_ipus, stages", [
@@ -359,7 +384,8 @@ def _mlp(n_layers: int = 4, width: int = 8) -> nn.Sequential:
     ({"layers_per_ipu": [1, 3], "inference_layers_per_ipu": [-1]}, True, [0, 0, 0, 0], 1),
     ({"inference_layers_per_ipu": [3, -1]}, True, [0, 0, 0, 1], 2),
 ])
-def test_place_layers_puts_each_layer_on_its_ipu(emulated, kwargs, for_inference, layer_ipus, stages):
+def test_place_layers_puts_each_layer_on_its_ipu(emulated, kwargs, for_inference, layer_ipus,
+                                                  stages):
     from ipuloop.emulator import blocks as _b
     model = _mlp()
     strategy = place_layers(list(model), IPUConfig(**kwargs), for_inference=for_inference)
@@ -414,7 +440,9 @@ def test_recompute_survives_deepcopy_and_skips_inference(emulated):
     model = _mlp()
     place_layers(list(model), cfg)
     device = copy.deepcopy(model)  # what the executor does: the copy must checkpoint itself
+    calls = _count_calls(device[0][0])
     device(torch.randn(3, 8)).sum().backward()
+    assert len(calls) == 2  # the copy recomputes too
     assert all(p.grad is not None for p in device.parameters())
     assert all(p.grad is None for p in model.parameters())
     other = _mlp()
@@ -422,3 +450,40 @@ def test_recompute_survives_deepcopy_and_skips_inference(emulated):
     calls = _count_calls(other[0][0])
     other(torch.randn(3, 8)).sum().backward()
     assert len(calls) == 1  # no recomputation for inference placement
+
+
+class _WithLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = _mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.layers(x), y)
+
+
+def test_a_config_drives_the_emulated_training_model(emulated):
+    from ipuloop import emulator as poptorch
+    torch.manual_seed(1)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    weights = []
+    for recompute in (False, True):  # recomputation changes memory, not results
+        model = _WithLoss()
+        cfg = IPUConfig(layers_per_ipu=[-1, -1], gradient_accumulation_steps=3, device_iterations=2,
+                        recompute_checkpoint_every_layer=recompute)
+        place_layers(list(model.layers), cfg)
+        step = poptorch.trainingModel(model, cfg.to_options(),
+                                      torch.optim.SGD(model.parameters(), lr=0.1))
+        assert cfg.batch_size_factor() * 2 == len(x)
+        step(x, y)
+        step.copyWeightsToHost()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    assert not torch.equal(weights[0][0], _mlp()[0][0].weight)  # it trained
+    # 2 IPUs pipelined need GA >= 2*2-1: the executor sees the placement.
+    model = _WithLoss()
+    cfg = IPUConfig(layers_per_ipu=[-1, -1], gradient_accumulation_steps=2)
+    place_layers(list(model.layers), cfg)
+    step = poptorch.trainingModel(model, cfg.to_options(),
+                                  torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(poptorch.Error, match="gradientAccumulation must be greater than or equal"):
+        step(x[:4], y[:4])

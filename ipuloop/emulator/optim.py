@@ -377,7 +377,7 @@ class LAMB(_IpuOptimizer, torch.optim.Optimizer):
                 bc1, bc2 = ((1 - b1 ** st["step"], 1 - b2 ** st["step"])
                             if self.bias_correction else (1.0, 1.0))
                 r = (m / bc1).div_((v.sqrt() / math.sqrt(bc2)).add_(eps)).add_(p, alpha=wd)
-                w_norm = p.norm()
+                w_norm = p.norm().clamp(max=g["max_weight_norm"])
                 r_norm = r.norm()
                 # Trust ratio 1 when either norm is 0; torch.where avoids a host sync on the test.
                 ratio = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, 1.0)
