@@ -59,23 +59,32 @@ class VariableAttributes:
 
 
 class _IpuOptimizer:
-    """Mixin: PopTorch's global extras, their pickling, and the unscale/clip before the update."""
+    """Mixin: PopTorch's extra arguments, their pickling, and the unscale/clip before the update."""
 
-    _extras: tuple[str, ...] = ()  # global attributes set by the constructor
+    _extras: tuple[str, ...] = ()  # global (not per group) attributes, stored on the instance
+    _extra_defaults: dict[str, Any] = {}  # every PopTorch-only argument, with its default
 
-    def _init_extras(self, init: Callable, params: Iterable, torch_args: dict, extras: dict,
-                     defaults: dict) -> None:
-        # PopTorch: arguments passed explicitly (not None) are variable, the others constant.
-        explicit = [k for k, v in {**torch_args, **extras}.items() if v is not None]
-        init(self, params, **{k: v for k, v in torch_args.items() if v is not None})
-        for name, value in extras.items():
-            value = defaults[name] if value is None else value
+    def _setup(self, init: Callable, args: dict[str, Any]) -> None:
+        # ``args`` is the constructor's locals(). As in PopTorch, arguments passed explicitly
+        # (not None) are variable after compilation, the others constant.
+        args = {k: v for k, v in args.items() if k not in ("self", "__class__")}
+        params = args.pop("params")
+        init(self, params, **{k: v for k, v in args.items()
+                              if v is not None and k not in self._extra_defaults})
+        for name, default in self._extra_defaults.items():
+            value = default if args[name] is None else args[name]
             if name.endswith("accum_type") and value not in _ACCUM_TYPES:
                 raise ValueError(f"{name} must be set to either torch.float16 or torch.float32. "
                                  f"Received: {name}={value!r}.")
             if name in self._extras:
                 setattr(self, name, value)
-        self.variable_attrs = VariableAttributes(explicit, [*self.defaults, *extras])
+        self.variable_attrs = VariableAttributes(
+            [k for k, v in args.items() if v is not None], [*self.defaults, *args])
+
+    def _group_default(self, name: str, value: Any) -> None:
+        self.defaults.setdefault(name, value)
+        for group in self.param_groups:
+            group.setdefault(name, value)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's __getstate__ keeps only defaults/state/param_groups: deepcopy would drop ours.
@@ -88,14 +97,13 @@ class _IpuOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scale, max_norm = self.loss_scaling, getattr(self, "max_grad_norm", math.inf)
         with torch.no_grad():
-            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if params:
-                # Undo the executor's loss scaling; skipped at 1.0 so the default costs nothing.
-                if self.loss_scaling != 1.0:
-                    torch._foreach_div_([p.grad for p in params], float(self.loss_scaling))
-                max_norm = getattr(self, "max_grad_norm", math.inf)
-                if max_norm != math.inf:  # PopART global-norm clipping over every group
+            if scale != 1.0 or max_norm != math.inf:  # both skipped at their defaults
+                params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+                if params and scale != 1.0:  # undo the executor's loss * loss_scaling
+                    torch._foreach_div_([p.grad for p in params], float(scale))
+                if params and max_norm != math.inf:  # PopART global-norm clipping, all groups
                     torch.nn.utils.clip_grad_norm_(params, max_norm)
             self._update()
         return loss
@@ -106,6 +114,11 @@ class _IpuOptimizer:
         base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim"))
         fn = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
         fn(self)
+
+
+_F32 = torch.float32
+_ADAM_EXTRAS = dict(loss_scaling=1.0, accum_type=_F32, first_order_momentum_accum_type=_F32,
+                    second_order_momentum_accum_type=_F32)
 
 
 class SGD(_IpuOptimizer, torch.optim.SGD):
@@ -119,6 +132,8 @@ class SGD(_IpuOptimizer, torch.optim.SGD):
 
     _extras = ("loss_scaling", "use_combined_accum", "accum_type", "velocity_accum_type",
                "max_grad_norm")
+    _extra_defaults = dict(loss_scaling=1.0, velocity_scaling=1.0, use_combined_accum=False,
+                           accum_type=_F32, velocity_accum_type=_F32, max_grad_norm=math.inf)
 
     def __init__(self, params: Iterable, lr: float, momentum: float | None = None,
                  dampening: float | None = None, weight_decay: float | None = None,
@@ -128,25 +143,13 @@ class SGD(_IpuOptimizer, torch.optim.SGD):
                  use_combined_accum: bool | None = None, accum_type: torch.dtype | None = None,
                  velocity_accum_type: torch.dtype | None = None,
                  max_grad_norm: float | None = None) -> None:
-        self._init_extras(
-            torch.optim.SGD.__init__, params,
-            dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                 nesterov=nesterov, maximize=maximize, foreach=foreach,
-                 differentiable=differentiable),
-            dict(loss_scaling=loss_scaling, velocity_scaling=velocity_scaling,
-                 use_combined_accum=use_combined_accum, accum_type=accum_type,
-                 velocity_accum_type=velocity_accum_type, max_grad_norm=max_grad_norm),
-            dict(loss_scaling=1.0, velocity_scaling=1.0, use_combined_accum=False,
-                 accum_type=torch.float32, velocity_accum_type=torch.float32,
-                 max_grad_norm=math.inf))
+        self._setup(torch.optim.SGD.__init__, locals())
         if velocity_scaling is not None and not self.use_combined_accum:
             logger.warning("velocity_scaling value ignored when using the separate variant "
                            "(use_combined_accum=False). In future, this will lead to an error. "
                            "Please update your code.")
         vs = 1.0 if velocity_scaling is None else velocity_scaling
-        self.defaults["velocity_scaling"] = vs  # per group, like lr
-        for group in self.param_groups:
-            group.setdefault("velocity_scaling", vs)
+        self._group_default("velocity_scaling", vs)  # per group, as in PopTorch
 
     def _update(self) -> None:
         # Combined variant: the velocity is stored scaled by velocity_scaling and unscaled when
@@ -166,11 +169,6 @@ class SGD(_IpuOptimizer, torch.optim.SGD):
                 if (b := self.state.get(p, {}).get("momentum_buffer")) is not None]
 
 
-_ADAM_DEFAULTS = dict(loss_scaling=1.0, accum_type=torch.float32, bias_correction=True,
-                      first_order_momentum_accum_type=torch.float32,
-                      second_order_momentum_accum_type=torch.float32, max_grad_norm=math.inf)
-
-
 def _reject_amsgrad(amsgrad: bool | None) -> None:
     if amsgrad:
         raise ValueError("Only non-amsgrad Adam/AdamW optimizers are supported. Received: "
@@ -185,8 +183,8 @@ class Adam(_IpuOptimizer, torch.optim.Adam):
     and ``max_grad_norm`` (inf). Example: ``Adam(model.parameters(), lr=1e-3, max_grad_norm=1.0)``
     """
 
-    _extras = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
-               "second_order_momentum_accum_type", "max_grad_norm")
+    _extras = (*_ADAM_EXTRAS, "max_grad_norm")
+    _extra_defaults = {**_ADAM_EXTRAS, "max_grad_norm": math.inf}
 
     def __init__(self, params: Iterable, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
@@ -199,16 +197,7 @@ class Adam(_IpuOptimizer, torch.optim.Adam):
                  second_order_momentum_accum_type: torch.dtype | None = None,
                  max_grad_norm: float | None = None) -> None:
         _reject_amsgrad(amsgrad)
-        self._init_extras(
-            torch.optim.Adam.__init__, params,
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                 foreach=foreach, maximize=maximize, capturable=capturable,
-                 differentiable=differentiable, fused=fused),
-            dict(loss_scaling=loss_scaling, accum_type=accum_type,
-                 first_order_momentum_accum_type=first_order_momentum_accum_type,
-                 second_order_momentum_accum_type=second_order_momentum_accum_type,
-                 max_grad_norm=max_grad_norm),
-            _ADAM_DEFAULTS)
+        self._setup(torch.optim.Adam.__init__, locals())
 
 
 class AdamW(_IpuOptimizer, torch.optim.AdamW):
@@ -218,7 +207,8 @@ class AdamW(_IpuOptimizer, torch.optim.AdamW):
     Example: ``AdamW(model.parameters(), lr=1e-3, bias_correction=False)``
     """
 
-    _extras = Adam._extras + ("bias_correction",)
+    _extras = (*Adam._extras, "bias_correction")
+    _extra_defaults = {**Adam._extra_defaults, "bias_correction": True}
 
     def __init__(self, params: Iterable, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
@@ -231,17 +221,7 @@ class AdamW(_IpuOptimizer, torch.optim.AdamW):
                  second_order_momentum_accum_type: torch.dtype | None = None,
                  max_grad_norm: float | None = None) -> None:
         _reject_amsgrad(amsgrad)
-        self._init_extras(
-            torch.optim.AdamW.__init__, params,
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                 maximize=maximize, foreach=foreach, capturable=capturable,
-                 differentiable=differentiable, fused=fused),
-            dict(loss_scaling=loss_scaling, bias_correction=bias_correction,
-                 accum_type=accum_type,
-                 first_order_momentum_accum_type=first_order_momentum_accum_type,
-                 second_order_momentum_accum_type=second_order_momentum_accum_type,
-                 max_grad_norm=max_grad_norm),
-            _ADAM_DEFAULTS)
+        self._setup(torch.optim.AdamW.__init__, locals())
 
     def _update(self) -> None:
         if self.bias_correction:
@@ -271,8 +251,8 @@ class RMSprop(_IpuOptimizer, torch.optim.RMSprop):
     Example: ``RMSprop(model.parameters(), lr=1e-2, use_tf_variant=True)``
     """
 
-    _extras = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
-               "second_order_momentum_accum_type", "use_tf_variant")
+    _extras = (*_ADAM_EXTRAS, "use_tf_variant")
+    _extra_defaults = {**_ADAM_EXTRAS, "use_tf_variant": False}
 
     def __init__(self, params: Iterable, lr: float | None = None, alpha: float | None = None,
                  eps: float | None = None, weight_decay: float | None = None,
@@ -283,16 +263,7 @@ class RMSprop(_IpuOptimizer, torch.optim.RMSprop):
                  first_order_momentum_accum_type: torch.dtype | None = None,
                  second_order_momentum_accum_type: torch.dtype | None = None,
                  use_tf_variant: bool | None = None) -> None:
-        self._init_extras(
-            torch.optim.RMSprop.__init__, params,
-            dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                 centered=centered, foreach=foreach, maximize=maximize,
-                 differentiable=differentiable),
-            dict(loss_scaling=loss_scaling, accum_type=accum_type,
-                 first_order_momentum_accum_type=first_order_momentum_accum_type,
-                 second_order_momentum_accum_type=second_order_momentum_accum_type,
-                 use_tf_variant=use_tf_variant),
-            {**_ADAM_DEFAULTS, "use_tf_variant": False})
+        self._setup(torch.optim.RMSprop.__init__, locals())
 
     def _update(self) -> None:
         if not self.use_tf_variant:
@@ -324,7 +295,7 @@ class RMSprop(_IpuOptimizer, torch.optim.RMSprop):
                     p.addcdiv_(grad, denom, value=-lr)
 
 
-def _lamb_init(self: torch.optim.Optimizer, params: Iterable, **defaults: Any) -> None:
+def _optimizer_init(self: torch.optim.Optimizer, params: Iterable, **defaults: Any) -> None:
     torch.optim.Optimizer.__init__(self, params, defaults)
 
 
@@ -332,12 +303,13 @@ class LAMB(_IpuOptimizer, torch.optim.Optimizer):
     """LAMB (arXiv:1904.00962) with phi(z) = min(z, max_weight_norm); no ``max_grad_norm``.
 
     Args: ``lr`` (1e-3), ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (1e-2),
-    ``bias_correction`` (True), ``loss_scaling`` (1.0), ``max_weight_norm`` (65500.0) and the
-    three accum types (torch.float32). Example: ``LAMB(model.parameters(), lr=1e-3)``
+    ``bias_correction`` (True), ``loss_scaling`` (1.0), ``max_weight_norm`` (65500.0, also a
+    group hyper-parameter, as in PopTorch) and the three accum types (torch.float32).
+    Example: ``LAMB(model.parameters(), lr=1e-3)``
     """
 
-    _extras = ("loss_scaling", "bias_correction", "max_weight_norm", "accum_type",
-               "first_order_momentum_accum_type", "second_order_momentum_accum_type")
+    _extras = (*_ADAM_EXTRAS, "bias_correction", "max_weight_norm")
+    _extra_defaults = {**_ADAM_EXTRAS, "bias_correction": True, "max_weight_norm": 65500.0}
 
     def __init__(self, params: Iterable, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
@@ -346,21 +318,10 @@ class LAMB(_IpuOptimizer, torch.optim.Optimizer):
                  accum_type: torch.dtype | None = None,
                  first_order_momentum_accum_type: torch.dtype | None = None,
                  second_order_momentum_accum_type: torch.dtype | None = None) -> None:
-        group = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                     max_weight_norm=max_weight_norm)
-        group_defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                              max_weight_norm=65500.0)
-        self._init_extras(
-            _lamb_init, params, group,
-            dict(loss_scaling=loss_scaling, bias_correction=bias_correction,
-                 max_weight_norm=max_weight_norm, accum_type=accum_type,
-                 first_order_momentum_accum_type=first_order_momentum_accum_type,
-                 second_order_momentum_accum_type=second_order_momentum_accum_type),
-            {**_ADAM_DEFAULTS, "max_weight_norm": 65500.0})
-        for name, value in group_defaults.items():  # torch.optim.Optimizer has no defaults
-            self.defaults.setdefault(name, value)
-            for g in self.param_groups:
-                g.setdefault(name, value)
+        self._setup(_optimizer_init, locals())
+        for name, value in dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                                max_weight_norm=self.max_weight_norm).items():
+            self._group_default(name, value)
 
     def _update(self) -> None:
         for g in self.param_groups:

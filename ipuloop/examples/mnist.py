@@ -1,0 +1,246 @@
+"""MNIST on four pipeline stages: ``python -m ipuloop.examples.mnist``.
+
+The PopTorch pipelining tutorial's program (a four-block CNN, one ``Stage`` per IPU, device
+iterations and gradient accumulation, AdamW, inference with options cloned from training)
+written with ``ipuloop.Loop``. Runs on IPUs with poptorch installed, else on the emulator.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Network", "TrainingModelWithLoss", "build_options", "load_mnist", "main"]
+
+MEAN, STD = 0.1307, 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
+
+
+class ConvLayer(nn.Module):
+    def __init__(self, in_channels: int, num_filters: int, kernel_size: int, pool_size: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, num_filters, kernel_size=kernel_size)
+        self.pool = nn.MaxPool2d(kernel_size=pool_size)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.pool(self.conv(x)))
+
+
+class Network(nn.Module):
+    """The tutorial's CNN, split into blocks B1..B4 (one pipeline stage each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = ConvLayer(1, 10, 5, 2)
+        self.layer2 = ConvLayer(10, 20, 5, 2)
+        self.layer3 = nn.Linear(320, 256)
+        self.layer3_act = nn.ReLU()
+        self.layer4 = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ipuloop import poptorch
+        with poptorch.Block("B1"):
+            x = self.layer1(x)
+        with poptorch.Block("B2"):
+            x = self.layer2(x)
+        with poptorch.Block("B3"):
+            x = x.view(-1, 320)
+            x = self.layer3_act(self.layer3(x))
+        with poptorch.Block("B4"):
+            x = self.layer4(x)
+        return x
+
+
+class TrainingModelWithLoss(nn.Module):
+    """The model plus its loss, in the last block (B4), as the tutorial writes it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
+        from ipuloop import poptorch
+        output = self.model(x)
+        if labels is None:
+            return output
+        with poptorch.Block("B4"):
+            loss = self.loss(output, labels)
+        return output, loss
+
+
+def build_options(args: argparse.Namespace):
+    """Training options as the tutorial sets them, and inference options cloned from them."""
+    from ipuloop import poptorch
+    opts = poptorch.Options()
+    opts.deviceIterations(args.device_iterations)
+    opts.Training.gradientAccumulation(args.gradient_accumulation)
+    if args.replicas > 1:
+        opts.replicationFactor(args.replicas)
+    strategy = poptorch.PipelinedExecution if args.strategy == "pipelined" \
+        else poptorch.ShardedExecution
+    opts.setExecutionStrategy(strategy(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4))))
+    if args.offload_optimiser:
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useOnChipStorage(False))
+    inference = opts.clone()
+    inference.Training.gradientAccumulation(1)
+    inference.deviceIterations(args.inference_iterations)
+    return opts, inference
+
+
+def _data_dir(arg: str | None) -> str:
+    if arg:
+        return os.path.expanduser(arg)
+    env = os.environ.get("IPULOOP_DATA_DIR")
+    if env:
+        return os.path.expanduser(env)
+    return os.path.join(os.path.expanduser("~"), ".cache", "torchvision")
+
+
+def _mnist_root(data_dir: str) -> str:
+    """A folder torchvision can read MNIST from: ``data_dir``, or a writable copy of its files."""
+    raw = os.path.join(data_dir, "MNIST", "raw")
+    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+             "t10k-labels-idx1-ubyte"]
+    if all(os.path.exists(os.path.join(raw, n)) for n in names) or not all(
+            os.path.exists(os.path.join(raw, n + ".gz")) for n in names):
+        return data_dir
+    if os.access(raw, os.W_OK):
+        return data_dir  # torchvision unpacks the .gz files in place
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "ipuloop", "mnist")
+    os.makedirs(os.path.join(cache, "MNIST", "raw"), exist_ok=True)
+    for n in names:  # a read-only folder: unpack a copy instead
+        dst = os.path.join(cache, "MNIST", "raw", n + ".gz")
+        if not os.path.exists(dst):
+            shutil.copyfile(os.path.join(raw, n + ".gz"), dst)
+    return cache
+
+
+class MissingData(RuntimeError):
+    pass
+
+
+def load_mnist(data_dir: str, train: bool):
+    """Real MNIST through torchvision, normalised once (the tutorial's ToTensor + Normalize)."""
+    import torchvision
+    root = _mnist_root(data_dir)
+    try:
+        ds = torchvision.datasets.MNIST(root, train=train, download=True)
+    except Exception as e:  # offline and not on disk
+        raise MissingData(
+            f"MNIST was not found in {os.path.join(data_dir, 'MNIST', 'raw')} and could not be "
+            f"downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).\n"
+            "Pass --data-dir DIR (or set IPULOOP_DATA_DIR) where DIR/MNIST/raw holds the four "
+            "MNIST files (train-images-idx3-ubyte.gz, ...), as torchvision lays them out.") from e
+    # ToTensor scales to [0, 1]; Normalize subtracts the mean and divides by the std. Done once
+    # for the whole set, so reading a sample is an index, not a PIL conversion.
+    images = ((ds.data.float().div_(255) - MEAN) / STD).unsqueeze(1)
+    return torch.utils.data.TensorDataset(images, ds.targets)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ipuloop.examples.mnist", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=40, help="micro-batch size for training")
+    p.add_argument("--device-iterations", type=int, default=10)
+    p.add_argument("--gradient-accumulation", type=int, default=10)
+    p.add_argument("--test-batch-size", type=int, default=8)
+    p.add_argument("--inference-iterations", type=int, default=100,
+                   help="device iterations for inference")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--learning-rate", type=float, default=0.001)
+    p.add_argument("--strategy", choices=("pipelined", "sharded"), default="pipelined")
+    p.add_argument("--offload-optimiser", action="store_true",
+                   help="keep the optimizer state off-chip")
+    p.add_argument("--profile", action="store_true", help="capture a profile of a few steps")
+    p.add_argument("--profile-dir", default="./profile")
+    p.add_argument("--debug", action="store_true", help="debug logging")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding MNIST/raw (default: $IPULOOP_DATA_DIR, else "
+                        "~/.cache/torchvision; downloaded when missing and online)")
+    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch here")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--workers", type=int, default=0, help="data loader worker processes")
+    p.add_argument("--ipu-config", default=None,
+                   help="an ipu_config.json (IPUConfig) replacing the options above")
+    p.add_argument("--ipu-config-overrides", default=None, help='e.g. "device_iterations=20"')
+    args = p.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    for name in ("batch_size", "device_iterations", "gradient_accumulation", "test_batch_size",
+                 "inference_iterations", "epochs", "replicas"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    import torchmetrics
+
+    from ipuloop import Loop, backend_name, poptorch
+    from ipuloop.config import IPUConfig
+
+    data_dir = _data_dir(args.data_dir)
+    try:
+        train_set = load_mnist(data_dir, train=True)
+        test_set = load_mnist(data_dir, train=False)
+    except MissingData as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.ipu_config:
+        config = IPUConfig.load(args.ipu_config)
+        if args.ipu_config_overrides:
+            config.update_from_string(args.ipu_config_overrides)
+        opts, inference = config, None
+    else:
+        opts, inference = build_options(args)
+    torch.manual_seed(args.seed)
+    model = Network()
+    callbacks = []
+    if args.checkpoint_dir:
+        from ipuloop.callbacks.checkpoint import ModelCheckpoint
+        callbacks.append(ModelCheckpoint(args.checkpoint_dir))
+    if args.profile:
+        from ipuloop.callbacks.profile import ProfileCapture
+        callbacks.append(ProfileCapture(dirpath=args.profile_dir))
+    accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=10)
+    loop = Loop(TrainingModelWithLoss(model), opts, inference_opts=inference,
+                optimizer=poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate),
+                metrics={"accuracy": accuracy}, callbacks=callbacks, seed=args.seed)
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
+                                               shuffle=True, num_workers=args.workers)
+    print(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
+          f"{args.batch_size} x {args.device_iterations} device iterations x "
+          f"{args.gradient_accumulation} accumulation x {args.replicas} replica(s)", flush=True)
+    start = time.perf_counter()
+    loop.fit(train_loader, epochs=args.epochs, max_steps=args.max_steps,
+             resume_from="last" if args.resume else None)
+    train_time = time.perf_counter() - start
+
+    test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.test_batch_size)
+    logits = loop.predict(test_loader)  # every test sample, in order
+    acc = (logits.argmax(dim=1) == test_set.tensors[1]).double().mean().item() * 100
+    st = loop.state
+    print(f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in "
+          f"{train_time:.1f}s; compile {sum(st.compile_time.values()):.1f}s")
+    print(f"Accuracy on test set: {acc:0.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
