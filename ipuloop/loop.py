@@ -114,6 +114,9 @@ class Loop:
             keeps one validation call about the size of a training call.
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
+        max_grad_norm: clip the global gradient norm on the device; sets the
+            ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
+            can clip on the IPU) and rejects any other optimizer.
 
     Example::
 
@@ -128,7 +131,7 @@ class Loop:
                  metrics: Any = None, callbacks: Iterable[Callback] = (),
                  replicas: int | str | None = None, inference_opts: Any = None,
                  seed: int | None = None, progress: bool | int = True,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, max_grad_norm: float | None = None) -> None:
         self.poptorch = pt = poptorch_module()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
@@ -152,6 +155,8 @@ class Loop:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer. Received: "
                             f"optimizer={type(optimizer).__name__}.")
+        if max_grad_norm is not None:
+            self._set_clipping(optimizer, max_grad_norm)
         self.optimizer = optimizer
         self.metrics = self._resolve_metrics(metrics)
         self.check_finite = check_finite
@@ -226,6 +231,23 @@ class Loop:
             raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
                              "set one of them.")
         self.train_opts.replicationFactor(replicas)
+
+    def _set_clipping(self, optimizer: Any, max_grad_norm: float) -> None:
+        pt = self.poptorch
+        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a number > 0. Received: "
+                             f"max_grad_norm={max_grad_norm!r}.")
+        clipping = (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW)
+        if not isinstance(optimizer, clipping):
+            name = "None" if optimizer is None else type(optimizer).__module__ + "." + \
+                type(optimizer).__qualname__
+            raise ValueError(
+                f"Gradient clipping runs on the device only with poptorch.optim.SGD, Adam or "
+                f"AdamW (their max_grad_norm). Received: optimizer={name}. Build the optimizer "
+                f"as poptorch.optim.AdamW(params, ..., max_grad_norm={max_grad_norm})"
+                + (" (LAMB clamps weight norms instead: max_weight_norm)."
+                   if isinstance(optimizer, pt.optim.LAMB) else "."))
+        optimizer.max_grad_norm = float(max_grad_norm)
 
     @staticmethod
     def _resolve_metrics(metrics: Any) -> dict[str, Any]:
@@ -318,7 +340,7 @@ class Loop:
         st = self.state
         if st.epoch_step == 0:
             self._epoch_loss = [0.0, 0, True]
-            for m in self.metrics.values():
+            for m in self._train_metrics().values():
                 m.reset()
         try:
             self._fire("on_epoch_start")

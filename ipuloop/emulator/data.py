@@ -239,9 +239,9 @@ class DataLoader(torch.utils.data.DataLoader):
                         f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to the "
                         f"combined batch size ({combined})")
                     worker_batch = rebatched_worker_size
-            super().__init__(dataset, batch_size=worker_batch, shuffle=shuffle,  # no batches,
-                             drop_last=drop_last and worker_batch is not None,  # nothing to drop
-                             **torch_kwargs)
+            # torch rejects drop_last=True without batching; there is nothing to drop then.
+            super().__init__(dataset, batch_size=worker_batch, shuffle=shuffle,
+                             drop_last=drop_last and worker_batch is not None, **torch_kwargs)
 
         if mode != DataLoaderMode.Sync:
             async_options = dict(async_options or {})
@@ -465,7 +465,7 @@ class AsynchronousDataAccessor:
         if channel is None:
             return
         self._channel = None
-        pass
+        channel.stop()
         atexit.unregister(channel.stop)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

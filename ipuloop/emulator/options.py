@@ -6,16 +6,14 @@ effect on the emulator. Setters keep PopTorch's names, checks and chaining.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import logging
 import os
-import types
 from typing import Any
 
 import torch
 
-from . import blocks, enums
+from . import enums
 from .blocks import PipelinedExecution, _IExecutionStrategy
 from .enums import (AutoStage, CommGroupType, ConnectionType, MeanReductionStrategy, OutputMode,
                     ReductionType, SyncPattern)
@@ -349,23 +347,6 @@ def _no_progress_bar(progress: int, total: int) -> None:
     """Stands for PopTorch's compilation progress bar (the emulator does not compile)."""
 
 
-def _poptorch_namespace() -> Any:
-    """The ``poptorch`` name used by options files: the emulator package, or its parts."""
-    try:
-        package = importlib.import_module("ipuloop.emulator")
-        if hasattr(package, "Options"):
-            return package
-    except ImportError:
-        pass
-    namespace = types.SimpleNamespace()  # package not ready: what options files need
-    for module in (enums, blocks):
-        for name in module.__all__:
-            setattr(namespace, name, getattr(module, name))
-    for name in __all__:
-        setattr(namespace, name, globals()[name])
-    return namespace
-
-
 def _from_json_value(value: Any) -> Any:
     """Turn "ConnectionType.OnDemand" into the enum member; other values pass through."""
     if isinstance(value, list):
@@ -393,8 +374,6 @@ class Options(_OptionsDict):
         self._distributed = _DistributedOptions()
         self._tensor_locations = _TensorLocationOptions()
         self._execution_strategy = PipelinedExecution(AutoStage.SameAsIpu)
-        self._source_location_excludes = ["install/poptorch", "site-packages/torch",
-                                          "site-packages/poptorch"]
         self._relax_optimizer_checks = False
         self._show_compilation_progress_bar = True
         self._module_namescope_enabled = True
@@ -618,18 +597,11 @@ class Options(_OptionsDict):
         self._module_namescope_enabled = False
         return self
 
-    def sourceLocationExcludes(self, excludes: list[str]) -> Options:
-        self._source_location_excludes = list(excludes)
-        return self
-
-    def appendToLocationExcludes(self, *excludes: str) -> Options:
-        self._source_location_excludes = self._source_location_excludes + list(excludes)
-        return self
-
     # -- loading, serialising, copying ------------------------------------------------------
     def loadFromFile(self, filepath: str) -> Options:
         """Run each non-comment line of ``filepath`` as ``options.<line>``."""
-        namespace = {"poptorch": _poptorch_namespace(), "torch": torch, "options": self}
+        from .. import emulator  # the names an options file may use as "poptorch.<name>"
+        namespace = {"poptorch": emulator, "torch": torch, "options": self}
         with open(filepath, encoding="utf-8") as f:
             lines = f.read().splitlines()
         for number, line in enumerate(lines, start=1):
