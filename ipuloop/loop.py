@@ -431,7 +431,8 @@ class Loop:
             f"Non-finite loss {float(flat[i])} at epoch {self.state.epoch}, step "
             f"{self.state.step} (0-based host call), {what} {m} of the step "
             + (f"(device iteration {d}, accumulation step {a}, replica {r})."
-               if layout.mode != SUM else "(a replica's sum over the step).")
+               if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
+               "names the micro-batch).")
             + " Lower the learning rate, check the data, or pass check_finite=False.")
 
     def _compile_train(self, inputs: tuple, labels: torch.Tensor) -> None:

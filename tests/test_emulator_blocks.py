@@ -101,7 +101,8 @@ def test_counter_starts_at_ipu_zero_and_ipu_zero_counts_only_if_used():
 
 
 def test_same_as_ipu_requires_an_ipu_id():
-    with pytest.raises(AssertionError, match="SameAsIpu was selected but no IPU was specified for block b"):
+    with pytest.raises(AssertionError, match="SameAsIpu was selected but no IPU was specified "
+                                             "for block b"):
         run_blocks(PipelinedExecution(AutoStage.SameAsIpu), ("a", 0), ("b", None))
 
 

@@ -171,6 +171,21 @@ def test_async_yields_the_same_batches_in_the_same_order_as_sync():
     assert not torch.equal(sync[0][0][0], sync[1][0][0])  # epochs really are reshuffled
 
 
+def test_async_leaves_the_global_rng_alone_and_is_seeded_by_it():
+    def epoch():
+        loader = DataLoader(opts(di=2), dataset(20), shuffle=True, mode=DataLoaderMode.Async)
+        state = torch.get_rng_state()
+        batches = firsts(loader)
+        assert torch.equal(torch.get_rng_state(), state)  # the thread drew from its own generator
+        loader.terminate()
+        return batches
+
+    torch.manual_seed(11)
+    first = epoch()
+    torch.manual_seed(11)
+    assert epoch() == first
+
+
 def test_async_prefetches_in_the_background():
     loader = DataLoader(opts(), dataset(10), mode=DataLoaderMode.Async,
                         async_options={"buffer_size": 4, "early_preload": True})
@@ -294,7 +309,8 @@ def test_accessor_asserts():
     with pytest.raises(AssertionError, match="greater than 1"):
         AsynchronousDataAccessor(dataset(), rebatched_size=1)
     with pytest.raises(AssertionError, match="rebatched_size in async_options"):
-        DataLoader(opts(), dataset(), mode=DataLoaderMode.Async, async_options={"rebatched_size": 2})
+        DataLoader(opts(), dataset(), mode=DataLoaderMode.Async,
+                   async_options={"rebatched_size": 2})
 
 
 def test_accessor_over_torch_loader_and_rebatching():

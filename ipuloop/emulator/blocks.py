@@ -52,7 +52,8 @@ class Stage:
 
     def ipu(self, ipu: int) -> Stage:
         """Run this stage on IPU ``ipu`` (overrides the blocks' ``ipu_id``)."""
-        assert isinstance(ipu, int) and ipu >= 0, f"Stage.ipu expects an int >= 0. Received: ipu={ipu!r}."
+        assert isinstance(ipu, int) and ipu >= 0, (
+            f"Stage.ipu expects an int >= 0. Received: ipu={ipu!r}.")
         self._ipu = ipu
         return self
 
@@ -287,7 +288,7 @@ class _IExecutionStrategy:
 
 
 class PipelinedExecution(_IExecutionStrategy):
-    """Pipeline the stages. Args: one ``AutoStage``, or stages given as ids, id lists or ``Stage``s."""
+    """Pipeline the stages: ``PipelinedExecution(AutoStage)`` or stages as ids/id lists/Stages."""
 
     _pipelined = True
 
@@ -304,7 +305,8 @@ class PipelinedExecution(_IExecutionStrategy):
                     stage = Stage(arg)
                 else:
                     assert all(isinstance(b, str) for b in arg), (
-                        f"Stages must be Stage objects, block ids or lists of block ids. Received: {arg!r}.")
+                        "Stages must be Stage objects, block ids or lists of block ids. "
+                        f"Received: {arg!r}.")
                     stage = Stage(*arg)
                 stage._stage_id = stage_id
                 for block in stage.blocks:
@@ -333,7 +335,8 @@ class Phase:
             self.stages: tuple[Stage, ...] | list[Stage] = arg
         else:
             assert all(isinstance(a, str) for a in arg), (
-                f"All arguments must either be block IDs (strings) or Stages: {[type(a) for a in arg]}")
+                "All arguments must either be block IDs (strings) or Stages: "
+                f"{[type(a) for a in arg]}")
             self.stages = [Stage(*arg)]
 
     def stage(self, idx: int) -> Stage:
@@ -360,7 +363,9 @@ class _IPhasedExecution(_IExecutionStrategy):
         self._phases: list[Phase] = []
         block_map: dict[str, Stage] = {}
         for phase_id, arg in enumerate(phases):
-            phase = arg if isinstance(arg, Phase) else Phase(*(arg if isinstance(arg, list) else [arg]))
+            if not isinstance(arg, Phase):
+                arg = Phase(*(arg if isinstance(arg, list) else [arg]))
+            phase = arg
             self._phases.append(phase)
             for stage in phase.stages:
                 stage._phase_id = phase_id

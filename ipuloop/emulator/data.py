@@ -163,28 +163,36 @@ class DataLoader(torch.utils.data.DataLoader):
                  async_options: dict[str, Any] | None = None,
                  rebatched_worker_size: int | None = None, **kwargs: Any) -> None:
         assert isinstance(options, Options), (
-            f"DataLoader expects a poptorch.Options as first argument. Received: {type(options).__name__}.")
+            "DataLoader expects a poptorch.Options as first argument. "
+            f"Received: {type(options).__name__}.")
         options._freeze()
         shuffle = bool(shuffle)
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         mode = DataLoaderMode(mode)
+        if mode != DataLoaderMode.Sync and kwargs.get("generator") is None:
+            # The prefetch thread must not draw from the global RNG the model uses (dropout...):
+            # give torch's sampler a private generator, seeded here from the global one.
+            seed = int(torch.empty((), dtype=torch.int64).random_())
+            kwargs["generator"] = torch.Generator().manual_seed(seed)
         procs = options.Distributed.numProcesses
-        factor = (options.device_iterations * (options.replication_factor // options.input_group_size)
-                  * options.Training.gradient_accumulation)
+        input_groups = options.replication_factor // options.input_group_size
+        factor = options.device_iterations * input_groups * options.Training.gradient_accumulation
         self._options = options
         self._accessor: AsynchronousDataAccessor | None = None
         self._shuffle_distributed = False
         self._combine, self._combine_drop_last = 1, drop_last
         self.rebatched_drop_last = drop_last  # the user's drop_last, read by the accessor
         rebatched_size = None
-        torch_kwargs = dict(num_workers=num_workers, persistent_workers=persistent_workers, **kwargs)
+        torch_kwargs = dict(num_workers=num_workers, persistent_workers=persistent_workers,
+                            **kwargs)
 
         batch_sampler = kwargs.get("batch_sampler")
         if batch_sampler is not None:
             if batch_size != 1 or shuffle:
                 raise ValueError("`batch_sampler` option is mutually exclusive with batch_size, "
-                                 f"shuffle. Received: batch_size={batch_size!r}, shuffle={shuffle!r}.")
+                                 f"shuffle. Received: batch_size={batch_size!r}, "
+                                 f"shuffle={shuffle!r}.")
             if procs > 1 and auto_distributed_partitioning:
                 raise ValueError("`batch_sampler` option is mutually exclusive with "
                                  "auto_distributed_partitioning when Distributed.numProcesses > 1: "
@@ -204,7 +212,8 @@ class DataLoader(torch.utils.data.DataLoader):
             self._combined_batch_size = combined
             if isinstance(dataset, IterableDataset):
                 if auto_distributed_partitioning:
-                    assert procs == 1, "auto_distributed_partitioning not supported for IterableDataset"
+                    assert procs == 1, (
+                        "auto_distributed_partitioning not supported for IterableDataset")
                 if num_workers > 1 and "worker_init_fn" not in kwargs:
                     logger.warning(
                         "IterableDataset used with num_workers=%d but no worker_init_fn specified: "
@@ -230,9 +239,10 @@ class DataLoader(torch.utils.data.DataLoader):
                     self._shuffle_distributed, shuffle = shuffle, False
 
             worker_batch = combined
-            if mode == DataLoaderMode.Async and not drop_last and combined is not None and combined > 1:
+            rebatchable = combined is not None and combined > 1
+            if mode == DataLoaderMode.Async and not drop_last and rebatchable:
                 mode = DataLoaderMode.AsyncRebatched  # PopTorch converts this case automatically
-            if mode == DataLoaderMode.AsyncRebatched and combined is not None and combined > 1:
+            if mode == DataLoaderMode.AsyncRebatched and rebatchable:
                 rebatched_size, worker_batch, drop_last = combined, 1, False
                 if rebatched_worker_size is not None:
                     assert rebatched_worker_size <= combined, (
@@ -410,7 +420,7 @@ class AsynchronousDataAccessor:
         load_indefinitely: start the next epoch as soon as one ends.
         early_preload: start prefetching now rather than on the first ``iter()``.
         rebatched_size: re-cut the incoming batches into batches of this size (> 1).
-        miss_sleep_time_in_ms, sharing_strategy: accepted for compatibility (a thread needs neither).
+        miss_sleep_time_in_ms, sharing_strategy: accepted, unused (a thread needs neither).
 
     Example::
 
@@ -427,9 +437,9 @@ class AsynchronousDataAccessor:
         self._channel: _Channel | None = None
         ours = isinstance(dataset, DataLoader)
         if ours and dataset._accessor is not None:
-            raise Error("The DataLoader already uses an AsynchronousDataAccessor internally. Either "
-                        "use the existing one or set mode='poptorch.DataLoaderMode.Sync' in the "
-                        "DataLoader.")
+            raise Error("The DataLoader already uses an AsynchronousDataAccessor internally. "
+                        "Either use the existing one or set mode='poptorch.DataLoaderMode.Sync' "
+                        "in the DataLoader.")
         if ours and not dataset.drop_last and rebatched_size is None and dataset._combine == 1:
             assert dataset.combinedBatchSize is None or dataset.combinedBatchSize == 1, (
                 "The 'drop_last=False' option from the DataLoader only works if 'rebatched_size' "

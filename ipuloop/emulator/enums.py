@@ -85,7 +85,7 @@ class AutoStage(IntEnum):
 
 
 class SharingStrategy(IntEnum):
-    """How PopTorch's asynchronous worker process receives the dataset (ignored: the emulator uses a thread)."""
+    """How PopTorch's async worker gets the dataset (ignored: the emulator uses a thread)."""
 
     SharedMemory = 0
     FileSystem = 1

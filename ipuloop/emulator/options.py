@@ -492,8 +492,8 @@ class Options(_OptionsDict):
 
     def setExecutionStrategy(self, strategy: _IExecutionStrategy) -> Options:
         assert isinstance(strategy, _IExecutionStrategy), (
-            "setExecutionStrategy expects a PipelinedExecution, ShardedExecution, "
-            f"SerialPhasedExecution or ParallelPhasedExecution. Received: {type(strategy).__name__}.")
+            "setExecutionStrategy expects a PipelinedExecution, ShardedExecution, SerialPhased"
+            f"Execution or ParallelPhasedExecution. Received: {type(strategy).__name__}.")
         self._execution_strategy = strategy
         return self
 

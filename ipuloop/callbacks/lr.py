@@ -1,0 +1,116 @@
+"""``LRScheduler``: steps a torch LR scheduler per optimizer update or per epoch."""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import torch
+
+from .base import Callback
+
+__all__ = ["LRScheduler"]
+
+# The device runs the optimizer, never the host's optimizer.step(), so torch would warn.
+_ORDER_WARNING = re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+
+
+def _plain(x: Any, path: str) -> Any:
+    """``x`` as what ``torch.load(weights_only=True)`` accepts (numpy values converted)."""
+    if x is None or isinstance(x, (bool, int, float, str, torch.Tensor)):
+        return x
+    if isinstance(x, dict):
+        return {k: _plain(v, f"{path}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v, f"{path}[{i}]") for i, v in enumerate(x))
+    if type(x).__module__ == "numpy":
+        return x.item() if getattr(x, "ndim", 0) == 0 else torch.from_numpy(x.copy())
+    raise TypeError(f"LRScheduler: the scheduler's state {path} is a {type(x).__name__}, which a "
+                    "checkpoint cannot hold (tensors, numbers, strings, lists and dicts only). "
+                    "Keep such objects out of the scheduler's __dict__ (e.g. in a closure).")
+
+
+class LRScheduler(Callback):
+    """Steps ``scheduler`` as the device trains, so the device runs the scheduled LR.
+
+    One host step runs DI (device iterations) optimizer updates on the device, and the device
+    reads hyper-parameters only between host calls. So with ``interval="update"`` the callback
+    steps the scheduler DI times after each host step: the schedule counts updates, not host
+    calls, but the LR is constant within a step (as on hardware): updates ``k*DI ... k*DI+DI-1``
+    all run the LR the schedule gives update ``k*DI``. The loop pushes a changed LR to the device
+    with ``setOptimizer`` before the next step, and only when it changed.
+
+    Args:
+        scheduler: any ``torch.optim.lr_scheduler`` scheduler over the loop's optimizer.
+        interval: "update" (per optimizer update) or "epoch" (at ``on_epoch_end``); default
+            "update", and "epoch" for ``ReduceLROnPlateau``, which only steps per epoch.
+        monitor: for ``ReduceLROnPlateau``, the log it watches (e.g. "val_loss").
+
+    Example::
+
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=updates)
+        loop = Loop(model, opts, optimizer=opt, callbacks=[LRScheduler(sched)])
+    """
+
+    order = -10  # steps before callbacks that save its state at the same event (ModelCheckpoint)
+
+    def __init__(self, scheduler: Any, interval: str | None = None,
+                 monitor: str | None = None) -> None:
+        self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        if not (hasattr(scheduler, "step") and hasattr(scheduler, "optimizer")):
+            raise TypeError("scheduler must be a torch LR scheduler (with .step() and "
+                            f".optimizer). Received: scheduler={type(scheduler).__name__}.")
+        interval = interval or ("epoch" if self.plateau else "update")
+        if interval not in ("update", "epoch"):
+            raise ValueError(f'interval must be "update" or "epoch". Received: '
+                             f"interval={interval!r}.")
+        if self.plateau and (interval != "epoch" or monitor is None):
+            raise ValueError('ReduceLROnPlateau steps on a monitored log at epoch end: pass '
+                             f'interval="epoch" and monitor=, e.g. "val_loss". Received: '
+                             f"interval={interval!r}, monitor={monitor!r}.")
+        if monitor is not None and not self.plateau:
+            raise ValueError(f"monitor is only used with ReduceLROnPlateau; "
+                             f"{type(scheduler).__name__} takes no metric. Received: "
+                             f"monitor={monitor!r}.")
+        self.scheduler, self.interval, self.monitor = scheduler, interval, monitor
+
+    def _step(self, *args: float) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_ORDER_WARNING)
+            self.scheduler.step(*args)
+
+    def on_fit_start(self, loop: Any) -> None:
+        if self.scheduler.optimizer is not loop.optimizer:
+            raise ValueError("LRScheduler: the scheduler drives another optimizer than the "
+                             "loop's, so its LR would never reach the device. Build the "
+                             "scheduler over the optimizer passed to Loop(optimizer=...).")
+
+    def on_train_step_end(self, loop: Any) -> None:
+        if self.interval == "update":
+            for _ in range(loop.train_opts.device_iterations):  # DI updates ran in this step
+                self._step()
+
+    def on_epoch_end(self, loop: Any) -> None:
+        if self.interval != "epoch":
+            return
+        if not self.plateau:
+            self._step()
+            return
+        logs = loop.state.logs
+        if self.monitor not in logs:
+            raise ValueError(f"LRScheduler: monitor={self.monitor!r} is not in the logs. "
+                           f"Available: {sorted(logs)}.")
+        self._step(float(logs[self.monitor]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return _plain(self.scheduler.state_dict(), "state_dict()")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        # The saved optimizer may hold the LR the device ran, one push behind the schedule:
+        # the schedule's LR wins, and the loop pushes it before the first step.
+        for group, lr in zip(self.scheduler.optimizer.param_groups, state.get("_last_lr", ())):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
