@@ -184,7 +184,7 @@ class Loop:
         if len(set(keys)) != len(keys):
             raise ValueError(f"Two callbacks share a state_key ({keys}): give each a unique "
                              "state_key so checkpoints can tell them apart.")
-        self._hooks = {e: [getattr(cb, e) for cb in self.callbacks if overridden(cb, e)]
+        self._hooks = {e: [(cb, getattr(cb, e)) for cb in self.callbacks if overridden(cb, e)]
                        for e in EVENTS}
         self.train_model: Any = None
         self._inference: dict[tuple, Any] = {}
@@ -273,21 +273,21 @@ class Loop:
 
     # -- events ---------------------------------------------------------------------------------
     def _fire(self, event: str) -> None:
-        for hook in self._hooks[event]:
+        for cb, hook in self._hooks[event]:
             try:
                 hook(self)
             except (CancelStep, CancelEpoch, CancelFit):
                 raise
             except BaseException as e:
                 if hasattr(e, "add_note"):
-                    e.add_note(f"raised in callback {type(hook.__self__).__name__}.{event}")
+                    e.add_note(f"raised in callback {type(cb).__name__}.{event}")
                 raise
 
     def describe(self) -> str:
         """The loop's events, with the callbacks attached to each."""
         lines = []
         for e in EVENTS:
-            names = [type(h.__self__).__name__ for h in self._hooks[e]]
+            names = [type(cb).__name__ for cb, _ in self._hooks[e]]
             lines.append(f"{e:24s} {', '.join(names) if names else '-'}")
         return "\n".join(lines)
 
@@ -656,11 +656,11 @@ class Loop:
             return
         self._exception_fired = True
         self.exception = sys.exc_info()[1]  # what on_exception callbacks are told about
-        for hook in self._hooks["on_exception"]:
+        for cb, hook in self._hooks["on_exception"]:
             try:
                 hook(self)
             except Exception as e:  # the original exception is the one to report
-                warnings.warn(f"{type(hook.__self__).__name__}.on_exception failed: {e!r}")
+                warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}")
 
     # -- checkpoint state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

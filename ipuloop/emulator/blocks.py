@@ -271,7 +271,7 @@ def removeBlocks(module: torch.nn.Module) -> None:
 class _IExecutionStrategy:
     """Base of the execution strategies: maps block ids to stages."""
 
-    emulator_supported = True  # the emulator's executor refuses strategies where this is False
+    emulated = True  # False: the emulator's executor refuses this strategy
     _pipelined = False
 
     def __init__(self, block_map: dict[str, Stage], auto_stage: AutoStage) -> None:
@@ -353,7 +353,7 @@ class Phase:
 class _IPhasedExecution(_IExecutionStrategy):
     """Phased execution: constructible and recorded, but the emulator cannot run it."""
 
-    emulator_supported = False
+    emulated = False
 
     def __init__(self, *phases: Phase | list[Any]) -> None:
         assert phases, ("There is currently no AutoStage for PhasedExecution, please explicitly "

@@ -338,12 +338,14 @@ class PoplarExecutor:
             if isinstance(x, torch.Tensor):
                 n = x.shape[0] if x.dim() else 1
                 assert n % prod == 0, (
-                    f"Invalid batch dimension: In the input {tuple(x.shape)}, the batch dimension "
+                    f"Invalid batch dimension: In the input {x.shape}, the batch dimension "
                     f"({n}) must be a multiple of Options.deviceIterations({di}) * "
                     f"(Options.replicationFactor({rf}) / "
                     f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
                     f"Options.Training.gradientAccumulation({ga}) = {prod} because it is used to "
-                    "calculate the batch size which will be fetched from the host.")
+                    "calculate the batch size which will be executed on the device in any given "
+                    "iteration. For a full explanation see the batching semantics page of the "
+                    "documentation.")
         self._signature = _Signature(self._device_model.forward, args, kwargs)
         self._compiled = True
         self._attach()  # uploads weights, optimizer and RNG, as on hardware
