@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import random
 import sys
 import time
@@ -50,6 +51,22 @@ class WithLoss(torch.nn.Module):
                             f"Received {len(args)} arguments.")
         output = self.model(*args[:-1])
         return output, self.loss_fn(output, args[-1])
+
+
+class _Autocast(torch.nn.Module):
+    """Runs ``module`` under ``torch.autocast`` (mixed 16-bit precision on the emulator)."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args)
+
+
+PRECISIONS = ("32", "16-mixed", "16-true")
 
 
 def _hyper(opt: torch.optim.Optimizer) -> tuple:
@@ -114,6 +131,10 @@ class Loop:
             keeps one validation call about the size of a training call.
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
+        precision: "32" (default), "16-mixed" or "16-true". Mixed: autocast on the emulator
+            (bfloat16 on the CPU, float16 on CUDA), float inputs cast to half on an IPU.
+            True: the model and float inputs in float16. Loss scaling is static: set
+            ``loss_scaling`` on a ``poptorch.optim`` optimizer.
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
             can clip on the IPU) and rejects any other optimizer.
@@ -131,11 +152,13 @@ class Loop:
                  metrics: Any = None, callbacks: Iterable[Callback] = (),
                  replicas: int | str | None = None, inference_opts: Any = None,
                  seed: int | None = None, progress: bool | int = True,
-                 check_finite: bool = True, max_grad_norm: float | None = None) -> None:
+                 check_finite: bool = True, max_grad_norm: float | None = None,
+                 precision: str = "32") -> None:
         self.poptorch = pt = poptorch_module()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
         self.model = WithLoss(model, loss_fn) if loss_fn is not None else model
+        self._set_precision(precision)
         self.train_opts, inf = self._resolve_options(opts, inference_opts)
         self._user_inference_opts = inf
         if replicas is not None:
@@ -232,6 +255,25 @@ class Loop:
                              "set one of them.")
         self.train_opts.replicationFactor(replicas)
 
+    def _set_precision(self, precision: str) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}. Received: "
+                             f"precision={precision!r}.")
+        self.precision = precision
+        self._device_module = self.model  # what the executors wrap
+        self._input_dtype: torch.dtype | None = None
+        if precision == "16-true":
+            self.model.half()
+            self._input_dtype = torch.float16
+        elif precision == "16-mixed":
+            from .backend import backend_name
+            if backend_name() == "emulator":
+                device = os.environ.get("IPULOOP_EMULATOR_DEVICE", "cpu").split(":")[0]
+                dtype = torch.float16 if device == "cuda" else torch.bfloat16
+                self._device_module = _Autocast(self.model, device, dtype)
+            else:  # PopTorch 3.x: half inputs, ops follow PyTorch's type promotion
+                self._input_dtype = torch.float16
+
     def _set_clipping(self, optimizer: Any, max_grad_norm: float) -> None:
         pt = self.poptorch
         if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
@@ -326,6 +368,8 @@ class Loop:
                     self._fit_epoch(plan, val_plan)
             except CancelFit:
                 pass
+            if self.train_model is not None and self.train_model.isAttachedToDevice():
+                self.train_model.detachFromDevice()  # weights and optimizer state to the host
             self._fire("on_fit_end")
         except BaseException:
             self._on_exception()
@@ -439,7 +483,7 @@ class Loop:
         pt = self.poptorch
         if self.train_model is None:
             self.model.train()
-            self.train_model = pt.trainingModel(self.model, self.train_opts,
+            self.train_model = pt.trainingModel(self._device_module, self.train_opts,
                                                 optimizer=self.optimizer)
             if self.optimizer is None:
                 self.optimizer = getattr(self.train_model, "_optimizer", None)
@@ -477,10 +521,18 @@ class Loop:
         return build_plan(self.poptorch, loader, opts, self._layout(opts, training),
                           training=training, name=name, pad=pad, sequential=pad)
 
+    def _cast(self, x: Any) -> Any:
+        if self._input_dtype is not None and isinstance(x, torch.Tensor) \
+                and x.is_floating_point():
+            return x.to(self._input_dtype)  # 16-bit: float inputs are sent as half
+        return x
+
     def _split(self, batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
             if isinstance(self.model, WithLoss):
                 self.model.num_inputs = len(batch) - 1
+            if self._input_dtype is not None:
+                batch = [self._cast(x) for x in batch]
             return tuple(batch[:-1]), batch[-1]
         raise ValueError(f"{plan.name} must yield (inputs..., labels) tuples: the last element "
                          f"is the labels. Received a {type(batch).__name__}"
@@ -574,7 +626,7 @@ class Loop:
         model = self._inference.get(key)
         if model is None:
             self.model.eval()
-            model = self.poptorch.inferenceModel(self.model, plan.loader.options)
+            model = self.poptorch.inferenceModel(self._device_module, plan.loader.options)
             self.model.train()
             self._inference[key] = model
         if not model.isCompiled():
@@ -638,6 +690,7 @@ class Loop:
                                               else (batch,))
                 if model is None and isinstance(self.model, WithLoss):
                     self.model.num_inputs = len(inputs)
+                inputs = tuple(self._cast(x) for x in inputs)
                 if model is None:
                     model = self._inference_model(plan, "predict", inputs)
                 self._activate(model)

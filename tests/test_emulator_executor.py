@@ -567,11 +567,10 @@ def test_host_lr_change_ignored_until_set_optimizer():
 def test_lr_scheduler_needs_set_optimizer():
     m = Lin()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)
     model = poptorch.trainingModel(m, opts(), opt)
     x, y = torch.ones(2, 2), torch.zeros(2, 1)
     model(x, y)
-    sched.step()  # host lr -> 0
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # host lr -> 0
     before = m.fc.weight.detach().clone()
     model(x, y)  # device still lr 0.1
     after = m.fc.weight.detach().clone()

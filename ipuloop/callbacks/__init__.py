@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 from .base import Callback, CancelEpoch, CancelFit, CancelStep
+from .csv_logger import CSVLogger
+from .early_stopping import EarlyStopping
+from .lr import LRScheduler
+from .profile import ProfileCapture
 from .progress import ProgressBar
 
-__all__ = ["Callback", "CancelEpoch", "CancelFit", "CancelStep", "ProgressBar"]
+__all__ = ["CSVLogger", "Callback", "CancelEpoch", "CancelFit", "CancelStep", "EarlyStopping",
+           "LRScheduler", "ProfileCapture", "ProgressBar"]

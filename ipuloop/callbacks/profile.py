@@ -46,6 +46,7 @@ class ProfileCapture(Callback):
         self.start_step, self.num_steps, self.dirpath = start_step, num_steps, os.fspath(dirpath)
         self._prof: Any = None
         self._seen = 0  # steps completed in the window
+        self._cuda = False  # the window also records CUDA kernels
         self.written: list[str] = []  # the files of the last capture
 
     def on_fit_start(self, loop: Any) -> None:
@@ -105,11 +106,14 @@ class ProfileCapture(Callback):
 
     def _finish(self, loop: Any) -> None:
         prof = self._close()
+        if not self._seen:  # no step of the window completed: nothing worth writing
+            return
         trace = os.path.join(self.dirpath, "trace.json")
         ops = os.path.join(self.dirpath, "ops.txt")
         key = "self_device_time_total" if self._cuda else "self_cpu_time_total"
         try:
-            prof.export_chrome_trace(trace)
+            # The Python exporter raises when it cannot write (torch's default fails silently).
+            prof.export_chrome_trace(trace, use_python_export=True)
             with open(ops, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=15) + "\n")
         except OSError as e:

@@ -348,15 +348,29 @@ class PoplarExecutor:
                     "documentation.")
         self._signature = _Signature(self._device_model.forward, args, kwargs)
         self._compiled = True
-        self._attach()  # uploads weights, optimizer and RNG, as on hardware
-        # Trace the first micro-batch: finds the loss, the blocks and the pipeline stages.
+        try:
+            if o.connection_type != ConnectionType.Never:  # offline target: compile only
+                self._attach()  # uploads weights, optimizer and RNG, as on hardware
+            self._trace(leaves, spec, prod, di, ga, rf)
+        except BaseException:
+            # A failed compilation leaves no executable behind (PopTorch: isCompiled() False).
+            self._compiled = self._attached = False
+            self._signature = self._device_optimizer = None
+            raise
+        self._compile_time = time.perf_counter() - start
+
+    def _trace(self, leaves: list[Any], spec: Any, prod: int, di: int, ga: int, rf: int) -> None:
+        """Trace the first micro-batch: finds the loss, the blocks and the pipeline stages."""
         micro = [self._prepare(x)[:x.shape[0] // prod] if isinstance(x, torch.Tensor) and x.dim()
                  else self._prepare(x) for x in leaves]
         margs, mkwargs = _unflatten(micro, spec)
         saved = [b.clone() for b in self._dev_buffers]
-        rng = self._rng_state
+        # Random ops draw from the device generator, which the trace leaves as it found it; the
+        # host generator is not touched (the device's RNG is its own).
+        rng = self._rng_state if self._rng_state is not None else self._initial_rng_state()
+        host_rng = self._swap_rng(rng)
         global _running_on_ipu
-        strategy = o._execution_strategy
+        strategy = self._options._execution_strategy
         try:
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training):
@@ -366,13 +380,12 @@ class PoplarExecutor:
             with torch.no_grad():
                 for b, s in zip(self._dev_buffers, saved):
                     b.copy_(s)
-            self._rng_state = rng
+            self._swap_rng(host_rng)
         out_leaves, self._out_spec = _out_leaves(out)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
             self._loss_index = self._find_loss(out_leaves)
         self._check_stages(trace, di, ga, rf)
-        self._compile_time = time.perf_counter() - start
 
     @staticmethod
     def _find_loss(leaves: list[Any]) -> int:

@@ -1,0 +1,374 @@
+"""``ModelCheckpoint``: atomic, verified checkpoints of the whole loop, and exact resume.
+
+A checkpoint is a folder ``<dirpath>/<name>/`` holding ``state.pt`` (``torch.save`` of
+``Loop.state_dict()``: tensors, numbers, strings, lists and dicts only) and ``manifest.json``,
+written last: the manifest is the commit. A folder without one is an interrupted save.
+Every file is written by ``_atomic_write`` (temporary file next to the target, fsync,
+``os.replace``, fsync of the folder), so a crash at any moment leaves the previous checkpoints
+whole. Save order: write the new one, commit it, then rotate the old ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .base import Callback
+
+__all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "FORMAT_VERSION"]
+
+FORMAT_VERSION = "1.0"  # major.minor: a reader rejects a newer major version
+MANIFEST, STATE = "manifest.json", "state.pt"
+TMP_PREFIX = ".ipuloop-tmp-"  # every temporary file or folder starts with this
+_CHUNK = 1 << 20  # bytes per write call
+_write_hook: Callable[[Path, int], None] | None = None  # tests: called before each chunk
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written or trusted; ``path`` names the file, ``reason`` why."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        self.path, self.reason = str(path), reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """The one write primitive: ``path`` holds either its old content or ``data``, never a mix."""
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # same filesystem as path
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for offset in range(0, len(data), _CHUNK):
+                if _write_hook is not None:
+                    _write_hook(path, offset)
+                f.write(data[offset:offset + _CHUNK])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _dump(manifest: dict[str, Any]) -> bytes:
+    # The one serialization: a reader re-dumps what it parsed and requires the same bytes.
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _versions() -> dict[str, str | None]:
+    from .. import __version__
+    from ..backend import poptorch_module
+    return {"ipuloop": __version__, "torch": torch.__version__,
+            "poptorch": getattr(poptorch_module(), "__version__", None)}
+
+
+def _folder(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p.parent if p.name in (MANIFEST, STATE) and not p.is_dir() else p
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The verified manifest of the checkpoint at ``path`` (a folder, or a file in it).
+
+    Checks the manifest's own checksum and format version, then each file's size and SHA-256.
+    """
+    folder = _folder(path)
+    mpath = folder / MANIFEST
+    try:
+        raw = mpath.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(mpath, "missing: not a committed ipuloop checkpoint (an "
+                              "interrupted save, or a folder ipuloop did not write)") from None
+    except OSError as e:
+        raise CheckpointError(mpath, f"cannot be read: {e}") from None
+    try:
+        m = json.loads(raw)
+        body = dict(m)
+        claimed = body.pop("manifest_sha256")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(mpath, f"not an ipuloop manifest (truncated, altered or foreign): "
+                              f"{e!r}") from None
+    if body.get("format") != "ipuloop-checkpoint" or "format_version" not in body:
+        raise CheckpointError(mpath, "not an ipuloop manifest: no ipuloop format marker")
+    major = str(body["format_version"]).split(".")[0]
+    if not major.isdigit() or int(major) > int(FORMAT_VERSION.split(".")[0]):
+        raise CheckpointError(mpath, f"format version {body['format_version']} is newer than "
+                              f"this ipuloop reads ({FORMAT_VERSION}): upgrade ipuloop")
+    if raw != _dump(m) or claimed != _sha256(_dump(body)):
+        raise CheckpointError(mpath, "checksum mismatch: the manifest was altered or corrupted")
+    for name, meta in body.get("files", {}).items():
+        fpath = folder / name
+        if Path(name).name != name or name.startswith("."):
+            raise CheckpointError(mpath, f"lists a file outside its folder: {name!r}")
+        try:
+            data = fpath.read_bytes()
+        except OSError as e:
+            raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e}") from None
+        if len(data) != meta["bytes"]:
+            raise CheckpointError(fpath, f"is {len(data)} bytes, the manifest says "
+                                  f"{meta['bytes']}: truncated or altered")
+        if _sha256(data) != meta["sha256"]:
+            raise CheckpointError(fpath, "SHA-256 does not match the manifest: altered or "
+                                  "corrupted after it was written")
+    if STATE not in body.get("files", {}):
+        raise CheckpointError(mpath, f"lists no {STATE}")
+    return body
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Verify the checkpoint at ``path`` and return its ``Loop.state_dict()``, on the CPU.
+
+    Unpickling is ``torch.load(weights_only=True)``: a file that would run code is rejected.
+    """
+    read_manifest(path)
+    spath = _folder(path) / STATE
+    try:
+        sd = torch.load(spath, weights_only=True, map_location="cpu")
+    except Exception as e:  # UnpicklingError, RuntimeError, EOFError...: all mean "untrusted"
+        raise CheckpointError(spath, f"rejected by torch.load(weights_only=True): {e}") from None
+    if not isinstance(sd, dict) or not {"model", "counters", "rng"} <= sd.keys():
+        raise CheckpointError(spath, "not an ipuloop loop state (no model, counters or rng)")
+    return sd
+
+
+class ModelCheckpoint(Callback):
+    """Saves the loop every N epochs and/or steps, keeps the best k, and enables resume.
+
+    Args:
+        dirpath: folder of the checkpoints (created); nothing is written outside it.
+        every_n_epochs: save at ``on_epoch_end`` every N epochs (None or 0: never).
+        every_n_steps: save at ``on_train_step_end`` every N training steps (host calls).
+        monitor: a log name (``loop.state.logs``) ranking the checkpoints; None ranks by age.
+        mode: "min" or "max": which monitored value is better.
+        save_top_k: how many of the best (or newest) to keep; -1 keeps all.
+        save_last: also keep the newest checkpoint, whatever its rank.
+        save_on_exception: save once, as ``<name>-exception``, when fit raises (not on
+            Ctrl-C); "tainted" in its manifest when the cause is a non-finite loss.
+        filename: the folder name, formatted with the counters and the logs.
+
+    Example::
+
+        ckpt = ModelCheckpoint("checkpoints", every_n_steps=100, monitor="val_loss")
+        Loop(model, opts, loss_fn=loss, callbacks=[ckpt]).fit(loader, 10, resume_from="last")
+    """
+
+    order = 90  # after callbacks that add logs, before the progress display
+
+    def __init__(self, dirpath: str | os.PathLike, *, every_n_epochs: int | None = 1,
+                 every_n_steps: int | None = None, monitor: str | None = None,
+                 mode: str = "min", save_top_k: int = 1, save_last: bool = True,
+                 save_on_exception: bool = True,
+                 filename: str = "epoch{epoch}-step{step}") -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f'mode must be "min" or "max". Received: mode={mode!r}.')
+        for k, v in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"{k} must be an int >= 0 or None. Received: {k}={v!r}.")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(f"save_top_k must be an int >= -1. Received: {save_top_k!r}.")
+        self.dirpath = Path(dirpath)
+        self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
+        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
+        self.save_last, self.save_on_exception, self.filename = (save_last, save_on_exception,
+                                                                 filename)
+        self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of committed saves
+        self.resumed_from: str | None = None  # never deleted while this fit runs
+        self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
+        self._saving: str | None = None
+        self._in_fit = False
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"kept": [dict(e) for e in self.kept], "name": self._saving}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kept = [dict(e) for e in state.get("kept", [])]
+        self.resumed_from = state.get("name")
+
+    # -- events --------------------------------------------------------------------------------
+    def on_fit_start(self, loop: Any) -> None:
+        self._in_fit = True
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        for p in [*self.dirpath.glob(TMP_PREFIX + "*"), *self.dirpath.glob(f"*/{TMP_PREFIX}*")]:
+            _remove(p)  # left by a save that was killed
+        for p in self.dirpath.iterdir():  # uncommitted checkpoint folders: state.pt, no manifest
+            if p.is_dir() and not (p / MANIFEST).exists() and {c.name for c in p.iterdir()} \
+                    <= {STATE}:
+                _remove(p)
+
+    def on_train_step_end(self, loop: Any) -> None:
+        if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
+            self.save(loop)
+
+    def on_epoch_end(self, loop: Any) -> None:
+        if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
+            self.save(loop)
+
+    def on_fit_end(self, loop: Any) -> None:
+        self._in_fit = False
+        for name in self._deferred:  # the fit succeeded: the resumed-from one may go now
+            _remove(self.dirpath / name)
+        self._deferred, self.resumed_from = [], None
+
+    def on_exception(self, loop: Any) -> None:
+        if not (self.save_on_exception and self._in_fit):
+            return
+        self._in_fit = False
+        if isinstance(loop.exception, KeyboardInterrupt):
+            return  # reliability §7.8: no new checkpoint after Ctrl-C
+        from ..loop import NonFiniteLossError
+        self.save(loop, suffix="-exception", exception=loop.exception,
+                  tainted=isinstance(loop.exception, NonFiniteLossError))
+
+    # -- saving --------------------------------------------------------------------------------
+    def _score(self, loop: Any) -> float | None:
+        if self.monitor is None:
+            return None
+        logs = loop.state.logs
+        if self.monitor not in logs:
+            raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such log at epoch "
+                             f"{loop.state.epoch}, step {loop.state.step}. Available: "
+                             f"{sorted(logs)}.")
+        return float(logs[self.monitor])
+
+    def _rank(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Best first: by score (NaN last) when monitoring, else newest first."""
+        if self.monitor is None:
+            return sorted(entries, key=lambda e: -e["step"])
+        sign = 1.0 if self.mode == "min" else -1.0
+        return sorted(entries, key=lambda e: (math.isnan(e["score"]), sign * e["score"]
+                                              if not math.isnan(e["score"]) else 0.0, -e["step"]))
+
+    def save(self, loop: Any, *, suffix: str = "", exception: BaseException | None = None,
+             tainted: bool = False) -> Path | None:
+        """Write, commit, then rotate; returns the checkpoint folder (None: not kept)."""
+        st = loop.state
+        name = self.filename.format(**st.logs, **st.counters()) + suffix
+        if os.sep in name or name.startswith(".") or not name:
+            raise ValueError(f"ModelCheckpoint: filename {self.filename!r} gives {name!r}, "
+                             f"which is not a plain folder name inside {self.dirpath}.")
+        if name == self.resumed_from:
+            warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.")
+            return None
+        entry = {"name": name, "step": st.step, "score": self._score(loop) if not suffix else None}
+        old = self.kept
+        if not suffix:  # regular saves rotate; exception saves sit apart and are never rotated
+            ranked = self._rank(old + [entry]) if self.save_top_k >= 0 else old + [entry]
+            keep = {e["name"] for e in (ranked if self.save_top_k < 0 else
+                                        ranked[:self.save_top_k])}
+            if self.save_last:
+                keep.add(name)
+            if name not in keep:
+                return None  # neither among the best k nor kept as the last
+            self.kept = [e for e in old + [entry] if e["name"] in keep]
+        folder = self.dirpath / name
+        self._saving = name
+        try:
+            loop._fire("on_save_checkpoint")  # callbacks stash what their state_dict needs
+            buf = io.BytesIO()
+            torch.save(loop.state_dict(), buf)  # reads the weights back from the device
+            data = buf.getvalue()
+            folder.mkdir(parents=True, exist_ok=True)
+            with_manifest = folder / MANIFEST
+            if with_manifest.exists():  # re-saving a name: un-commit it before changing it
+                with_manifest.unlink()
+                _fsync_dir(folder)
+            _atomic_write(folder / STATE, data)
+            manifest = {
+                "format": "ipuloop-checkpoint", "format_version": FORMAT_VERSION,
+                "versions": _versions(), "backend": _backend(), **st.counters(),
+                "tainted": tainted, "exception": type(exception).__name__ if exception else None,
+                "monitor": self.monitor, "score": entry["score"], "wall_time": time.time(),
+                "files": {STATE: {"bytes": len(data), "sha256": _sha256(data)}},
+            }
+            manifest["manifest_sha256"] = _sha256(_dump(manifest))
+            _atomic_write(with_manifest, _dump(manifest))  # the commit
+        except BaseException:
+            self.kept = old
+            raise
+        finally:
+            self._saving = None
+        for e in old:  # rotate only after the commit
+            if e["name"] not in {k["name"] for k in self.kept}:
+                if e["name"] == self.resumed_from:
+                    self._deferred.append(e["name"])
+                else:
+                    _remove(self.dirpath / e["name"])
+        return folder
+
+    # -- finding -------------------------------------------------------------------------------
+    def latest(self, include_tainted: bool = False) -> Path | None:
+        """The newest valid checkpoint in ``dirpath`` (by step, then time), or None.
+
+        Found by scanning manifests, not a pointer file. A newer checkpoint that fails
+        verification is skipped with a warning naming it and the one used instead.
+        """
+        if not self.dirpath.is_dir():
+            return None
+        found = []
+        for folder in self.dirpath.iterdir():
+            mpath = folder / MANIFEST
+            if folder.name.startswith(TMP_PREFIX) or not mpath.is_file():
+                continue
+            try:
+                m = json.loads(mpath.read_bytes())
+                key = (int(m["step"]), int(m["epoch"]), mpath.stat().st_mtime_ns)
+            except (ValueError, TypeError, KeyError, OSError):
+                key = (math.inf, math.inf, mpath.stat().st_mtime_ns)  # unreadable: suspect it
+            found.append((key, folder))
+        bad: list[str] = []
+        for _, folder in sorted(found, key=lambda kf: kf[0], reverse=True):
+            try:
+                m = read_manifest(folder)
+            except CheckpointError as e:
+                bad.append(str(e))
+                continue
+            if m["tainted"] and not include_tainted:
+                continue
+            if bad:
+                warnings.warn(f"Skipping newer checkpoint(s) that failed verification "
+                              f"({'; '.join(bad)}); using {folder}.")
+            return folder
+        if bad:
+            warnings.warn(f"No valid checkpoint in {self.dirpath}: {'; '.join(bad)}.")
+        return None
+
+
+def _backend() -> str:
+    from ..backend import backend_name
+    return backend_name()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass

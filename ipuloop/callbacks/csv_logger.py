@@ -1,0 +1,91 @@
+"""``CSVLogger``: the logs as a CSV file, one row per epoch (and optionally every N steps)."""
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from typing import Any
+
+from .base import Callback
+
+__all__ = ["CSVLogger"]
+
+
+class CSVLogger(Callback):
+    """Writes ``loop.state.logs`` to ``path``, one row per epoch, flushed at each row.
+
+    Columns: ``epoch`` (``state.epoch``: epochs completed), ``step`` (``state.step``: host
+    steps completed), then every log key in the order first seen. When a row brings a new key,
+    the file is rewritten with the wider header (earlier rows get empty cells), so the header
+    always names every column. Rows every ``every_n_steps`` steps hold the step logs (the keys
+    not prefixed ``train_``/``val_``, e.g. ``loss``). A new fit starts a new file; a resumed
+    one keeps the rows its checkpoint had written and appends (rows written after that
+    checkpoint are dropped, as the resumed run writes them again).
+
+    Args:
+        path: the CSV file (its folder is created).
+        every_n_steps: also write a row every this many host steps (None: epochs only).
+
+    Example::
+
+        loop = Loop(model, opts, callbacks=[CSVLogger("runs/metrics.csv")])
+    """
+
+    order = 50  # after callbacks that add logs, before the progress display
+
+    def __init__(self, path: str | os.PathLike, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and (not isinstance(every_n_steps, int)
+                                          or isinstance(every_n_steps, bool) or every_n_steps < 1):
+            raise ValueError(f"every_n_steps must be an int >= 1 or None. Received: "
+                             f"every_n_steps={every_n_steps!r}.")
+        self.path, self.every_n_steps = os.fspath(path), every_n_steps
+        self.columns: list[str] = ["epoch", "step"]
+        self.rows = 0  # data rows in the file
+
+    def _read(self) -> list[dict[str, str]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f))
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, self.columns, restval="", extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half
+
+    def _write(self, loop: Any, logs: dict[str, Any]) -> None:
+        row = {**logs, "epoch": loop.state.epoch, "step": loop.state.step}
+        new = [k for k in row if k not in self.columns]
+        if new or self.rows == 0:
+            self.columns += new
+            self._rewrite([*self._read(), row])
+        else:
+            with open(self.path, "a", newline="") as f:  # closing flushes the row
+                csv.DictWriter(f, self.columns, restval="").writerow(row)
+        self.rows += 1
+
+    def on_fit_start(self, loop: Any) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        kept = self._read()[:self.rows]
+        if self.rows and len(kept) < self.rows:
+            warnings.warn(f"CSVLogger: {self.path} has {len(kept)} rows but the checkpoint "
+                          f"recorded {self.rows}: appending after the rows there are.")
+        self.rows = len(kept)
+        self._rewrite(kept)
+
+    def on_train_step_end(self, loop: Any) -> None:
+        if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
+            self._write(loop, {k: v for k, v in loop.state.logs.items()
+                               if not k.startswith(("train_", "val_"))})
+
+    def on_epoch_end(self, loop: Any) -> None:
+        self._write(loop, loop.state.logs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "columns": list(self.columns)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rows, self.columns = int(state["rows"]), list(state["columns"])

@@ -1,0 +1,76 @@
+"""``EarlyStopping``: ends the fit when a monitored log stops improving."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .base import Callback
+
+__all__ = ["EarlyStopping"]
+
+
+class EarlyStopping(Callback):
+    """Calls ``loop.stop()`` at epoch end after ``patience`` epochs in a row without improvement.
+
+    An epoch improves when the value beats the best by more than ``min_delta`` (below it in
+    "min" mode, above it in "max" mode). With ``check_finite`` a NaN or infinite value stops
+    at once. ``stopped_epoch`` and ``reason`` say why it stopped.
+
+    Args:
+        monitor: the log to watch (``loop.state.logs`` at epoch end, e.g. "val_loss").
+        patience: stop after this many epochs in a row without improvement (>= 1).
+        min_delta: smallest change that counts as an improvement (>= 0).
+        mode: "min" (lower is better) or "max".
+        check_finite: stop when the value is NaN or infinite.
+
+    Example::
+
+        loop = Loop(model, opts, callbacks=[EarlyStopping("val_loss", patience=2)])
+    """
+
+    order = 10  # after callbacks that add logs at epoch end (LRScheduler)
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0,
+                 mode: str = "min", check_finite: bool = True) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f'mode must be "min" or "max". Received: mode={mode!r}.')
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+            raise ValueError(f"patience must be an int >= 1. Received: patience={patience!r}.")
+        if not (min_delta >= 0):  # also rejects NaN
+            raise ValueError(f"min_delta must be >= 0. Received: min_delta={min_delta!r}.")
+        self.monitor, self.patience, self.min_delta = monitor, patience, float(min_delta)
+        self.mode, self.check_finite = mode, check_finite
+        self.best = math.inf if mode == "min" else -math.inf
+        self.wait = 0  # epochs since the last improvement
+        self.stopped_epoch: int | None = None  # 1-based epoch after which it stopped
+        self.reason = ""
+
+    def on_epoch_end(self, loop: Any) -> None:
+        logs = loop.state.logs
+        if self.monitor not in logs:
+            raise ValueError(f"EarlyStopping: monitor={self.monitor!r} is not in the logs. "
+                             f"Available: {sorted(logs)}.")
+        value = float(logs[self.monitor])
+        sign = 1.0 if self.mode == "min" else -1.0
+        if self.check_finite and not math.isfinite(value):
+            self.reason = f"{self.monitor} = {value} is not finite"
+        elif sign * (self.best - value) > self.min_delta:
+            self.best, self.wait = value, 0
+            return
+        else:
+            self.wait += 1
+            if self.wait < self.patience:
+                return
+            self.reason = (f"{self.monitor} did not improve on {self.best:.6g} by more than "
+                           f"{self.min_delta:g} for {self.wait} epochs")
+        self.stopped_epoch = loop.state.epoch
+        print(f"EarlyStopping: stopping after epoch {loop.state.epoch}: {self.reason}.",
+              flush=True)
+        loop.stop()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait = float(state["best"]), int(state["wait"])
+        self.stopped_epoch = state["stopped_epoch"]
