@@ -55,6 +55,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # same filesystem as path
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide checkpoints from others
             for offset in range(0, len(data), _CHUNK):
                 if _write_hook is not None:
                     _write_hook(path, offset)
@@ -98,6 +99,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     Checks the manifest's own checksum and format version, then each file's size and SHA-256.
     """
     folder = _folder(path)
+    if folder.is_file():
+        raise CheckpointError(folder, f"is a file, not a checkpoint folder (one holding "
+                              f"{MANIFEST} and {STATE})")
     mpath = folder / MANIFEST
     try:
         raw = mpath.read_bytes()
@@ -127,12 +131,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(mpath, f"lists a file outside its folder: {name!r}")
         try:
             data = fpath.read_bytes()
-        except OSError as e:
-            raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e}") from None
-        if len(data) != meta["bytes"]:
+            size, digest = int(meta["bytes"]), str(meta["sha256"])
+        except (OSError, TypeError, KeyError, ValueError) as e:
+            raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e!r}") from None
+        if len(data) != size:
             raise CheckpointError(fpath, f"is {len(data)} bytes, the manifest says "
-                                  f"{meta['bytes']}: truncated or altered")
-        if _sha256(data) != meta["sha256"]:
+                                  f"{size}: truncated or altered")
+        if _sha256(data) != digest:
             raise CheckpointError(fpath, "SHA-256 does not match the manifest: altered or "
                                   "corrupted after it was written")
     if STATE not in body.get("files", {}):
@@ -308,6 +313,7 @@ class ModelCheckpoint(Callback):
             }
             manifest["manifest_sha256"] = _sha256(_dump(manifest))
             _atomic_write(with_manifest, _dump(manifest))  # the commit
+            _fsync_dir(self.dirpath)  # the new folder's entry
         except BaseException:
             self.kept = old
             raise
@@ -366,6 +372,7 @@ def _backend() -> str:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
+        _remove(path / MANIFEST)  # un-commit first: a crash mid-delete leaves no broken commit
         shutil.rmtree(path, ignore_errors=True)
     else:
         try:

@@ -24,6 +24,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -91,19 +92,52 @@ def _wrapped_class(cls: type) -> type:
     return _wrapped_classes[cls]
 
 
+def _host_parameter_class(ex: PoplarExecutor, base: type) -> type:
+    """PopTorch's ``PoptorchParameter``: reading a host parameter (any attribute, or passing it
+    to a torch function) first syncs the device's weights if a training call made them stale."""
+    parent = weakref.ref(ex)
+
+    class PoptorchParameter(base):
+        _poptorch_base = base
+
+        def __getattribute__(self, name):
+            owner = parent()
+            if owner is not None and owner._host_dirty:
+                owner.copyWeightsToHost()
+            return base.__getattribute__(self, name)
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            # Defined so torch looks it up on the instance (running the hook above); results
+            # are plain tensors, as for torch.nn.Parameter.
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return PoptorchParameter
+
+
+def _unwrap_parameters(params: list[torch.Tensor]) -> None:
+    for p in params:
+        base = getattr(type(p), "_poptorch_base", None)
+        if base is not None:
+            p.__class__ = base
+
+
 def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` as the user defined it (no executor, original class)."""
+    """A deep copy of ``model`` as the user defined it (no executor, original classes)."""
     ex = model.__dict__.pop("_poptorch_executor", None)
     if ex is None:
-        return copy.deepcopy(model)
-    ex.copyWeightsToHostIfNeeded()
-    cls = type(model)
-    model.__class__ = cls.__mro__[1]
-    try:
-        return copy.deepcopy(model)
-    finally:
-        model.__class__ = cls
-        model.__dict__["_poptorch_executor"] = ex
+        out = copy.deepcopy(model)  # reading wrapped parameters syncs them first
+    else:
+        ex.copyWeightsToHostIfNeeded()
+        cls = type(model)
+        model.__class__ = cls.__mro__[1]
+        try:
+            out = copy.deepcopy(model)
+        finally:
+            model.__class__ = cls
+            model.__dict__["_poptorch_executor"] = ex
+    _unwrap_parameters(list(out.parameters()))  # device copies: no host hooks
+    return out
 
 
 def _tensors(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -248,6 +282,12 @@ class PoplarExecutor:
             _optim.check_supported(self._optimizer)
             self._host_params, self._host_buffers = _tensors(model)
             self._patch_optimizer(self._optimizer)
+            classes: dict[type, type] = {}
+            for p in self._host_params:
+                base = type(p)
+                if base not in classes:
+                    classes[base] = _host_parameter_class(self, base)
+                p.__class__ = classes[base]
             model.__class__ = _wrapped_class(type(model))
             model.__dict__["_poptorch_executor"] = self
         else:
@@ -477,6 +517,7 @@ class PoplarExecutor:
             model = self._user_model
             model.__class__ = type(model).__mro__[1]
             del model.__dict__["_poptorch_executor"]
+            _unwrap_parameters(self._host_params)
             self._unpatch_optimizer(self._optimizer)
         self._compiled = False
         self._attached = False

@@ -1,0 +1,151 @@
+"""A tiny training setup for the checkpoint tests, also run as a child-process script.
+
+    python tests/helpers_train.py kill CONFIG.json    # trains, saves slowly, prints save markers
+    python tests/helpers_train.py resume JOBS.json   # resumes each job, saves losses and state
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import ipuloop
+from ipuloop import Callback, Loop
+from ipuloop.callbacks import checkpoint as ckpt_mod
+from ipuloop.callbacks.checkpoint import ModelCheckpoint
+
+MICRO, FEATURES, CLASSES, STEPS_PER_EPOCH, EXTRA = 2, 6, 3, 4, 3
+
+
+class IndexedData(Dataset):
+    """Fixed random samples plus a loss-scale column (1, or NaN/inf to poison a sample).
+
+    Logs the indices read while ``recording`` is set (single-process loading only).
+    """
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, FEATURES, generator=g)
+        self.y = torch.randint(0, CLASSES, (n,), generator=g)
+        self.scale = torch.ones(n, 1)
+        self.log: list[int] = []
+        self.recording = False
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recording:
+            self.log.append(int(i))
+        return torch.cat([self.x[i], self.scale[i]]), self.y[i]
+
+
+class TinyMLP(nn.Module):
+    """A model-with-loss with dropout; the last input column multiplies each sample's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Dropout(0.3),
+                                 nn.Linear(16, CLASSES))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        out = self.net(x[:, :-1])
+        if y is None:
+            return out
+        return out, (nn.functional.cross_entropy(out, y, reduction="none") * x[:, -1]).mean()
+
+
+class Recorder(Callback):
+    """Per-step losses; turns the dataset's index log on for the fit (after the loop's probe)."""
+
+    def __init__(self, dataset: IndexedData | None = None) -> None:
+        self.dataset, self.losses = dataset, []
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if self.dataset is not None:
+            self.dataset.recording = True
+
+    def on_train_step_end(self, loop: Loop) -> None:
+        self.losses.append(loop.state.logs["loss"])
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if self.dataset is not None:
+            self.dataset.recording = False
+
+    on_exception = on_fit_end
+
+
+class StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_step_end(self, loop: Loop) -> None:
+        if loop.state.step == self.step:
+            loop.stop()
+
+
+def samples_for(di: int, ga: int) -> int:
+    return STEPS_PER_EPOCH * MICRO * di * ga + EXTRA  # EXTRA samples dropped every epoch
+
+
+def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (),
+              init_seed: int = 0, seed: int = 1, generator: bool = False, all_outputs: bool = False,
+              shuffle: bool = True, n: int | None = None) -> tuple[Loop, DataLoader, IndexedData]:
+    torch.manual_seed(init_seed)
+    model = TinyMLP()
+    pt = ipuloop.poptorch
+    opts = pt.Options().deviceIterations(di)
+    opts.Training.gradientAccumulation(ga)
+    if all_outputs:
+        opts.outputMode(pt.OutputMode.All)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    ds = IndexedData(n or samples_for(di, ga))
+    loader = DataLoader(ds, batch_size=MICRO, shuffle=shuffle, num_workers=workers,
+                        generator=torch.Generator().manual_seed(7) if generator else None)
+    loop = Loop(model, opts, optimizer=optimizer, callbacks=list(callbacks), seed=seed,
+                progress=False)
+    return loop, loader, ds
+
+
+def comparable(sd: dict[str, Any]) -> dict[str, Any]:
+    """A state dict without what legitimately differs between two runs (callback states)."""
+    return {k: v for k, v in sd.items() if k != "callbacks"}
+
+
+class _Markers(Callback):
+    order = 95  # after ModelCheckpoint (90): "save-end" follows the save
+
+    def on_save_checkpoint(self, loop: Loop) -> None:
+        print(f"save-start {loop.state.step} {time.monotonic()}", flush=True)
+
+    def on_train_step_end(self, loop: Loop) -> None:
+        print(f"save-end {loop.state.step} {time.monotonic()}", flush=True)
+
+
+def _kill_mode(cfg: dict[str, Any]) -> None:
+    ckpt_mod._CHUNK = cfg["chunk"]
+    ckpt_mod._write_hook = lambda path, offset: time.sleep(cfg["delay"])  # a slow disk
+    cb = ModelCheckpoint(cfg["dirpath"], every_n_steps=1, every_n_epochs=None, save_top_k=2)
+    loop, loader, _ = make_loop(cfg["di"], cfg["ga"], callbacks=[cb, _Markers()])
+    loop.fit(loader, epochs=cfg["epochs"])
+    print("done", flush=True)
+
+
+def _resume_mode(jobs: list[dict[str, Any]]) -> None:
+    for job in jobs:
+        rec = Recorder()
+        loop, loader, _ = make_loop(job["di"], job["ga"], job["workers"], callbacks=[rec],
+                                    init_seed=123, seed=99)  # both overwritten by the resume
+        loop.fit(loader, epochs=job["epochs"], resume_from=job["path"])
+        torch.save({"losses": rec.losses, "state": comparable(loop.state_dict())}, job["out"])
+
+
+if __name__ == "__main__":
+    mode, config = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+    {"kill": _kill_mode, "resume": _resume_mode}[mode](config)

@@ -1,0 +1,34 @@
+"""The README's quickstart code runs as written, and its hook order is the loop's."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import ipuloop.callbacks.base as base
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+
+
+def test_readme_example_runs(capsys):
+    code = next(b for b in blocks("python") if "loop.fit" in b and "import" in b)
+    exec(compile(code, "README.md", "exec"), {})
+    loss, acc = capsys.readouterr().out.split()[-2:]
+    assert 0 < float(loss) < 0.7 and float(acc) > 0.8
+
+
+def test_readme_hook_order_matches_the_module_docstring():
+    readme = re.search(r"```\n(on_fit_start.*?)```", README.read_text(), re.S).group(1)
+    doc = base.__doc__
+    pick = lambda text: re.findall(r"on_[a-z_]+", text)  # noqa: E731
+    assert pick(readme)[:-1] == pick(doc.split("::")[1].split("``Loop.validate``")[0])
+
+
+def test_readme_commands_are_the_ci_commands():
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
+    assert 'pip install -e ".[test]" && python -m pytest -q' in README.read_text()
+    assert "python -m ipuloop.examples.mnist" in README.read_text()
