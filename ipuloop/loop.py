@@ -19,6 +19,7 @@ import torch
 from .backend import poptorch_module
 from .callbacks.base import EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, overridden
 from .data import Plan, build_plan, combined_factor
+from .signals import Preempted, handle_signals
 from .outputs import ALL, DEFAULT, EVERY_N, FINAL, MODE_NAMES, SUM, Layout
 from .state import State
 
@@ -220,6 +221,8 @@ class Loop:
         self._max_steps: int | None = None
         self._exception_fired = False
         self.exception: BaseException | None = None  # set while on_exception hooks run
+        self._batches: Any = None  # the running epoch's batch iterator
+        self._preempted = False
 
     # -- configuration ------------------------------------------------------------------------
     def _resolve_options(self, opts: Any, inference_opts: Any) -> tuple[Any, Any]:
@@ -361,20 +364,44 @@ class Loop:
         self._exception_fired = False
         self._max_steps = max_steps
         self._steps_hint = plan.steps
-        try:
-            self._fire("on_fit_start")
+        self._preempted = False
+        preempted = False
+        with handle_signals(self._on_sigterm):
             try:
-                while st.epoch < epochs and not self._should_stop():
-                    self._fit_epoch(plan, val_plan)
-            except CancelFit:
-                pass
-            if self.train_model is not None and self.train_model.isAttachedToDevice():
-                self.train_model.detachFromDevice()  # weights and optimizer state to the host
-            self._fire("on_fit_end")
-        except BaseException:
-            self._on_exception()
-            raise
+                self._fire("on_fit_start")
+                try:
+                    while st.epoch < epochs and not self._should_stop():
+                        self._fit_epoch(plan, val_plan)
+                except CancelFit:
+                    pass
+                except Preempted:
+                    preempted = True
+                    self._fire("on_preempt")
+                if self.train_model is not None and self.train_model.isAttachedToDevice():
+                    self.train_model.detachFromDevice()  # weights and optimizer state to host
+                self._fire("on_fit_end")
+            except BaseException:
+                self._on_exception()
+                raise
+            finally:
+                self._close_batches()
+        if preempted:
+            raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
+
+    def _on_sigterm(self) -> None:
+        self._preempted = True
+
+    def _check_preempted(self) -> None:
+        if self._preempted:
+            raise Preempted
+
+    def _close_batches(self) -> None:
+        # Stop loader worker processes now rather than when the iterator is collected.
+        it, self._batches = self._batches, None
+        shutdown = getattr(it, "_shutdown_workers", None) or getattr(it, "terminate", None)
+        if shutdown is not None:
+            shutdown()
 
     def _should_stop(self) -> bool:
         st = self.state
@@ -426,7 +453,7 @@ class Loop:
             _set_rng_state(self._epoch_rng)
             if plan.sampler is not None:
                 plan.sampler.set_generator_state(self._epoch_rng.get("sampler"))
-        batches = plan.epoch(st.epoch_step)
+        batches = self._batches = plan.epoch(st.epoch_step)
         if resume_rng is not None:
             _set_rng_state(resume_rng)
         metrics = self._train_metrics()
@@ -460,6 +487,7 @@ class Loop:
                 for m in metrics.values():
                     m.update(output, aligned)
             self._fire("on_train_step_end")
+            self._check_preempted()
             if self._should_stop():
                 break
 
@@ -517,7 +545,9 @@ class Loop:
     # -- batches --------------------------------------------------------------------------------
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
               pad: bool = False) -> Plan:
-        opts = self.train_opts if opts is None else opts
+        # The DataLoader freezes the options it gets: give it a copy, so train_opts stay
+        # settable (e.g. by on_fit_start callbacks) until the training model is built.
+        opts = self.train_opts.clone() if opts is None else opts
         return build_plan(self.poptorch, loader, opts, self._layout(opts, training),
                           training=training, name=name, pad=pad, sequential=pad)
 
@@ -665,6 +695,7 @@ class Loop:
             for m in self.metrics.values():
                 m.update(output, labels)  # All mode, [DI, RF, B] order: labels line up as-is
             self._fire("on_validation_step_end")
+            self._check_preempted()
         logs = {"val_loss": total / max(count, 1)}
         for name, m in self.metrics.items():
             logs[f"val_{name}"] = float(m.compute())

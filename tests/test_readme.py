@@ -24,7 +24,7 @@ def test_readme_hook_order_matches_the_module_docstring():
     readme = re.search(r"```\n(on_fit_start.*?)```", README.read_text(), re.S).group(1)
     doc = base.__doc__
     pick = lambda text: re.findall(r"on_[a-z_]+", text)  # noqa: E731
-    assert pick(readme)[:-1] == pick(doc.split("::")[1].split("``Loop.validate``")[0])
+    assert pick(readme)[:-1] == pick(doc.split("::")[1].split("SIGTERM:")[0])
 
 
 def test_readme_commands_are_the_ci_commands():

@@ -23,6 +23,8 @@ attached at each event)::
         if loop.stop() was called: leave
     on_fit_end
 
+SIGTERM: the running step finishes, then ``on_preempt`` (checkpoint here), ``on_fit_end``,
+and the process exits with status 143.
 ``Loop.validate`` runs the validation block alone (with on_fit_start/on_fit_end not fired).
 Any exception other than the Cancel* ones fires ``on_exception`` once, then propagates; an
 exception raised in a hook carries a note naming the callback and the hook. ``CancelStep``,
@@ -43,7 +45,7 @@ EVENTS = (
     "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
     "on_train_step_start", "on_train_step_end", "on_validation_start",
     "on_validation_step_end", "on_validation_end", "on_epoch_end", "on_fit_end",
-    "on_save_checkpoint", "on_load_checkpoint", "on_exception",
+    "on_save_checkpoint", "on_load_checkpoint", "on_preempt", "on_exception",
 )
 
 
@@ -93,6 +95,7 @@ class Callback:
     def on_fit_end(self, loop: Loop) -> None: ...
     def on_save_checkpoint(self, loop: Loop) -> None: ...
     def on_load_checkpoint(self, loop: Loop) -> None: ...
+    def on_preempt(self, loop: Loop) -> None: ...
     def on_exception(self, loop: Loop) -> None: ...
 
 

@@ -66,8 +66,10 @@ class ProfileCapture(Callback):
               "PopVision Graph Analyser).", flush=True)
 
     def on_train_step_start(self, loop: Any) -> None:
-        if (self._prof is not None or backend_name() == "poptorch"
-                or loop.state.step != self.start_step):
+        if self._prof is not None:
+            self._prof.step()  # ends the previous ProfilerStep, starts this step's
+            return
+        if backend_name() == "poptorch" or loop.state.step != self.start_step:
             return
         from torch.profiler import ProfilerAction, ProfilerActivity, profile
         acts = [ProfilerActivity.CPU]
@@ -83,9 +85,7 @@ class ProfileCapture(Callback):
         if self._prof is None:
             return
         self._seen += 1
-        if self._seen < self.num_steps:
-            self._prof.step()
-        else:
+        if self._seen == self.num_steps:
             self._finish(loop)
 
     def on_fit_end(self, loop: Any) -> None:

@@ -1,0 +1,53 @@
+"""Signals during ``fit``: SIGTERM preempts at the next step boundary; Ctrl-C interrupts.
+
+SIGTERM sets a flag; the loop finishes the running step, fires ``on_preempt`` (a
+``ModelCheckpoint`` saves there), runs the end hooks and exits with status 143. A SIGTERM
+handler installed before ``fit`` still runs. The first Ctrl-C raises ``KeyboardInterrupt``
+(``on_exception`` runs once, no checkpoint starts); a second one ends the process at once.
+Both handlers are restored when ``fit`` returns.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Iterator
+
+__all__ = ["Preempted", "handle_signals"]
+
+
+class Preempted(Exception):
+    """SIGTERM was received: the fit ends at this step boundary."""
+
+
+@contextlib.contextmanager
+def handle_signals(on_term: Callable[[], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    prev_term = signal.getsignal(signal.SIGTERM)
+    prev_int = signal.getsignal(signal.SIGINT)
+
+    def term(signum: int, frame: object) -> None:
+        on_term()
+        if callable(prev_term):
+            prev_term(signum, frame)
+
+    def interrupt(signum: int, frame: object) -> None:
+        def again(signum: int, frame: object) -> None:
+            sys.stderr.write("\nSecond interrupt: exiting now.\n")
+            sys.stderr.flush()
+            os._exit(130)
+        signal.signal(signal.SIGINT, again)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, term)
+    if prev_int is signal.default_int_handler:  # leave a user's own SIGINT handler alone
+        signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev_term)
+        signal.signal(signal.SIGINT, prev_int)

@@ -1,0 +1,140 @@
+"""Backend resolution (``IPULOOP_BACKEND``, ``ipuloop.backend_name()``, ``ipuloop.poptorch``).
+
+Resolution is cached once per process, so every scenario runs in its own interpreter. The
+interpreters are started together (one module fixture) because each one imports torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Prints one JSON line: the backend name, the module's name, and whether it is ipuloop.emulator.
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    import ipuloop
+    from ipuloop import backend
+    try:
+        name = ipuloop.backend_name()
+    except backend.BackendError as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e),
+                          "is_import_error": isinstance(e, ImportError)}))
+        sys.exit(0)
+    module = ipuloop.poptorch
+    out = {"name": name, "module": module.__name__,
+           "is_emulator": module is sys.modules.get("ipuloop.emulator")}
+    # the resolution is cached: changing the variable now changes nothing in this process
+    os.environ["IPULOOP_BACKEND"] = "bogus"
+    out["cached"] = ipuloop.backend_name() == name and ipuloop.poptorch is module
+    print(json.dumps(out))
+""")
+
+FAKE_POPTORCH = "__version__ = '3.4.0-fake'\nFAKE = True\n"
+BROKEN_POPTORCH = "raise ImportError('libpoplar.so: cannot open shared object file')\n"
+
+# Importing the package must neither import poptorch nor resolve (a bogus value is harmless).
+LAZY = ("import json, sys, ipuloop, ipuloop.backend as b; "
+        "print(json.dumps({'resolved': b._resolved is not None, "
+        "'poptorch_imported': 'poptorch' in sys.modules}))")
+
+# scenario -> (IPULOOP_BACKEND or None for unset, fake poptorch source or None[, code])
+SCENARIOS = {
+    "lazy": ("bogus", FAKE_POPTORCH, LAZY),
+    "unset": (None, None),
+    "auto": ("auto", None),
+    "empty": ("", None),
+    "emulator": ("emulator", None),
+    "emulator_case": ("  Emulator ", FAKE_POPTORCH),
+    "poptorch_missing": ("poptorch", None),
+    "bogus": ("bogus", None),
+    "auto_with_poptorch": ("auto", FAKE_POPTORCH),
+    "poptorch_with_poptorch": ("poptorch", FAKE_POPTORCH),
+    "auto_broken_poptorch": (None, BROKEN_POPTORCH),
+    "poptorch_broken_poptorch": ("poptorch", BROKEN_POPTORCH),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    procs = {}
+    for name, (value, fake, *code) in SCENARIOS.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("IPULOOP_BACKEND", "PYTHONPATH")}
+        paths = [str(REPO)]
+        if fake is not None:
+            d = tmp_path_factory.mktemp(name)
+            (d / "poptorch.py").write_text(fake)
+            paths.insert(0, str(d))
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        if value is not None:
+            env["IPULOOP_BACKEND"] = value
+        procs[name] = subprocess.Popen([sys.executable, "-c", code[0] if code else PROBE], env=env, cwd=str(REPO),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, f"{name}: rc={p.returncode}\n{stderr}"
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_poptorch_is_not_installed_here():
+    # the scenarios below assume that; if poptorch ever appears, they need a fake "missing" one
+    import importlib.util
+    assert importlib.util.find_spec("poptorch") is None
+
+
+@pytest.mark.parametrize("scenario", ["unset", "auto", "empty", "emulator"])
+def test_emulator_when_poptorch_absent_or_asked_for(results, scenario):
+    r = results[scenario]
+    assert r == {"name": "emulator", "module": "ipuloop.emulator", "is_emulator": True,
+                 "cached": True}, r
+
+
+def test_emulator_choice_wins_over_installed_poptorch_and_is_case_insensitive(results):
+    r = results["emulator_case"]
+    assert r["name"] == "emulator" and r["is_emulator"], r
+
+
+def test_explicit_poptorch_missing_raises_with_sdk_hint(results):
+    r = results["poptorch_missing"]
+    assert r["error"] == "BackendError" and r["is_import_error"], r
+    assert "Poplar SDK" in r["message"]
+    assert "IPULOOP_BACKEND=poptorch" in r["message"]
+    assert "IPULOOP_BACKEND=emulator" in r["message"]  # the fix is named
+
+
+def test_unknown_backend_raises(results):
+    r = results["bogus"]
+    assert r["error"] == "BackendError", r
+    assert "IPULOOP_BACKEND must be one of auto, poptorch, emulator" in r["message"]
+    assert "'bogus'" in r["message"]
+
+
+@pytest.mark.parametrize("scenario", ["auto_with_poptorch", "poptorch_with_poptorch"])
+def test_real_poptorch_used_when_importable(results, scenario):
+    r = results[scenario]
+    assert r == {"name": "poptorch", "module": "poptorch", "is_emulator": False,
+                 "cached": True}, r
+
+
+def test_auto_falls_back_when_poptorch_fails_to_import(results):
+    r = results["auto_broken_poptorch"]
+    assert r["name"] == "emulator" and r["is_emulator"], r
+
+
+def test_explicit_poptorch_broken_reports_the_import_failure(results):
+    r = results["poptorch_broken_poptorch"]
+    assert r["error"] == "BackendError", r
+    assert "libpoplar.so" in r["message"] and "Poplar SDK" in r["message"]
+
+
+def test_importing_ipuloop_resolves_nothing(results):
+    assert results["lazy"] == {"resolved": False, "poptorch_imported": False}
