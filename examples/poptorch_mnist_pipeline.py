@@ -118,6 +118,9 @@ def get_datasets(data_dir):
         sys.exit(f"error: MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} and could not "
                  f"be downloaded ({str(e).splitlines()[0]}). Pass --data-dir DIR with the MNIST "
                  "files in DIR/MNIST/raw.")
+    finally:
+        if root != data_dir:  # the datasets hold their images in memory: drop the copy
+            shutil.rmtree(root, ignore_errors=True)
     return train_dataset, test_dataset
 
 

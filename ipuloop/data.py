@@ -101,12 +101,25 @@ class Plan:
         except TypeError:
             return None
 
+    def _iter(self) -> Iterator[Any]:
+        # A new torch iterator draws its workers' base seed from the RNG; a persistent-workers
+        # loader reuses its iterator from the second epoch on and draws nothing. Draw exactly
+        # once either way, so a run resumed in a new process consumes the RNG as the original.
+        g = self.loader.generator
+        host, own = torch.get_rng_state(), g.get_state() if g is not None else None
+        it = iter(self.loader)
+        torch.set_rng_state(host)
+        if g is not None:
+            g.set_state(own)
+        torch.empty((), dtype=torch.int64).random_(generator=g)  # the same draw iter() makes
+        return it
+
     def epoch(self, skip_steps: int = 0) -> Iterator[Any]:
         """An iterator over this epoch's host batches, after ``skip_steps`` of them."""
         if self.sampler is not None:
             self.sampler.set_epoch(skip_steps * self.combined)
-            return iter(self.loader)
-        it = iter(self.loader)
+            return self._iter()
+        it = self._iter()
         for _ in range(skip_steps):  # no sampler to skip into: read and discard
             next(it, None)
         return it

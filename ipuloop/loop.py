@@ -217,6 +217,8 @@ class Loop:
         self._epoch_loss = [0.0, 0, True]  # total, count, exact
         self._epoch_rng: dict[str, Any] | None = None
         self._resume_rng: dict[str, Any] | None = None
+        self._sampler: Any = None  # the running fit's ResumableSampler
+        self._sampler_rng: torch.Tensor | None = None  # its generator, resumed at an epoch start
         self._device_rng: torch.Tensor | None = None
         self._max_steps: int | None = None
         self._exception_fired = False
@@ -347,7 +349,8 @@ class Loop:
 
         ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback)
         continues an interrupted fit exactly. ``max_steps`` ends the fit after that many
-        training steps in total (for smoke runs).
+        training steps in total (for smoke runs), like ``stop()``: an epoch it cuts short is
+        not counted as complete.
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
@@ -424,11 +427,8 @@ class Loop:
             st.logs["train_loss_exact"] = float(exact)
         for name, m in self._train_metrics().items():
             st.logs[f"train_{name}"] = float(m.compute())  # host-side metric: no device sync
-        if self._max_steps is not None and st.step >= self._max_steps:
-            # A smoke run: the epoch did not finish, but the fit ends here like one that did.
-            pass
-        elif st.stop_requested and plan.steps and st.epoch_step < plan.steps:
-            return  # stopped mid-epoch: the epoch is not complete
+        if self._should_stop() and plan.steps and st.epoch_step < plan.steps:
+            return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         if val_plan is not None:
             self._run_validation(val_plan)
         st.epoch += 1
@@ -445,7 +445,11 @@ class Loop:
         st = self.state
         layout = plan.layout
         resume_rng, self._resume_rng = self._resume_rng, None
+        self._sampler = plan.sampler
         if resume_rng is None:
+            if plan.sampler is not None and self._sampler_rng is not None:
+                plan.sampler.set_generator_state(self._sampler_rng)  # resumed at an epoch start
+            self._sampler_rng = None
             self._epoch_rng = _rng_state()
             if plan.sampler is not None:
                 self._epoch_rng["sampler"] = plan.sampler.generator_state()
@@ -757,8 +761,10 @@ class Loop:
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "counters": self.state.counters(),
             "history": [dict(h) for h in self.state.history],
+            "logs": dict(self.state.logs),  # an epoch ending right after a resume logs these
             "epoch_loss": list(self._epoch_loss),
             "rng": _rng_state(),
+            "sampler_rng": self._sampler.generator_state() if self._sampler is not None else None,
             "epoch_rng": self._epoch_rng,
             "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
                             for n, v in m.metric_state.items()}
@@ -782,6 +788,7 @@ class Loop:
             self.optimizer.load_state_dict(sd["optimizer"])
         self.state.load_counters(sd["counters"])
         self.state.history = [dict(h) for h in sd["history"]]
+        self.state.logs = dict(sd.get("logs", {}))
         self._epoch_loss = list(sd["epoch_loss"])
         for k, m in self._train_metrics().items():
             for n, v in sd.get("metrics", {}).get(k, {}).items():
@@ -798,6 +805,7 @@ class Loop:
             self._epoch_rng, self._resume_rng = sd["epoch_rng"], sd["rng"]
         else:
             _set_rng_state(sd["rng"])
+            self._sampler_rng = sd.get("sampler_rng")  # the loader's own generator, if any
         self._fire("on_load_checkpoint")
 
     def _resume(self, source: str) -> None:

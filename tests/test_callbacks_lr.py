@@ -173,6 +173,21 @@ def test_resume_puts_the_restored_lr_on_the_device_before_the_first_step():
     assert rec.deltas == pytest.approx(full.deltas[5:], rel=1e-4, abs=2e-6)
 
 
+def test_a_second_fit_continues_the_schedule():
+    # Detaching at fit end reads the device optimizer back; the stepped LR must survive it.
+    make = lambda o: L.StepLR(o, step_size=4, gamma=0.5)  # noqa: E731
+    _, full, _ = fit(make, di=2, epochs=2)
+    model = Probe()
+    opt = torch.optim.SGD(model.parameters(), lr=0.4)
+    rec = Record()
+    loop = Loop(model, poptorch.Options().deviceIterations(2), optimizer=opt, progress=False,
+                callbacks=[rec, LRScheduler(make(opt))])
+    dl = DataLoader(TensorDataset(torch.ones(N), torch.ones(N)), batch_size=1)
+    loop.fit(dl, epochs=1)
+    loop.fit(dl, epochs=2)
+    assert rec.lrs == full.lrs
+
+
 def test_state_dict_loads_with_weights_only():
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
 

@@ -95,11 +95,27 @@ def test_write_failure_names_the_callback_and_closes_the_profiler(tmp_path, monk
     assert not profiler_on() and cb._prof is None
 
 
+@pytest.mark.parametrize("break_it", ["remove folder", "trace.json is a folder"])
+def test_unwritable_output_is_an_error_not_a_silent_miss(tmp_path, break_it):
+    class Break(Callback):  # the output becomes unwritable while the window runs
+        def on_train_step_end(self, loop):
+            if loop.state.step == 1:
+                if break_it == "remove folder":
+                    (tmp_path / "prof").rmdir()
+                else:
+                    (tmp_path / "prof" / "trace.json").mkdir()
+
+    cb = ProfileCapture(start_step=1, num_steps=2, dirpath=tmp_path / "prof")
+    with pytest.raises(OSError, match="ProfileCapture cannot write"):
+        run(cb, Break())
+    assert not profiler_on()
+
+
 def test_unwritable_folder_fails_before_the_first_step(tmp_path):
     (tmp_path / "file").write_text("")
     cb = ProfileCapture(dirpath=tmp_path / "file" / "prof")
     with pytest.raises(OSError, match="ProfileCapture cannot write to dirpath="):
-        loop = run(cb)
+        run(cb)
     assert cb._prof is None and not profiler_on()
 
 

@@ -2,13 +2,14 @@
 
 A checkpoint is a folder ``<dirpath>/<name>/`` holding ``state.pt`` (``torch.save`` of
 ``Loop.state_dict()``: tensors, numbers, strings, lists and dicts only) and ``manifest.json``,
-written last: the manifest is the commit. A folder without one is an interrupted save.
-Every file is written by ``_atomic_write`` (temporary file next to the target, fsync,
-``os.replace``, fsync of the folder), so a crash at any moment leaves the previous checkpoints
-whole. Save order: write the new one, commit it, then rotate the old ones.
+written last as the commit; a folder without a manifest is an interrupted save. Each file is
+written by ``_atomic_write`` (a temporary file next to it, fsync, ``os.replace``, fsync of the
+folder), so a crash at any moment leaves every committed checkpoint whole. Save order: write,
+commit, then rotate the old ones out.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -25,17 +26,18 @@ import torch
 
 from .base import Callback
 
-__all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "FORMAT_VERSION"]
+__all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
+           "FORMAT_VERSION"]
 
-FORMAT_VERSION = "1.0"  # major.minor: a reader rejects a newer major version
+FORMAT_VERSION = "1.0"  # major.minor: readers reject a newer major version
 MANIFEST, STATE = "manifest.json", "state.pt"
-TMP_PREFIX = ".ipuloop-tmp-"  # every temporary file or folder starts with this
+TMP_PREFIX = ".ipuloop-tmp-"  # every temporary file starts with this
 _CHUNK = 1 << 20  # bytes per write call
-_write_hook: Callable[[Path, int], None] | None = None  # tests: called before each chunk
+_write_hook: Callable[[Path, int], None] | None = None  # tests: runs before each chunk
 
 
 class CheckpointError(Exception):
-    """A checkpoint cannot be written or trusted; ``path`` names the file, ``reason`` why."""
+    """A checkpoint file cannot be written or trusted: ``path`` names it, ``reason`` says why."""
 
     def __init__(self, path: str | os.PathLike, reason: str) -> None:
         self.path, self.reason = str(path), reason
@@ -45,13 +47,13 @@ class CheckpointError(Exception):
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)  # makes the rename itself durable
+        os.fsync(fd)  # makes renames and new entries in the folder durable
     finally:
         os.close(fd)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """The one write primitive: ``path`` holds either its old content or ``data``, never a mix."""
+    """The one write primitive: ``path`` ends with its old content or ``data``, never a mix."""
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # same filesystem as path
     try:
         with os.fdopen(fd, "wb") as f:
@@ -64,10 +66,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(path.parent)
 
@@ -77,15 +77,8 @@ def _sha256(data: bytes) -> str:
 
 
 def _dump(manifest: dict[str, Any]) -> bytes:
-    # The one serialization: a reader re-dumps what it parsed and requires the same bytes.
+    # The only serialization: a reader re-dumps what it parsed and requires the same bytes.
     return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-
-
-def _versions() -> dict[str, str | None]:
-    from .. import __version__
-    from ..backend import poptorch_module
-    return {"ipuloop": __version__, "torch": torch.__version__,
-            "poptorch": getattr(poptorch_module(), "__version__", None)}
 
 
 def _folder(path: str | os.PathLike) -> Path:
@@ -94,14 +87,11 @@ def _folder(path: str | os.PathLike) -> Path:
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The verified manifest of the checkpoint at ``path`` (a folder, or a file in it).
-
-    Checks the manifest's own checksum and format version, then each file's size and SHA-256.
-    """
+    """The manifest of the checkpoint at ``path`` (its folder or a file in it), verified:
+    its own checksum and format version, then each file's size and SHA-256."""
     folder = _folder(path)
     if folder.is_file():
-        raise CheckpointError(folder, f"is a file, not a checkpoint folder (one holding "
-                              f"{MANIFEST} and {STATE})")
+        raise CheckpointError(folder, f"is a file, not a checkpoint folder ({MANIFEST} + {STATE})")
     mpath = folder / MANIFEST
     try:
         raw = mpath.read_bytes()
@@ -114,18 +104,21 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         m = json.loads(raw)
         body = dict(m)
         claimed = body.pop("manifest_sha256")
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+    except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(mpath, f"not an ipuloop manifest (truncated, altered or foreign): "
                               f"{e!r}") from None
-    if body.get("format") != "ipuloop-checkpoint" or "format_version" not in body:
+    if body.get("format") != "ipuloop-checkpoint":
         raise CheckpointError(mpath, "not an ipuloop manifest: no ipuloop format marker")
-    major = str(body["format_version"]).split(".")[0]
+    major = str(body.get("format_version")).split(".")[0]
     if not major.isdigit() or int(major) > int(FORMAT_VERSION.split(".")[0]):
-        raise CheckpointError(mpath, f"format version {body['format_version']} is newer than "
-                              f"this ipuloop reads ({FORMAT_VERSION}): upgrade ipuloop")
+        raise CheckpointError(mpath, f"format version {body.get('format_version')} is newer "
+                              f"than this ipuloop reads ({FORMAT_VERSION}): upgrade ipuloop")
     if raw != _dump(m) or claimed != _sha256(_dump(body)):
         raise CheckpointError(mpath, "checksum mismatch: the manifest was altered or corrupted")
-    for name, meta in body.get("files", {}).items():
+    files = body.get("files") or {}
+    if STATE not in files:
+        raise CheckpointError(mpath, f"lists no {STATE}")
+    for name, meta in files.items():
         fpath = folder / name
         if Path(name).name != name or name.startswith("."):
             raise CheckpointError(mpath, f"lists a file outside its folder: {name!r}")
@@ -135,13 +128,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         except (OSError, TypeError, KeyError, ValueError) as e:
             raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e!r}") from None
         if len(data) != size:
-            raise CheckpointError(fpath, f"is {len(data)} bytes, the manifest says "
-                                  f"{size}: truncated or altered")
+            raise CheckpointError(fpath, f"is {len(data)} bytes, the manifest says {size}: "
+                                  "truncated or altered")
         if _sha256(data) != digest:
-            raise CheckpointError(fpath, "SHA-256 does not match the manifest: altered or "
-                                  "corrupted after it was written")
-    if STATE not in body.get("files", {}):
-        raise CheckpointError(mpath, f"lists no {STATE}")
+            raise CheckpointError(fpath, "SHA-256 differs from the manifest: altered or corrupted")
     return body
 
 
@@ -161,6 +151,15 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return sd
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        _remove(path / MANIFEST)  # un-commit first: a crash mid-delete leaves no broken commit
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 class ModelCheckpoint(Callback):
     """Saves the loop every N epochs and/or steps, keeps the best k, and enables resume.
 
@@ -172,17 +171,17 @@ class ModelCheckpoint(Callback):
         mode: "min" or "max": which monitored value is better.
         save_top_k: how many of the best (or newest) to keep; -1 keeps all.
         save_last: also keep the newest checkpoint, whatever its rank.
-        save_on_exception: save once, as ``<name>-exception``, when fit raises (not on
-            Ctrl-C); "tainted" in its manifest when the cause is a non-finite loss.
+        save_on_exception: when fit raises (not on Ctrl-C), save once as ``<name>-exception``,
+            "tainted" if the cause is a non-finite loss; never rotated out.
         filename: the folder name, formatted with the counters and the logs.
 
-    Example::
+    Also saves on SIGTERM (``on_preempt``). Example::
 
         ckpt = ModelCheckpoint("checkpoints", every_n_steps=100, monitor="val_loss")
         Loop(model, opts, loss_fn=loss, callbacks=[ckpt]).fit(loader, 10, resume_from="last")
     """
 
-    order = 90  # after callbacks that add logs, before the progress display
+    order = 90  # after the callbacks that add logs, before the progress display
 
     def __init__(self, dirpath: str | os.PathLike, *, every_n_epochs: int | None = 1,
                  every_n_steps: int | None = None, monitor: str | None = None,
@@ -199,15 +198,15 @@ class ModelCheckpoint(Callback):
         self.dirpath = Path(dirpath)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
-        self.save_last, self.save_on_exception, self.filename = (save_last, save_on_exception,
-                                                                 filename)
-        self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of committed saves
+        self.save_last, self.save_on_exception = save_last, save_on_exception
+        self.filename = filename
+        self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of regular saves
         self.resumed_from: str | None = None  # never deleted while this fit runs
         self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
-        self._saving: str | None = None
+        self._saving: str | None = None  # the name being written, recorded in its own state
+        self._last: tuple | None = None  # counters of the last save (skip identical saves)
         self._in_fit = False
 
-    # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [dict(e) for e in self.kept], "name": self._saving}
 
@@ -217,13 +216,12 @@ class ModelCheckpoint(Callback):
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
-        self._in_fit = True
+        self._in_fit, self._last = True, None
         self.dirpath.mkdir(parents=True, exist_ok=True)
         for p in [*self.dirpath.glob(TMP_PREFIX + "*"), *self.dirpath.glob(f"*/{TMP_PREFIX}*")]:
             _remove(p)  # left by a save that was killed
-        for p in self.dirpath.iterdir():  # uncommitted checkpoint folders: state.pt, no manifest
-            if p.is_dir() and not (p / MANIFEST).exists() and {c.name for c in p.iterdir()} \
-                    <= {STATE}:
+        for p in self.dirpath.iterdir():  # interrupted saves: a state.pt and no manifest
+            if p.is_dir() and {c.name for c in p.iterdir()} <= {STATE}:
                 _remove(p)
 
     def on_train_step_end(self, loop: Any) -> None:
@@ -232,6 +230,10 @@ class ModelCheckpoint(Callback):
 
     def on_epoch_end(self, loop: Any) -> None:
         if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
+            self.save(loop)
+
+    def on_preempt(self, loop: Any) -> None:
+        if self._last != tuple(loop.state.counters().values()):  # not saved at this point yet
             self.save(loop)
 
     def on_fit_end(self, loop: Any) -> None:
@@ -247,61 +249,61 @@ class ModelCheckpoint(Callback):
         if isinstance(loop.exception, KeyboardInterrupt):
             return  # reliability §7.8: no new checkpoint after Ctrl-C
         from ..loop import NonFiniteLossError
-        self.save(loop, suffix="-exception", exception=loop.exception,
+        self.save(loop, exception=loop.exception,
                   tainted=isinstance(loop.exception, NonFiniteLossError))
 
     # -- saving --------------------------------------------------------------------------------
     def _score(self, loop: Any) -> float | None:
         if self.monitor is None:
             return None
-        logs = loop.state.logs
-        if self.monitor not in logs:
+        if self.monitor not in loop.state.logs:
             raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such log at epoch "
-                             f"{loop.state.epoch}, step {loop.state.step}. Available: "
-                             f"{sorted(logs)}.")
-        return float(logs[self.monitor])
+                             f"{loop.state.epoch}, step {loop.state.step}. Available logs: "
+                             f"{sorted(loop.state.logs)}.")
+        return float(loop.state.logs[self.monitor])
 
-    def _rank(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Best first: by score (NaN last) when monitoring, else newest first."""
+    def _keep(self, entries: list[dict[str, Any]], newest: str) -> set[str]:
+        """Names to keep: the best ``save_top_k`` (NaN scores last) or newest, plus the last."""
         if self.monitor is None:
-            return sorted(entries, key=lambda e: -e["step"])
-        sign = 1.0 if self.mode == "min" else -1.0
-        return sorted(entries, key=lambda e: (math.isnan(e["score"]), sign * e["score"]
-                                              if not math.isnan(e["score"]) else 0.0, -e["step"]))
+            ranked = sorted(entries, key=lambda e: -e["step"])
+        else:
+            sign = 1.0 if self.mode == "min" else -1.0
+            ranked = sorted(entries, key=lambda e: (math.isnan(e["score"]), 0.0 if math.isnan(
+                e["score"]) else sign * e["score"], -e["step"]))
+        keep = {e["name"] for e in (ranked if self.save_top_k < 0 else ranked[:self.save_top_k])}
+        return keep | {newest} if self.save_last else keep
 
-    def save(self, loop: Any, *, suffix: str = "", exception: BaseException | None = None,
+    def save(self, loop: Any, *, exception: BaseException | None = None,
              tainted: bool = False) -> Path | None:
-        """Write, commit, then rotate; returns the checkpoint folder (None: not kept)."""
+        """Write, commit, then rotate; returns the folder, or None when it is not kept."""
         st = loop.state
-        name = self.filename.format(**st.logs, **st.counters()) + suffix
+        name = self.filename.format(**st.logs, **st.counters()) + ("-exception" if exception
+                                                                    else "")
         if os.sep in name or name.startswith(".") or not name:
-            raise ValueError(f"ModelCheckpoint: filename {self.filename!r} gives {name!r}, "
-                             f"which is not a plain folder name inside {self.dirpath}.")
+            raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
+                             f"plain folder name inside {self.dirpath}.")
         if name == self.resumed_from:
             warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.")
             return None
-        entry = {"name": name, "step": st.step, "score": self._score(loop) if not suffix else None}
         old = self.kept
-        if not suffix:  # regular saves rotate; exception saves sit apart and are never rotated
-            ranked = self._rank(old + [entry]) if self.save_top_k >= 0 else old + [entry]
-            keep = {e["name"] for e in (ranked if self.save_top_k < 0 else
-                                        ranked[:self.save_top_k])}
-            if self.save_last:
-                keep.add(name)
+        entry = {"name": name, "step": st.step, "score": None}
+        if exception is None:  # regular saves rotate; exception saves sit apart
+            entry["score"] = self._score(loop)
+            entries = [e for e in old if e["name"] != name] + [entry]
+            keep = self._keep(entries, name)
             if name not in keep:
                 return None  # neither among the best k nor kept as the last
-            self.kept = [e for e in old + [entry] if e["name"] in keep]
+            self.kept = [e for e in entries if e["name"] in keep]
         folder = self.dirpath / name
         self._saving = name
         try:
             loop._fire("on_save_checkpoint")  # callbacks stash what their state_dict needs
             buf = io.BytesIO()
-            torch.save(loop.state_dict(), buf)  # reads the weights back from the device
+            torch.save(loop.state_dict(), buf)  # Loop.state_dict reads the device's weights
             data = buf.getvalue()
             folder.mkdir(parents=True, exist_ok=True)
-            with_manifest = folder / MANIFEST
-            if with_manifest.exists():  # re-saving a name: un-commit it before changing it
-                with_manifest.unlink()
+            if (folder / MANIFEST).exists():  # re-saving a name: un-commit it first
+                (folder / MANIFEST).unlink()
                 _fsync_dir(folder)
             _atomic_write(folder / STATE, data)
             manifest = {
@@ -309,18 +311,19 @@ class ModelCheckpoint(Callback):
                 "versions": _versions(), "backend": _backend(), **st.counters(),
                 "tainted": tainted, "exception": type(exception).__name__ if exception else None,
                 "monitor": self.monitor, "score": entry["score"], "wall_time": time.time(),
-                "files": {STATE: {"bytes": len(data), "sha256": _sha256(data)}},
-            }
+                "files": {STATE: {"bytes": len(data), "sha256": _sha256(data)}}}
             manifest["manifest_sha256"] = _sha256(_dump(manifest))
-            _atomic_write(with_manifest, _dump(manifest))  # the commit
-            _fsync_dir(self.dirpath)  # the new folder's entry
+            _atomic_write(folder / MANIFEST, _dump(manifest))  # the commit
+            _fsync_dir(self.dirpath)  # the new folder's own entry
         except BaseException:
             self.kept = old
             raise
         finally:
             self._saving = None
+        self._last = tuple(st.counters().values())
+        kept = {e["name"] for e in self.kept}
         for e in old:  # rotate only after the commit
-            if e["name"] not in {k["name"] for k in self.kept}:
+            if e["name"] not in kept:
                 if e["name"] == self.resumed_from:
                     self._deferred.append(e["name"])
                 else:
@@ -331,33 +334,29 @@ class ModelCheckpoint(Callback):
     def latest(self, include_tainted: bool = False) -> Path | None:
         """The newest valid checkpoint in ``dirpath`` (by step, then time), or None.
 
-        Found by scanning manifests, not a pointer file. A newer checkpoint that fails
-        verification is skipped with a warning naming it and the one used instead.
+        Found by scanning the manifests (no pointer file). A newer one that fails verification
+        is skipped with a warning naming it and the one used instead.
         """
         if not self.dirpath.is_dir():
             return None
         found = []
-        for folder in self.dirpath.iterdir():
-            mpath = folder / MANIFEST
-            if folder.name.startswith(TMP_PREFIX) or not mpath.is_file():
-                continue
+        for mpath in self.dirpath.glob(f"*/{MANIFEST}"):
             try:
                 m = json.loads(mpath.read_bytes())
                 key = (int(m["step"]), int(m["epoch"]), mpath.stat().st_mtime_ns)
             except (ValueError, TypeError, KeyError, OSError):
-                key = (math.inf, math.inf, mpath.stat().st_mtime_ns)  # unreadable: suspect it
-            found.append((key, folder))
+                key = (math.inf, math.inf, 0)  # unreadable: possibly the newest, so suspect it
+            found.append((key, mpath.parent))
         bad: list[str] = []
         for _, folder in sorted(found, key=lambda kf: kf[0], reverse=True):
             try:
-                m = read_manifest(folder)
+                if read_manifest(folder)["tainted"] and not include_tainted:
+                    continue
             except CheckpointError as e:
                 bad.append(str(e))
                 continue
-            if m["tainted"] and not include_tainted:
-                continue
             if bad:
-                warnings.warn(f"Skipping newer checkpoint(s) that failed verification "
+                warnings.warn(f"Skipped newer checkpoint(s) that failed verification "
                               f"({'; '.join(bad)}); using {folder}.")
             return folder
         if bad:
@@ -365,17 +364,13 @@ class ModelCheckpoint(Callback):
         return None
 
 
+def _versions() -> dict[str, str | None]:
+    from .. import __version__
+    from ..backend import poptorch_module
+    return {"ipuloop": __version__, "torch": torch.__version__,
+            "poptorch": getattr(poptorch_module(), "__version__", None)}
+
+
 def _backend() -> str:
     from ..backend import backend_name
     return backend_name()
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        _remove(path / MANIFEST)  # un-commit first: a crash mid-delete leaves no broken commit
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass

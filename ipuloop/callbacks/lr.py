@@ -84,6 +84,14 @@ class LRScheduler(Callback):
             raise ValueError("LRScheduler: the scheduler drives another optimizer than the "
                              "loop's, so its LR would never reach the device. Build the "
                              "scheduler over the optimizer passed to Loop(optimizer=...).")
+        # A checkpoint or a device read-back can hold the LR the device last ran, one scheduler
+        # step behind: the schedule's LR wins, and the loop pushes it before the first step.
+        lrs = getattr(self.scheduler, "_last_lr", None) or ()
+        for group, lr in zip(self.scheduler.optimizer.param_groups, lrs):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(float(lr))
+            else:
+                group["lr"] = float(lr)
 
     def on_train_step_end(self, loop: Any) -> None:
         if self.interval == "update":
@@ -93,24 +101,17 @@ class LRScheduler(Callback):
     def on_epoch_end(self, loop: Any) -> None:
         if self.interval != "epoch":
             return
+        logs = loop.state.logs
         if not self.plateau:
             self._step()
-            return
-        logs = loop.state.logs
-        if self.monitor not in logs:
+        elif self.monitor not in logs:
             raise ValueError(f"LRScheduler: monitor={self.monitor!r} is not in the logs. "
-                           f"Available: {sorted(logs)}.")
-        self._step(float(logs[self.monitor]))
+                             f"Available: {sorted(logs)}.")
+        else:
+            self._step(float(logs[self.monitor]))
 
     def state_dict(self) -> dict[str, Any]:
         return _plain(self.scheduler.state_dict(), "state_dict()")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state)
-        # The saved optimizer may hold the LR the device ran, one push behind the schedule:
-        # the schedule's LR wins, and the loop pushes it before the first step.
-        for group, lr in zip(self.scheduler.optimizer.param_groups, state.get("_last_lr", ())):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(float(lr))
-            else:
-                group["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
+        self.scheduler.load_state_dict(state)  # its LR reaches the optimizer at on_fit_start

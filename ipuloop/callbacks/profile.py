@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -47,14 +46,14 @@ class ProfileCapture(Callback):
         self._prof: Any = None
         self._seen = 0  # steps completed in the window
         self._cuda = False  # the window also records CUDA kernels
-        self.written: list[str] = []  # the files of the last capture
+        self.written: list[str] = []  # the files of the last capture (PopVision: the folder)
 
     def on_fit_start(self, loop: Any) -> None:
         try:
             os.makedirs(self.dirpath, exist_ok=True)
         except OSError as e:
             raise self._error(e) from e
-        if backend_name() != "poptorch":
+        if backend_name() != "poptorch" or self.written:
             return
         if loop.train_model is not None:  # options are frozen once the model is built
             warnings.warn("ProfileCapture: the training model is already compiled, so the "
@@ -62,6 +61,7 @@ class ProfileCapture(Callback):
                           "the first fit.")
             return
         loop.train_opts.enableProfiling(self.dirpath)  # autoReport.all, autoReport.directory
+        self.written = [self.dirpath]
         print(f"ProfileCapture: PopVision reports go to {self.dirpath} (open them with the "
               "PopVision Graph Analyser).", flush=True)
 

@@ -39,6 +39,7 @@ __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss",
 
 logger = logging.getLogger("poptorch")
 
+_NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
 _running_on_ipu = False  # True while a wrapped model's forward runs "on the device"
 
 
@@ -217,13 +218,13 @@ class _Signature:
             if isinstance(x, torch.Tensor) != isinstance(m, tuple):
                 raise Error(f"Type mismatch for {where}: expected {m!r} but got {type(x).__name__}.")
             if isinstance(x, torch.Tensor):
+                if x.dtype != m[1]:  # checked before the shape, as PopTorch does
+                    raise Error(f"Data type mismatch for {where}: expected {m[1]} but got {x.dtype}.")
                 if tuple(x.shape) != m[0]:
                     raise Error(f"Shape mismatch for {where}: expected {list(m[0])} but got "
                                 f"{list(x.shape)}. The model was compiled for the first call's "
                                 "shapes: call destroy() on the wrapped model and wrap it again "
                                 "to compile for new ones.")
-                if x.dtype != m[1]:
-                    raise Error(f"Data type mismatch for {where}: expected {m[1]} but got {x.dtype}.")
             elif x != m:
                 raise Error(f"Value mismatch for {where}: expected {m!r} but got {x!r}. Non-tensor "
                             "arguments are constants of the compiled graph.")
@@ -462,7 +463,13 @@ class PoplarExecutor:
         per_replica = max(len(ipus), max(ipus) + 1)
         n = per_replica * rf
         o = self._options
-        use_model = o.exists("use_model") and o.use_model or os.environ.get("POPTORCH_IPU_MODEL")
+        if o.exists("use_model"):  # useIpuModel() takes precedence over the environment
+            use_model = bool(o.use_model)
+        else:
+            try:  # PopTorch: std::stoi(POPTORCH_IPU_MODEL) != 0
+                use_model = int(os.environ.get("POPTORCH_IPU_MODEL", "0").strip() or 0) != 0
+            except ValueError:
+                use_model = False
         if not use_model and n & (n - 1):
             rounded = 1 << (n - 1).bit_length()
             if not o.auto_round_num_ipus:
@@ -493,14 +500,14 @@ class PoplarExecutor:
 
     def attachToDevice(self) -> None:
         if not self._compiled:
-            raise Error("Model has not been compiled or has been destroyed.")
+            raise Error(_NO_EXECUTABLE)
         if self._attached:
             raise Error("Device is already attached")
         self._attach()
 
     def detachFromDevice(self) -> None:
         if not self._compiled:
-            raise Error("Model has not been compiled or has been destroyed.")
+            raise Error(_NO_EXECUTABLE)
         if not self._attached:
             raise Error("Device is not attached")
         if self._training:
@@ -527,6 +534,8 @@ class PoplarExecutor:
     # -- weights -----------------------------------------------------------------------------
     def copyWeightsToDevice(self) -> None:
         """Push the host module's weights (and buffers, to every replica) to the device."""
+        if not self._compiled:
+            raise Error(_NO_EXECUTABLE)
         with torch.no_grad():
             for d, h in zip(self._dev_params + self._dev_buffers,
                             self._host_params + self._host_buffers):
@@ -535,6 +544,8 @@ class PoplarExecutor:
 
     def copyWeightsToHost(self) -> None:
         """Read the device's weights back into the host module (replica 0's buffers)."""
+        if not self._compiled:
+            raise Error(_NO_EXECUTABLE)  # the device copy would overwrite host edits
         self._host_dirty = False
         with torch.no_grad():
             for h, d in zip(self._host_params + self._host_buffers,
@@ -555,7 +566,7 @@ class PoplarExecutor:
 
         def state_dict():
             if self._device_optimizer is not None and self._attached:
-                return self._device_optimizer.state_dict()
+                return self._device_state_dict()
             return cls_state_dict(opt)
 
         def load_state_dict(sd):
@@ -591,10 +602,16 @@ class PoplarExecutor:
         self._loss_scaling = _optim.loss_scaling(opt)
         self._optimizer_dirty = False
 
+    def _device_state_dict(self) -> dict:
+        # The device's state (moments, step counts) with the host's hyper-parameters: as in
+        # PopTorch, reading the state back must not undo host LR scheduling.
+        sd = self._device_optimizer.state_dict()
+        sd["param_groups"] = type(self._optimizer).state_dict(self._optimizer)["param_groups"]
+        return sd
+
     def _download_optimizer(self) -> None:
         if self._device_optimizer is not None:
-            type(self._optimizer).load_state_dict(self._optimizer,
-                                                  self._device_optimizer.state_dict())
+            type(self._optimizer).load_state_dict(self._optimizer, self._device_state_dict())
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Push the optimizer's hyper-parameters (and loaded state) to the device."""

@@ -1,0 +1,583 @@
+"""ModelCheckpoint and exact resume: reliability.md §8 items 1, 4, 5, 6, 7, 9 and 16.
+
+A tiny MLP with dropout, shuffled data, AdamW (optimizer state), CPU emulator, one thread.
+"Same" means ``==`` on every loss and ``torch.equal`` on every tensor of the loop's state.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers_train as H
+from ipuloop import Callback, NonFiniteLossError
+from ipuloop.callbacks import checkpoint as ck
+from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
+                                          read_manifest)
+from ipuloop.data import ResumableSampler
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
+
+KILL_REPEATS = int(os.environ.get("IPULOOP_KILL_REPEATS", "5"))  # reliability.md asks for 20
+HELPER = Path(__file__).with_name("helpers_train.py")
+EPOCHS = 2
+N_STEPS = EPOCHS * H.STEPS_PER_EPOCH
+STOPS = {"first_step": 1, "mid_epoch": 2, "epoch_last_step": H.STEPS_PER_EPOCH,
+         "one_before_end": N_STEPS - 1}
+GRID = [(di, ga, w) for di in (1, 4) for ga in (1, 2) for w in (0, 2)]
+NEW_PROCESS = [(1, 1, 0), (4, 2, 2), (4, 1, 2)]  # resumed in a new process; the rest in-process
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # same kernels here and in the child processes, and fast on 2 cores
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_same(a, b, where: str = "state") -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), \
+            f"{where}: tensors differ"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def compare(got_losses, got_state, ref) -> None:
+    ref_losses, ref_state = ref
+    assert got_losses == ref_losses  # ==, not allclose
+    assert_same(got_state, ref_state)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(di: int, ga: int, workers: int, epochs: int = EPOCHS, generator: bool = False):
+    """An uninterrupted run: per-step losses and the final state (no checkpoint callback)."""
+    rec = H.Recorder()
+    loop, loader, _ = H.make_loop(di, ga, workers, callbacks=[rec], generator=generator)
+    loop.fit(loader, epochs)
+    return rec.losses, H.comparable(loop.state_dict())
+
+
+def interrupted(dirpath: Path, di: int, ga: int, workers: int, stop: int) -> list[float]:
+    """Run B to ``stop`` with a checkpoint at every step, then stop; returns its losses."""
+    rec = H.Recorder()
+    ckpt = ModelCheckpoint(dirpath, every_n_steps=1, save_top_k=-1)
+    loop, loader, _ = H.make_loop(di, ga, workers, callbacks=[rec, ckpt, H.StopAt(stop)])
+    loop.fit(loader, EPOCHS)
+    assert loop.state.step == stop
+    return rec.losses
+
+
+def resume(source, di: int, ga: int, workers: int, *, tamper=None):
+    """A fresh loop (other init weights and seed) resumed from ``source``."""
+    rec = H.Recorder()
+    loop, loader, _ = H.make_loop(di, ga, workers, callbacks=[rec], init_seed=123, seed=99)
+    if tamper is None:
+        loop.fit(loader, EPOCHS, resume_from=str(source))
+    else:
+        loop.load_state_dict(tamper(load_checkpoint(source)))
+        loop.fit(loader, EPOCHS)
+    return rec.losses, H.comparable(loop.state_dict())
+
+
+def sources(dirpath: Path, stop: int) -> list[Path]:
+    """The newest checkpoint at ``stop``; at an epoch's last step also the one taken before
+    the epoch ended (epoch_step == steps per epoch)."""
+    newest = ModelCheckpoint(dirpath).latest()
+    assert read_manifest(newest)["step"] == stop
+    step_end = dirpath / f"epoch{(stop - 1) // H.STEPS_PER_EPOCH}-step{stop}"
+    return [newest] + ([step_end] if step_end != newest else [])
+
+
+# -- §8.6 exact-resume parity ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def new_process_results(tmp_path_factory):
+    """Checkpoints for the NEW_PROCESS configs, all resumed by one child process."""
+    root = tmp_path_factory.mktemp("newproc")
+    jobs, prefixes = [], {}
+    for di, ga, w in NEW_PROCESS:
+        for name, stop in STOPS.items():
+            d = root / f"{di}-{ga}-{w}-{name}"
+            prefixes[(di, ga, w, name)] = interrupted(d, di, ga, w, stop)
+            for i, src in enumerate(sources(d, stop)):
+                jobs.append({"di": di, "ga": ga, "workers": w, "epochs": EPOCHS,
+                             "path": str(src), "out": str(d / f"result{i}.pt"),
+                             "key": [di, ga, w, name]})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(HELPER), "resume", str(root / "jobs.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results: dict[tuple, list] = {}
+    for job in jobs:
+        out = torch.load(job["out"], weights_only=True)
+        results.setdefault(tuple(job["key"]), []).append((out["losses"], out["state"]))
+    return prefixes, results
+
+
+@pytest.mark.parametrize("di,ga,workers", GRID, ids=[f"di{d}-ga{g}-w{w}" for d, g, w in GRID])
+def test_resume_parity(tmp_path, di, ga, workers, request):
+    ref = reference(di, ga, workers)
+    assert len(ref[0]) == N_STEPS
+    if (di, ga, workers) in NEW_PROCESS:
+        prefixes, results = request.getfixturevalue("new_process_results")
+        for name in STOPS:
+            assert prefixes[(di, ga, workers, name)] == ref[0][:STOPS[name]]
+            for losses, state in results[(di, ga, workers, name)]:
+                compare(prefixes[(di, ga, workers, name)] + losses, state, ref)
+        return
+    for name, stop in STOPS.items():
+        d = tmp_path / name
+        before = interrupted(d, di, ga, workers, stop)
+        assert before == ref[0][:stop]  # saving at every step changed nothing
+        for src in sources(d, stop):
+            losses, state = resume(src, di, ga, workers)
+            compare(before + losses, state, ref)
+
+
+def _forget_rng(sd):
+    from ipuloop.loop import _rng_state
+    sd.pop("device_rng")
+    sd["rng"] = _rng_state()
+    sd["epoch_rng"] = {**_rng_state(), "sampler": None}
+    return sd
+
+
+@pytest.mark.parametrize("omit", ["rng", "loader_position"])
+def test_resume_parity_negative_control(tmp_path, monkeypatch, omit):
+    """Resuming without the RNG states or without skipping the seen samples must be caught."""
+    di, ga, w = 4, 1, 0
+    ref = reference(di, ga, w)
+    before = interrupted(tmp_path, di, ga, w, STOPS["mid_epoch"])
+    src = ModelCheckpoint(tmp_path).latest()
+    if omit == "loader_position":
+        set_epoch = ResumableSampler.set_epoch
+        monkeypatch.setattr(ResumableSampler, "set_epoch", lambda self, skip=0: set_epoch(self))
+        losses, state = resume(src, di, ga, w)
+    else:
+        losses, state = resume(src, di, ga, w, tamper=_forget_rng)
+    with pytest.raises(AssertionError):
+        compare(before + losses, state, ref)
+
+
+# -- §8.7 data order and coverage -----------------------------------------------------------------
+@pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "loader-generator"])
+def test_data_order_and_coverage(tmp_path, generator):
+    di, ga, epochs = 1, 2, 3
+    combined = H.MICRO * di * ga
+    steps = epochs * H.STEPS_PER_EPOCH
+    rec = H.Recorder()
+    loop, loader, ds = H.make_loop(di, ga, callbacks=[rec], generator=generator)
+    rec.dataset = ds
+    loop.fit(loader, epochs)
+    full = ds.log
+    per_epoch = H.STEPS_PER_EPOCH * combined
+    assert len(full) == steps * combined
+    dropped = []
+    for e in range(epochs):
+        seen = full[e * per_epoch:(e + 1) * per_epoch]
+        assert len(set(seen)) == len(seen)  # each sample at most once per epoch
+        dropped.append(set(range(len(ds))) - set(seen))
+        assert len(dropped[-1]) == combined - 1
+    for point in random.Random(generator).sample(range(1, steps), 10):
+        d = tmp_path / f"{point}"
+        rec1 = H.Recorder()
+        ckpt = ModelCheckpoint(d, every_n_steps=point, every_n_epochs=None)
+        loop, loader, ds1 = H.make_loop(di, ga, callbacks=[rec1, ckpt, H.StopAt(point)],
+                                        generator=generator)
+        rec1.dataset = ds1
+        loop.fit(loader, epochs)
+        rec2 = H.Recorder()
+        loop, loader, ds2 = H.make_loop(di, ga, callbacks=[rec2, ModelCheckpoint(d)],
+                                        generator=generator, init_seed=5, seed=6)
+        rec2.dataset = ds2
+        loop.fit(loader, epochs, resume_from="last")
+        assert len(ds2.log) == (steps - point) * combined  # the seen samples are not re-read
+        assert ds1.log + ds2.log == full, f"resumed at step {point}"
+        for e in range(epochs):  # same dropped remainder
+            seen = (ds1.log + ds2.log)[e * per_epoch:(e + 1) * per_epoch]
+            assert set(range(len(ds))) - set(seen) == dropped[e]
+
+
+# -- §8.1 SIGKILL during a save -------------------------------------------------------------------
+def _kill_during_save(root: Path, seed: int) -> dict:
+    rng = random.Random(seed)
+    cfg = {"dirpath": str(root / "ckpt"), "di": 1, "ga": 1, "epochs": EPOCHS,
+           "chunk": 2048, "delay": 0.022}  # ~41 kB state: a save takes about 0.5 s
+    for sub in ("cwd", "tmp"):
+        (root / sub).mkdir()
+    (root / "cfg.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "TMPDIR": str(root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
+    child = subprocess.Popen([sys.executable, str(HELPER), "kill", str(root / "cfg.json")],
+                             cwd=root / "cwd", env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    target = rng.choice([2, 3])  # the save to interrupt
+    starts: dict[int, float] = {}
+    try:
+        while True:
+            line = child.stdout.readline()
+            assert line, f"child ended early: {child.stderr.read()[-3000:]}"
+            kind, step, t = line.split()
+            if kind == "save-start":
+                starts[int(step)] = float(t)
+                if int(step) == target:
+                    break
+            elif kind == "save-end" and int(step) == 1:
+                duration = float(t) - starts[1]  # the measured save time, replace included
+        time.sleep(rng.uniform(0, duration))
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()
+    return {"target": target, "duration": duration}
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """All the kill runs at once (each child sleeps through its throttled saves)."""
+    from concurrent.futures import ThreadPoolExecutor
+    roots = [tmp_path_factory.mktemp(f"kill{seed}") for seed in range(KILL_REPEATS)]
+    with ThreadPoolExecutor(KILL_REPEATS) as pool:
+        infos = list(pool.map(_kill_during_save, roots, range(KILL_REPEATS)))
+    return dict(enumerate(zip(roots, infos)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(KILL_REPEATS))
+def test_sigkill_during_save(killed_runs, seed):
+    tmp_path, info = killed_runs[seed]
+    dirpath = tmp_path / "ckpt"
+    assert list((tmp_path / "cwd").iterdir()) == [] and list((tmp_path / "tmp").iterdir()) == []
+    assert {p.name for p in tmp_path.iterdir()} == {"ckpt", "cwd", "tmp", "cfg.json"}
+    assert info["duration"] > 0.3, info  # the throttle works: the kill lands inside a save
+    latest = ModelCheckpoint(dirpath).latest()
+    m = read_manifest(latest)  # verifies the manifest and the SHA-256 of state.pt
+    assert m["step"] in (info["target"] - 1, info["target"])
+    load_checkpoint(latest)
+    # the next start removes stale temporary files (planted ones too) and interrupted saves
+    (dirpath / f"{ck.TMP_PREFIX}stale").write_bytes(b"x")
+    (latest / f"{ck.TMP_PREFIX}stale").write_bytes(b"x")
+    rec = H.Recorder()
+    ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=2)
+    loop, loader, _ = H.make_loop(1, 1, callbacks=[rec, ckpt], init_seed=8, seed=8)
+    loop.fit(loader, EPOCHS, resume_from="last")
+    ref_losses, ref_state = reference(1, 1, 0)
+    assert rec.losses == ref_losses[m["step"]:]
+    assert_same(H.comparable(loop.state_dict()), ref_state)
+    assert not list(dirpath.rglob(f"{ck.TMP_PREFIX}*"))
+    assert all((p / ck.MANIFEST).is_file() for p in dirpath.iterdir())
+
+
+# -- §8.4 corruption ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("two")
+    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(d, every_n_steps=1, save_top_k=2),
+                                             H.StopAt(2)])
+    loop.fit(loader, EPOCHS)
+    return d / "epoch0-step1", d / "epoch0-step2"
+
+
+def _corrupt_copies(src: Path, root: Path, file: str, seed: int):
+    data = (src / file).read_bytes()
+    rng = random.Random(seed)
+    cuts = rng.sample(range(len(data)), 10)
+    flips = [0, 1, 30, len(data) - 1] + rng.sample(range(len(data)), 10)  # headers and data
+    variants = [("cut", o, data[:o]) for o in cuts]
+    variants += [("flip", o, data[:o] + bytes([data[o] ^ rng.randrange(1, 256)]) + data[o + 1:])
+                 for o in flips]
+    for i, (kind, offset, new) in enumerate(variants):
+        dst = root / f"{file}-{kind}-{i}"
+        shutil.copytree(src, dst)
+        (dst / file).write_bytes(new)
+        yield kind, offset, dst
+
+
+@pytest.mark.parametrize("file", [ck.STATE, ck.MANIFEST])
+def test_corruption_is_detected(tmp_path, two_checkpoints, file, monkeypatch):
+    good = two_checkpoints[1]
+    load_checkpoint(good)
+    calls = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(1) or pytest.fail("loaded"))
+    for kind, offset, dst in _corrupt_copies(good, tmp_path, file, seed=len(file)):
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(dst)
+        assert e.value.path == str(dst / file), (kind, offset, e.value)
+    assert calls == []  # nothing corrupt reached torch.load, so no tensors came back
+
+
+def test_latest_falls_back_to_previous_valid(tmp_path, two_checkpoints):
+    d = tmp_path / "ckpt"
+    for src in two_checkpoints:
+        shutil.copytree(src, d / src.name)
+    newest = d / two_checkpoints[1].name
+    data = bytearray((newest / ck.STATE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (newest / ck.STATE).write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="epoch0-step2.*epoch0-step1"):
+        assert ModelCheckpoint(d).latest() == d / "epoch0-step1"
+    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(d, every_n_epochs=None)])
+    with pytest.warns(UserWarning, match="epoch0-step2.*epoch0-step1"):
+        loop.fit(loader, 1, resume_from="last", max_steps=2)
+    assert loop.state.step == 2
+    (newest / ck.MANIFEST).write_bytes(b'{"trunc')  # an unreadable manifest is suspect too
+    with pytest.warns(UserWarning, match="epoch0-step2.*not an ipuloop manifest"):
+        assert ModelCheckpoint(d).latest() == d / "epoch0-step1"
+
+
+def _write_checkpoint(folder: Path, state_bytes: bytes, **fields) -> None:
+    """A checkpoint whose manifest is valid for ``state_bytes`` (as an attacker could write)."""
+    folder.mkdir(parents=True)
+    (folder / ck.STATE).write_bytes(state_bytes)
+    m = {"format": "ipuloop-checkpoint", "format_version": ck.FORMAT_VERSION, "step": 0,
+         "epoch": 0, "tainted": False,
+         "files": {ck.STATE: {"bytes": len(state_bytes), "sha256": ck._sha256(state_bytes)}},
+         **fields}
+    m["manifest_sha256"] = ck._sha256(ck._dump(m))
+    (folder / ck.MANIFEST).write_bytes(ck._dump(m))
+
+
+def test_foreign_and_newer_checkpoints_are_rejected(tmp_path, two_checkpoints):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    torch.save({"w": torch.ones(2)}, plain / "state.pt")
+    with pytest.raises(CheckpointError, match="manifest.json: missing"):
+        load_checkpoint(plain / "state.pt")
+    (tmp_path / "model.pt").write_bytes(buf := (plain / "state.pt").read_bytes())
+    with pytest.raises(CheckpointError, match="model.pt: is a file"):
+        load_checkpoint(tmp_path / "model.pt")
+    (plain / ck.MANIFEST).write_text('{"hello": 1}')
+    with pytest.raises(CheckpointError, match="not an ipuloop manifest"):
+        load_checkpoint(plain)
+    _write_checkpoint(tmp_path / "tensors", buf)
+    with pytest.raises(CheckpointError, match="not an ipuloop loop state") as e:
+        load_checkpoint(tmp_path / "tensors")
+    assert e.value.path == str(tmp_path / "tensors" / ck.STATE)
+    _write_checkpoint(tmp_path / "future", (two_checkpoints[0] / ck.STATE).read_bytes(),
+                      format_version="2.0")
+    with pytest.raises(CheckpointError, match=r"format version 2\.0 .*\(1\.0\)"):
+        load_checkpoint(tmp_path / "future")
+    _write_checkpoint(tmp_path / "escape", buf, files={
+        ck.STATE: {"bytes": len(buf), "sha256": ck._sha256(buf)}, "../x": {"bytes": 1}})
+    with pytest.raises(CheckpointError, match="outside its folder"):
+        load_checkpoint(tmp_path / "escape")
+
+
+# -- §8.5 malicious checkpoint --------------------------------------------------------------------
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # unpickling would create the marker file
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "nested-in-state"])
+def test_malicious_pickle_runs_no_code(tmp_path, two_checkpoints, monkeypatch, nested):
+    marker = tmp_path / "pwned"
+    payload = _Evil(marker)
+    if nested:  # a real loop state with the payload deep inside, next to real storages
+        sd = load_checkpoint(two_checkpoints[0])
+        sd["model"]["evil"] = [torch.ones(3), {"x": payload}]
+        payload = sd
+    import io
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    _write_checkpoint(tmp_path / "evil", buf.getvalue())  # a manifest that verifies
+    with pytest.raises(CheckpointError, match="weights_only") as e:
+        load_checkpoint(tmp_path / "evil")
+    assert e.value.path == str(tmp_path / "evil" / ck.STATE)
+    assert not marker.exists()
+    torch.load(tmp_path / "evil" / ck.STATE, weights_only=False)  # the payload is live:
+    assert marker.exists()  # plain unpickling would have run it
+
+
+def test_every_torch_load_uses_weights_only(tmp_path, two_checkpoints, monkeypatch):
+    real, calls = torch.load, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    assert torch.serialization.get_safe_globals() == []  # no custom allowlist
+    d = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints[1], d / two_checkpoints[1].name)
+    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(d)])
+    loop.fit(loader, 1, resume_from="last")
+    load_checkpoint(two_checkpoints[0])
+    assert len(calls) == 2 and all(k.get("weights_only") is True for k in calls), calls
+
+
+# -- §8.9 non-finite loss -------------------------------------------------------------------------
+class _Snapshot(Callback):
+    """Bytes of the newest checkpoint just before host call ``step`` runs."""
+
+    def __init__(self, dirpath: Path, step: int) -> None:
+        self.dirpath, self.step, self.files = dirpath, step, None
+
+    def on_train_step_start(self, loop) -> None:
+        if loop.state.step == self.step:
+            folder = ModelCheckpoint(self.dirpath).latest()
+            self.files = {p: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_loss(tmp_path, value):
+    h, m, di = 2, 1, 4  # host call h (0-based), micro-batch m of that call
+    snap = _Snapshot(tmp_path, h)
+    ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, save_top_k=1)
+    loop, loader, ds = H.make_loop(di, 1, callbacks=[snap, ckpt], shuffle=False,
+                                   all_outputs=True)
+    ds.scale[h * H.MICRO * di + m * H.MICRO] = value  # that micro-batch's loss is NaN or inf
+    with pytest.raises(NonFiniteLossError) as e:
+        loop.fit(loader, EPOCHS)
+    msg = str(e.value)
+    assert f"epoch 0, step {h} " in msg and f"micro-batch {m} " in msg and str(value) in msg
+    assert {p: p.read_bytes() for p in snap.files} == snap.files  # byte-identical afterwards
+    good = next(iter(snap.files)).parent
+    bad = tmp_path / f"epoch0-step{h}-exception"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [good.name, bad.name]
+    assert read_manifest(bad)["tainted"] and read_manifest(bad)["exception"] == \
+        "NonFiniteLossError"
+    assert not read_manifest(good)["tainted"]
+    assert ModelCheckpoint(tmp_path).latest() == good
+    assert ModelCheckpoint(tmp_path).latest(include_tainted=True) == bad
+
+
+# -- §8.16 device/host weight sync ----------------------------------------------------------------
+class _DeviceView(Callback):
+    """At step ``n``: the weights on the device (emulator: its own copy of the module)."""
+
+    order = 95  # after the checkpoint is written
+
+    def __init__(self, n: int) -> None:
+        self.n, self.weights, self.first_lr = n, None, None
+
+    def on_train_step_end(self, loop) -> None:
+        if loop.state.step == self.n:
+            device = loop.train_model._device_model
+            self.weights = {k: v.detach().clone() for k, v in device.state_dict().items()}
+        if self.first_lr is None:  # the LR of the first step this fit ran on the device
+            self.first_lr = loop.train_model._device_optimizer.param_groups[0]["lr"]
+
+
+class _LowerLR(Callback):
+    def on_train_step_end(self, loop) -> None:
+        if loop.state.step == 2:
+            loop.optimizer.param_groups[0]["lr"] = 0.005  # reaches the device via setOptimizer
+
+
+def test_saved_weights_are_the_devices_and_lr_is_restored(tmp_path):
+    n = 3
+    view = _DeviceView(n)
+    ckpt = ModelCheckpoint(tmp_path, every_n_steps=n, every_n_epochs=None)
+    loop, loader, _ = H.make_loop(callbacks=[_LowerLR(), ckpt, view, H.StopAt(n)])
+    initial = {k: v.clone() for k, v in loop.model.state_dict().items()}
+    loop.fit(loader, EPOCHS)
+    saved = load_checkpoint(tmp_path / f"epoch0-step{n}")
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.005
+    for k, v in view.weights.items():
+        assert torch.equal(saved["model"][k], v), k
+        if k.endswith("weight"):
+            assert not torch.equal(v, initial[k]), k
+    resumed = _DeviceView(0)
+    loop, loader, _ = H.make_loop(callbacks=[_LowerLR(), resumed], init_seed=4)
+    assert loop.optimizer.param_groups[0]["lr"] == 0.02
+    loop.fit(loader, EPOCHS, resume_from=tmp_path / f"epoch0-step{n}")
+    assert resumed.first_lr == 0.005 == loop.optimizer.param_groups[0]["lr"]
+    ref = H.make_loop(callbacks=[_LowerLR()])
+    ref[0].fit(ref[1], EPOCHS)
+    assert_same(H.comparable(loop.state_dict())["model"],
+                H.comparable(ref[0].state_dict())["model"])
+
+
+# -- rotation, monitor, stale files, resumed-from protection --------------------------------------
+class _Logs(Callback):
+    order = 50
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    def on_train_step_end(self, loop) -> None:
+        loop.state.logs["score"] = self.values[loop.state.step - 1]
+
+
+@pytest.mark.parametrize("mode,best", [("min", {"epoch0-step2", "epoch0-step4"}),
+                                       ("max", {"epoch0-step1", "epoch0-step3"})])
+def test_top_k_by_monitor_plus_last(tmp_path, mode, best):
+    ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, every_n_epochs=None, monitor="score",
+                           mode=mode, save_top_k=2)
+    loop, loader, _ = H.make_loop(callbacks=[_Logs([5.0, 1.0, 4.0, 2.0, 3.0]), ckpt,
+                                             H.StopAt(5)])
+    loop.fit(loader, EPOCHS)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == best | {"epoch0-step5"}  # top 2 + the last
+    assert {e["name"] for e in ckpt.state_dict()["kept"]} == names
+
+
+def test_missing_monitor_lists_the_logs(tmp_path):
+    ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, monitor="val_acc")
+    loop, loader, _ = H.make_loop(callbacks=[ckpt])
+    with pytest.raises(ValueError, match=r"val_acc.*Available logs: \['loss'\]"):
+        loop.fit(loader, EPOCHS)
+
+
+def test_stale_files_removed_in_dirpath_only_and_resumed_from_kept(tmp_path):
+    d = tmp_path / "ckpt"
+    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(d, every_n_steps=1), H.StopAt(2)])
+    loop.fit(loader, EPOCHS)
+    assert [p.name for p in d.iterdir()] == ["epoch0-step2"]  # save_top_k=1: rotated
+    outside = tmp_path / f"{ck.TMP_PREFIX}keep"
+    outside.write_bytes(b"not ours")
+    (d / f"{ck.TMP_PREFIX}junk").write_bytes(b"x")
+    (d / "epoch0-step9").mkdir()
+    (d / "epoch0-step9" / ck.STATE).write_bytes(b"half")  # an interrupted save
+    (d / "notes").mkdir()
+    (d / "notes" / "readme.txt").write_text("user data")
+    ckpt = ModelCheckpoint(d, every_n_steps=1)
+    loop, loader, _ = H.make_loop(callbacks=[ckpt, H.StopAt(4)])
+    loop.fit(loader, EPOCHS, resume_from="last")
+    assert outside.exists() and (d / "notes" / "readme.txt").exists()
+    # step 3 rotated out epoch0-step2, which was kept while protected and removed at fit end
+    assert sorted(p.name for p in d.iterdir()) == ["epoch1-step4", "notes"]
+    assert not (d / "epoch0-step9").exists() and not (d / f"{ck.TMP_PREFIX}junk").exists()
+
+
+def test_resumed_from_survives_a_failing_fit(tmp_path):
+    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(tmp_path, every_n_steps=1),
+                                             H.StopAt(2)])
+    loop.fit(loader, EPOCHS)
+
+    class Boom(Callback):
+        def on_train_step_end(self, loop) -> None:
+            if loop.state.step == 4:
+                raise RuntimeError("boom")
+
+    ckpt = ModelCheckpoint(tmp_path, every_n_steps=1)
+    loop, loader, _ = H.make_loop(callbacks=[Boom(), ckpt])
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.fit(loader, EPOCHS, resume_from="last")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["epoch0-step2", "epoch0-step3", "epoch0-step4-exception"]
+    assert not read_manifest(tmp_path / "epoch0-step4-exception")["tainted"]
