@@ -71,9 +71,15 @@ def runs(tmp_path_factory) -> dict[str, Run]:
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, args in commands.items()}
     out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=300)
-        out[name] = Run(commands[name], p.returncode, stdout, stderr)
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=300)
+            out[name] = Run(commands[name], p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():  # a run that timed out must not outlive the tests
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     return out
 
 
