@@ -71,10 +71,14 @@ PRECISIONS = ("32", "16-mixed", "16-true")
 
 
 def _hyper(opt: torch.optim.Optimizer) -> tuple:
-    """The optimizer's hyper-parameters, to tell when they changed (host only, no sync)."""
-    def plain(v: Any) -> Any:
-        return float(v) if isinstance(v, torch.Tensor) else v
-    groups = tuple(tuple(sorted((k, plain(v)) for k, v in g.items() if k != "params"))
+    """The optimizer's hyper-parameters, to tell when they changed (host only, no sync).
+
+    Read every step, so kept cheap: a group's items in their own (insertion) order, which
+    only changes when a key is added, and that is a change too.
+    """
+    T = torch.Tensor
+    groups = tuple(tuple((k, float(v) if isinstance(v, T) else v)
+                         for k, v in g.items() if k != "params")
                    for g in opt.param_groups)
     extras = tuple(getattr(opt, k, None) for k in ("loss_scaling", "max_grad_norm",
                                                     "velocity_scaling", "max_weight_norm"))

@@ -59,7 +59,9 @@ class Layout:
 
     def step_loss(self, loss: torch.Tensor) -> StepLoss:
         """Reduce the returned loss tensor (already on the host) to a step loss."""
-        total = float(loss.double().sum())  # host tensor: no device sync; needed for the log
+        # Host tensor: no device sync; needed for the log. Summed in float64 (exact for a
+        # single value, which float() reads without creating tensors).
+        total = float(loss) if loss.numel() == 1 else float(loss.sum(dtype=torch.float64))
         if self.mode == SUM:  # per replica: sum over DI*GA micro-batches
             return StepLoss(total, self.micro_batches, True)
         if self.mode == FINAL:

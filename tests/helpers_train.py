@@ -108,6 +108,7 @@ def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     ds = IndexedData(n or samples_for(di, ga))
     loader = DataLoader(ds, batch_size=MICRO, shuffle=shuffle, num_workers=workers,
+                        persistent_workers=workers > 0,  # reused iterators: the harder case
                         generator=torch.Generator().manual_seed(7) if generator else None)
     loop = Loop(model, opts, optimizer=optimizer, callbacks=list(callbacks), seed=seed,
                 progress=False)
@@ -131,7 +132,9 @@ class _Markers(Callback):
 
 def _kill_mode(cfg: dict[str, Any]) -> None:
     ckpt_mod._CHUNK = cfg["chunk"]
-    ckpt_mod._write_hook = lambda path, offset: time.sleep(cfg["delay"])  # a slow disk
+    # A slow disk; the manifest (one chunk) slowly too, so that kills also land in the commit.
+    ckpt_mod._write_hook = lambda path, offset: time.sleep(
+        cfg["delay"] if path.name == ckpt_mod.STATE else cfg["commit_delay"])
     cb = ModelCheckpoint(cfg["dirpath"], every_n_steps=1, every_n_epochs=None, save_top_k=2)
     loop, loader, _ = make_loop(cfg["di"], cfg["ga"], callbacks=[cb, _Markers()])
     loop.fit(loader, epochs=cfg["epochs"])

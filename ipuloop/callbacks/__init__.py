@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from .base import Callback, CancelEpoch, CancelFit, CancelStep
+from .checkpoint import CheckpointError, ModelCheckpoint, load_checkpoint
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .lr import LRScheduler
 from .profile import ProfileCapture
 from .progress import ProgressBar
 
-__all__ = ["CSVLogger", "Callback", "CancelEpoch", "CancelFit", "CancelStep", "EarlyStopping",
-           "LRScheduler", "ProfileCapture", "ProgressBar"]
+__all__ = ["CSVLogger", "Callback", "CancelEpoch", "CancelFit", "CancelStep", "CheckpointError",
+           "EarlyStopping", "LRScheduler", "ModelCheckpoint", "ProfileCapture", "ProgressBar",
+           "load_checkpoint"]

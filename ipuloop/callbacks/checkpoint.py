@@ -65,9 +65,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # disk full, permissions...: name the file
+            raise CheckpointError(path, f"cannot be written: {e}") from e
         raise
     _fsync_dir(path.parent)
 
@@ -86,9 +88,18 @@ def _folder(path: str | os.PathLike) -> Path:
     return p.parent if p.name in (MANIFEST, STATE) and not p.is_dir() else p
 
 
+def _plain(name: str) -> bool:
+    """A bare, visible file or folder name: nothing outside its folder, no temporary file."""
+    return bool(name) and Path(name).name == name and not name.startswith(".")
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at ``path`` (its folder or a file in it), verified:
     its own checksum and format version, then each file's size and SHA-256."""
+    return _verified(path)[0]
+
+
+def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]]:
     folder = _folder(path)
     if folder.is_file():
         raise CheckpointError(folder, f"is a file, not a checkpoint folder ({MANIFEST} + {STATE})")
@@ -118,12 +129,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     files = body.get("files") or {}
     if STATE not in files:
         raise CheckpointError(mpath, f"lists no {STATE}")
+    contents = {}
     for name, meta in files.items():
         fpath = folder / name
-        if Path(name).name != name or name.startswith("."):
+        if not _plain(name):
             raise CheckpointError(mpath, f"lists a file outside its folder: {name!r}")
         try:
-            data = fpath.read_bytes()
+            data = contents[name] = fpath.read_bytes()
             size, digest = int(meta["bytes"]), str(meta["sha256"])
         except (OSError, TypeError, KeyError, ValueError) as e:
             raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e!r}") from None
@@ -132,7 +144,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                                   "truncated or altered")
         if _sha256(data) != digest:
             raise CheckpointError(fpath, "SHA-256 differs from the manifest: altered or corrupted")
-    return body
+    return body, contents
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -140,15 +152,23 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     Unpickling is ``torch.load(weights_only=True)``: a file that would run code is rejected.
     """
-    read_manifest(path)
+    data = _verified(path)[1][STATE]  # loads the bytes it verified, not a second read
     spath = _folder(path) / STATE
     try:
-        sd = torch.load(spath, weights_only=True, map_location="cpu")
+        sd = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:  # UnpicklingError, RuntimeError, EOFError...: all mean "untrusted"
         raise CheckpointError(spath, f"rejected by torch.load(weights_only=True): {e}") from None
     if not isinstance(sd, dict) or not {"model", "counters", "rng"} <= sd.keys():
         raise CheckpointError(spath, "not an ipuloop loop state (no model, counters or rng)")
     return sd
+
+
+def _provenance() -> dict[str, Any]:
+    from .. import __version__
+    from ..backend import backend_name, poptorch_module
+    return {"backend": backend_name(), "versions": {
+        "ipuloop": __version__, "torch": torch.__version__,
+        "poptorch": getattr(poptorch_module(), "__version__", None)}}
 
 
 def _remove(path: Path) -> None:
@@ -181,7 +201,8 @@ class ModelCheckpoint(Callback):
         Loop(model, opts, loss_fn=loss, callbacks=[ckpt]).fit(loader, 10, resume_from="last")
     """
 
-    order = 90  # after the callbacks that add logs, before the progress display
+    order = 90  # after the callbacks that change state or logs at the same event (the save
+    # must include their update for this step), before the progress display
 
     def __init__(self, dirpath: str | os.PathLike, *, every_n_epochs: int | None = 1,
                  every_n_steps: int | None = None, monitor: str | None = None,
@@ -211,8 +232,10 @@ class ModelCheckpoint(Callback):
         return {"kept": [dict(e) for e in self.kept], "name": self._saving}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kept = [dict(e) for e in state.get("kept", [])]
-        self.resumed_from = state.get("name")
+        # Names come from a file: keep only plain names, so rotation stays inside dirpath.
+        self.kept = [dict(e) for e in state.get("kept", []) if _plain(str(e.get("name", "")))]
+        name = state.get("name")
+        self.resumed_from = name if isinstance(name, str) and _plain(name) else None
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
@@ -264,12 +287,11 @@ class ModelCheckpoint(Callback):
 
     def _keep(self, entries: list[dict[str, Any]], newest: str) -> set[str]:
         """Names to keep: the best ``save_top_k`` (NaN scores last) or newest, plus the last."""
-        if self.monitor is None:
-            ranked = sorted(entries, key=lambda e: -e["step"])
-        else:
+        ranked = entries[::-1]  # newest first; the sort is stable, so ties go to the newest
+        if self.monitor is not None:
             sign = 1.0 if self.mode == "min" else -1.0
-            ranked = sorted(entries, key=lambda e: (math.isnan(e["score"]), 0.0 if math.isnan(
-                e["score"]) else sign * e["score"], -e["step"]))
+            ranked.sort(key=lambda e: (math.isnan(e["score"]), 0.0 if math.isnan(e["score"])
+                                       else sign * e["score"]))
         keep = {e["name"] for e in (ranked if self.save_top_k < 0 else ranked[:self.save_top_k])}
         return keep | {newest} if self.save_last else keep
 
@@ -279,7 +301,7 @@ class ModelCheckpoint(Callback):
         st = loop.state
         name = self.filename.format(**st.logs, **st.counters()) + ("-exception" if exception
                                                                     else "")
-        if os.sep in name or name.startswith(".") or not name:
+        if not _plain(name):
             raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
                              f"plain folder name inside {self.dirpath}.")
         if name == self.resumed_from:
@@ -308,7 +330,7 @@ class ModelCheckpoint(Callback):
             _atomic_write(folder / STATE, data)
             manifest = {
                 "format": "ipuloop-checkpoint", "format_version": FORMAT_VERSION,
-                "versions": _versions(), "backend": _backend(), **st.counters(),
+                **_provenance(), **st.counters(),
                 "tainted": tainted, "exception": type(exception).__name__ if exception else None,
                 "monitor": self.monitor, "score": entry["score"], "wall_time": time.time(),
                 "files": {STATE: {"bytes": len(data), "sha256": _sha256(data)}}}
@@ -350,7 +372,7 @@ class ModelCheckpoint(Callback):
         bad: list[str] = []
         for _, folder in sorted(found, key=lambda kf: kf[0], reverse=True):
             try:
-                if read_manifest(folder)["tainted"] and not include_tainted:
+                if read_manifest(folder).get("tainted") and not include_tainted:
                     continue
             except CheckpointError as e:
                 bad.append(str(e))
@@ -363,14 +385,3 @@ class ModelCheckpoint(Callback):
             warnings.warn(f"No valid checkpoint in {self.dirpath}: {'; '.join(bad)}.")
         return None
 
-
-def _versions() -> dict[str, str | None]:
-    from .. import __version__
-    from ..backend import poptorch_module
-    return {"ipuloop": __version__, "torch": torch.__version__,
-            "poptorch": getattr(poptorch_module(), "__version__", None)}
-
-
-def _backend() -> str:
-    from ..backend import backend_name
-    return backend_name()

@@ -181,7 +181,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         t = t.to(torch.int32)  # the IPU has no 64-bit types: outputs come back narrowed
     elif t.dtype == torch.float64:
         t = t.to(torch.float32)
-    return t.cpu()
+    return t if t.is_cpu else t.cpu()
 
 
 class _Signature:
@@ -197,11 +197,19 @@ class _Signature:
         self.kwarg_keys = sorted(kwargs)
         leaves, self.spec = _flatten(args, kwargs)
         self.meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
+        # Positional tensors only: what a matching call looks like, compared in one pass.
+        self.fast = [(torch.Size(m[0]), m[1]) for m in self.meta] \
+            if isinstance(self.spec, int) else None
 
     def arg_name(self, i: int) -> str:
         return repr(self.names[i]) if i < len(self.names) else f"#{i}"
 
     def check(self, args: tuple, kwargs: dict) -> list[Any]:
+        fast = self.fast
+        if fast is not None and not kwargs and len(args) == len(fast) and all(
+                type(x) is torch.Tensor and x.dtype == dt and x.shape == sh
+                for x, (sh, dt) in zip(args, fast)):
+            return list(args)  # the common case; anything else gets the full check below
         if len(args) != self.num_args:
             raise Error(f"Number of positional arguments mismatch: expected {self.num_args} "
                         f"arguments but got {len(args)}. To compile a new model call destroy() "
@@ -245,6 +253,8 @@ class PoplarExecutor:
         if OutputMode(opts.output_mode) == OutputMode.Default:
             opts.outputMode(OutputMode.Final if training else OutputMode.All)
         self._options = opts
+        self._offline = opts.connection_type == ConnectionType.Never
+        self._consts: tuple | None = None  # what every call reads from the options (compile)
         self._training = training
         self._user_model = model
         self._device = _emulator_device()
@@ -388,6 +398,7 @@ class PoplarExecutor:
                     "iteration. For a full explanation see the batching semantics page of the "
                     "documentation.")
         self._signature = _Signature(self._device_model.forward, args, kwargs)
+        self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._compiled = True
         try:
             if o.connection_type != ConnectionType.Never:  # offline target: compile only
@@ -662,7 +673,7 @@ class PoplarExecutor:
         return x.to(self._device, non_blocking=True) if x.device != self._device else x
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._options.connection_type == ConnectionType.Never:
+        if self._offline:
             raise AssertionError("Trying to run a model compiled for an offline IPU target: use "
                                  "model.compile(inputs) instead.")
         if not self._compiled:
@@ -680,7 +691,7 @@ class PoplarExecutor:
             self._source.copyWeightsToHostIfNeeded()
             self.copyWeightsToDevice()
             self._source_version = self._source._trained_version
-        di, ga, rf, rfg = self._factors()
+        di, ga, rf, rfg = self._consts[:4]
         prod = di * ga * rfg
         leaves = [self._prepare(x) for x in leaves]
         chunks = [x.split(x.shape[0] // prod) if prod > 1 and isinstance(x, torch.Tensor)
@@ -707,9 +718,10 @@ class PoplarExecutor:
         if self._device.type == "cuda":
             old = torch.cuda.get_rng_state(self._device)
             torch.cuda.set_rng_state(state, self._device)
-        else:
-            old = torch.get_rng_state()
-            torch.set_rng_state(state)
+        else:  # torch.get_rng_state / set_rng_state, without their Python wrappers
+            gen = torch.default_generator
+            old = gen.get_state()
+            gen.set_state(state)
         return old
 
     def _replica_buffer_sets(self, rf: int) -> list[list[torch.Tensor]] | None:
@@ -723,19 +735,21 @@ class PoplarExecutor:
             self._replica_buffers = [own] + [[b.clone() for b in own] for _ in range(rf - 1)]
         return self._replica_buffers
 
-    def _run(self, leaves: list, chunks: list, spec: Any, di: int, ga: int, rf: int,
-             rfg: int) -> Any:
+    def _run_constants(self, di: int, ga: int, rf: int, rfg: int, mode: OutputMode) -> tuple:
         o = self._options
-        mode = OutputMode(o.output_mode)
         period = o.output_return_period if mode == OutputMode.EveryN else 1
         grouped = o.input_cgt == 2  # CommGroupType.Orthogonal
-        g = o.input_group_size
+        mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
+            == ReductionType.Mean
+        return di, ga, rf, rfg, mode, period, grouped, o.input_group_size, mean
+
+    def _run(self, leaves: list, chunks: list, spec: Any, di: int, ga: int, rf: int,
+             rfg: int) -> Any:
+        mode, period, grouped, g, mean = self._consts[4:]
         model = self._device_model
         training = self._training
         if training:
             opt = self._device_optimizer
-            mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
-                == ReductionType.Mean
             scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
             loss_index = self._loss_index
         replica_buffers = self._replica_buffer_sets(rf)

@@ -111,9 +111,15 @@ class _IpuOptimizer:
     def _update(self) -> None:
         # torch's step, minus the profiling/hook wrapper torch may have put on the base class:
         # our own step() already carries it, and hooks must run once per step.
-        base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim"))
-        fn = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
+        fn = _BASE_STEP.get(type(self))
+        if fn is None:
+            base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim"))
+            fn = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
+            _BASE_STEP[type(self)] = fn  # the same function whether or not torch hooks it later
         fn(self)
+
+
+_BASE_STEP: dict[type, Callable[..., Any]] = {}  # class -> torch's unwrapped step function
 
 
 _F32 = torch.float32
