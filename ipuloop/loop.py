@@ -186,7 +186,8 @@ class Loop:
         if max_grad_norm is not None:
             self._set_clipping(optimizer, max_grad_norm)
         self.optimizer = optimizer
-        self.metrics = self._resolve_metrics(metrics)
+        self.metrics = self._resolve_metrics(metrics)  # validation's; training uses clones
+        self._train_metric_objs = {k: m.clone() for k, m in self.metrics.items()}
         self.check_finite = check_finite
         self.state = State()
         mode = self.train_opts.output_mode
@@ -441,8 +442,6 @@ class Loop:
         self._fire("on_epoch_end")
 
     def _train_metrics(self) -> dict[str, Any]:
-        if not hasattr(self, "_train_metric_objs"):
-            self._train_metric_objs = {k: m.clone() for k, m in self.metrics.items()}
         return self._train_metric_objs
 
     def _train_epoch(self, plan: Plan) -> None:

@@ -1,0 +1,55 @@
+"""Smoke test of benchmarks/overhead.py: a tiny run writes the JSON and the README table.
+
+No timing is asserted here: timings belong to benchmarks/README.md, measured on purpose.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "overhead.py"
+
+
+def test_overhead_tiny_run_writes_expected_keys(tmp_path):
+    out, readme = tmp_path / "results.json", tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nprose kept\n\n<!-- overhead:begin -->\nold\n"
+                      "<!-- overhead:end -->\n\nmore prose\n")
+    cmd = [sys.executable, str(SCRIPT), "--workloads", "mlp",
+           "--variants", "hand,raw,loop,loop_callbacks", "--no-lightning", "--repeats", "1",
+           "--mlp-steps", "4", "--mlp-warmup", "1", "--check-steps", "2",
+           "--sweep-workloads", "mlp", "--sweep-di", "2", "--sweep-ga", "1",
+           "--sweep-variants", "loop_sum", "--sweep-repeats", "1", "--sweep-samples-mlp", "64",
+           "--sweep-min-steps", "3", "--out", str(out), "--readme", str(readme), "--plot", ""]
+    env = {**os.environ, "IPULOOP_BACKEND": "emulator"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    res = json.loads(out.read_text())
+    assert set(res) >= {"meta", "args", "workloads", "sweep", "targets", "checkpoint"}
+    assert set(res["meta"]) >= {"python", "torch", "threads", "command", "date"}
+    mlp = res["workloads"]["mlp"]
+    assert set(mlp["variants"]) == {"hand", "raw", "loop", "loop_callbacks"}
+    for v in mlp["variants"].values():
+        assert set(v) >= {"step_s", "cpu_step_s", "step_s_repeats", "time_per_sample_us",
+                          "median_gap_s", "fit_s"}
+        assert v["step_s"] > 0 and len(v["step_s_repeats"]) == 1
+    assert {"raw/hand", "loop/hand", "loop_callbacks/hand", "loop/hand_cpu"} <= set(mlp["ratios"])
+    # the variants computed the same thing before they were timed
+    assert set(mlp["equivalence_max_abs_diff"]) == {"raw", "loop", "loop_callbacks"}
+    assert mlp["equivalent"] is True
+    (row,) = res["sweep"]["mlp"]
+    assert set(row) >= {"di", "ga", "variant", "time_per_sample_us", "peak_delta_mb",
+                        "host_batch_mb", "samples_per_step"}
+    assert (row["di"], row["ga"], row["variant"]) == (2, 1, "loop_sum")
+    assert any("Loop.fit (no callbacks) / hand-written, tiny MLP" in t["target"]
+               for t in res["targets"])
+    assert all(set(t) == {"target", "value", "limit", "met"} for t in res["targets"])
+
+    text = readme.read_text()  # the table replaces the marked section only
+    assert "prose kept" in text and "more prose" in text and "\nold\n" not in text
+    assert text.count("<!-- overhead:begin -->") == 1
+    assert "| (c) Loop.fit, no callbacks |" in text
