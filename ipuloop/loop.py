@@ -18,7 +18,7 @@ import torch
 
 from .backend import poptorch_module
 from .callbacks.base import EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, overridden
-from .data import Plan, build_plan, combined_factor
+from .data import Plan, build_plan, combined_factor, describe_factors
 from .signals import Preempted, handle_signals
 from .outputs import ALL, DEFAULT, EVERY_N, FINAL, MODE_NAMES, SUM, Layout
 from .state import State
@@ -107,6 +107,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _shape(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')} {list(x.shape)}"
+    return type(x).__name__
+
+
+def _describe(inputs: tuple, labels: Any) -> str:
+    """The batch as the model sees it, e.g. "inputs (float32 [4, 6]) and labels int64 [4]"."""
+    return (f"input{'s' if len(inputs) != 1 else ''} ({', '.join(_shape(x) for x in inputs)}) "
+            f"and labels {_shape(labels)}")
+
+
 def _plain(x: Any) -> Any:
     return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
 
@@ -143,6 +155,12 @@ class Loop:
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
             can clip on the IPU) and rejects any other optimizer.
+
+    Batches are ``(inputs..., labels)`` tuples, the labels last; a dict batch is rejected with
+    its keys named (convert it in the dataset or the ``collate_fn``). Before compiling, the
+    loop runs one micro-batch through the model on the host, so a label batch that differs
+    from the input batch, labels that would broadcast against the output, or a dtype the loss
+    rejects fail before the first step, naming the shapes and dtypes received.
 
     Example::
 
@@ -228,6 +246,7 @@ class Loop:
         self._max_steps: int | None = None
         self._exception_fired = False
         self.exception: BaseException | None = None  # set while on_exception hooks run
+        self.exception_source: Callback | None = None  # the callback whose hook raised it
         self._batches: Any = None  # the running epoch's batch iterator
         self._preempted = False
 
@@ -331,6 +350,8 @@ class Loop:
             except (CancelStep, CancelEpoch, CancelFit):
                 raise
             except BaseException as e:
+                if self.exception_source is None:  # the innermost hook: the one that failed
+                    self.exception_source = cb
                 if hasattr(e, "add_note"):
                     e.add_note(f"raised in callback {type(cb).__name__}.{event}")
                 raise
@@ -356,6 +377,11 @@ class Loop:
         continues an interrupted fit exactly. ``max_steps`` ends the fit after that many
         training steps in total (for smoke runs), like ``stop()``: an epoch it cuts short is
         not counted as complete.
+
+        An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B the loader's
+        batch size), each running DI optimizer updates; the remainder is dropped (with a
+        warning) whatever the loader's ``drop_last``. A dataset shorter than one host call is
+        a ``ValueError`` naming every factor, raised before anything is compiled.
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
@@ -370,32 +396,46 @@ class Loop:
         st = self.state
         st.stop_requested = False
         self._exception_fired = False
+        self.exception = self.exception_source = None
         self._max_steps = max_steps
         self._steps_hint = plan.steps
         self._preempted = False
-        preempted = False
-        with handle_signals(self._on_sigterm):
+        with handle_signals(self._on_sigterm, self._kill_workers):
             try:
                 self._fire("on_fit_start")
                 try:
                     while st.epoch < epochs and not self._should_stop():
+                        self._check_preempted()  # SIGTERM during epoch-end hooks: stop here
                         self._fit_epoch(plan, val_plan)
+                    self._check_preempted()
                 except CancelFit:
                     pass
                 except Preempted:
-                    preempted = True
                     self._fire("on_preempt")
-                if self.train_model is not None and self.train_model.isAttachedToDevice():
-                    self.train_model.detachFromDevice()  # weights and optimizer state to host
+                self._detach(self.train_model)  # weights and optimizer state to host
                 self._fire("on_fit_end")
             except BaseException:
                 self._on_exception()
+                for model in (self.train_model, *self._inference.values()):  # release the device
+                    self._detach(model, quiet=True)
                 raise
             finally:
                 self._close_batches()
-        if preempted:
+        if self._preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
+
+    @staticmethod
+    def _detach(model: Any, quiet: bool = False) -> None:
+        if model is None or not model.isAttachedToDevice():
+            return
+        try:
+            model.detachFromDevice()
+        except Exception as e:
+            if not quiet:
+                raise
+            # tearing down after an error: that error is the one to report
+            warnings.warn(f"Could not detach {type(model).__name__} from the device: {e!r}")
 
     def _on_sigterm(self) -> None:
         self._preempted = True
@@ -403,6 +443,12 @@ class Loop:
     def _check_preempted(self) -> None:
         if self._preempted:
             raise Preempted
+
+    def _kill_workers(self) -> None:
+        # A second Ctrl-C: the process exits at once, so its loader workers must go first.
+        for w in getattr(self._batches, "_workers", ()):
+            with contextlib.suppress(Exception):
+                w.kill()
 
     def _close_batches(self) -> None:
         # Stop loader worker processes now rather than when the iterator is collected.
@@ -465,7 +511,10 @@ class Loop:
             _set_rng_state(resume_rng)
         metrics = self._train_metrics()
         per_step_samples = plan.combined
+        fresh, seen = st.epoch_step == 0, False
         for batch in batches:
+            seen = True
+            self._check_preempted()  # SIGTERM while the batch was read: stop before the step
             inputs, labels = self._split(batch, plan)
             if self.train_model is None or not self.train_model.isCompiled():
                 self._compile_train(inputs, labels)
@@ -497,6 +546,12 @@ class Loop:
             self._check_preempted()
             if self._should_stop():
                 break
+        if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
+            raise ValueError(
+                f"{plan.name} yielded no complete host call in epoch {st.epoch}: one host call "
+                f"takes {describe_factors(plan.loader.options, plan.micro, True)}. An "
+                "IterableDataset must yield at least that many samples each time it is iterated "
+                "(a generator can be iterated only once).")
 
     def _raise_non_finite(self, loss: torch.Tensor, layout: Layout) -> None:
         flat = loss.reshape(-1)
@@ -571,6 +626,11 @@ class Loop:
             if self._input_dtype is not None:
                 batch = [self._cast(x) for x in batch]
             return tuple(batch[:-1]), batch[-1]
+        if isinstance(batch, dict):
+            raise ValueError(
+                f"{plan.name} yields dict batches (keys {list(batch)}), but the loop takes "
+                "(inputs..., labels) tuples, the labels last. Return a tuple from the dataset's "
+                "__getitem__, e.g. (d['image'], d['label']), or convert in the collate_fn.")
         raise ValueError(f"{plan.name} must yield (inputs..., labels) tuples: the last element "
                          f"is the labels. Received a {type(batch).__name__}"
                          + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
@@ -594,9 +654,15 @@ class Loop:
         saved = [b.clone() for b in model.buffers()]
         was_training = model.training
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 model.train()
                 out = model(*inputs, labels)
+        except Exception as e:  # name what the model was given: usually the labels are wrong
+            raise ValueError(
+                f"{plan.name}: the model failed on the first micro-batch, run on the host before "
+                f"compilation, with {_describe(inputs, labels)}: {type(e).__name__}: {e}") from e
         finally:
             with torch.no_grad():
                 for b, s in zip(model.buffers(), saved):
@@ -618,10 +684,17 @@ class Loop:
                 and labels.is_floating_point() and output.dim() == labels.dim() + 1
                 and output.shape[-1] == 1 and output.shape[:-1] == labels.shape):
             raise ValueError(
-                f"Outputs of shape {list(output.shape)} and labels of shape "
+                f"{plan.name}: outputs of shape {list(output.shape)} and labels of shape "
                 f"{list(labels.shape)} would broadcast to {list(output.shape[:-1]) * 2} in the "
                 "loss. Give the labels shape [N, 1] (e.g. y.unsqueeze(-1)) or squeeze the "
                 "output.")
+        for w in caught:  # torch's losses only warn when the labels broadcast: that is an error
+            if "different to the input size" in str(w.message):
+                raise ValueError(
+                    f"{plan.name}: the loss would broadcast the labels against the output "
+                    f"({w.message}), with {_describe(inputs, labels)} and an output of shape "
+                    f"{_shape(output)}. Give the labels the output's shape.")
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
     # -- validation -----------------------------------------------------------------------------
     def _inference_options(self, loader: Any, micro_hint: int | None) -> Any:
@@ -823,4 +896,5 @@ class Loop:
                 warnings.warn(f"No checkpoint in {cps[0].dirpath}: starting from scratch.")
                 return
             source = path
-        self.load_state_dict(load_checkpoint(source))
+        from .backend import backend_name
+        self.load_state_dict(load_checkpoint(source, backend=backend_name()))

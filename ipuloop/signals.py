@@ -3,7 +3,8 @@
 SIGTERM sets a flag; the loop finishes the running step, fires ``on_preempt`` (a
 ``ModelCheckpoint`` saves there), runs the end hooks and exits with status 143. A SIGTERM
 handler installed before ``fit`` still runs. The first Ctrl-C raises ``KeyboardInterrupt``
-(``on_exception`` runs once, no checkpoint starts); a second one ends the process at once.
+(``on_exception`` runs once, no checkpoint starts); a second one ends the process at once
+(status 130), after ``on_abort`` (the loop kills its loader workers: nothing outlives it).
 Both handlers are restored when ``fit`` returns.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Preempted(Exception):
 
 
 @contextlib.contextmanager
-def handle_signals(on_term: Callable[[], None]) -> Iterator[None]:
+def handle_signals(on_term: Callable[[], None],
+                   on_abort: Callable[[], None] | None = None) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return
@@ -37,9 +39,13 @@ def handle_signals(on_term: Callable[[], None]) -> Iterator[None]:
 
     def interrupt(signum: int, frame: object) -> None:
         def again(signum: int, frame: object) -> None:
-            sys.stderr.write("\nSecond interrupt: exiting now.\n")
-            sys.stderr.flush()
-            os._exit(130)
+            try:
+                sys.stderr.write("\nSecond interrupt: exiting now.\n")
+                sys.stderr.flush()
+                if on_abort is not None:
+                    on_abort()
+            finally:
+                os._exit(130)
         signal.signal(signal.SIGINT, again)
         raise KeyboardInterrupt
 

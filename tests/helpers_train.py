@@ -2,10 +2,14 @@
 
     python tests/helpers_train.py kill CONFIG.json    # trains, saves slowly, prints save markers
     python tests/helpers_train.py resume JOBS.json   # resumes each job, saves losses and state
+    python tests/helpers_train.py signal CONFIG.json  # slow steps and saves, for SIGTERM/SIGINT
+
+Markers are lines "KIND STEP MONOTONIC_TIME" on stdout.
 """
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -61,6 +65,18 @@ class TinyMLP(nn.Module):
         return out, (nn.functional.cross_entropy(out, y, reduction="none") * x[:, -1]).mean()
 
 
+class SlowMLP(TinyMLP):
+    """TinyMLP whose forward sleeps ``delay`` seconds: a host call that takes a while."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        time.sleep(self.delay)
+        return super().forward(x, y)
+
+
 class Recorder(Callback):
     """Per-step losses; turns the dataset's index log on for the fit (after the loop's probe)."""
 
@@ -97,9 +113,10 @@ def samples_for(di: int, ga: int) -> int:
 
 def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (),
               init_seed: int = 0, seed: int = 1, generator: bool = False, all_outputs: bool = False,
-              shuffle: bool = True, n: int | None = None) -> tuple[Loop, DataLoader, IndexedData]:
+              shuffle: bool = True, n: int | None = None,
+              step_delay: float = 0.0) -> tuple[Loop, DataLoader, IndexedData]:
     torch.manual_seed(init_seed)
-    model = TinyMLP()
+    model = SlowMLP(step_delay) if step_delay else TinyMLP()  # same weights either way
     pt = ipuloop.poptorch
     opts = pt.Options().deviceIterations(di)
     opts.Training.gradientAccumulation(ga)
@@ -132,13 +149,73 @@ class _Markers(Callback):
 
 def _kill_mode(cfg: dict[str, Any]) -> None:
     ckpt_mod._CHUNK = cfg["chunk"]
-    # A slow disk; the manifest (one chunk) slowly too, so that kills also land in the commit.
-    ckpt_mod._write_hook = lambda path, offset: time.sleep(
-        cfg["delay"] if path.name == ckpt_mod.STATE else cfg["commit_delay"])
+
+    def slow_disk(path: Path, offset: int) -> None:
+        # A slow disk; the manifest (one chunk) slowly too, so that kills also land in the commit.
+        if path.name == ckpt_mod.MANIFEST and cfg.get("commit_marker"):
+            step = path.parent.name.rsplit("step", 1)[-1]
+            print(f"commit-start {step} {time.monotonic()}", flush=True)
+        time.sleep(cfg["delay"] if path.name == ckpt_mod.STATE else cfg["commit_delay"])
+
+    ckpt_mod._write_hook = slow_disk
     cb = ModelCheckpoint(cfg["dirpath"], every_n_steps=1, every_n_epochs=None, save_top_k=2)
     loop, loader, _ = make_loop(cfg["di"], cfg["ga"], callbacks=[cb, _Markers()])
     loop.fit(loader, epochs=cfg["epochs"])
     print("done", flush=True)
+
+
+class _SignalMarkers(Callback):
+    """Markers for the signal tests; a slow ``on_exception`` if asked (cleanup that hangs)."""
+
+    order = -100  # first at every event: "step-start" before the step's other hooks
+
+    def __init__(self, exception_delay: float) -> None:
+        self.exception_delay = exception_delay
+
+    def on_fit_start(self, loop: Loop) -> None:
+        print(f"ready 0 {time.monotonic()}", flush=True)
+
+    def on_train_step_start(self, loop: Loop) -> None:
+        print(f"step-start {loop.state.step} {time.monotonic()}", flush=True)
+
+    def on_exception(self, loop: Loop) -> None:
+        print(f"on-exception {loop.state.step} {time.monotonic()}", flush=True)
+        time.sleep(self.exception_delay)
+
+
+def _signal_mode(cfg: dict[str, Any]) -> None:
+    """Trains with slow host calls and slow saves (one per step), a user SIGTERM handler."""
+    ckpt_mod._CHUNK = cfg["chunk"]
+    ckpt_mod._write_hook = lambda path, offset: time.sleep(cfg["delay"])
+    calls: list[int] = []
+
+    def user_handler(signum: int, frame: Any) -> None:
+        calls.append(signum)  # no printing here: a handler can interrupt a print
+
+    signal.signal(signal.SIGTERM, user_handler)
+    if cfg.get("stall_file"):  # once the file exists, loader workers hang on each sample
+        get = IndexedData.__getitem__
+
+        def stalling(self: IndexedData, i: int) -> Any:
+            if Path(cfg["stall_file"]).exists():
+                time.sleep(60)
+            return get(self, i)
+
+        IndexedData.__getitem__ = stalling  # before the workers fork
+    cb = ModelCheckpoint(cfg["dirpath"], every_n_steps=1, save_top_k=cfg.get("top_k", 1))
+    loop, loader, _ = make_loop(cfg["di"], cfg["ga"], cfg.get("workers", 0),
+                                callbacks=[_SignalMarkers(cfg.get("exception_delay", 0.0)), cb,
+                                           _Markers()], step_delay=cfg["step_delay"])
+    try:
+        loop.fit(loader, epochs=cfg["epochs"])
+    except SystemExit as e:
+        restored = (signal.getsignal(signal.SIGTERM) is user_handler
+                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        print(f"exit {e.code} {time.monotonic()}", flush=True)
+        print(f"user-handler {len(calls)} 0", flush=True)
+        print(f"restored {int(restored)} 0", flush=True)
+        raise
+    print(f"done {loop.state.step} {time.monotonic()}", flush=True)
 
 
 def _resume_mode(jobs: list[dict[str, Any]]) -> None:
@@ -153,4 +230,4 @@ def _resume_mode(jobs: list[dict[str, Any]]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)  # as the tests do: the same kernels, so bitwise-equal results
     mode, config = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
-    {"kill": _kill_mode, "resume": _resume_mode}[mode](config)
+    {"kill": _kill_mode, "resume": _resume_mode, "signal": _signal_mode}[mode](config)

@@ -226,7 +226,9 @@ def _kill_during_save(root: Path, seed: int) -> dict:
     for sub in ("cwd", "tmp"):
         (root / sub).mkdir()
     (root / "cfg.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "TMPDIR": str(root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "TMPDIR": str(root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1",
+           # torch's own cache folder, which it makes in TMPDIR unless told (AdamW imports it)
+           "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor")}
     with open(root / "stderr.txt", "w") as err:  # written by this process, not the child
         child = subprocess.Popen([sys.executable, str(HELPER), "kill", str(root / "cfg.json")],
                                  cwd=root / "cwd", env=env, stdout=subprocess.PIPE, stderr=err,

@@ -5,7 +5,9 @@ A checkpoint is a folder ``<dirpath>/<name>/`` holding ``state.pt`` (``torch.sav
 written last as the commit; a folder without a manifest is an interrupted save. Each file is
 written by ``_atomic_write`` (a temporary file next to it, fsync, ``os.replace``, fsync of the
 folder), so a crash at any moment leaves every committed checkpoint whole. Save order: write,
-commit, then rotate the old ones out.
+commit, then rotate the old ones out. A save that fails (disk full, Ctrl-C) removes its own
+uncommitted folder; what a killed save leaves (temporary files, a folder without a manifest,
+old checkpoints its rotation did not reach, which each checkpoint lists) goes at the next start.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import Callback
+from .base import Callback, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
            "FORMAT_VERSION"]
@@ -147,12 +149,25 @@ def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]
     return body, contents
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, *, backend: str | None = None) -> dict[str, Any]:
     """Verify the checkpoint at ``path`` and return its ``Loop.state_dict()``, on the CPU.
 
     Unpickling is ``torch.load(weights_only=True)``: a file that would run code is rejected.
+    ``backend`` ("emulator" or "poptorch"): reject a checkpoint another backend wrote (what a
+    resume does: optimizer and device random states do not carry over between backends).
+    Without it, any backend's checkpoint loads, e.g. to take only its ``["model"]`` weights.
     """
-    data = _verified(path)[1][STATE]  # loads the bytes it verified, not a second read
+    manifest, contents = _verified(path)
+    data = contents[STATE]  # loads the bytes it verified, not a second read
+    saved = manifest.get("backend")
+    if backend is not None and saved is not None and saved != backend:
+        raise CheckpointError(
+            _folder(path) / MANIFEST,
+            f"backend mismatch: written by the {saved!r} backend, and this process runs "
+            f"{backend!r}. The optimizer and device random states of one do not carry over to "
+            f"the other, so it cannot resume exactly: resume with IPULOOP_BACKEND={saved}, or "
+            "start a new fit from its weights: model.load_state_dict(load_checkpoint(path)"
+            '["model"]).')
     spath = _folder(path) / STATE
     try:
         sd = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
@@ -192,7 +207,8 @@ class ModelCheckpoint(Callback):
         save_top_k: how many of the best (or newest) to keep; -1 keeps all.
         save_last: also keep the newest checkpoint, whatever its rank.
         save_on_exception: when fit raises (not on Ctrl-C), save once as ``<name>-exception``,
-            "tainted" if the cause is a non-finite loss; never rotated out.
+            "tainted" if the cause is a non-finite loss or a failure inside a hook of a callback
+            whose state the checkpoint holds (e.g. ``LRScheduler``); never rotated out.
         filename: the folder name, formatted with the counters and the logs.
 
     Also saves on SIGTERM (``on_preempt``). Example::
@@ -225,27 +241,45 @@ class ModelCheckpoint(Callback):
         self.resumed_from: str | None = None  # never deleted while this fit runs
         self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
         self._saving: str | None = None  # the name being written, recorded in its own state
+        self._rotating: list[str] = []  # names this save rotates out, recorded in its own state
+        self._pending: list[str] = []  # a resumed state's unfinished rotation: done at fit start
         self._last: tuple | None = None  # counters of the last save (skip identical saves)
         self._in_fit = False
+        self._cleaned = False  # _clean_up ran in this process (at fit start, or a first save)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kept": [dict(e) for e in self.kept], "name": self._saving}
+        return {"kept": [dict(e) for e in self.kept], "name": self._saving,
+                "rotating": list(self._rotating)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Names come from a file: keep only plain names, so rotation stays inside dirpath.
         self.kept = [dict(e) for e in state.get("kept", []) if _plain(str(e.get("name", "")))]
         name = state.get("name")
         self.resumed_from = name if isinstance(name, str) and _plain(name) else None
+        # A crash between a commit and its rotation left these behind: delete them at start.
+        self._pending = [n for n in state.get("rotating", []) if isinstance(n, str) and _plain(n)]
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
         self._in_fit, self._last = True, None
+        self._clean_up()
+
+    def _clean_up(self) -> None:
+        """Remove what a killed process left: temporary files, uncommitted folders, and the
+        rotation the resumed checkpoint's save did not finish."""
+        self._cleaned = True
         self.dirpath.mkdir(parents=True, exist_ok=True)
         for p in [*self.dirpath.glob(TMP_PREFIX + "*"), *self.dirpath.glob(f"*/{TMP_PREFIX}*")]:
             _remove(p)  # left by a save that was killed
         for p in self.dirpath.iterdir():  # interrupted saves: a state.pt and no manifest
             if p.is_dir() and {c.name for c in p.iterdir()} <= {STATE}:
                 _remove(p)
+        kept = {e["name"] for e in self.kept}
+        resumed_here = self.resumed_from is not None and (self.dirpath / self.resumed_from).is_dir()
+        for name in self._pending if resumed_here else ():  # same folder: same run's rotation
+            if name not in kept and name != self.resumed_from:
+                _remove(self.dirpath / name)  # a crash between commit and rotation left it
+        self._pending = []
 
     def on_train_step_end(self, loop: Any) -> None:
         if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
@@ -272,8 +306,12 @@ class ModelCheckpoint(Callback):
         if isinstance(loop.exception, KeyboardInterrupt):
             return  # reliability §7.8: no new checkpoint after Ctrl-C
         from ..loop import NonFiniteLossError
+        # Tainted: a non-finite loss, or a callback whose state the checkpoint holds failed
+        # inside a hook (e.g. LRScheduler mid-update), so that state may be half-updated.
+        source = getattr(loop, "exception_source", None)  # (a failed save restored its own)
+        stateful = source not in (None, self) and overridden(source, "state_dict")
         self.save(loop, exception=loop.exception,
-                  tainted=isinstance(loop.exception, NonFiniteLossError))
+                  tainted=isinstance(loop.exception, NonFiniteLossError) or stateful)
 
     # -- saving --------------------------------------------------------------------------------
     def _score(self, loop: Any) -> float | None:
@@ -307,6 +345,12 @@ class ModelCheckpoint(Callback):
         if name == self.resumed_from:
             warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.")
             return None
+        folder = self.dirpath / name
+        if self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept} \
+                and (folder / MANIFEST).is_file():
+            return folder  # saved at this point already: rewriting it would only risk it
+        if not self._cleaned:  # a save before any fit: a killed process's leftovers go first
+            self._clean_up()
         old = self.kept
         entry = {"name": name, "step": st.step, "score": None}
         if exception is None:  # regular saves rotate; exception saves sit apart
@@ -316,13 +360,16 @@ class ModelCheckpoint(Callback):
             if name not in keep:
                 return None  # neither among the best k nor kept as the last
             self.kept = [e for e in entries if e["name"] in keep]
-        folder = self.dirpath / name
+        kept = {e["name"] for e in self.kept}
         self._saving = name
+        self._rotating = self._deferred + [e["name"] for e in old if e["name"] not in kept]
+        touched = False
         try:
             loop._fire("on_save_checkpoint")  # callbacks stash what their state_dict needs
             buf = io.BytesIO()
             torch.save(loop.state_dict(), buf)  # Loop.state_dict reads the device's weights
             data = buf.getvalue()
+            touched = True  # from here on, the folder holds no committed checkpoint
             folder.mkdir(parents=True, exist_ok=True)
             if (folder / MANIFEST).exists():  # re-saving a name: un-commit it first
                 (folder / MANIFEST).unlink()
@@ -339,11 +386,12 @@ class ModelCheckpoint(Callback):
             _fsync_dir(self.dirpath)  # the new folder's own entry
         except BaseException:
             self.kept = old
+            if touched:  # no partial checkpoint stays behind (the old ones are untouched)
+                _remove(folder)
             raise
         finally:
-            self._saving = None
+            self._saving, self._rotating = None, []
         self._last = tuple(st.counters().values())
-        kept = {e["name"] for e in self.kept}
         for e in old:  # rotate only after the commit
             if e["name"] not in kept:
                 if e["name"] == self.resumed_from:

@@ -694,21 +694,20 @@ class PoplarExecutor:
         di, ga, rf, rfg = self._consts[:4]
         prod = di * ga * rfg
         leaves = [self._prepare(x) for x in leaves]
-        chunks = [x.split(x.shape[0] // prod) if prod > 1 and isinstance(x, torch.Tensor)
-                  else None for x in leaves]
+        chunks = [x.split(x.shape[0] // prod) if isinstance(x, torch.Tensor) else None
+                  for x in leaves] if prod > 1 else [None] * len(leaves)
         host_rng = self._swap_rng(self._rng_state)
         global _running_on_ipu
         _running_on_ipu = True
+        grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
+        torch._C._set_grad_enabled(self._training)
         try:
+            out = self._run(leaves, chunks, spec, di, ga, rf, rfg)
             if self._training:
-                with torch.enable_grad():
-                    out = self._run(leaves, chunks, spec, di, ga, rf, rfg)
                 self._host_dirty = True
                 self._trained_version += 1
-            else:
-                with torch.no_grad():
-                    out = self._run(leaves, chunks, spec, di, ga, rf, rfg)
         finally:
+            torch._C._set_grad_enabled(grad_was)
             _running_on_ipu = False
             self._rng_state = self._swap_rng(host_rng)
         return out
@@ -752,7 +751,7 @@ class PoplarExecutor:
             opt = self._device_optimizer
             scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
             loss_index = self._loss_index
-        replica_buffers = self._replica_buffer_sets(rf)
+        replica_buffers = self._replica_buffer_sets(rf) if rf > 1 else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)
         kept: list[list[Any]] = []
         final: list[Any] = [None] * rf
