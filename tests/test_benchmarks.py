@@ -47,7 +47,7 @@ def test_overhead_tiny_run_writes_expected_keys(tmp_path):
     assert (row["di"], row["ga"], row["variant"]) == (2, 1, "loop_sum")
     assert any("Loop.fit (no callbacks) / hand-written, tiny MLP" in t["target"]
                for t in res["targets"])
-    assert all(set(t) == {"target", "value", "limit", "met"} for t in res["targets"])
+    assert all(set(t) == {"target", "value", "limit", "met", "value_cpu"} for t in res["targets"])
 
     text = readme.read_text()  # the table replaces the marked section only
     assert "prose kept" in text and "more prose" in text and "\nold\n" not in text
