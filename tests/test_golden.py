@@ -2,7 +2,11 @@
 
 ``fixtures/golden/v<format>/<config>/`` holds a checkpoint written by that format version
 (``fixtures/make_golden.py``, run once per version) and what resuming it gives. Every one must
-keep loading with ``weights_only=True`` and resume to the recorded weights, bitwise.
+keep loading with ``weights_only=True`` and resume to the recorded weights. The fixtures were
+written on one machine; another CPU of the same ISA level may still pick other float kernels
+(seen: two AVX-512 hosts differing in the 7th digit of a loss), so weights and losses are compared
+to float rounding and counters exactly. Bitwise resume parity on one machine is
+``test_checkpoint.py``'s job.
 """
 from __future__ import annotations
 
@@ -103,12 +107,9 @@ def test_golden_resumes_to_the_recorded_weights(case, copy):
     cfg = json.loads((case / "config.json").read_text())
     expected = torch.load(case / "expected.pt", weights_only=True)
     got = G.resume(cfg, copy(case))
-    same_kernels = (expected["torch"], expected["cpu"]) == (got["torch"], got["cpu"])
-    for key in ("losses", "counters", "model", "optimizer"):
-        if same_kernels or key == "counters":
-            assert_same(got[key], expected[key], key)  # bitwise
-        else:  # another torch build or CPU: other float kernels, same values to rounding
-            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
+    assert_same(got["counters"], expected["counters"], "counters")
+    for key in ("losses", "model", "optimizer"):
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_newer_major_version_is_rejected_naming_both(copy):
