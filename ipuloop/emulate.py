@@ -12,11 +12,15 @@ import sys
 __all__ = ["install", "main"]
 
 
+_SUBMODULES = ("optim", "enums", "options")  # also importable as ``poptorch.<name>``
+
+
 def install() -> None:
-    """Bind ``poptorch`` and ``poptorch.optim`` to the emulator for this process."""
+    """Bind ``poptorch`` (and ``poptorch.optim/enums/options``) to the emulator for this process."""
     import ipuloop.emulator as emulator
     sys.modules["poptorch"] = emulator
-    sys.modules["poptorch.optim"] = emulator.optim
+    for name in _SUBMODULES:
+        sys.modules[f"poptorch.{name}"] = getattr(emulator, name)
     os.environ["IPULOOP_BACKEND"] = "emulator"
 
 

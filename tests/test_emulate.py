@@ -23,6 +23,8 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import poptorch
     import poptorch.optim
+    from poptorch.enums import OutputMode
+    from poptorch.options import Options
     import torch
     import helper                      # lives next to the script
     import ipuloop
@@ -44,6 +46,7 @@ SCRIPT = textwrap.dedent("""
         "argv": sys.argv, "name": __name__, "file": __file__,
         "poptorch": poptorch.__name__, "optim": poptorch.optim.__name__,
         "helper": helper.POPTORCH, "backend": ipuloop.backend_name(),
+        "submodules": [OutputMode is poptorch.OutputMode, Options is poptorch.Options],
         "out_shape": list(out.shape), "loss_shape": list(loss.shape),
     }))
     if __name__ == "__main__":
@@ -110,6 +113,7 @@ def test_import_poptorch_is_the_emulator_everywhere(runs):
     assert r["optim"] == "ipuloop.emulator.optim"
     assert r["helper"] == "ipuloop.emulator"  # modules the script imports see it too
     assert r["backend"] == "emulator"  # ipuloop.poptorch agrees with the binding
+    assert r["submodules"] == [True, True]  # `from poptorch.enums import ...` works too
 
 
 def test_script_runs_poptorch_code(runs):
@@ -152,7 +156,8 @@ def test_missing_script_exits_2(tmp_path, capsys):
 def test_main_in_process_runs_script_as_main(tmp_path, monkeypatch):
     # isolate what install() changes: sys.modules, the environment, sys.argv and sys.path
     monkeypatch.setitem(sys.modules, "poptorch", None)
-    monkeypatch.setitem(sys.modules, "poptorch.optim", None)
+    for name in emulate._SUBMODULES:
+        monkeypatch.setitem(sys.modules, f"poptorch.{name}", None)
     monkeypatch.setenv("IPULOOP_BACKEND", "auto")
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -588,7 +588,7 @@ def test_lr_scheduler_needs_set_optimizer():
     model = poptorch.trainingModel(m, opts(), opt)
     x, y = torch.ones(2, 2), torch.zeros(2, 1)
     model(x, y)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # host lr -> 0
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # host lr -> 0
     before = m.fc.weight.detach().clone()
     model(x, y)  # device still lr 0.1
     after = m.fc.weight.detach().clone()
@@ -900,7 +900,12 @@ def test_destroy_unwraps_and_allows_rewrapping():
     assert type(m) is not cls and isinstance(m, cls)
     with pytest.raises(RuntimeError, match="already been wrapped in 'poptorch.trainingModel'"):
         poptorch.trainingModel(m, opts())
-    model.destroy()  # not compiled: unwraps all the same
+    model.destroy()  # not compiled: a no-op, as in PopTorch; the module stays wrapped
+    assert type(m) is not cls
+    with pytest.raises(RuntimeError, match="already been wrapped in 'poptorch.trainingModel'"):
+        poptorch.trainingModel(m, opts())
+    model.compile(*host_batch(1, 1, 1, 2))
+    model.destroy()
     assert type(m) is cls
     model2 = poptorch.trainingModel(m, opts())
     x, y = host_batch(1, 1, 1, 2)
@@ -938,6 +943,9 @@ def test_offline_target_cannot_run_or_attach():
     assert model.isCompiled()
     with pytest.raises(AssertionError, match="model.compile"):
         model(x)
+    with pytest.raises(AssertionError, match=r"^Trying to attach to an offline device "
+                                             r"\(ConnectionType.Never\)"):
+        model.attachToDevice()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1147,7 +1155,7 @@ def test_identity_loss_reductions():
     assert torch.equal(poptorch.identity_loss(x, reduction="sum"), torch.tensor(10.0))
     assert torch.equal(poptorch.identity_loss(x, reduction="mean"), torch.tensor(2.5))
     assert torch.equal(poptorch.identity_loss(x, reduction="none"), x)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="^Unsupported reduction type!"):
         poptorch.identity_loss(x, reduction="max")
 
 

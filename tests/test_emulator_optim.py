@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+import ipuloop.emulator as poptorch
 from ipuloop.emulator import optim as popt
 
 STEPS = 4
@@ -212,6 +213,8 @@ def test_constructor_errors():
         popt.AdamW(p, amsgrad=True)
     with pytest.raises(TypeError):
         popt.LAMB(p, max_grad_norm=1.0)  # LAMB has no max_grad_norm, as in PopTorch
+    with pytest.raises(TypeError):
+        popt.RMSprop(p, max_grad_norm=1.0)  # RMSprop has no clipping at all (§9)
     with pytest.raises(ValueError, match="first_order_momentum_accum_type=torch.bfloat16"):
         popt.Adam(p, first_order_momentum_accum_type=torch.bfloat16)
     opt = popt.SGD(p, lr=0.1, accum_type=torch.float16)
@@ -388,3 +391,50 @@ def test_step_hooks_run_once_and_closure_works():
     opt.step(closure)
     assert len(calls) == 1
     assert torch.allclose(p.detach(), torch.full((2,), 0.9))
+
+
+# -- 16-bit parameters (model.half()): float32 update math, float32 state ---------------------
+
+@pytest.mark.parametrize("cls, kw", [(popt.Adam, {}), (popt.AdamW, {"weight_decay": 0.01}),
+                                     (popt.SGD, {"momentum": 0.9}), (popt.LAMB, {}),
+                                     (popt.RMSprop, {"use_tf_variant": True})])
+def test_half_parameters_update_in_float32_then_round(cls, kw):
+    grads = [torch.tensor([0.0, 1e-3, 1.0, -2e-4]), torch.tensor([0.0, -1e-3, 0.5, 3e-4])]
+    half = torch.nn.Parameter(torch.tensor([1.0, -0.5, 0.25, 2.0]).half())
+    full = torch.nn.Parameter(half.detach().float())
+    opt_half = cls([half], lr=1e-2, loss_scaling=1024.0, **kw)
+    opt_full = cls([full], lr=1e-2, loss_scaling=1024.0, **kw)
+    for g in grads:
+        half.grad, full.grad = (g * 1024).half(), (g * 1024).half().float()
+        opt_half.step()
+        opt_full.step()
+        full.data = full.data.half().float()  # the IPU stores the new value as float16
+    assert half.dtype == torch.float16 and torch.isfinite(half).all()
+    assert torch.equal(half.detach().float(), full.detach())
+    assert all(v.dtype == torch.float32 for v in opt_half.state[half].values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim())
+
+
+def test_torch_optimizer_on_a_half_model_updates_in_float32_on_the_device():
+    p = torch.nn.Parameter(torch.ones(2).half())
+    torch_opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.tensor([0.0, 1e-3]).half()
+    torch_opt.step()
+    assert not torch.isfinite(p).all()  # why the emulator does not run torch's 16-bit math
+
+    class Half(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2).half()
+            self.unused = torch.nn.Linear(2, 2).half()  # gets a zero gradient below
+
+        def forward(self, x, y):
+            out = self.fc(x) + 0 * self.unused(x)
+            return out, torch.nn.functional.mse_loss(out.float(), y)
+
+    model = Half()
+    training = poptorch.trainingModel(model, optimizer=torch.optim.AdamW(model.parameters(),
+                                                                         lr=1e-3))
+    for _ in range(3):
+        training(torch.randn(4, 2).half(), torch.randn(4, 2))
+    assert all(torch.isfinite(q).all() and q.dtype == torch.float16 for q in model.parameters())

@@ -96,7 +96,7 @@ def test_public_attribute_assignment_goes_through_set():
 # -- §1.3 chaining ----------------------------------------------------------------------------
 OPTION_CALLS = [
     lambda o: o.deviceIterations(2), lambda o: o.replicationFactor(2),
-    lambda o: o.outputMode(OutputMode.All), lambda o: o.anchorTensor("a", "b"),
+    lambda o: o.outputMode(OutputMode.All),
     lambda o: o.randomSeed(1), lambda o: o.enableExecutableCaching("/tmp/x"),
     lambda o: o.enableProfiling(), lambda o: o.useIpuModel(True), lambda o: o.autoRoundNumIPUs(),
     lambda o: o.setExecutionStrategy(ShardedExecution()),
@@ -108,6 +108,7 @@ OPTION_CALLS = [
     lambda o: o.relaxOptimizerAttributesChecks(), lambda o: o.showCompilationProgressBar(False),
     lambda o: o.broadcastBuffers(False), lambda o: o.disableModuleNamescope(),
     lambda o: o.from_json('{"deviceIterations": 3}'), lambda o: o.enableStableNorm(True),
+    lambda o: o.sourceLocationExcludes(["mylib/"]), lambda o: o.appendToLocationExcludes("x/"),
 ]
 GROUP_CALLS = [
     ("Training", lambda g: g.gradientAccumulation(2)),
@@ -177,13 +178,15 @@ def test_frozen_attribute_assignment_fails_and_random_seed_does_not_reseed():
 
 @pytest.mark.parametrize("copier", [Options.clone, copy.deepcopy])
 def test_clone_is_an_unfrozen_deep_copy(copier):
-    opts = Options().deviceIterations(5).anchorTensor("t1", "tensor1")
+    opts = Options().deviceIterations(5)
+    opts.anchorTensor("t1", "tensor1")
     opts.Training.gradientAccumulation(4)
     opts._Popart.set("autoRecomputation", 3)
     opts.TensorLocations.setWeightLocation(TensorLocationSettings().useOnChipStorage(True))
     opts._freeze()
     copied = copier(opts)
-    copied.deviceIterations(4).anchorTensor("t2", "tensor2")
+    copied.deviceIterations(4)
+    copied.anchorTensor("t2", "tensor2")
     copied.Training.gradientAccumulation(8)
     copied._Popart.set("autoRecomputation", 2)
     copied.TensorLocations.setWeightLocation(TensorLocationSettings().useOnChipStorage(False))
@@ -251,9 +254,16 @@ def test_output_mode_rules(caplog):
 
 
 def test_anchor_tensor_inherits_model_mode_when_none():
-    opts = Options().anchorTensor("loss", "Loss:0").anchorTensor("x", "X", OutputMode.EveryN, 3)
+    opts = Options()
+    assert opts.anchorTensor("loss", "Loss:0") is None  # PopTorch's does not chain
+    opts.anchorTensor("x", "X", OutputMode.EveryN, 3)
+    opts.anchorTensor("y", "Y", OutputMode.All, 3)  # the period only counts for EveryN
     assert opts.anchored_tensors["loss"] == ["Loss:0", True, None, 1]
     assert opts.anchored_tensors["x"] == ["X", False, OutputMode.EveryN, 3]
+    assert opts.anchored_tensors["y"] == ["Y", False, OutputMode.All, 1]
+    opts._freeze()
+    with pytest.raises(AttributeError, match=FROZEN):
+        opts.anchorTensor("z", "Z")
 
 
 def test_reduction_type_must_be_mean_or_sum():

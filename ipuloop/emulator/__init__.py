@@ -6,14 +6,20 @@ Same names, same semantics, same errors as poptorch 3.x, where the host can repr
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
 
 from . import optim
-from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution,
+from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
                      removeBlocks)
 from .data import AsynchronousDataAccessor, DataLoader
-from .enums import (CommGroupType, ConnectionType, DataLoaderMode, MeanReductionStrategy,
-                    OutputMode, ReductionType, SyncPattern)
+from .enums import (CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
+                    Liveness, MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType,
+                    OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
+                    VariableRetrievalMode)
 from .errors import Error
 from .executor import PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu, trainingModel
 from .options import Options, TensorLocationSettings
@@ -21,15 +27,33 @@ from .options import Options, TensorLocationSettings
 __version__ = "3.4.0"  # the PopTorch API version this emulates
 
 __all__ = [
-    "AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockFunction",
+    "AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockFunction", "CPU",
     "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
-    "MeanReductionStrategy", "Options", "OutputMode", "ParallelPhasedExecution",
-    "PipelinedExecution", "PoplarExecutor", "ReductionType", "SerialPhasedExecution",
-    "ShardedExecution", "Stage", "SyncPattern", "TensorLocationSettings", "identity_loss",
-    "inferenceModel", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "nop",
-    "optim", "recomputationCheckpoint", "removeBlocks", "setLogLevel", "set_available_memory",
-    "trainingModel",
+    "HalfFloatCastingBehavior", "Liveness", "MatMulSerializationMode", "MeanReductionStrategy",
+    "MultiConv", "MultiConvPlanType", "NameScope", "Options", "OutputMode", "OverlapMode",
+    "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "ReductionType",
+    "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
+    "TensorLocationSettings", "VariableRetrievalMode", "ctc_beam_search_decoder", "custom_op",
+    "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
+    "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
+    "nop", "optim",
+    "recomputationCheckpoint", "removeBlocks", "serializedMatMul", "setLogLevel",
+    "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel",
 ]
+
+_REMOVED = {
+    "AnchorMode": "poptorch.AnchorMode was removed in PopTorch 2.5: use poptorch.OutputMode "
+                  "(same members and values) with Options.outputMode().",
+    "autocast": "poptorch.autocast was removed in PopTorch 3.1: remove it (mixed "
+                "float16/float32 ops follow PyTorch's type promotion).",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REMOVED:
+        raise AttributeError(_REMOVED[name])
+    raise AttributeError(f"module 'poptorch' (ipuloop emulator) has no attribute {name!r}")
+
 
 _LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
            "ERR": logging.ERROR, "OFF": logging.CRITICAL + 10}
@@ -60,11 +84,203 @@ def recomputationCheckpoint(*tensors):
     return tensors[0] if len(tensors) == 1 else tensors
 
 
+def _check_tensor(x: Any, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise Error(f"{what} must take a torch.tensor argument. {type(x)} is not supported.")
+
+
 def nop(tensor):
     """Identity (PopTorch: an op the compiler will not optimise away)."""
+    _check_tensor(tensor, "nop")
     return tensor
 
 
 def set_available_memory(tensor, available_memory_proportion: float):
     """Identity on the emulator (on an IPU: a per-op memory proportion hint)."""
     return tensor
+
+
+def ipu_print_tensor(tensor: torch.Tensor, title: str = "") -> torch.Tensor:
+    """Identity that prints ``tensor`` each time the device runs it, and its gradient
+    (titled ``<title>_gradient``) in the backward pass. Use the returned tensor."""
+    _check_tensor(tensor, "ipu print tensor")
+    if not isRunningOnIpu() or Block._trace is not None:
+        return tensor  # host (CPU) execution, or the compile-time trace: nothing runs on device
+    print(f"{title or 'tensor'}: {tensor.detach()}", flush=True)
+    out = tensor.view_as(tensor)  # its own autograd node: the hook sees this op's gradient only
+    if out.requires_grad:
+        out.register_hook(lambda g: print(f"{title or 'tensor'}_gradient: {g}", flush=True))
+    return out
+
+
+def _check_overlap(tensors: Any, mode: OverlapMode, what: str) -> Any:
+    assert isinstance(mode, OverlapMode), (
+        f"mode must be a poptorch.OverlapMode. Received: mode={mode!r}.")
+    for leaf in pytree.tree_leaves(tensors):
+        if not isinstance(leaf, torch.Tensor):
+            raise Error(f"You may only set overlap for torch.tensor {what}. "
+                        f"{type(leaf)} is not supported.")
+    return tensors
+
+
+def set_overlap_for_input(input_tensors: Any, mode: OverlapMode) -> Any:
+    """Identity on the emulator (on an IPU: overlap host->device copies with compute)."""
+    return _check_overlap(input_tensors, mode, "inputs")
+
+
+def set_overlap_for_output(output_tensors: Any, mode: OverlapMode) -> Any:
+    """Identity on the emulator (on an IPU: overlap device->host copies with compute)."""
+    return _check_overlap(output_tensors, mode, "outputs")
+
+
+def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode,
+                     factor: int = 0, keep_precision: bool = False) -> torch.Tensor:
+    """``lhs @ rhs`` (an IPU splits it into ``factor`` pieces to save memory: same result)."""
+    assert isinstance(keep_precision, bool), "keep_precision must be a bool"
+    assert isinstance(factor, int), "factor must be an int"
+    assert isinstance(mode, MatMulSerializationMode), (
+        f"mode must be a poptorch.MatMulSerializationMode. Received: mode={mode!r}.")
+    return torch.matmul(lhs, rhs)
+
+
+def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
+                  step: int) -> torch.Tensor:
+    """``tensor`` sliced along ``dim`` from ``start`` (a tensor) to ``start + size`` by ``step``."""
+    _check_tensor(tensor, "dynamic_slice")
+    if not isinstance(dim, int):
+        raise Error("Dimension must be an integer.")
+    if not isinstance(start, torch.Tensor):
+        raise Error("Slice start argument to dynamic_slice must be a torch.tensor. "
+                    f"{type(start)} is not supported.")
+    if not isinstance(size, int):
+        raise Error("Size must be an integer.")
+    if not isinstance(step, int):
+        raise Error("Step must be an integer.")
+    index = start.reshape(()).long() + torch.arange(0, size, step, device=tensor.device)
+    return tensor.index_select(dim, index)
+
+
+def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,
+                   size: int) -> torch.Tensor:
+    """A copy of ``input`` with ``src`` written along ``dim`` at ``start`` (a tensor)."""
+    _check_tensor(input, "dynamic_update")
+    _check_tensor(src, "dynamic_update")
+    if not isinstance(start, torch.Tensor):
+        raise Error("Slice start argument to dynamic_update must be a torch.tensor. "
+                    f"{type(start)} is not supported.")
+    index = start.reshape(()).long() + torch.arange(size, device=input.device)
+    return input.index_copy(dim, index, src)
+
+
+def for_loop(count: int, body: Callable[..., Any], inputs: list[torch.Tensor]
+             ) -> list[torch.Tensor]:
+    """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs."""
+    if not isinstance(inputs, list):
+        raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
+                         f"tensors. Received: {type(inputs).__name__}.")
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
+                             f"tensors. (Object contained in list at index {i} is not "
+                             "torch.tensor)")
+    outputs = [t.clone() for t in inputs]  # the body gets its inputs by value
+    for _ in range(count):
+        outputs = body(*outputs)
+        if not isinstance(outputs, (list, tuple)):
+            outputs = [outputs]
+        outputs = list(outputs)
+    return outputs
+
+
+class CPU:
+    """Run ``layer_to_call`` on the host in the middle of a model (inference graphs on an IPU).
+    The emulator already runs on the host, so this simply calls it."""
+
+    def __init__(self, layer_to_call: Callable[..., Any], ID: str) -> None:
+        if isinstance(layer_to_call, torch.nn.Module):
+            layer_to_call.requires_grad_(False)
+        self._layer_to_call = layer_to_call
+        self._ID = ID
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self._layer_to_call(*inputs)
+
+
+class MultiConv:
+    """Context manager grouping independent convolutions (an IPU schedule; no effect here)."""
+
+    def __init__(self) -> None:
+        self._settings: dict[str, Any] = {}
+
+    def _record(self, name: str, value: Any) -> MultiConv:
+        self._settings[name] = value
+        return self
+
+    def availableMemoryProportions(self, value: float | list[float]) -> MultiConv:
+        return self._record("available_memory_proportions", value)
+
+    def partialsTypes(self, value: torch.dtype | list[torch.dtype]) -> MultiConv:
+        for dtype in value if isinstance(value, (list, tuple)) else [value]:
+            if dtype not in (torch.float32, torch.float16):
+                raise ValueError("Invalid partials types. Expecting torch.float or torch.half")
+        return self._record("partials_types", value)
+
+    def enableConvDithering(self, value: bool | list[bool]) -> MultiConv:
+        if not all(isinstance(v, bool) for v in (value if isinstance(value, (list, tuple))
+                                                 else [value])):
+            raise ValueError("value must be bool or list of bools")
+        return self._record("enable_conv_dithering", value)
+
+    def planType(self, value: MultiConvPlanType) -> MultiConv:
+        assert value is None or isinstance(value, MultiConvPlanType), "Invalid plan type!"
+        return self._record("plan_type", value)
+
+    def perConvReservedTiles(self, value: int) -> MultiConv:
+        assert isinstance(value, int)
+        return self._record("per_conv_reserved_tiles", value)
+
+    def cycleBackOff(self, value: float) -> MultiConv:
+        assert isinstance(value, float)
+        return self._record("cycle_back_off", value)
+
+    def __enter__(self) -> MultiConv:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+class NameScope:
+    """Context manager prefixing op names on an IPU (names only; no effect here)."""
+
+    def __init__(self, name: str) -> None:
+        assert isinstance(name, str), "Parameter to NameScope must be a string"
+        self.name = name
+
+    def __enter__(self) -> NameScope:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+def custom_op(inputs: tuple, name: str, domain: str, domain_version: int,
+              example_outputs: tuple, attributes: dict | None = None) -> list[torch.Tensor]:
+    """Not available on the emulator: PopART custom ops are compiled IPU code."""
+    raise Error(f"poptorch.custom_op({name!r}) runs a PopART custom op, which is compiled IPU "
+                "code the ipuloop emulator cannot load. On the emulator, compute the op with "
+                "torch inside forward() instead (e.g. `if not poptorch.ipuHardwareIsAvailable()`).")
+
+
+def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0,
+                            beam_width: int = 100, top_paths: int = 1) -> list[torch.Tensor]:
+    """Not available on the emulator (a PopLibs op with no torch equivalent)."""
+    raise Error("poptorch.ctc_beam_search_decoder is a PopLibs op the ipuloop emulator does not "
+                "implement: decode on the host (e.g. torchaudio) for emulated runs.")
+
+
+def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:
+    """Not available on the emulator: there are no Poplar executables to load."""
+    raise Error(f"poptorch.load({filename!r}) needs a Poplar executable written by "
+                "compileAndExport(), which the ipuloop emulator cannot produce or load. Save "
+                "model.state_dict() with torch.save and re-wrap the model instead.")

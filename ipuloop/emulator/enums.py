@@ -1,7 +1,7 @@
 """PopTorch's enums, with PopTorch's names and integer values (``poptorch/enums.py``)."""
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import Enum, IntEnum
 
 __all__ = [
     "AutoStage",
@@ -10,11 +10,15 @@ __all__ = [
     "DataLoaderMode",
     "HalfFloatCastingBehavior",
     "Liveness",
+    "MatMulSerializationMode",
     "MeanReductionStrategy",
+    "MultiConvPlanType",
     "OutputMode",
+    "OverlapMode",
     "ReductionType",
     "SharingStrategy",
     "SyncPattern",
+    "VariableRetrievalMode",
 ]
 
 
@@ -108,3 +112,34 @@ class Liveness(IntEnum):
     OffChipAfterFwd = 1
     OffChipAfterFwdNoOverlap = 2
     OffChipAfterEachPhase = 3
+
+
+class MatMulSerializationMode(Enum):
+    """Which dimension ``poptorch.serializedMatMul`` splits (memory tuning; same result)."""
+
+    InputChannels = "input_channels"
+    ReducingDim = "reducing_dim"
+    OutputChannels = "output_channels"
+    Disabled = "none"
+
+
+class OverlapMode(Enum):
+    """Host IO overlap for ``set_overlap_for_input/output`` (speed tuning; recorded only)."""
+
+    NoOverlap = "no_overlap"
+    OverlapAccumulationLoop = "overlap_accumulation_loop"
+    OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
+
+
+class MultiConvPlanType(IntEnum):
+    """Execution plan of a ``poptorch.MultiConv`` (speed tuning; same result)."""
+
+    Parallel = 0
+    Serial = 1
+
+
+class VariableRetrievalMode(IntEnum):
+    """How grouped per-replica variables are read back (accepted; replicas share weights here)."""
+
+    OnePerGroup = 0
+    AllReplicas = 2

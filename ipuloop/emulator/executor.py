@@ -18,9 +18,10 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 from __future__ import annotations
 
 import copy
+import copyreg
+import functools
 import inspect
 import logging
-import math
 import os
 import time
 import warnings
@@ -28,11 +29,13 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import blocks as _blocks
 from . import optim as _optim
-from .enums import ConnectionType, OutputMode, ReductionType
+from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
@@ -51,7 +54,8 @@ def isRunningOnIpu() -> bool:
 def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     """Mark ``x`` as the graph's final loss; ``reduction`` is "sum", "mean" or "none"."""
     assert reduction in ("sum", "mean", "none"), (
-        f'reduction must be "sum", "mean" or "none". Received: reduction={reduction!r}.')
+        f'Unsupported reduction type! reduction must be "sum", "mean" or "none". Received: '
+        f'reduction={reduction!r}.')
     out = x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x * 1
     out._poptorch_identity_loss = True  # lets the executor find the loss as PopTorch's graph pass does
     return out
@@ -87,8 +91,19 @@ def _wrapped_class(cls: type) -> type:
                     ex.copyWeightsToHost()
             return cls.__getattribute__(self, name)
 
+        def __reduce_ex__(self, protocol):
+            # Pickling or deep-copying the wrapped module gives the user's class, with fresh
+            # weights and no executor, as PopTorch's registered wrapper types do.
+            d = object.__getattribute__(self, "__dict__")
+            ex = d.get("_poptorch_executor")
+            if ex is not None:
+                ex.copyWeightsToHostIfNeeded()
+            state = {k: v for k, v in d.items() if k != "_poptorch_executor"}
+            return copyreg._reconstructor, (cls, object, None), state  # no ipuloop reference
+
         _wrapped_classes[cls] = type(f"Poptorch{cls.__name__}", (cls,),
                                      {"__getattribute__": __getattribute__,
+                                      "__reduce_ex__": __reduce_ex__,
                                       "__module__": cls.__module__})
     return _wrapped_classes[cls]
 
@@ -106,6 +121,11 @@ def _host_parameter_class(ex: PoplarExecutor, base: type) -> type:
             if owner is not None and owner._host_dirty:
                 owner.copyWeightsToHost()
             return base.__getattribute__(self, name)
+
+        def __deepcopy__(self, memo):
+            result = base.__deepcopy__(self, memo)  # reads (and so syncs) the data first
+            result.__class__ = base  # a copy is a plain parameter, not tied to the executor
+            return result
 
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -163,7 +183,10 @@ def _unflatten(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
 def _out_leaves(out: Any) -> tuple[list[Any], Any]:
     if isinstance(out, torch.Tensor):
         return [out], None
-    if type(out) is tuple and all(isinstance(o, torch.Tensor) for o in out):
+    if type(out) is tuple:
+        for o in out:
+            if not isinstance(o, torch.Tensor):
+                return pytree.tree_flatten(out)
         return list(out), len(out)
     return pytree.tree_flatten(out)
 
@@ -174,6 +197,10 @@ def _out_unflatten(leaves: list[Any], spec: Any) -> Any:
     if isinstance(spec, int):
         return tuple(leaves)
     return pytree.tree_unflatten(leaves, spec)
+
+
+_SENT_AS_FLOAT32 = frozenset({torch.float64, torch.bfloat16})  # inputs the IPU gets as float32
+_NARROWED = frozenset({torch.int64, torch.float64})  # outputs ``_to_host`` narrows
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -239,6 +266,33 @@ class _Signature:
         return leaves
 
 
+_LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
+    "cross_entropy", "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss",
+    "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss", "multi_margin_loss",
+    "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
+    "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
+    "triplet_margin_with_distance_loss") if hasattr(F, name))
+
+
+class _LossWatcher(TorchFunctionMode):
+    """While tracing: remembers the outputs of torch's loss functions (``nn.*Loss`` call them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []  # kept alive so their ids stay unique
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return frozenset(id(t) for t in self.outputs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
+            self.outputs.append(out)
+        return out
+
+
 # ---------------------------------------------------------------------------------------------
 
 class PoplarExecutor:
@@ -258,6 +312,7 @@ class PoplarExecutor:
         self._training = training
         self._user_model = model
         self._device = _emulator_device()
+        self._on_cpu = self._device.type == "cpu"
         self._compiled = False
         self._attached = False
         self._host_dirty = False
@@ -268,6 +323,8 @@ class PoplarExecutor:
         self._signature: _Signature | None = None
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
+        self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
+        self._ready: list | None = None  # see ``_compile`` and ``_as_ready``
         self._optimizer = optimizer
         self._device_optimizer: torch.optim.Optimizer | None = None
         self._optimizer_snapshot: dict | None = None
@@ -282,6 +339,10 @@ class PoplarExecutor:
         # The device copy: same structure, its own storage. Values are uploaded on attach.
         self._device_model = _plain_copy(model).to(self._device)
         self._device_model.train(training)
+        with torch.no_grad():  # the IPU has no 64-bit floats: float64 weights live as float32
+            for t in [*self._device_model.parameters(), *self._device_model.buffers()]:
+                if t.dtype == torch.float64:
+                    t.data = t.data.float()
         if training:
             ex = model.__dict__.get("_poptorch_executor")
             if ex is not None:
@@ -291,6 +352,7 @@ class PoplarExecutor:
             if self._optimizer is None:
                 self._optimizer = _optim.default_optimizer(model.parameters())
             _optim.check_supported(self._optimizer)
+            self._set_reduction_strategy(self._optimizer)
             self._host_params, self._host_buffers = _tensors(model)
             self._patch_optimizer(self._optimizer)
             classes: dict[type, type] = {}
@@ -305,6 +367,7 @@ class PoplarExecutor:
             self._source = model.__dict__.get("_poptorch_executor")
             self._host_params, self._host_buffers = _tensors(model)
         self._dev_params, self._dev_buffers = _tensors(self._device_model)
+        opts._freeze()  # resolved: changing it now would desynchronise it from the executable
 
     # -- the user's module -------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -319,6 +382,11 @@ class PoplarExecutor:
     @property
     def model(self) -> torch.nn.Module:
         return self._user_model
+
+    @property
+    def options(self) -> Any:
+        """The executor's own resolved (frozen) copy of the options."""
+        return self._options
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
         """Load into the host module, and push to the device when attached."""
@@ -399,6 +467,10 @@ class PoplarExecutor:
                     "documentation.")
         self._signature = _Signature(self._device_model.forward, args, kwargs)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
+        self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
+        fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
+        self._ready = fast if fast is not None and self._on_cpu and not any(
+            dtype in _SENT_AS_FLOAT32 for _, dtype in fast) else None
         self._compiled = True
         try:
             if o.connection_type != ConnectionType.Never:  # offline target: compile only
@@ -425,27 +497,36 @@ class PoplarExecutor:
         strategy = self._options._execution_strategy
         try:
             _running_on_ipu = True
-            with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training):
+            with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
+                    _LossWatcher() as losses:
                 out = self._device_model(*margs, **mkwargs)
         finally:
             _running_on_ipu = False
             with torch.no_grad():
                 for b, s in zip(self._dev_buffers, saved):
                     b.copy_(s)
-            self._swap_rng(host_rng)
+            traced_rng = self._swap_rng(host_rng)
+        # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
+        # calls need not swap the device generator in and out (``__call__``).
+        self._draws_random = not torch.equal(traced_rng, rng)
         out_leaves, self._out_spec = _out_leaves(out)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
-            self._loss_index = self._find_loss(out_leaves)
+            self._loss_index = self._find_loss(out_leaves, losses.ids)
         self._check_stages(trace, di, ga, rf)
+        self._setup_anchors()
 
     @staticmethod
-    def _find_loss(leaves: list[Any]) -> int:
+    def _find_loss(leaves: list[Any], loss_ids: frozenset[int] = frozenset()) -> int:
+        # PopTorch's graph pass: identity_loss outputs, else torch loss functions (which lower
+        # to identity losses). Without a graph, a returned scalar needing gradients stands in.
         marked = [i for i, t in enumerate(leaves)
                   if isinstance(t, torch.Tensor) and getattr(t, "_poptorch_identity_loss", False)]
+        builtin = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
+                   and id(t) in loss_ids and t.requires_grad]
         scalars = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
                    and t.dim() == 0 and t.requires_grad and t.is_floating_point()]
-        found = marked or scalars
+        found = marked or builtin or scalars
         if not found:
             raise Error("Couldn't find a loss in graph! The training model must return a scalar "
                         "loss that depends on the parameters (for example `return output, loss`), "
@@ -496,8 +577,8 @@ class PoplarExecutor:
 
     def _attach(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
-            raise Error("Trying to attach a model compiled for an offline IPU target "
-                        "(ConnectionType.Never): use model.compile(inputs) instead.")
+            raise AssertionError("Trying to attach to an offline device (ConnectionType.Never): "
+                                 "a model for an offline IPU target can only be compiled.")
         self._attached = True
         if self._source is not None:
             self._source.copyWeightsToHostIfNeeded()
@@ -527,11 +608,13 @@ class PoplarExecutor:
         self._attached = False
 
     def destroy(self) -> None:
-        """Free the executable; a training wrapper also unwraps the user's module."""
+        """Free the executable; a training wrapper also unwraps the user's module. A no-op
+        before compilation (as in PopTorch: the module then stays wrapped)."""
+        if not self._compiled:
+            return
         if self._training and self._user_model.__dict__.get("_poptorch_executor") is self:
-            if self._compiled:
-                self.copyWeightsToHostIfNeeded()
-                self._download_optimizer()
+            self.copyWeightsToHostIfNeeded()
+            self._download_optimizer()
             model = self._user_model
             model.__class__ = type(model).__mro__[1]
             del model.__dict__["_poptorch_executor"]
@@ -607,6 +690,8 @@ class PoplarExecutor:
         # Instance-level wrappers (an LR scheduler's step counter) would call the host optimizer.
         for name in ("step", "zero_grad", "_opt_called"):
             dev.__dict__.pop(name, None)
+        if not isinstance(dev, _optim._IpuOptimizer) and _optim.has_16bit_params(dev):
+            dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
         self._device_optimizer = dev
         self._optimizer_snapshot = _optim.hyperparameters(opt)
         self._optimizer_constants = _optim.constant_attributes(opt)
@@ -629,6 +714,7 @@ class PoplarExecutor:
         if not self._training:
             raise Error("setOptimizer() is only available on a poptorch.trainingModel.")
         _optim.check_supported(optimizer)
+        self._set_reduction_strategy(optimizer)
         if optimizer is not self._optimizer:
             self._unpatch_optimizer(self._optimizer)
             self._optimizer = optimizer
@@ -650,6 +736,25 @@ class PoplarExecutor:
             self._optimizer_snapshot = new
             self._loss_scaling = _optim.loss_scaling(optimizer)
 
+    def _set_reduction_strategy(self, optimizer: torch.optim.Optimizer) -> None:
+        # PopTorch: a float16 accumulator (non-combined) needs the Running mean strategy; it is
+        # switched before compilation and cannot be switched after. Numerics here are exact
+        # means either way: only the option and the error are reproduced.
+        if not _optim.needs_running_mean(optimizer):
+            return
+        training = self._options.Training
+        if not self._compiled:
+            self._options._unfreeze()
+            training.setMeanAccumulationAndReplicationReductionStrategy(
+                MeanReductionStrategy.Running)
+            self._options._freeze()
+        elif training.meanAccumulationAndReplicationReductionStrategy != \
+                MeanReductionStrategy.Running:
+            raise ValueError("Invalid optimizer: the new optimizer would require changing "
+                             "options.Training.meanAccumulationAndReplicationReductionStrategy to "
+                             "poptorch.MeanReductionStrategy.Running but the executable is "
+                             "already compiled.")
+
     # -- running -----------------------------------------------------------------------------
     _warned: set[str] = set()
 
@@ -662,7 +767,7 @@ class PoplarExecutor:
                 logger.warning("Input tensor has requires_grad=True set. This tensor will be "
                                "detached.")
             x = x.detach()
-        if x.dtype in (torch.float64, torch.bfloat16):
+        if x.dtype in _SENT_AS_FLOAT32:
             x = x.float()  # sent to the IPU as float32
         if not x.is_contiguous():
             if "contig" not in self._warned:
@@ -670,17 +775,38 @@ class PoplarExecutor:
                 logger.warning("At least one input tensor is not contiguous: non-contiguous "
                                "tensors will be converted.")
             x = x.contiguous()
-        return x.to(self._device, non_blocking=True) if x.device != self._device else x
+        if x.is_cpu if self._on_cpu else x.device == self._device:
+            return x
+        return x.to(self._device, non_blocking=True)
+
+    def _as_ready(self, args: tuple) -> list | None:
+        """``args`` as they are, when they are what the model compiled for and ``_prepare``
+        would leave them as they are: plain tensors of the compiled shapes and dtypes (none it
+        converts), contiguous, not requiring grad, on the CPU. Else None: the general path
+        (``_Signature.check``, then ``_prepare``) checks, converts and raises."""
+        ready = self._ready
+        if len(args) != len(ready):
+            return None
+        for x, (shape, dtype) in zip(args, ready):
+            if not (type(x) is torch.Tensor and x.dtype == dtype and x.shape == shape
+                    and x.is_cpu and not x.requires_grad and x.is_contiguous()):
+                return None
+        return list(args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._offline:
             raise AssertionError("Trying to run a model compiled for an offline IPU target: use "
                                  "model.compile(inputs) instead.")
+        ready = None
         if not self._compiled:
             self._compile(args, kwargs)
             leaves, spec = _flatten(args, kwargs)
         else:
-            leaves, spec = self._signature.check(args, kwargs), self._signature.spec
+            if self._ready is not None and not kwargs:
+                ready = self._as_ready(args)
+            if ready is None:
+                leaves = self._signature.check(args, kwargs)
+            spec = self._signature.spec
             if not self._attached:
                 self._attach()  # a call re-attaches a detached model
         if self._training:
@@ -691,30 +817,40 @@ class PoplarExecutor:
             self._source.copyWeightsToHostIfNeeded()
             self.copyWeightsToDevice()
             self._source_version = self._source._trained_version
-        di, ga, rf, rfg = self._consts[:4]
-        prod = di * ga * rfg
-        leaves = [self._prepare(x) for x in leaves]
-        chunks = [x.split(x.shape[0] // prod) if isinstance(x, torch.Tensor) else None
-                  for x in leaves] if prod > 1 else [None] * len(leaves)
-        host_rng = self._swap_rng(self._rng_state)
+        if ready is not None:
+            leaves = ready
+        else:
+            prepare = self._prepare
+            leaves = [prepare(x) for x in leaves]
+        single = self._single
+        if not single:
+            di, ga, rf, rfg = self._consts[:4]
+            prod = di * ga * rfg
+            chunks = [x.split(x.shape[0] // prod) if isinstance(x, torch.Tensor) else None
+                      for x in leaves] if prod > 1 else [None] * len(leaves)
+        draws_random = self._draws_random
+        if draws_random:
+            host_rng = self._swap_rng(self._rng_state)
         global _running_on_ipu
         _running_on_ipu = True
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
         try:
-            out = self._run(leaves, chunks, spec, di, ga, rf, rfg)
+            out = self._run_single(leaves, spec) if single else \
+                self._run(leaves, chunks, spec, di, ga, rf, rfg)
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
         finally:
             torch._C._set_grad_enabled(grad_was)
             _running_on_ipu = False
-            self._rng_state = self._swap_rng(host_rng)
+            if draws_random:
+                self._rng_state = self._swap_rng(host_rng)
         return out
 
     def _swap_rng(self, state: torch.Tensor) -> torch.Tensor:
         """Install ``state`` as the generator the device's random ops use; return the old one."""
-        if self._device.type == "cuda":
+        if not self._on_cpu:
             old = torch.cuda.get_rng_state(self._device)
             torch.cuda.set_rng_state(state, self._device)
         else:  # torch.get_rng_state / set_rng_state, without their Python wrappers
@@ -753,6 +889,7 @@ class PoplarExecutor:
             loss_index = self._loss_index
         replica_buffers = self._replica_buffer_sets(rf) if rf > 1 else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)
+        is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
         kept: list[list[Any]] = []
         final: list[Any] = [None] * rf
         for d in range(di):
@@ -776,7 +913,7 @@ class PoplarExecutor:
                     outs = [t.detach() if isinstance(t, torch.Tensor) else t for t in outs]
                     if anchored:
                         kept.append(outs)
-                    elif mode == OutputMode.Sum:
+                    elif is_sum:
                         final[r] = outs if final[r] is None else [
                             s + t if isinstance(t, torch.Tensor) else t
                             for s, t in zip(final[r], outs)]
@@ -790,6 +927,34 @@ class PoplarExecutor:
                 m._buffers[n] = b
         rows = kept if keep_all else final
         return self._assemble(rows)
+
+    def _run_single(self, leaves: list, spec: Any) -> Any:
+        """``_run`` for DI = GA = RF = 1, with its loops unrolled: the host batch is the one
+        micro-batch, the loss scale is loss_scaling (Mean over 1), and every output mode
+        returns that micro-batch's outputs."""
+        if isinstance(spec, int):  # positional tensors
+            out = self._device_model(*leaves)
+        else:
+            margs, mkwargs = _unflatten(leaves, spec)
+            out = self._device_model(*margs, **mkwargs)
+        outs, _ = _out_leaves(out)
+        if self._training:
+            loss = outs[self._loss_index]
+            if loss.dim():
+                loss = loss.sum()  # identity_loss(reduction="none")
+            scale = self._loss_scaling
+            (loss * scale if scale != 1.0 else loss).backward()
+            opt = self._device_optimizer
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        host = []  # _to_host(t.detach()) of each tensor; a loop, not a comprehension: per call
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                t = t.detach()
+                if t.dtype in _NARROWED or not t.is_cpu:
+                    t = _to_host(t)
+            host.append(t)
+        return _out_unflatten(host, self._out_spec)
 
     def _assemble(self, rows: list[list[Any]]) -> Any:
         if len(rows) == 1:
@@ -811,9 +976,114 @@ class PoplarExecutor:
         raise Error("cycleCount() needs IPU hardware cycle counters, which the ipuloop emulator "
                     "does not have: time host calls instead (ipuloop.callbacks.ProfileCapture).")
 
+    def _no_timestamps(self, name: str) -> Any:
+        raise Error(f"{name}() reads the IPU's host-transfer timestamps, which the ipuloop "
+                    "emulator does not have: time host calls instead (time.perf_counter() "
+                    "around the call, or ipuloop.callbacks.ProfileCapture).")
+
+    def getPerfCounters(self) -> dict:
+        return self._no_timestamps("getPerfCounters")
+
+    def getLatency(self) -> tuple[float, float, float]:
+        return self._no_timestamps("getLatency")
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        return self._no_timestamps("getHostIpuLatency")
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        return self._no_timestamps("getComputeLatency")
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        return self._no_timestamps("getIpuHostLatency")
+
+    # -- anchored tensors (Options.anchorTensor) ---------------------------------------------
+    # The emulator can anchor what exists outside the model's forward: each parameter (its
+    # device value), "Gradient___<name>" (its per-micro-batch gradient, times loss_scaling) and
+    # "UpdatedVar___<name>" (its value after the call's last update). "model." may prefix <name>.
+    _anchors: dict[str, tuple[str, int, OutputMode, int]] = {}
+    _anchor_hooks: list[Any] = []
+
+    def _anchor_names(self) -> dict[str, tuple[str, int]]:
+        names = {}
+        for i, (name, _) in enumerate(self._device_model.named_parameters()):
+            for kind in ("", "Gradient___", "UpdatedVar___") if self._training else ("",):
+                names[kind + name] = (kind, i)
+        return names
+
+    def getTensorNames(self) -> list[str]:
+        """The tensor names ``Options.anchorTensor`` accepts on the emulator (needs a compile)."""
+        assert self._compiled, "Model must be compiled before calling getTensorNames"
+        return list(self._anchor_names())
+
+    def _setup_anchors(self) -> None:
+        for handle in self._anchor_hooks:
+            handle.remove()
+        self._anchor_hooks, self._anchors, self._anchor_grads = [], {}, {}
+        o = self._options
+        if not o.anchored_tensors:
+            return
+        names = self._anchor_names()
+        model_mode = OutputMode(o.output_mode)
+        for short, (long_name, inherit, mode, period) in o.anchored_tensors.items():
+            kind_name = long_name
+            for kind in ("Gradient___", "UpdatedVar___", ""):
+                if long_name.startswith(kind + "model.") and long_name not in names:
+                    kind_name = kind + long_name[len(kind) + len("model."):]
+                    break
+            if kind_name not in names:
+                raise Error(f"Options.anchorTensor({short!r}, {long_name!r}): the ipuloop emulator "
+                            "can anchor a parameter, its gradient or its updated value. Valid "
+                            f"names: {', '.join(names)} (see getTensorNames()).")
+            kind, i = names[kind_name]
+            mode = model_mode if inherit else OutputMode(mode)
+            period = o.output_return_period if inherit else period
+            if kind != "Gradient___" and mode != OutputMode.Final:
+                raise Error(f"Options.anchorTensor({short!r}, {long_name!r}) with output mode "
+                            f"{mode.name}: the ipuloop emulator anchors weights and updated "
+                            "weights with OutputMode.Final only. Pass output_mode="
+                            "poptorch.OutputMode.Final to anchorTensor.")
+            if mode == OutputMode.EveryN and (period < 1 or self._consts[0] % period):
+                raise Error(f"Return period must be a factor of the number of batches per step: "
+                            f"anchorTensor({short!r}, ..., EveryN, {period}) with "
+                            f"deviceIterations({self._consts[0]}).")
+            self._anchors[short] = (kind, i, mode, period)
+            if kind == "Gradient___" and i not in self._anchor_grads:
+                self._anchor_grads[i] = [-1, []]
+                self._anchor_hooks.append(self._dev_params[i].register_hook(
+                    functools.partial(self._record_gradient, self._anchor_grads[i])))
+
+    def _record_gradient(self, record: list, grad: torch.Tensor) -> None:
+        # One call per micro-batch backward, in [DI, GA, RF] order. The executor scaled the loss
+        # by loss_scaling / (GA*RF) under Mean: undo the 1 / (GA*RF) to report the micro-batch's.
+        if record[0] != self._trained_version:
+            record[0], record[1] = self._trained_version, []
+        ga, rf, mean = self._consts[1], self._consts[2], self._consts[8]
+        grad = grad.detach()
+        record[1].append(grad * (ga * rf) if mean and ga * rf > 1 else grad.clone())
+
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
-        raise Error("Anchored tensors (Options.anchorTensor) are not supported by the ipuloop "
-                    "emulator: return the tensor from forward() instead.")
+        """The value of the tensor anchored as ``short_name`` in the last call."""
+        assert short_name in self._anchors, "No tensor with name " + short_name + " found."
+        kind, i, mode, period = self._anchors[short_name]
+        di, ga, rf = self._consts[:3]
+        if kind != "Gradient___":  # Final: one copy per replica (replicas hold equal weights)
+            w = self._dev_params[i].detach()
+            return _to_host(w.clone() if rf == 1 else torch.cat([w] * rf) if w.dim()
+                            else w.repeat(rf))
+        version, grads = self._anchor_grads[i]
+        assert version == self._trained_version - 1 and len(grads) == di * ga * rf, (
+            "No tensor with name " + short_name + " found: run the model first.")
+        if mode == OutputMode.All:
+            rows = grads
+        elif mode == OutputMode.EveryN:
+            rows = [g for j, g in enumerate(grads) if (j // (ga * rf) + 1) % period == 0]
+        elif mode == OutputMode.Sum:
+            rows = [sum(grads[r::rf][1:], grads[r]) for r in range(rf)]
+        else:  # Final: the last micro-batch of each replica
+            rows = grads[-rf:]
+        if len(rows) == 1:
+            return _to_host(rows[0])
+        return _to_host(torch.stack(rows) if rows[0].dim() == 0 else torch.cat(rows))
 
     def compileAndExport(self, filename: str, *args: Any, **kwargs: Any) -> None:
         raise Error("compileAndExport() writes a Poplar executable, which the ipuloop emulator "

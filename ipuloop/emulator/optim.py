@@ -23,7 +23,8 @@ import torch
 __all__ = [
     "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
     "default_optimizer", "check_supported", "hyperparameters", "constant_attributes",
-    "changed_constants", "apply_hyperparameters", "loss_scaling",
+    "changed_constants", "apply_hyperparameters", "loss_scaling", "needs_running_mean",
+    "has_16bit_params", "update_in_float32", "float32_step",
 ]
 
 logger = logging.getLogger("poptorch")
@@ -107,7 +108,13 @@ class _IpuOptimizer:
                     torch._foreach_div_([p.grad for p in params], float(scale))
                 if params and max_norm != math.inf:  # PopART global-norm clipping, all groups
                     torch.nn.utils.clip_grad_norm_(params, max_norm)
-            self._update()
+            half = self.__dict__.get("_has_16bit")
+            if half is None:  # checked once per (device) optimizer: dtypes are fixed by then
+                half = self._has_16bit = has_16bit_params(self)
+            if half:
+                update_in_float32(self, self._update)
+            else:
+                self._update()
         finally:
             torch._C._set_grad_enabled(grad_was)
         return loss
@@ -124,6 +131,59 @@ class _IpuOptimizer:
 
 
 _BASE_STEP: dict[type, Callable[..., Any]] = {}  # class -> torch's unwrapped step function
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+def has_16bit_params(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter is float16 / bfloat16 (``model.half()``)."""
+    return any(p.dtype in _16BIT for g in optimizer.param_groups for p in g["params"])
+
+
+def _as_float32(state: dict) -> dict:
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step"
+            else v for k, v in state.items()}
+
+
+def update_in_float32(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> None:
+    """Run ``update`` with 16-bit parameters seen as float32 (state kept in float32), then round
+    the new values to the parameters' dtype: the IPU computes weight updates in float32, where
+    torch's 16-bit update underflows (``eps`` rounds to 0 and Adam divides 0 by 0)."""
+    swaps = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            if p.dtype not in _16BIT or p.grad is None:
+                continue
+            proxy = torch.nn.Parameter(p.detach().float())
+            proxy.grad = p.grad.float()
+            state = optimizer.state.pop(p, None)
+            if state:
+                optimizer.state[proxy] = _as_float32(state)
+            params[i] = proxy
+            swaps.append((params, i, p, proxy))
+    try:
+        update()
+    finally:
+        for params, i, p, proxy in swaps:
+            params[i] = p
+            p.copy_(proxy.detach())  # round to the parameter's dtype (grad mode is off here)
+            state = optimizer.state.pop(proxy, None)
+            if state is not None:
+                optimizer.state[p] = state  # float32 moments, keyed by the real parameter
+
+
+def float32_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """A ``step`` for a torch.optim optimizer of 16-bit parameters that updates in float32."""
+    step = type(optimizer).step
+
+    def float32_step_(closure: Callable[[], Any] | None = None) -> Any:
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            update_in_float32(optimizer, lambda: step(optimizer))
+        finally:
+            torch._C._set_grad_enabled(grad_was)
+    return float32_step_
 
 
 _F32 = torch.float32
@@ -464,6 +524,12 @@ def apply_hyperparameters(device_optimizer: torch.optim.Optimizer, snapshot: dic
             group[k] = _write(group[k], v) if k in group else v
     for k, v in snapshot["global"].items():
         setattr(device_optimizer, k, v)
+
+
+def needs_running_mean(optimizer: torch.optim.Optimizer) -> bool:
+    """A float16 ``accum_type`` (not the combined SGD variant) needs the Running mean strategy."""
+    return getattr(optimizer, "accum_type", None) == torch.float16 and \
+        not getattr(optimizer, "use_combined_accum", False)
 
 
 def loss_scaling(optimizer: torch.optim.Optimizer) -> float:

@@ -26,6 +26,18 @@ _FROZEN_MSG = ("Can't modify frozen Options: they were frozen when a model wrapp
                "DataLoader first used them. Call options.clone() to get a modifiable copy.")
 
 
+# Options older PopTorch versions had: the emulator follows PopTorch 3.4, as an IPU running a
+# current SDK would, but says what replaced them.
+_REMOVED = {
+    "anchorMode": " Options.anchorMode was removed in PopTorch 2.5: use "
+                  "Options.outputMode(poptorch.OutputMode.<mode>) instead.",
+    "autocastEnabled": " Precision.autocastEnabled was removed in PopTorch 3.1: remove the call "
+                       "(mixed float16/float32 ops follow PyTorch's type promotion).",
+    "autocastPolicy": " Precision.autocastPolicy was removed in PopTorch 3.1: remove the call "
+                      "(mixed float16/float32 ops follow PyTorch's type promotion).",
+}
+
+
 class ConfigFileError(Exception):
     """A line of an options file passed to ``Options.loadFromFile`` failed."""
 
@@ -102,7 +114,7 @@ class _OptionsDict:
     def __getattr__(self, option: str) -> Any:
         values = self.__dict__.get("_values")
         if option.startswith("_") or values is None or option not in values:
-            raise AttributeError(f"Invalid attribute {option}.")
+            raise AttributeError(f"Invalid attribute {option}." + _REMOVED.get(option, ""))
         return values[option]
 
     def __call__(self, option: str) -> Any:
@@ -377,6 +389,8 @@ class Options(_OptionsDict):
         self._relax_optimizer_checks = False
         self._show_compilation_progress_bar = True
         self._module_namescope_enabled = True
+        self._source_location_excludes = ["install/poptorch", "site-packages/torch",
+                                          "site-packages/poptorch"]
         super().__init__(replication_factor=1, input_group_size=1,
                          input_cgt=CommGroupType.Consecutive, broadcast_buffers=True,
                          device_iterations=1, log_dir=".", auto_round_num_ipus=False,
@@ -462,14 +476,14 @@ class Options(_OptionsDict):
 
     def anchorTensor(self, short_name: str, long_name: str,
                      output_mode: OutputMode | None = None,
-                     output_return_period: int | None = 1) -> Options:
-        """Return an extra named tensor (``None`` mode: same as the model outputs)."""
+                     output_return_period: int | None = 1) -> None:
+        """Return an extra named tensor (``None`` mode: same as the model outputs). Returns
+        None, as PopTorch's does: this is the one setter that does not chain."""
         self.checkIsFrozen()
         if output_mode != OutputMode.EveryN:
             output_return_period = 1
         self.anchored_tensors[short_name] = [long_name, output_mode is None, output_mode,
                                              output_return_period]
-        return self
 
     def randomSeed(self, random_seed: int) -> Options:
         """Seed the device RNG; like PopTorch this also calls ``torch.manual_seed``."""
@@ -595,6 +609,16 @@ class Options(_OptionsDict):
 
     def disableModuleNamescope(self) -> Options:
         self._module_namescope_enabled = False
+        return self
+
+    def sourceLocationExcludes(self, excludes: list[str]) -> Options:
+        """Frames to skip when IR ops are traced back to source (recorded only)."""
+        self._source_location_excludes = list(excludes)
+        return self
+
+    def appendToLocationExcludes(self, *excludes: str) -> Options:
+        """Add frames to skip when IR ops are traced back to source (recorded only)."""
+        self._source_location_excludes = [*self._source_location_excludes, *excludes]
         return self
 
     # -- loading, serialising, copying ------------------------------------------------------
