@@ -7,20 +7,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import operator
 import os
 import random
 import sys
 import time
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 
 from .backend import poptorch_module
 from .callbacks.base import EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, overridden
-from .data import Plan, build_plan, combined_factor, describe_factors
+from .data import Plan, build_plan, describe_factors
 from .signals import Preempted, handle_signals
-from .outputs import ALL, DEFAULT, EVERY_N, FINAL, MODE_NAMES, SUM, Layout
+from .outputs import ALL, DEFAULT, EVERY_N, MODE_NAMES, SUM, Layout
 from .state import State
 
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
@@ -68,6 +69,10 @@ class _Autocast(torch.nn.Module):
 
 
 PRECISIONS = ("32", "16-mixed", "16-true")
+OPTIMIZER_EXTRAS = ("loss_scaling", "max_grad_norm", "max_weight_norm")
+# Lightning's spellings: PL 1.x took 16/32 (16 = mixed), lightning-graphcore "32-true"/"16-mixed".
+_PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", 16: "16-mixed", "16": "16-mixed",
+                      "16-mixed": "16-mixed", "16-true": "16-true"}
 
 
 def _hyper(opt: torch.optim.Optimizer) -> tuple:
@@ -80,9 +85,48 @@ def _hyper(opt: torch.optim.Optimizer) -> tuple:
     groups = tuple(tuple((k, float(v) if isinstance(v, T) else v)
                          for k, v in g.items() if k != "params")
                    for g in opt.param_groups)
-    extras = tuple(getattr(opt, k, None) for k in ("loss_scaling", "max_grad_norm",
-                                                    "velocity_scaling", "max_weight_norm"))
-    return groups, extras
+    return groups, _hyper_extras(opt)
+
+
+def _hyper_extras(opt: torch.optim.Optimizer) -> tuple:
+    return (getattr(opt, "loss_scaling", None), getattr(opt, "max_grad_norm", None),
+            getattr(opt, "velocity_scaling", None), getattr(opt, "max_weight_norm", None))
+
+
+class _Seen:
+    """An optimizer's param groups and PopTorch attributes as ``_push_optimizer`` last read them.
+
+    ``unchanged(opt)`` is the per-step test, True only when ``opt`` is that optimizer and
+    ``_hyper(opt)`` would return what it returned then: the same keys, the very same value
+    objects (a value set anew, even an equal one, is left to ``_hyper``), tensor values (a
+    learning rate a scheduler updates in place) at the float they had, and equal
+    optimizer-wide attributes. False sends the step to ``_push_optimizer``'s full comparison.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.keys = [tuple(g) for g in opt.param_groups]
+        self.values = [tuple(g.values()) for g in opt.param_groups]
+        self.tensors = [(v, float(v)) for g in opt.param_groups for k, v in g.items()
+                        if k != "params" and isinstance(v, torch.Tensor)]
+        self.extras = _hyper_extras(opt)
+
+    def unchanged(self, opt: torch.optim.Optimizer | None) -> bool:
+        if opt is not self.opt:
+            return False
+        groups = opt.param_groups
+        if len(groups) != len(self.keys):
+            return False
+        try:
+            for g, keys, values in zip(groups, self.keys, self.values):
+                if tuple(g) != keys or not all(map(operator.is_, g.values(), values)):
+                    return False
+            for t, v in self.tensors:
+                if float(t) != v:
+                    return False
+            return _hyper_extras(opt) == self.extras
+        except (RuntimeError, TypeError, ValueError):  # an exotic value: compare in full
+            return False
 
 
 def _rng_state() -> dict[str, Any]:
@@ -119,6 +163,91 @@ def _describe(inputs: tuple, labels: Any) -> str:
             f"and labels {_shape(labels)}")
 
 
+def _concat(parts: list, keep: Any, rows: Callable) -> Any:
+    """Per-call outputs (tensors, or tuples, lists, namedtuples and dicts of them) joined
+    along the samples, each call's rows put in host-batch order by ``rows``, then indexed
+    by ``keep`` (a slice, or a boolean mask over the rows)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([rows(p).reshape(-1) if p.dim() == 0 else rows(p)
+                          for p in parts])[keep]
+    if isinstance(first, dict):
+        return type(first)((k, _concat([p[k] for p in parts], keep, rows)) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple
+        return type(first)(*(_concat(list(col), keep, rows) for col in zip(*parts)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat(list(col), keep, rows) for col in zip(*parts))
+    return parts  # not a tensor: one value per call, as returned
+
+
+class _Flagged(torch.utils.data.IterableDataset):
+    """(True, sample) per sample, then (False, last sample) up to a multiple of ``multiple``."""
+
+    def __init__(self, dataset: Any, multiple: int) -> None:
+        self.dataset, self.multiple = dataset, multiple
+
+    def __iter__(self) -> Any:
+        n, last = 0, None
+        for last in self.dataset:
+            n += 1
+            yield True, last
+        while n % self.multiple:
+            n += 1
+            yield False, last
+
+
+class _FlagCollate:
+    """Collates ``_Flagged`` samples: (the flags as a bool tensor, the samples collated)."""
+
+    def __init__(self, collate: Callable) -> None:
+        self.collate = collate
+
+    def __call__(self, batch: list) -> tuple[torch.Tensor, Any]:
+        return torch.tensor([f for f, _ in batch]), self.collate([s for _, s in batch])
+
+
+def _map_tensors(x: Any, fn: Callable) -> Any:
+    """``fn`` applied to every tensor of ``x`` (a tensor, or tuples, lists, dicts of them)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)((k, _map_tensors(v, fn)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_map_tensors(v, fn) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    return x
+
+
+def _has_loss(result: Any, losses: int) -> bool:
+    """Whether an inference call returned ``(output, loss)``: a loss per micro-batch."""
+    return (isinstance(result, (tuple, list)) and len(result) == 2
+            and isinstance(result[1], torch.Tensor) and result[1].numel() == losses
+            and result[1].is_floating_point())
+
+
+def _metric_logs(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """Each metric's ``compute()`` as log entries: ``<prefix><name>``, and for a metric that
+    returns several values (per class, a dict) ``<prefix><name>_<index or key>``."""
+    logs: dict[str, float] = {}
+
+    def put(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                put(f"{key}_{k}", v)
+        elif isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor)
+                                                  and value.numel() != 1):
+            for i, v in enumerate(value.reshape(-1) if isinstance(value, torch.Tensor)
+                                  else value):
+                put(f"{key}_{i}", v)
+        else:
+            logs[key] = float(value)
+
+    for name, m in metrics.items():
+        put(prefix + name, m.compute())
+    return logs
+
+
 def _plain(x: Any) -> Any:
     return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
 
@@ -142,13 +271,18 @@ class Loop:
             from what the device returns, logged as ``train_<name>`` and ``val_<name>``.
         callbacks: ``Callback`` instances; a progress display is added unless ``progress``
             is False.
-        replicas: data-parallel replicas (``replicationFactor``), or "auto".
+        replicas: data-parallel replicas (``replicationFactor``), or "auto" (on IPUs, the
+            most the system has room for; 1 on the emulator). Checked before compiling as
+            PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
+            the IPU Model), at most 64 IPUs, and no more than the system has.
         inference_opts: options for validation and predict; default: a clone of the
-            training options with gradientAccumulation 1 and a device-iteration count that
-            keeps one validation call about the size of a training call.
+            training options with gradientAccumulation 1 and, of the device-iteration counts
+            from DI*GA down to half of it (fewer only for a short loader), the one that
+            needs the least padding to make whole host calls of the loader's samples.
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
-        precision: "32" (default), "16-mixed" or "16-true". Mixed: autocast on the emulator
+        precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
+            are accepted: 16 means mixed, as in Lightning's IPU docs). Mixed: autocast on the emulator
             (bfloat16 on the CPU, float16 on CUDA), float inputs cast to half on an IPU.
             True: the model and float inputs in float16. Loss scaling is static: set
             ``loss_scaling`` on a ``poptorch.optim`` optimizer.
@@ -176,16 +310,18 @@ class Loop:
                  replicas: int | str | None = None, inference_opts: Any = None,
                  seed: int | None = None, progress: bool | int = True,
                  check_finite: bool = True, max_grad_norm: float | None = None,
-                 precision: str = "32") -> None:
+                 precision: str | int = "32") -> None:
         self.poptorch = pt = poptorch_module()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
         self.model = WithLoss(model, loss_fn) if loss_fn is not None else model
         self._set_precision(precision)
+        from .config import IPUConfig
+        per_replica = opts.ipus_per_replica if isinstance(opts, IPUConfig) else 1
         self.train_opts, inf = self._resolve_options(opts, inference_opts)
         self._user_inference_opts = inf
         if replicas is not None:
-            self._set_replicas(replicas)
+            self._set_replicas(replicas, per_replica)
         if seed is not None:
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int. Received: seed={seed!r}.")
@@ -216,6 +352,14 @@ class Loop:
                              f"the metrics {sorted(self.metrics)} cannot be computed. Use "
                              "OutputMode.All (exact) or Final (last micro-batch), or leave the "
                              "output mode at Default and the loop picks All.")
+        elif mode == EVERY_N:  # PopART's rule, checked here rather than at compile time
+            period, di = self.train_opts.output_return_period, self.train_opts.device_iterations
+            if di % period:
+                divisors = [d for d in range(1, di + 1) if di % d == 0]
+                raise ValueError(
+                    f"OutputMode.EveryN({period}) returns every {period}-th device iteration of "
+                    f"a host call, so the period must divide deviceIterations ({di}). Received: "
+                    f"output_return_period={period}. Use one of {divisors}.")
         self.callbacks: list[Callback] = []
         cbs = list(callbacks)
         for cb in cbs:
@@ -236,10 +380,12 @@ class Loop:
         self.train_model: Any = None
         self._inference: dict[tuple, Any] = {}
         self._pushed: tuple | None = None
+        self._seen: _Seen | None = None  # what _push_optimizer last looked at
         self.optimizer_pushes = 0  # setOptimizer calls made (only when a hyper-parameter changed)
         self._epoch_loss = [0.0, 0, True]  # total, count, exact
         self._epoch_rng: dict[str, Any] | None = None
         self._resume_rng: dict[str, Any] | None = None
+        self._val_rng: dict[str, Any] | None = None  # host RNG as the running validation began
         self._sampler: Any = None  # the running fit's ResumableSampler
         self._sampler_rng: torch.Tensor | None = None  # its generator, resumed at an epoch start
         self._device_rng: torch.Tensor | None = None
@@ -249,6 +395,7 @@ class Loop:
         self.exception_source: Callback | None = None  # the callback whose hook raised it
         self._batches: Any = None  # the running epoch's batch iterator
         self._preempted = False
+        self._warned_no_val_loss = False
 
     # -- configuration ------------------------------------------------------------------------
     def _resolve_options(self, opts: Any, inference_opts: Any) -> tuple[Any, Any]:
@@ -268,26 +415,56 @@ class Loop:
                             f"inference_opts={type(inference_opts).__name__}.")
         return opts.clone(), inference_opts.clone() if inference_opts is not None else None
 
-    def _set_replicas(self, replicas: int | str) -> None:
+    def _set_replicas(self, replicas: int | str, ipus_per_replica: int = 1) -> None:
+        """``replicas=``, checked as PopTorch checks the IPUs it reserves, before compiling.
+
+        ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed for "auto"
+        (a pipelined model's IPUs are only known once it is traced).
+        """
+        pt, opts = self.poptorch, self.train_opts
+        hardware = pt.ipuHardwareIsAvailable()
         if replicas == "auto":
-            # Emulator: no IPUs to count; on hardware, the most replicas the free IPUs allow.
+            # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
             n = 1
-            while self.poptorch.ipuHardwareIsAvailable(2 * n):
+            while hardware and 2 * n * ipus_per_replica <= 64 \
+                    and pt.ipuHardwareIsAvailable(2 * n * ipus_per_replica):
                 n *= 2
             replicas = n
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise ValueError(f"replicas must be an int >= 1 or 'auto'. Received: "
                              f"replicas={replicas!r}.")
-        current = self.train_opts.replication_factor
+        current = opts.replication_factor
         if current not in (1, replicas):
             raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
                              "set one of them.")
-        self.train_opts.replicationFactor(replicas)
+        ipus = replicas * ipus_per_replica
+        if opts.exists("use_model"):  # useIpuModel() wins over the environment, as in PopTorch
+            use_model = bool(opts.use_model)
+        else:
+            use_model = os.environ.get("POPTORCH_IPU_MODEL", "0").strip() not in ("", "0")
+        if not use_model:  # PopTorch reserves a power of two of IPUs, at most 64 a process
+            if replicas & (replicas - 1) and not opts.auto_round_num_ipus:
+                below = 1 << (replicas.bit_length() - 1)
+                raise ValueError(
+                    f"replicas={replicas}: PopTorch reserves a power of 2 of IPUs, and "
+                    f"{replicas} replicas of any whole number of IPUs are not one. Use "
+                    f"replicas={below} or {2 * below}, or set "
+                    "opts.autoRoundNumIPUs(True) to reserve the next power of 2.")
+            if ipus > 64:
+                raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
+                                 f"= {ipus} IPUs, but a process can reserve at most 64.")
+        if hardware and not use_model and not pt.ipuHardwareIsAvailable(ipus):
+            raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
+                             f"needs {ipus} IPUs, more than this system has. Use fewer "
+                             "replicas, or replicas='auto'.")
+        opts.replicationFactor(replicas)
 
-    def _set_precision(self, precision: str) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}. Received: "
-                             f"precision={precision!r}.")
+    def _set_precision(self, precision: str | int) -> None:
+        if (isinstance(precision, bool) or not isinstance(precision, (str, int))
+                or precision not in _PRECISION_ALIASES):
+            raise ValueError(f"precision must be one of {PRECISIONS} (or Lightning's 32, 16, "
+                             f"'32-true'). Received: precision={precision!r}.")
+        precision = _PRECISION_ALIASES[precision]
         self.precision = precision
         self._device_module = self.model  # what the executors wrap
         self._input_dtype: torch.dtype | None = None
@@ -398,12 +575,13 @@ class Loop:
         self._exception_fired = False
         self.exception = self.exception_source = None
         self._max_steps = max_steps
+        self._val_rng = None
         self._steps_hint = plan.steps
         self._preempted = False
         with handle_signals(self._on_sigterm, self._kill_workers):
             try:
-                self._fire("on_fit_start")
                 try:
+                    self._fire("on_fit_start")
                     while st.epoch < epochs and not self._should_stop():
                         self._check_preempted()  # SIGTERM during epoch-end hooks: stop here
                         self._fit_epoch(plan, val_plan)
@@ -476,16 +654,35 @@ class Loop:
         if count:
             st.logs["train_loss"] = total / count
             st.logs["train_loss_exact"] = float(exact)
-        for name, m in self._train_metrics().items():
-            st.logs[f"train_{name}"] = float(m.compute())  # host-side metric: no device sync
+            st.logs.update(_metric_logs("train_", self._train_metrics()))  # host-side: no sync
+        else:  # no step ran (cancelled): no train values, rather than the last epoch's
+            self._drop_logs("train_", ("loss", "loss_exact", *self.metrics))
         if self._should_stop() and plan.steps and st.epoch_step < plan.steps:
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         if val_plan is not None:
-            self._run_validation(val_plan)
+            # A checkpoint taken during validation (SIGTERM) must resume with the RNG as it was
+            # before validation began: the resumed fit replays validation from its start.
+            self._val_rng = _rng_state()
+            try:
+                self._run_validation(val_plan)
+            except CancelEpoch:  # raised in a validation hook: skip to on_epoch_end
+                self._drop_logs("val_", ("loss", *self.metrics))
+            self._val_rng = None  # not in a finally: a preemption save must still see it
         st.epoch += 1
         st.epoch_step = 0
         st.history.append({"epoch": st.epoch, **st.logs})
-        self._fire("on_epoch_end")
+        try:
+            self._fire("on_epoch_end")
+        except CancelEpoch:  # the epoch is over: nothing left to skip
+            pass
+
+    def _drop_logs(self, prefix: str, names: Iterable[str]) -> None:
+        """Remove the loop's logs ``<prefix><name>`` (and ``<prefix><name>_<part>``)."""
+        logs = self.state.logs
+        for name in names:
+            key = prefix + name
+            for k in [k for k in logs if k == key or k.startswith(key + "_")]:
+                del logs[k]
 
     def _train_metrics(self) -> dict[str, Any]:
         return self._train_metric_objs
@@ -511,27 +708,34 @@ class Loop:
             _set_rng_state(resume_rng)
         metrics = self._train_metrics()
         per_step_samples = plan.combined
+        per_step_updates, per_step_micro_batches = layout.di, layout.micro_batches
+        hooks = self._hooks
         fresh, seen = st.epoch_step == 0, False
         for batch in batches:
             seen = True
-            self._check_preempted()  # SIGTERM while the batch was read: stop before the step
+            if self._preempted:  # SIGTERM while the batch was read: stop before the step
+                raise Preempted
             inputs, labels = self._split(batch, plan)
             if self.train_model is None or not self.train_model.isCompiled():
                 self._compile_train(inputs, labels)
-            try:
-                self._fire("on_train_step_start")
-            except CancelStep:
-                continue
-            self._activate(self.train_model)
-            self._push_optimizer()
+            if hooks["on_train_step_start"]:
+                try:
+                    self._fire("on_train_step_start")
+                except CancelStep:
+                    continue
+            if self._inference:  # validation or predict ran: their executors hold the device
+                self._activate(self.train_model)
+            pushed = self._seen  # the cheap test first: _push_optimizer compares in full
+            if pushed is None or not pushed.unchanged(self.optimizer):
+                self._push_optimizer()
             output, loss = self.train_model(*inputs, labels)
             step_loss = layout.step_loss(loss)  # host tensor: reading it syncs nothing
             if self.check_finite and not math.isfinite(step_loss.total):
                 self._raise_non_finite(loss, layout)
             st.step += 1
             st.epoch_step += 1
-            st.update += layout.di
-            st.micro_batch += layout.micro_batches
+            st.update += per_step_updates
+            st.micro_batch += per_step_micro_batches
             st.samples += per_step_samples
             el = self._epoch_loss
             el[0] += step_loss.total
@@ -542,8 +746,13 @@ class Loop:
                 aligned = layout.align(labels)
                 for m in metrics.values():
                     m.update(output, aligned)
-            self._fire("on_train_step_end")
-            self._check_preempted()
+            if hooks["on_train_step_end"]:
+                try:
+                    self._fire("on_train_step_end")
+                except CancelStep:  # the step has run: nothing left to skip
+                    pass
+            if self._preempted:
+                raise Preempted
             if self._should_stop():
                 break
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
@@ -586,17 +795,20 @@ class Loop:
         if device_rng is not None:  # resumed: the device continues the saved random stream
             self.train_model.rng_state = device_rng
         self._pushed = _hyper(self.optimizer) if self.optimizer is not None else None
+        self._seen = None
         self._fire("on_compile_end")
 
     def _push_optimizer(self) -> None:
         # The device never re-reads the host optimizer: push only what changed (setOptimizer).
-        if self.optimizer is None:
+        opt = self.optimizer
+        if opt is None:
             return
-        current = _hyper(self.optimizer)
+        current = _hyper(opt)
         if current != self._pushed:
-            self.train_model.setOptimizer(self.optimizer)
+            self.train_model.setOptimizer(opt)
             self.optimizer_pushes += 1
             self._pushed = current
+        self._seen = _Seen(opt)
 
     def _activate(self, model: Any) -> None:
         """Detach every other executor before ``model`` runs (one set of IPUs at a time)."""
@@ -621,8 +833,9 @@ class Loop:
 
     def _split(self, batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-            if isinstance(self.model, WithLoss):
-                self.model.num_inputs = len(batch) - 1
+            model = self.model  # (issubclass: isinstance would read the wrapped __class__)
+            if issubclass(type(model), WithLoss) and model.num_inputs != len(batch) - 1:
+                model.num_inputs = len(batch) - 1  # (Module.__setattr__: only when it changes)
             if self._input_dtype is not None:
                 batch = [self._cast(x) for x in batch]
             return tuple(batch[:-1]), batch[-1]
@@ -710,15 +923,19 @@ class Loop:
             inf.replicationFactor(lo.replication_factor)
             return inf
         t = self.train_opts
-        di = t.device_iterations * t.Training.gradient_accumulation
-        micro = micro_hint or 1
+        di = target = t.device_iterations * t.Training.gradient_accumulation
+        per_iteration = (micro_hint or 1) * max(t.replication_factor // t.input_group_size, 1)
         with contextlib.suppress(TypeError):
-            fits = len(loader.dataset) // (micro * t.replication_factor)
-            di = max(1, min(di, fits))
+            n = len(loader.dataset)
+            if n < per_iteration * target:
+                di = max(1, n // per_iteration)
+            else:  # from DI*GA down to half of it: the count that pads the fewest samples
+                di = min(range(target, (target - 1) // 2, -1),
+                         key=lambda d: -n % (per_iteration * d))
         inf.deviceIterations(di)
         return inf
 
-    def _val_plan(self, loader: Any, *, pad: bool = False, name: str = "val_loader") -> Plan:
+    def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader") -> Plan:
         micro = loader.batch_size if not isinstance(loader, self.poptorch.DataLoader) else None
         opts = self._inference_options(loader, micro)
         if opts.Training.gradient_accumulation != 1:
@@ -729,30 +946,52 @@ class Loop:
                              f"and predict need every output. Received: "
                              f"{MODE_NAMES.get(opts.output_mode, opts.output_mode)}.")
         opts.outputMode(self.poptorch.OutputMode.All)
+        try:
+            empty = len(loader.dataset) == 0
+        except TypeError:  # an IterableDataset: its length is unknown
+            empty = False
+        if empty:
+            raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
+                             "to run. Pass a loader over a dataset with at least one sample.")
         return self._plan(loader, training=False, name=name, opts=opts, pad=pad)
 
     def _inference_model(self, plan: Plan, kind: str, sample: tuple) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
         model = self._inference.get(key)
-        if model is None:
-            self.model.eval()
-            model = self.poptorch.inferenceModel(self._device_module, plan.loader.options)
-            self.model.train()
-            self._inference[key] = model
-        if not model.isCompiled():
+        if model is not None and model.isCompiled():
+            return model
+        # PopTorch's inference wrapper is a shallow copy that shares the submodules and traces
+        # them in the mode they are in: keep them in eval mode until the graph is compiled.
+        module = self._device_module
+        module.eval()
+        try:
+            if model is None:
+                model = self.poptorch.inferenceModel(module, plan.loader.options)
+                self._inference[key] = model
             self._fire("on_compile_start")
             start = time.perf_counter()
             self._activate(model)
             model.compile(*sample)
             self.state.compile_time[kind] = time.perf_counter() - start
-            self._fire("on_compile_end")
+        finally:
+            module.train()
+        self._fire("on_compile_end")
         return model
 
     def validate(self, loader: Any) -> dict[str, float]:
-        """Run ``loader`` through the inference model; returns val_loss and val metrics."""
+        """Run ``loader`` through the inference model; returns val_loss and val metrics.
+
+        Every sample counts: the samples are read in order and the last host call is padded
+        with copies of the last one. The metrics see every sample; val_loss is the mean loss
+        of the micro-batches without padding (all of them when the micro-batch size divides
+        the sample count). A model that returns no loss in eval mode gets no val_loss.
+        """
         plan = self._val_plan(loader)
         try:
             return self._run_validation(plan)
+        except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
+            self._drop_logs("val_", ("loss", *self.metrics))
+            return {}
         except BaseException:
             self._on_exception()
             raise
@@ -764,21 +1003,46 @@ class Loop:
             m.reset()
         total, count = 0.0, 0
         model = None
+        layout, combined = plan.layout, plan.combined
+        # The loader is padded to whole host calls (copies of the last sample): count only the
+        # samples, and for the loss only the micro-batches without padding.
+        left = plan.samples if plan.sampler is not None and plan.samples else None
         for batch in plan.epoch():
             inputs, labels = self._split(batch, plan)
             if model is None:
                 model = self._inference_model(plan, "validate", (*inputs, labels))
             self._activate(model)
-            output, loss = model(*inputs, labels)
-            total += float(loss.double().sum())  # host tensor: no device sync
-            count += loss.numel()
-            for m in self.metrics.values():
-                m.update(output, labels)  # All mode, [DI, RF, B] order: labels line up as-is
+            output = model(*inputs, labels)
+            valid = combined if left is None else min(combined, left)
+            if left is not None:
+                left -= valid
+            if _has_loss(output, layout.micro_batches):
+                output, loss = output
+                loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
+                if valid < combined:  # the padded call: its whole micro-batches of samples
+                    loss = loss[:valid // plan.micro]
+                total += float(loss.double().sum())  # host tensor: no device sync
+                count += loss.numel()
+            elif not self._warned_no_val_loss:
+                # e.g. ``if self.training: return x, loss`` / ``return x``: no loss in eval mode
+                self._warned_no_val_loss = True
+                warnings.warn("In eval mode the model returns its output without a loss, so "
+                              "validation logs no val_loss (metrics are still computed). "
+                              "Return (output, loss) whenever labels are given to get one.",
+                              stacklevel=2)
+            if self.metrics:  # All mode, [DI, RF, B]: the host batch's order, per input group
+                output = _map_tensors(output, lambda t: t if t.dim() == 0
+                                      else layout.input_rows(t)[:valid])
+                if valid < combined:
+                    labels = _map_tensors(labels, lambda t: t[:valid])
+                for m in self.metrics.values():
+                    m.update(output, labels)
             self._fire("on_validation_step_end")
             self._check_preempted()
-        logs = {"val_loss": total / max(count, 1)}
-        for name, m in self.metrics.items():
-            logs[f"val_{name}"] = float(m.compute())
+        logs = {"val_loss": total / count} if count else {}
+        logs.update(_metric_logs("val_", self.metrics))
+        if not count:
+            self._drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)
         self._fire("on_validation_end")
         return logs
@@ -787,15 +1051,27 @@ class Loop:
     def predict(self, loader: Any) -> Any:
         """Outputs for every sample of ``loader``'s dataset, in dataset order.
 
-        Batches are read in order (shuffle is ignored); the last host batch is padded with
-        copies of the last sample and the padding's outputs are dropped. A batch that is a
-        tuple of two or more elements is taken as (inputs..., labels) and labels are ignored.
+        Batches are read in order (shuffle and the sampler are ignored). The samples are
+        padded with copies of the last one up to whole host calls and the padding's outputs
+        are dropped, so no sample is lost to the combined batch size (an IterableDataset is
+        padded as it streams; with workers, its order is the loader's). With input replica
+        grouping each sample's output is returned once. A model returning a tuple, list,
+        namedtuple or dict of tensors gets the same structure back, each tensor joined over
+        the samples. A batch that is a tuple of two or more elements is taken as
+        (inputs..., labels) and the labels are ignored.
         """
         plan = self._val_plan(loader, pad=True, name="loader")
+        flagged = isinstance(plan.loader.dataset, torch.utils.data.IterableDataset)
+        if flagged:  # length unknown: pad the stream, and flag which rows are samples
+            plan = self._flagged_plan(plan)
         outputs: list[Any] = []
+        flags: list[torch.Tensor] = []
         model = None
         try:
             for batch in plan.epoch():
+                if flagged:
+                    flag, batch = batch
+                    flags.append(flag)
                 inputs = tuple(batch[:-1]) if isinstance(batch, (tuple, list)) \
                     and len(batch) >= 2 else (batch if isinstance(batch, (tuple, list))
                                               else (batch,))
@@ -809,10 +1085,24 @@ class Loop:
         except BaseException:
             self._on_exception()
             raise
-        n = plan.samples
-        if isinstance(outputs[0], torch.Tensor):
-            return torch.cat(outputs)[:n]
-        return type(outputs[0])(torch.cat(col)[:n] for col in zip(*outputs))
+        if not outputs:
+            raise ValueError(f"loader yielded no samples: {type(plan.loader.dataset).__name__} "
+                             "was empty. predict needs at least one sample.")
+        keep = torch.cat(flags) if flagged else slice(None, plan.samples)
+        return _concat(outputs, keep, plan.layout.input_rows)
+
+    def _flagged_plan(self, plan: Plan) -> Plan:
+        """``plan`` over an IterableDataset, each sample flagged True and the stream padded
+        (per worker) to whole host calls with False-flagged copies of its last sample."""
+        src = plan.loader
+        kwargs = {k: getattr(src, k) for k in ("num_workers", "worker_init_fn",
+                                               "multiprocessing_context")}
+        if kwargs["num_workers"] == 0:
+            kwargs.pop("multiprocessing_context")
+        loader = self.poptorch.DataLoader(
+            src.options, _Flagged(src.dataset, plan.combined), batch_size=plan.micro,
+            drop_last=True, collate_fn=_FlagCollate(src.collate_fn), **kwargs)
+        return Plan(loader, None, plan.micro, plan.combined, plan.layout, None, plan.name)
 
     # -- failure --------------------------------------------------------------------------------
     def _on_exception(self) -> None:
@@ -839,7 +1129,10 @@ class Loop:
             "history": [dict(h) for h in self.state.history],
             "logs": dict(self.state.logs),  # an epoch ending right after a resume logs these
             "epoch_loss": list(self._epoch_loss),
-            "rng": _rng_state(),
+            "rng": self._val_rng if self._val_rng is not None else _rng_state(),
+            # poptorch.optim attributes outside optimizer.state_dict() (loss_scaling, ...)
+            "optimizer_extras": {k: float(getattr(self.optimizer, k)) for k in OPTIMIZER_EXTRAS
+                                 if hasattr(self.optimizer, k)},
             "sampler_rng": self._sampler.generator_state() if self._sampler is not None else None,
             "epoch_rng": self._epoch_rng,
             "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
@@ -862,6 +1155,8 @@ class Loop:
                 raise ValueError("The checkpoint has optimizer state but the loop has no "
                                  "optimizer: pass the same optimizer as the saved run.")
             self.optimizer.load_state_dict(sd["optimizer"])
+            for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
+                setattr(self.optimizer, k, v)
         self.state.load_counters(sd["counters"])
         self.state.history = [dict(h) for h in sd["history"]]
         self.state.logs = dict(sd.get("logs", {}))

@@ -8,6 +8,8 @@ A scalar loss becomes ``[n]`` only when that count n is > 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -18,8 +20,7 @@ FINAL, EVERY_N, ALL, SUM, DEFAULT = 0, 1, 2, 3, 4
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
 
-@dataclass(frozen=True)
-class StepLoss:
+class StepLoss(NamedTuple):  # a tuple: made once per training step, at a tuple's cost
     total: float  # sum of the micro-batch losses this step's output stands for
     count: int  # how many micro-batch losses ``total`` sums
     exact: bool  # False when the mode returns only some micro-batches (Final, EveryN>1)
@@ -62,12 +63,17 @@ class Layout:
         # Host tensor: no device sync; needed for the log. Summed in float64 (exact for a
         # single value, which float() reads without creating tensors).
         total = float(loss) if loss.numel() == 1 else float(loss.sum(dtype=torch.float64))
+        return StepLoss(total, *self._loss_count)
+
+    @cached_property  # fields are frozen: computed once, not every step
+    def _loss_count(self) -> tuple[int, bool]:
+        """How many micro-batch losses a returned loss sums, and whether that is all of them."""
         if self.mode == SUM:  # per replica: sum over DI*GA micro-batches
-            return StepLoss(total, self.micro_batches, True)
+            return self.micro_batches, True
         if self.mode == FINAL:
-            return StepLoss(total, self.rf, self.micro_batches == self.rf)
+            return self.rf, self.micro_batches == self.rf
         n = len(self.returned_iterations()) * self.ga * self.rf
-        return StepLoss(total, n, n == self.micro_batches)
+        return n, n == self.micro_batches
 
     def micro_batch_index(self, returned_index: int) -> int:
         """Index (in ``[DI, GA, RF]`` order) of the micro-batch behind a returned loss."""
@@ -79,6 +85,19 @@ class Layout:
             return (self.di - 1) * per_iter + (self.ga - 1) * self.rf + returned_index
         return iters[returned_index // per_iter] * per_iter + returned_index % per_iter
 
+    def input_rows(self, output: torch.Tensor) -> torch.Tensor:
+        """An All-mode per-sample output in the host batch's order: one copy per input group.
+
+        Replicas of an input group read the same samples, so their rows are dropped but one.
+        """
+        groups = self.input_groups
+        if groups == self.rf or output.dim() == 0:
+            return output
+        b = output.shape[0] // (self.di * self.ga * self.rf)
+        x = output.reshape(self.di, self.ga, self.rf, b, *output.shape[1:])
+        first = [r if self.orthogonal else r * self.group for r in range(groups)]
+        return x[:, :, first].reshape(-1, *output.shape[1:])
+
     def align(self, labels: torch.Tensor) -> torch.Tensor:
         """The labels of the micro-batches whose per-sample outputs the call returned."""
         if self.mode == SUM:
@@ -87,6 +106,9 @@ class Layout:
                              "Use OutputMode.All (exact) or Final, or drop the metrics.")
         groups = self.input_groups
         slots = self.di * self.ga * groups
+        if (self.rf == groups and labels.dim() and labels.shape[0] % slots == 0
+                and (self.mode == ALL or self.mode == EVERY_N and self.period == 1)):
+            return labels  # every micro-batch in host-batch order: the labels as they are
         b = labels.shape[0] // slots
         x = labels.reshape(self.di, self.ga, groups, b, *labels.shape[1:])
         if self.rf != groups:  # replicas of a group read the same inputs

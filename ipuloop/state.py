@@ -19,7 +19,8 @@ class State:
     step: int = 0  # training host calls completed, over the whole fit
     update: int = 0  # optimizer updates completed (step * device_iterations)
     micro_batch: int = 0  # training micro-batches completed, all replicas together
-    samples: int = 0  # training samples consumed (micro_batch * micro-batch size)
+    samples: int = 0  # training samples read from the loader (micro_batch * micro-batch
+    # size; with input replica grouping, the replicas of a group share theirs)
     epoch_step: int = 0  # training host calls completed in the running epoch
     logs: dict[str, float] = field(default_factory=dict)  # latest step and epoch values
     history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch

@@ -77,6 +77,18 @@ def expected_events(epochs: int, steps: int, val_steps: int) -> list[str]:
     return ev + ["on_fit_end"]
 
 
+def inference_device_iterations(target: int, n: int, per_iteration: int) -> int:
+    """The documented choice: DI*GA down to half of it, the least padding (ties: larger)."""
+    if n < target * per_iteration:
+        return max(1, n // per_iteration)
+    candidates = [d for d in range(1, target + 1) if 2 * d >= target]
+    def padding(d: int) -> int:
+        call = d * per_iteration
+        return (call - n % call) % call
+
+    return max(candidates, key=lambda d: (-padding(d), d))
+
+
 @pytest.mark.parametrize("di,ga,rf,epochs", [(1, 1, 1, 1), (2, 3, 1, 2), (4, 1, 2, 3), (2, 2, 2, 2)])
 def test_event_order_and_counts_by_formula(di, ga, rf, epochs):
     n, b = 96, 2
@@ -85,8 +97,8 @@ def test_event_order_and_counts_by_formula(di, ga, rf, epochs):
     loop.fit(DataLoader(data(n), batch_size=b), epochs=epochs,
              val_loader=DataLoader(data(48, 2), batch_size=4))
     steps = n // (b * di * ga * rf)
-    val_di = min(di * ga, 48 // (4 * rf))
-    val_steps = 48 // (4 * val_di * rf)
+    val_di = inference_device_iterations(di * ga, 48, 4 * rf)
+    val_steps = -(-48 // (4 * val_di * rf))  # the last call padded
     assert rec.events == expected_events(epochs, steps, val_steps)
     st = loop.state
     assert (st.epoch, st.step, st.epoch_step) == (epochs, steps * epochs, 0)
@@ -137,7 +149,9 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
     ref_model, per_step = reference(net, ds, b, di, ga, rf, steps, lr)
     pmode = getattr(poptorch.OutputMode, mode)
     metrics = {} if mode == "Sum" else {
-        "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)}
+        "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT),
+        "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro")}
+    val = data(48, 9)
     model = copy.deepcopy(net)
     step_losses = []
 
@@ -148,7 +162,8 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
     loop = Loop(model, options(di, ga, rf, pmode, period),
                 optimizer=torch.optim.SGD(model.parameters(), lr=lr), metrics=metrics,
                 callbacks=[Losses()], progress=False)
-    hist = loop.fit(DataLoader(ds, batch_size=b), epochs=1)
+    hist = loop.fit(DataLoader(ds, batch_size=b), epochs=1,
+                    val_loader=DataLoader(val, batch_size=b))
     all_sel = []
     for s, rows in enumerate(per_step):
         sel = selected(rows, mode, di, ga, rf, period)
@@ -162,8 +177,24 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
         for r in all_sel:
             acc.update(r[4], r[5])
         assert hist[0]["train_acc"] == pytest.approx(float(acc.compute()), abs=1e-6)
+        out = torch.cat([r[4] for r in all_sel])
+        f1 = torchmetrics.functional.f1_score(out, torch.cat([r[5] for r in all_sel]),
+                                              "multiclass", num_classes=OUT, average="macro")
+        assert hist[0]["train_f1"] == pytest.approx(float(f1), abs=1e-6)
     for p, q in zip(loop.model.parameters(), ref_model.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+    vx, vy = val.tensors  # validation after the epoch: the trained weights, every sample
+    with torch.no_grad():
+        vout = ref_model.net(vx)
+        vloss = torch.stack([ref_model.loss(vout[i:i + b], vy[i:i + b])
+                             for i in range(0, len(vy), b)]).mean()
+    assert hist[0]["val_loss"] == pytest.approx(float(vloss), rel=1e-5)
+    F = torchmetrics.functional
+    for name, value in (("acc", F.accuracy(vout, vy, "multiclass", num_classes=OUT)),
+                        ("f1", F.f1_score(vout, vy, "multiclass", num_classes=OUT,
+                                          average="macro"))):
+        if metrics:
+            assert hist[0][f"val_{name}"] == pytest.approx(float(value), abs=1e-5)
 
 
 def test_validation_loss_and_metrics_equal_plain_torch():
@@ -181,18 +212,29 @@ def test_validation_loss_and_metrics_equal_plain_torch():
     assert logs["val_acc"] == pytest.approx(float(acc), abs=1e-6)
 
 
-def test_fit_equals_hand_written_poptorch_loop_bitwise():
+@pytest.mark.parametrize("di,ga,rf,mode", [(2, 3, 1, None), (2, 2, 2, "Final"),
+                                            (4, 1, 2, "EveryN")])
+def test_fit_equals_hand_written_poptorch_loop_bitwise(di, ga, rf, mode):
     ds = data(96)
     net = Net(batchnorm=True)
     a, b = copy.deepcopy(net), copy.deepcopy(net)
-    opts = options(2, 3, 1)
-    loop = Loop(a, opts, optimizer=poptorch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9),
-                progress=False)
+    pmode = getattr(poptorch.OutputMode, mode) if mode else None
+    opts = options(di, ga, rf, pmode, 2)
+    opt_a = poptorch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+
+    class Decay(Callback):  # an lr change mid-fit: the hand-written loop calls setOptimizer
+        def on_epoch_end(self, loop):
+            opt_a.param_groups[0]["lr"] = 0.05
+
+    loop = Loop(a, opts, optimizer=opt_a, callbacks=[Decay()], progress=False)
     loop.fit(DataLoader(ds, batch_size=4), epochs=2)
-    tm = poptorch.trainingModel(b, opts.clone().outputMode(poptorch.OutputMode.Sum),
-                                optimizer=poptorch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9))
+    opt_b = poptorch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    tm = poptorch.trainingModel(b, opts.clone(), optimizer=opt_b)
     loader = poptorch.DataLoader(opts.clone(), ds, batch_size=4)
-    for _ in range(2):
+    for epoch in range(2):
+        if epoch == 1:
+            opt_b.param_groups[0]["lr"] = 0.05
+            tm.setOptimizer(opt_b)
         for x, y in loader:
             tm(x, y)
     for (k, p), q in zip(loop.model.state_dict().items(), b.state_dict().values()):
@@ -353,6 +395,7 @@ class NoTuple(nn.Module):
     ("broadcast", "would broadcast"),
     ("clip_torch", "Gradient clipping runs on the device only"),
     ("sum_metrics", "OutputMode.Sum"),
+    ("every_n_period", r"must divide deviceIterations \(4\)\. Received: output_return_period=3"),
 ])
 def test_bad_input_rejected_before_the_first_step(case, match):
     calls = []
@@ -385,6 +428,8 @@ def test_bad_input_rejected_before_the_first_step(case, match):
     elif case == "clip_torch":
         kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
         kwargs["max_grad_norm"] = 1.0
+    elif case == "every_n_period":
+        kwargs["opts"] = options(4, mode=poptorch.OutputMode.EveryN, period=3)
     elif case == "sum_metrics":
         kwargs["opts"] = options(mode=poptorch.OutputMode.Sum)
         kwargs["metrics"] = {"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)}
@@ -400,9 +445,21 @@ def test_batch_sampler_with_replicas_rejected():
     class MyBatches(BatchSampler):
         pass
 
-    loader = DataLoader(data(32), batch_sampler=MyBatches(SequentialSampler(range(32)), 4, True))
-    with pytest.raises(ValueError, match="batch sampler"):
-        Loop(Net(), options(rf=2), progress=False).fit(loader)
+    for cls in (MyBatches, BatchSampler):  # a plain BatchSampler passed as batch_sampler= too
+        batches = cls(SequentialSampler(range(32)), 4, True)
+        loader = DataLoader(data(32), batch_sampler=batches)
+        with pytest.raises(ValueError, match="batch sampler"):
+            Loop(Net(), options(rf=2), progress=False).fit(loader)
+
+
+def test_plain_batch_sampler_gives_the_micro_batch():
+    """DataLoader(batch_sampler=BatchSampler(...)) has batch_size None: the sampler's is used."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+    loader = DataLoader(data(32), batch_sampler=BatchSampler(SequentialSampler(range(32)), 4,
+                                                             True))
+    loop = Loop(Net(), options(di=2), progress=False)
+    loop.fit(loader)
+    assert loop.state.samples == 32 and loop.state.step == 4
 
 
 def test_device_clipping_sets_max_grad_norm():

@@ -22,9 +22,11 @@ def test_readme_example_runs(capsys):
 
 def test_readme_hook_order_matches_the_module_docstring():
     readme = re.search(r"```\n(on_fit_start.*?)```", README.read_text(), re.S).group(1)
-    doc = base.__doc__
-    pick = lambda text: re.findall(r"on_[a-z_]+", text)  # noqa: E731
-    assert pick(readme)[:-1] == pick(doc.split("::")[1].split("SIGTERM:")[0])
+    block = re.search(r"::\n\n((?:    .*\n)+)", base.__doc__).group(1)  # the indented pseudocode
+    doc_lines = [line[4:] for line in block.splitlines()]
+    readme_lines = readme.splitlines()
+    assert readme_lines[-1].startswith("on_exception")
+    assert readme_lines[:-1] == doc_lines  # the same pseudocode, line for line
 
 
 def test_readme_commands_are_the_ci_commands():

@@ -8,12 +8,13 @@ attached at each event)::
         on_epoch_start
         for each host batch (one step = DI*GA*RF micro-batches):
             [first step only: on_compile_start, compile the training model, on_compile_end]
-            on_train_step_start
+            on_train_step_start                  # CancelStep: skip this step's remaining hooks
             run the training model               # DI optimizer updates on the device
-            reduce the returned loss, update train metrics, check the loss is finite
+            reduce the returned loss, check it is finite, update the train metrics
             on_train_step_end                    # state.logs["loss"] is this step's mean loss
-            if loop.stop() was called: leave the epoch
-        epoch logs: train_loss, train_<metric>
+            if loop.stop() was called or max_steps is reached: leave the epoch
+        epoch logs: train_loss, train_loss_exact, train_<metric>
+        if the epoch was left before its last step: go to on_fit_end   # incomplete epoch
         if val_loader:
             on_validation_start
             [first time: on_compile_start, compile the inference model, on_compile_end]
@@ -23,12 +24,22 @@ attached at each event)::
         if loop.stop() was called: leave
     on_fit_end
 
+An incomplete epoch (stopped before its last step) is not counted in ``state.epoch`` and gets
+no validation and no ``on_epoch_end``; ``fit`` with ``resume_from`` finishes it.
 SIGTERM: the running step finishes, then ``on_preempt`` (checkpoint here), ``on_fit_end``,
 and the process exits with status 143.
-``Loop.validate`` runs the validation block alone (with on_fit_start/on_fit_end not fired).
+``Loop.validate`` runs the validation block alone (on_fit_start/on_fit_end not fired; a
+CancelEpoch or CancelFit from its hooks ends it with no val logs, returning ``{}``);
+``Loop.predict`` fires only on_compile_start/on_compile_end, when it compiles.
+``on_save_checkpoint`` fires when ``ModelCheckpoint`` saves, before the callbacks'
+``state_dict()`` is read; ``on_load_checkpoint`` at the end of ``Loop.load_state_dict``.
 Any exception other than the Cancel* ones fires ``on_exception`` once, then propagates; an
-exception raised in a hook carries a note naming the callback and the hook. ``CancelStep``,
-``CancelEpoch`` and ``CancelFit`` raised in a hook skip to the end of their scope.
+exception raised in a hook carries a note naming the callback and the hook. A Cancel*
+exception skips the rest of its scope, later callbacks' hooks for that event included:
+``CancelStep`` from a train step hook: to the next step. ``CancelEpoch`` from
+on_epoch_start or a step hook: to the epoch logs (validation and on_epoch_end still run);
+from a validation hook: to on_epoch_end (no val logs that epoch); from on_epoch_end: no
+effect. ``CancelFit`` from any fit hook: to on_fit_end.
 
 Hooks fire per step, never per micro-batch: the host never sees a micro-batch on an IPU.
 """

@@ -1,0 +1,271 @@
+"""The per-call shortcuts of the executor and the loop compute what their general paths do.
+
+* ``PoplarExecutor._run_single`` (DI = GA = RF = 1) against the general ``_run``;
+* ``PoplarExecutor._as_ready`` (inputs taken as they are) against ``_Signature.check`` and
+  ``_prepare``: every input it cannot take goes the general way (checks, warnings, conversions);
+* the device generator, swapped in and out only for models whose trace drew random numbers;
+* ``Loop``'s per-step test of the optimizer's hyper-parameters against ``_hyper``;
+* ``Layout.align`` / ``Layout.step_loss`` computed once per layout.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ipuloop.emulator as poptorch
+from ipuloop import Callback, Loop
+from ipuloop.outputs import ALL, EVERY_N, FINAL, SUM, Layout
+
+IN, OUT, B = 5, 3, 4
+
+
+class Outputs(nn.Module):
+    """Returns a dict of outputs of several dtypes (int64 and float64 are narrowed), a
+    non-tensor, and the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        loss = nn.functional.cross_entropy(out, y)
+        return {"out": out, "pred": out.argmax(1), "wide": out.detach().double().sum(1)}, \
+            "tag", loss
+
+
+def _data(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, IN, generator=g), torch.randint(0, OUT, (B,), generator=g))
+            for _ in range(n)]
+
+
+def _train(single: bool, mode, loss_scaling: float):
+    model = Outputs()
+    opts = poptorch.Options().outputMode(mode)
+    ex = poptorch.trainingModel(model, opts, poptorch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, loss_scaling=loss_scaling))
+    batches = _data()
+    ex.compile(*batches[0])
+    assert ex._single  # DI = GA = RF = 1
+    ex._single = single  # False: the general _run
+    results = [ex(x, y) for x, y in batches]
+    return results, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", [poptorch.OutputMode.All, poptorch.OutputMode.Final,
+                                  poptorch.OutputMode.Sum, poptorch.OutputMode.Default])
+@pytest.mark.parametrize("loss_scaling", [1.0, 8.0])
+def test_single_micro_batch_path_equals_general_path(mode, loss_scaling):
+    fast, w_fast = _train(True, mode, loss_scaling)
+    slow, w_slow = _train(False, mode, loss_scaling)
+    for a, b in zip(fast, slow):
+        (da, ta, la), (db, tb, lb) = a, b
+        assert ta == tb == "tag" and set(da) == set(db) == {"out", "pred", "wide"}
+        assert da["pred"].dtype == torch.int32 and da["wide"].dtype == torch.float32
+        for k in da:
+            assert da[k].dtype == db[k].dtype and torch.equal(da[k], db[k])
+            assert not da[k].requires_grad
+        assert la.dtype == lb.dtype and torch.equal(la, lb) and not la.requires_grad
+    for k in w_fast:
+        assert torch.equal(w_fast[k], w_slow[k])
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_inputs_the_shortcut_cannot_take_get_the_general_checks():
+    x = torch.randn(B, IN)
+    model = poptorch.inferenceModel(Plain())
+    expected = model(x)
+    assert model._ready is not None  # float32 positional tensors on the CPU: the shortcut
+    assert torch.equal(model(x.clone()), expected)
+    got = model(x.clone().requires_grad_())  # detached (PopTorch warns once)
+    assert torch.equal(got, expected) and not got.requires_grad
+    strided = torch.cat([x, x], 1)[:, ::2]  # shape [B, IN], not contiguous
+    strided.copy_(x)
+    assert not strided.is_contiguous()
+    assert torch.equal(model(strided), expected)  # made contiguous (PopTorch warns once)
+    with pytest.raises(poptorch.Error, match="Data type mismatch"):
+        model(x.double())
+    with pytest.raises(poptorch.Error, match="Shape mismatch"):
+        model(torch.randn(B, IN + 1))
+    with pytest.raises(poptorch.Error, match="Number of positional arguments"):
+        model(x, x)
+    with pytest.raises(poptorch.Error, match="Keys mismatch"):
+        model(x, extra=x)
+
+
+def test_float64_inputs_are_converted_on_every_call():
+    x = torch.randn(B, IN, dtype=torch.float64)
+    model = poptorch.inferenceModel(Plain())
+    first = model(x)
+    assert model._ready is None  # the shortcut never takes inputs that _prepare converts
+    assert first.dtype == torch.float32
+    assert torch.equal(model(x), first)
+    assert torch.equal(first, Plain()(x.float()))
+
+
+class Dropper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(IN, 16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        out = self.drop(self.fc(x))
+        return out, out.pow(2).mean()
+
+
+class NoRandom(Dropper):
+    def forward(self, x, y):
+        out = self.fc(x)
+        return out, out.pow(2).mean()
+
+
+def _calls(cls, seed, consume_host_rng=False):
+    model = poptorch.trainingModel(cls(), poptorch.Options().randomSeed(seed))
+    x, y = torch.ones(B, IN), torch.zeros(B, 16)
+    model.compile(x, y)
+    if consume_host_rng:
+        torch.rand(1000)
+    host = torch.get_rng_state()
+    states, outs = [model.rng_state], []
+    for _ in range(2):
+        outs.append(model(x, y)[0])
+        states.append(model.rng_state)
+    assert torch.equal(torch.get_rng_state(), host)  # calls never touch the host generator
+    return model, outs, states
+
+
+def test_random_model_draws_from_the_device_generator_each_call():
+    model, a, states = _calls(Dropper, 42)
+    assert model._draws_random
+    _, b, _ = _calls(Dropper, 42, consume_host_rng=True)
+    _, c, _ = _calls(Dropper, 43)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))  # the device's stream, not the host's
+    assert not torch.equal(a[0], c[0])
+    assert not torch.equal(a[0].eq(0), a[1].eq(0))  # each call drew a new mask
+    assert not torch.equal(states[0], states[1]) and not torch.equal(states[1], states[2])
+
+
+def test_model_without_random_ops_leaves_the_device_generator_as_it_was():
+    model, outs, states = _calls(NoRandom, 42)
+    assert not model._draws_random
+    assert torch.equal(states[0], states[1]) and torch.equal(states[1], states[2])
+    state = torch.Generator().manual_seed(5).get_state()
+    model.rng_state = state  # still settable and readable
+    model(torch.ones(B, IN), torch.zeros(B, 16))
+    assert torch.equal(model.rng_state, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop's per-step test of the optimizer
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x, y=None):
+        out = self.fc(x)
+        return out if y is None else (out, nn.functional.cross_entropy(out, y))
+
+
+class Edit(Callback):
+    """Runs ``edit(optimizer)`` before step ``at``; records the device's lr after each step."""
+
+    def __init__(self, at: int, edit) -> None:
+        self.at, self.edit, self.lrs, self.scaling = at, edit, [], []
+
+    def on_train_step_start(self, loop):
+        if loop.state.step == self.at:
+            self.edit(loop.optimizer)
+
+    def on_train_step_end(self, loop):
+        dev = loop.train_model._device_optimizer
+        self.lrs.append(float(dev.param_groups[0]["lr"]))
+        self.scaling.append(float(getattr(dev, "loss_scaling", 1.0)))
+
+
+def _fit(optimizer_factory, edit, at=3, steps=6):
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(steps * B, IN, generator=g),
+                       torch.randint(0, OUT, (steps * B,), generator=g))
+    model = Mlp()
+    cb = Edit(at, edit)
+    loop = Loop(model, optimizer=optimizer_factory(model.parameters()), callbacks=[cb],
+                progress=False)
+    loop.fit(DataLoader(ds, batch_size=B), epochs=1)
+    return loop, cb
+
+
+def test_an_epoch_of_one_step_fits():
+    loop, cb = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1), lambda o: None, steps=1)
+    assert loop.state.step == 1 and len(loop.state.history) == 1 and cb.lrs == [0.1]
+
+
+def test_a_tensor_lr_changed_in_place_is_pushed():
+    loop, cb = _fit(lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)),
+                    lambda o: o.param_groups[0]["lr"].fill_(0.05))
+    assert loop.optimizer_pushes == 1
+    assert cb.lrs == pytest.approx([0.1] * 3 + [0.05] * 3)
+
+
+def test_an_lr_set_to_an_equal_value_is_not_pushed_and_a_new_value_is():
+    loop, _ = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1),
+                   lambda o: o.param_groups[0].__setitem__("lr", float("0.1")))
+    assert loop.optimizer_pushes == 0
+    loop, cb = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1),
+                    lambda o: o.param_groups[0].__setitem__("lr", 0.025))
+    assert loop.optimizer_pushes == 1 and cb.lrs == pytest.approx([0.1] * 3 + [0.025] * 3)
+
+
+def test_a_changed_optimizer_attribute_is_pushed():
+    loop, cb = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1, loss_scaling=2.0),
+                    lambda o: setattr(o, "loss_scaling", 4.0))
+    assert loop.optimizer_pushes == 1
+    assert cb.scaling == [2.0] * 3 + [4.0] * 3
+
+
+def test_a_new_key_in_a_group_is_a_change():
+    loop, _ = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1),
+                   lambda o: o.param_groups[0].__setitem__("initial_lr", 0.1))
+    assert loop.optimizer_pushes == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+
+@pytest.mark.parametrize("mode,period", [(ALL, 1), (EVERY_N, 1)])
+def test_align_every_micro_batch_is_the_labels_in_order(mode, period):
+    labels = torch.arange(2 * 3 * 4)
+    layout = Layout(2, 3, 1, mode, period)
+    assert torch.equal(layout.align(labels), labels)
+    replicated = Layout(2, 3, 2, mode, period, group=2)  # 2 replicas read 1 input group
+    got = replicated.align(labels)
+    assert torch.equal(got, labels.reshape(2, 3, 1, 4).repeat(1, 1, 2, 1).reshape(-1))
+
+
+@pytest.mark.parametrize("mode,period,returned,count,exact", [
+    (SUM, 1, 2, 24, True), (FINAL, 1, 2, 2, False), (ALL, 1, 24, 24, True),
+    (EVERY_N, 2, 12, 12, False)])
+def test_step_loss_counts(mode, period, returned, count, exact):
+    layout = Layout(4, 3, 2, mode, period)  # DI=4, GA=3, RF=2: 24 micro-batches
+    for _ in range(2):  # computed once, then reused
+        got = layout.step_loss(torch.full((returned,), 0.5))
+        assert (got.count, got.exact) == (count, exact)
+        assert got.total == pytest.approx(0.5 * returned)
+        assert got.mean == pytest.approx(0.5 * returned / count)
