@@ -2,9 +2,10 @@
 
 Every loader given to the loop is rebuilt as a ``poptorch.DataLoader`` over the same dataset,
 micro-batch size, sampler (or shuffle and generator), workers and collate function, with the
-loop's options. Its sampler is wrapped so that each epoch's order is drawn at one defined
-moment (``set_epoch``), from random state the checkpoint records, and so that a resumed epoch
-starts after the samples already seen without reading them.
+loop's options. Its sampler (or custom batch sampler) is wrapped so that each epoch's order is
+drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
+that a resumed epoch starts after the samples already seen without reading them (an
+``IterableDataset``, which has no order to skip into, is read up to there).
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, Sampler
 
 from .outputs import Layout
 
-__all__ = ["Plan", "ResumableSampler", "combined_factor", "describe_factors"]
+__all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "combined_factor",
+           "describe_factors"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
@@ -69,6 +71,33 @@ class ResumableSampler(Sampler):
         return len(self._order) if self._order is not None else len(self.inner)
 
 
+class ResumableBatchSampler(Sampler):
+    """Wraps a custom batch sampler as ``ResumableSampler`` wraps a sampler: the epoch's
+    batches are drawn in ``set_epoch``, then the first ``skip`` dropped unread."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._batches: list[Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:  # batch_size, sampler...: the wrapped sampler's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def set_epoch(self, skip: int = 0) -> None:
+        """Draw this epoch's batches now (from the RNG as it is) and drop the first ``skip``."""
+        self._batches = list(iter(self.inner))[skip:]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._batches is None:
+            self.set_epoch()
+        batches, self._batches = self._batches, None
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return len(self._batches) if self._batches is not None else len(self.inner)
+
+
 class _Padded(Dataset):
     """The dataset followed by copies of its last sample, up to ``total`` (for predict)."""
 
@@ -93,6 +122,7 @@ class Plan:
     layout: Layout
     samples: int | None  # dataset length, when known
     name: str
+    batches: ResumableBatchSampler | None = None  # a custom batch sampler, wrapped
 
     @property
     def steps(self) -> int | None:
@@ -119,8 +149,11 @@ class Plan:
         if self.sampler is not None:
             self.sampler.set_epoch(skip_steps * self.combined)
             return self._iter()
+        if self.batches is not None:  # a host call is combined // micro of its batches
+            self.batches.set_epoch(skip_steps * (self.combined // self.micro))
+            return self._iter()
         it = self._iter()
-        for _ in range(skip_steps):  # no sampler to skip into: read and discard
+        for _ in range(skip_steps):  # an IterableDataset: nothing to skip into, read and discard
             next(it, None)
         return it
 
@@ -134,7 +167,11 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     factor = combined_factor(opts, training)
     dataset = loader.dataset
     batch_sampler = loader.batch_sampler
-    custom_batches = batch_sampler is not None and type(batch_sampler) is not BatchSampler
+    # A batch sampler the user chose (a subclass, or a plain BatchSampler passed as
+    # batch_sampler=, which leaves batch_size None), rather than the one torch built.
+    custom_batches = batch_sampler is not None and (
+        type(batch_sampler) is not BatchSampler
+        or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None))
     if isinstance(loader, poptorch.DataLoader):
         combined = loader.combinedBatchSize
         theirs = combined_factor(loader.options, training)
@@ -170,8 +207,9 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     if pad and samples is not None:
         combined = micro * factor
         dataset = _Padded(dataset, -(-samples // combined) * combined)
+    batches = None
     if custom_batches:
-        kwargs["batch_sampler"] = batch_sampler
+        kwargs["batch_sampler"] = batches = ResumableBatchSampler(batch_sampler)
         micro_arg = 1
     else:
         micro_arg = micro
@@ -196,4 +234,4 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     if samples is not None and len(built) == 0:
         raise ValueError(f"{name} is empty: {samples} samples make no host call of "
                          f"{describe_factors(opts, micro, training)}.")
-    return Plan(built, sampler, micro, micro * factor, layout, samples, name)
+    return Plan(built, sampler, micro, micro * factor, layout, samples, name, batches)

@@ -113,8 +113,10 @@ def samples_for(di: int, ga: int) -> int:
 
 def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (),
               init_seed: int = 0, seed: int = 1, generator: bool = False, all_outputs: bool = False,
-              shuffle: bool = True, n: int | None = None,
-              step_delay: float = 0.0) -> tuple[Loop, DataLoader, IndexedData]:
+              shuffle: bool = True, n: int | None = None, step_delay: float = 0.0,
+              optimizer: Any = None) -> tuple[Loop, DataLoader, IndexedData]:
+    """The loop, its loader and dataset; ``optimizer``: a function of the parameters (default
+    AdamW, lr 0.02)."""
     torch.manual_seed(init_seed)
     model = SlowMLP(step_delay) if step_delay else TinyMLP()  # same weights either way
     pt = ipuloop.poptorch
@@ -122,7 +124,7 @@ def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (
     opts.Training.gradientAccumulation(ga)
     if all_outputs:
         opts.outputMode(pt.OutputMode.All)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    optimizer = (optimizer or (lambda p: torch.optim.AdamW(p, lr=0.02)))(model.parameters())
     ds = IndexedData(n or samples_for(di, ga))
     loader = DataLoader(ds, batch_size=MICRO, shuffle=shuffle, num_workers=workers,
                         persistent_workers=workers > 0,  # reused iterators: the harder case

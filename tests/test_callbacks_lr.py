@@ -94,6 +94,33 @@ def test_lr_per_update_is_what_the_device_used(name, di, ga):
     assert rec.deltas == pytest.approx([di * lr for lr in expected], rel=1e-4, abs=2e-6)
 
 
+# The LR the device runs at each host step, written out (lr 0.4). Per update: StepLR(step_size=3,
+# gamma=0.5) over updates 0, 1, 2, ...; with DI=2 host step k runs updates 2k and 2k+1, both at
+# the LR of update 2k (constant within a host call), whatever the gradient accumulation.
+PER_UPDATE_TABLE = [0.4, 0.4, 0.2, 0.1, 0.1, 0.05, 0.025, 0.025, 0.0125, 0.00625, 0.00625,
+                    0.003125]
+# Per epoch: StepLR(step_size=1, gamma=0.5), DI=4: 6 host steps an epoch, 3 epochs.
+PER_EPOCH_TABLE = [0.4] * 6 + [0.2] * 6 + [0.1] * 6
+
+
+@pytest.mark.parametrize("ga,epochs", [(1, 1), (2, 2)])  # 12 host steps either way
+def test_lr_table_per_update(ga, epochs):
+    loop, rec, _ = fit(lambda o: L.StepLR(o, step_size=3, gamma=0.5), di=2, ga=ga,
+                       epochs=epochs)
+    assert rec.lrs == pytest.approx(PER_UPDATE_TABLE, rel=1e-7)
+    assert rec.deltas == pytest.approx([2 * lr for lr in PER_UPDATE_TABLE], rel=1e-4, abs=2e-6)
+    changes = sum(a != b for a, b in zip(PER_UPDATE_TABLE, PER_UPDATE_TABLE[1:]))
+    assert loop.optimizer_pushes == changes == 7  # setOptimizer only when the LR changed
+
+
+def test_lr_table_per_epoch():
+    loop, rec, _ = fit(lambda o: L.StepLR(o, step_size=1, gamma=0.5), di=4, epochs=3,
+                       interval="epoch")
+    assert rec.lrs == pytest.approx(PER_EPOCH_TABLE, rel=1e-7)
+    assert rec.deltas == pytest.approx([4 * lr for lr in PER_EPOCH_TABLE], rel=1e-4, abs=2e-6)
+    assert loop.optimizer_pushes == 2
+
+
 def test_lr_per_epoch_is_what_the_device_used():
     make = lambda o: L.StepLR(o, step_size=1, gamma=0.5)  # noqa: E731
     loop, rec, _ = fit(make, di=2, epochs=3, interval="epoch")

@@ -41,10 +41,33 @@ def profiler_on() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
+PHASES = set("XBEiIstfMCbneNOD")  # the Trace Event Format's event phases
+
+
+def _strict(constant):
+    raise ValueError(f"{constant} is not JSON: a browser's JSON.parse rejects the file")
+
+
 def events(path):
+    """The trace's events, checked against the Trace Event Format that chrome://tracing and
+    Perfetto read: strict JSON, and every event with the fields its phase needs."""
     with open(path) as f:
-        trace = json.load(f)  # what chrome://tracing and Perfetto read
-    assert isinstance(trace["traceEvents"], list)
+        trace = json.load(f, parse_constant=_strict)
+    assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
+    assert trace.get("displayTimeUnit", "ms") in ("ms", "ns")
+    for e in trace["traceEvents"]:
+        assert isinstance(e, dict) and e.get("ph") in PHASES, e
+        assert isinstance(e.get("name"), str) and "pid" in e and "tid" in e, e
+        if e["ph"] != "M":
+            assert isinstance(e.get("ts"), (int, float)) and e["ts"] >= 0, e
+        if e["ph"] == "X":
+            assert isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0, e
+        if e["ph"] in "stf":
+            assert "id" in e, e
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+                   if e["ph"] == "X" and e["name"].startswith("ProfilerStep#"))
+    # one after the other (to 1 us: the exporter rounds)
+    assert all(a[1] <= b[0] + 1 for a, b in zip(steps, steps[1:])), steps
     return trace["traceEvents"]
 
 

@@ -142,3 +142,18 @@ def test_another_backend_cannot_resume_an_emulator_checkpoint(copy, monkeypatch)
     model = G.GoldenMLP()
     model.load_state_dict(sd["model"])
     assert torch.equal(model.net[0].weight, sd["model"]["net.0.weight"])
+
+
+def test_a_poptorch_checkpoint_cannot_resume_on_the_emulator(copy):
+    """The other direction: a checkpoint the poptorch backend wrote, resumed on the emulator."""
+    case = CASES[0]
+    folder = copy(case)
+    rewrite_manifest(folder, backend="poptorch")
+    cfg = json.loads((case / "config.json").read_text())
+    loop, loader = G.build(cfg)
+    with pytest.raises(CheckpointError, match="backend mismatch") as e:
+        loop.fit(loader, cfg["epochs"], resume_from=str(folder))
+    assert "'poptorch'" in str(e.value) and "'emulator'" in str(e.value)
+    assert "IPULOOP_BACKEND=poptorch" in str(e.value)
+    assert e.value.path == str(folder / ck.MANIFEST) and loop.state.step == 0
+    assert load_checkpoint(folder)["counters"]["step"] == cfg["stop"]  # weights still load

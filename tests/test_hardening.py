@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -44,7 +45,8 @@ PARALLEL = int(os.environ.get("IPULOOP_SIGNAL_PARALLEL", "4"))  # children at a 
 # One child starts (imports torch) at a time: on 2 cores, torch takes ~0.7 s to shut a process
 # down, longer while others import it, and that exit is part of what the SIGTERM test times.
 _starting = threading.Lock()
-TMPFS_KILL_REPEATS = int(os.environ.get("IPULOOP_TMPFS_KILL_REPEATS", "4"))
+# reliability.md §8.2 is §8.1 (20 kills) with TMPDIR elsewhere and the kill in the commit
+TMPFS_KILL_REPEATS = int(os.environ.get("IPULOOP_TMPFS_KILL_REPEATS", "20"))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -262,7 +264,7 @@ def test_sigkill_in_commit_with_tmpdir_elsewhere(tmp_path):
         tmpdirs = [tmp_root / f"run{i}" for i in range(TMPFS_KILL_REPEATS)]
         for d in tmpdirs:
             d.mkdir()
-        with ThreadPoolExecutor(len(roots)) as pool:
+        with ThreadPoolExecutor(min(len(roots), 5)) as pool:  # 5 children at a time
             infos = list(pool.map(_kill_in_commit, roots, tmpdirs, range(len(roots))))
         ref_losses, ref_state = reference(1, 1, 0)
         for root, tmpdir, info in zip(roots, tmpdirs, infos):
@@ -311,18 +313,20 @@ class _ArmAt(Callback):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step=st.integers(1, 6), file=st.sampled_from([ck.STATE, ck.MANIFEST]),
-       where=st.floats(0, 1, exclude_max=True), top_k=st.sampled_from([1, 2]))
-def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, where, top_k):
+       where=st.floats(0, 1, exclude_max=True), top_k=st.sampled_from([1, 2]),
+       err=st.sampled_from([errno.ENOSPC, errno.EIO]))
+def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, where, top_k,
+                                      err):
     dirpath = tmp_path_factory.mktemp("full")
     offset = int(where * file_sizes[file])
     state = {"armed": False, "full": False}
 
     def disk(path: Path, at: int) -> None:
-        # The write of ``file`` reaching ``offset`` fills the disk; it stays full.
+        # The write of ``file`` reaching ``offset`` fills the disk (or fails); it stays so.
         if state["armed"] and path.name == file and at + ck._CHUNK > offset:
             state["full"] = True
         if state["full"]:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(err, os.strerror(err))
 
     ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=top_k)
     arm = _ArmAt(step, ckpt, lambda: state.update(armed=True))
@@ -332,7 +336,7 @@ def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, 
             pytest.raises(CheckpointError) as e:
         loop.fit(loader, EPOCHS)
     name = f"epoch{(step - 1) // H.STEPS_PER_EPOCH}-step{step}"
-    assert e.value.path == str(dirpath / name / file) and "No space left" in str(e.value)
+    assert e.value.path == str(dirpath / name / file) and os.strerror(err) in str(e.value)
     assert str(dirpath / name / file) in str(e.value)
     assert loop.state.step == step  # the fit stopped at the failed save
     assert snapshot(dirpath) == arm.before  # nothing partial left, nothing rotated out
@@ -340,6 +344,106 @@ def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, 
     assert_clean(dirpath)  # the previous checkpoints still verify and load
     if step > 1:
         assert read_manifest(ModelCheckpoint(dirpath).latest())["step"] == step - 1
+
+
+# Each file system call of a save, failing at its n-th call in the save: mkdir of the folder,
+# mkstemp of a temporary file, a chunk write, the file's fsync, os.replace, a folder's fsync.
+FAULTS = [("mkdir", 0), ("mkstemp", 0), ("mkstemp", 1), ("write", 0), ("write", 1),
+          ("fsync", 0), ("fsync", 1), ("replace", 0), ("replace", 1), ("dirsync", 0),
+          ("dirsync", 1), ("dirsync", 2)]
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
+@pytest.mark.parametrize("op,nth", FAULTS, ids=[f"{o}{n}" for o, n in FAULTS])
+def test_io_error_at_each_call_of_a_save(tmp_path, monkeypatch, op, nth, err):
+    """A CheckpointError naming the path; the previous checkpoints as they were; no temp file."""
+    dirpath = tmp_path / "ckpt"
+    state = {"armed": False, "count": 0, "path": None}
+
+    def fault(path) -> None:
+        if state["armed"]:
+            if state["count"] == nth:
+                state["armed"], state["path"] = False, str(path)
+                raise OSError(err, os.strerror(err))
+            state["count"] += 1
+
+    def wrap(name, fn, path_of, when=lambda *a, **k: True):
+        def faulty(*args, **kwargs):
+            if when(*args, **kwargs):
+                fault(path_of(*args, **kwargs))
+            return fn(*args, **kwargs)
+        return faulty
+
+    def is_dir(fd) -> bool:
+        return stat.S_ISDIR(os.fstat(fd).st_mode)
+
+    def fd_path(fd) -> str:
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=1,
+                           save_on_exception=False)
+    arm = _ArmAt(2, ckpt, lambda: state.update(armed=True))
+    loop, loader, _ = H.make_loop(callbacks=[arm, ckpt])
+    if op == "mkdir":
+        monkeypatch.setattr(Path, "mkdir", wrap(op, Path.mkdir, lambda p, *a, **k: p))
+    elif op == "mkstemp":  # fails before it creates the file: the target names the error
+        monkeypatch.setattr(ck.tempfile, "mkstemp", wrap(op, ck.tempfile.mkstemp,
+                                                         lambda **k: Path(k["dir"])))
+    elif op == "write":
+        monkeypatch.setattr(ck, "_write_hook", lambda path, offset: fault(path))
+    elif op == "replace":
+        monkeypatch.setattr(os, "replace", wrap(op, os.replace, lambda src, dst: dst))
+    else:
+        monkeypatch.setattr(os, "fsync", wrap(op, os.fsync, fd_path,
+                                              lambda fd: is_dir(fd) == (op == "dirsync")))
+    with pytest.raises(CheckpointError) as e:
+        loop.fit(loader, EPOCHS)
+    monkeypatch.undo()
+    # the file being written (not its temporary file), or the folder being synced
+    target = str(dirpath / "epoch0-step2" / (ck.STATE, ck.MANIFEST)[min(nth, 1)])
+    expected = target if op in ("mkstemp", "fsync") else state["path"]
+    assert e.value.path == expected and os.strerror(err) in str(e.value), (e.value, expected)
+    assert e.value.path.startswith(str(dirpath))
+    assert loop.state.step == 2  # the fit ended with the failed save
+    assert snapshot(dirpath) == arm.before and ckpt.kept == arm.kept  # nothing lost or left
+    assert not list(tmp_path.rglob(f"{ck.TMP_PREFIX}*"))
+    assert_clean(dirpath)
+    assert read_manifest(ModelCheckpoint(dirpath).latest())["step"] == 1
+
+
+def test_rotation_error_warns_and_the_leftover_goes_later(tmp_path, monkeypatch):
+    """A rotation's delete fails after the new checkpoint is committed: training goes on; the
+    delete is retried at fit end, and by a fit resumed from a later checkpoint."""
+    unlink, failures = Path.unlink, {"left": 0}
+
+    def failing(p, *a, **k):
+        if failures["left"] and p.parent.name == "epoch0-step1" and p.name == ck.MANIFEST:
+            failures["left"] -= 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return unlink(p, *a, **k)
+
+    def fit(dirpath: Path, n_failures: int, **kw):
+        ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=1)
+        arm = _ArmAt(2, ckpt, lambda: failures.update(left=n_failures))
+        loop, loader, _ = H.make_loop(callbacks=[arm, ckpt, H.StopAt(kw.pop("stop", 3))])
+        with pytest.warns(UserWarning) if n_failures else contextlib.nullcontext() as caught:
+            loop.fit(loader, EPOCHS, **kw)
+        return [str(w.message) for w in caught or () if "ModelCheckpoint" in str(w.message)]
+
+    monkeypatch.setattr(Path, "unlink", failing)
+    once = tmp_path / "once"  # a transient error: the retry at fit end deletes it
+    messages = fit(once, 1)
+    assert len(messages) == 1 and re.search(
+        r"could not rotate out .*epoch0-step1 \(.*Input/output error\); .*epoch0-step2 is "
+        r"committed", messages[0]), messages
+    assert list(committed(once)) == ["epoch0-step3"]
+    broken = tmp_path / "broken"  # the error persists to the fit's end
+    messages = fit(broken, 2)
+    assert len(messages) == 2 and re.search(
+        r"could not delete .*epoch0-step1 .*a fit resumed from .*epoch0-step3", messages[1])
+    assert list(committed(broken)) == ["epoch0-step1", "epoch0-step3"]
+    fit(broken, 0, stop=4, resume_from="last")  # epoch0-step3 records it as rotated out
+    assert list(committed(broken)) == ["epoch0-step4"]
 
 
 @pytest.mark.slow
@@ -522,7 +626,7 @@ class Stream(IterableDataset):
     ("zero-length", r"train_loader has 0 samples.*= 8 samples per host call"),
     ("shorter than one host call", r"train_loader has 7 samples.*= 8 samples per host call"),
     ("epochs=0", r"epochs must be an int >= 1\. Received: epochs=0"),
-    ("empty val_loader", r"val_loader has 0 samples"),
+    ("empty val_loader", r"val_loader\b.*\b0 samples"),  # validation pads: any sample will do
     ("empty predict", r"loader is empty"),
     ("iterable shorter than one host call", r"train_loader yielded no complete host call in "
                                             r"epoch 0.*= 8 samples per host call"),
@@ -563,7 +667,11 @@ def test_iterable_dataset_without_len_trains_the_full_host_calls():
 
 
 # -- §8.13 SIGTERM at random moments --------------------------------------------------------------
-TEARDOWN = 5.0  # seconds allowed for the interpreter's own shutdown after SystemExit
+# Seconds allowed for the interpreter's own shutdown after SystemExit (torch's teardown: ~0.7 s
+# on an idle 2-core machine, 8 s seen with a load average of 10). It catches a hang at exit
+# (a worker or thread that is never joined), not the machine's speed: the bound of §8.13 is
+# checked on the "exit" marker, written as fit raises SystemExit(143).
+TEARDOWN = 20.0
 SIG_CFG = {"di": 2, "ga": 1, "epochs": EPOCHS, "step_delay": 0.05, "chunk": 4096,
            "delay": 0.02}  # a host call ~0.1 s, a save ~0.25 s
 
@@ -707,6 +815,41 @@ def test_sigterm_in_epoch_end_hooks(tmp_path, epoch):
     assert e.value.code == 143 and term.preempts == 1
     assert (loop.state.epoch, loop.state.step) == (epoch, epoch * H.STEPS_PER_EPOCH)
     assert read_manifest(ckpt.latest())["step"] == epoch * H.STEPS_PER_EPOCH
+
+
+def test_sigterm_during_validation_resumes_exactly(tmp_path):
+    """SIGTERM in the middle of a validation pass: the checkpoint is taken there (the epoch's
+    training done, not yet counted), and the resumed fit ends as the uninterrupted one."""
+    def run(callbacks, **kw):
+        rec = H.Recorder()
+        loop, loader, ds = H.make_loop(callbacks=[rec, *callbacks], **kw)
+        val = DataLoader(H.IndexedData(12, seed=5), batch_size=H.MICRO)
+        return rec, loop, loader, val
+
+    class TermInValidation(Callback):
+        def __init__(self) -> None:
+            self.seen = 0
+
+        def on_validation_step_end(self, loop) -> None:
+            self.seen += 1
+            if self.seen == 2:  # epoch 0's validation, its second batch
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    rec, loop, loader, val = run([])
+    loop.fit(loader, EPOCHS, val_loader=val)
+    ref_losses, ref_state, ref_history = rec.losses, H.comparable(loop.state_dict()), \
+        loop.state.history
+    rec1, loop, loader, val = run([TermInValidation(), ModelCheckpoint(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        loop.fit(loader, EPOCHS, val_loader=val)
+    assert e.value.code == 143
+    m = read_manifest(ModelCheckpoint(tmp_path).latest())
+    assert (m["step"], m["epoch"], m["epoch_step"]) == (H.STEPS_PER_EPOCH, 0, H.STEPS_PER_EPOCH)
+    rec2, loop, loader, val = run([ModelCheckpoint(tmp_path)], init_seed=3, seed=3)
+    loop.fit(loader, EPOCHS, val_loader=val, resume_from="last")
+    assert rec1.losses + rec2.losses == ref_losses
+    assert_same(H.comparable(loop.state_dict()), ref_state)
+    assert loop.state.history == ref_history  # val_loss of epoch 0 computed in full
 
 
 # -- §8.14 Ctrl-C ---------------------------------------------------------------------------------

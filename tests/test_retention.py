@@ -105,7 +105,8 @@ class Steps(Callback):
 
     order = 95  # after ModelCheckpoint
 
-    def __init__(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None, machine) -> None:
+    def __init__(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None,
+                 machine) -> None:
         self.n, self.save_at, self.crash_at, self.machine = n, save_at, crash_at, machine
         self.done = 0
 
@@ -151,7 +152,8 @@ class Retention(RuleBasedStateMachine):
         self.steps = Steps(0, set(), None, self)
         self.loop, self.loader, _ = H.make_loop(callbacks=[self.ckpt, self.steps])
 
-    def _fit(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None, resume: bool = False) -> None:
+    def _fit(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None,
+             resume: bool = False) -> None:
         self.steps.n, self.steps.crash_at, self.steps.done = n, crash_at, 0
         self.steps.save_at = {s for s in save_at if s <= n}
         try:

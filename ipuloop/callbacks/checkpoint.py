@@ -47,16 +47,22 @@ class CheckpointError(Exception):
 
 
 def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)  # makes renames and new entries in the folder durable
-    finally:
-        os.close(fd)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # makes renames and new entries in the folder durable
+        finally:
+            os.close(fd)
+    except OSError as e:  # an I/O error: what was renamed into it may not be on disk
+        raise CheckpointError(folder, f"cannot be synced to disk: {e}") from e
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     """The one write primitive: ``path`` ends with its old content or ``data``, never a mix."""
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # same filesystem as path
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # same filesystem
+    except OSError as e:  # no inode left, no permission...
+        raise CheckpointError(path, f"cannot be written: {e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide checkpoints from others
@@ -296,7 +302,11 @@ class ModelCheckpoint(Callback):
     def on_fit_end(self, loop: Any) -> None:
         self._in_fit = False
         for name in self._deferred:  # the fit succeeded: the resumed-from one may go now
-            _remove(self.dirpath / name)
+            try:
+                _remove(self.dirpath / name)
+            except OSError as err:
+                warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
+                              f"({err}); a fit resumed from {self.latest()} deletes it.")
         self._deferred, self.resumed_from = [], None
 
     def on_exception(self, loop: Any) -> None:
@@ -370,9 +380,14 @@ class ModelCheckpoint(Callback):
             torch.save(loop.state_dict(), buf)  # Loop.state_dict reads the device's weights
             data = buf.getvalue()
             touched = True  # from here on, the folder holds no committed checkpoint
-            folder.mkdir(parents=True, exist_ok=True)
-            if (folder / MANIFEST).exists():  # re-saving a name: un-commit it first
-                (folder / MANIFEST).unlink()
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                recommit = (folder / MANIFEST).exists()
+                if recommit:  # re-saving a name: un-commit it first
+                    (folder / MANIFEST).unlink()
+            except OSError as e:
+                raise CheckpointError(folder, f"cannot be created: {e}") from e
+            if recommit:
                 _fsync_dir(folder)
             _atomic_write(folder / STATE, data)
             manifest = {
@@ -396,8 +411,14 @@ class ModelCheckpoint(Callback):
             if e["name"] not in kept:
                 if e["name"] == self.resumed_from:
                     self._deferred.append(e["name"])
-                else:
+                    continue
+                try:
                     _remove(self.dirpath / e["name"])
+                except OSError as err:  # the new checkpoint is committed: keep training
+                    self._deferred.append(e["name"])  # retried at fit end, recorded in saves
+                    warnings.warn(f"ModelCheckpoint: could not rotate out "
+                                  f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
+                                  "Retrying when the fit ends (or at a resume).")
         return folder
 
     # -- finding -------------------------------------------------------------------------------
