@@ -17,8 +17,11 @@ Follows optimum-graphcore's `IPUConfig` (poptorch-semantics.md §7), with these 
 - int fields reject bool; assigning a name that is not a field raises AttributeError.
 
 Left out: the train()/eval() mode switch (pass `for_inference=`), embedding and projection
-serialisation, `parallelize_kwargs`, `explicit_ir_inference`, `compile_only`, the Hub. Derived
-values (`inference_*`, `ipus_per_replica`) are resolved once, in the constructor, as in optimum.
+serialisation, `parallelize_kwargs`, `explicit_ir_inference`, `compile_only`, the Hub. An
+optimum `ipu_config.json` still loads: those keys and its `optimum_version` /
+`transformers_version` are accepted and dropped, with a warning when a setting is switched on.
+Derived values (`inference_*`, `ipus_per_replica`) are resolved once, in the constructor, as
+in optimum.
 """
 from __future__ import annotations
 
@@ -123,6 +126,19 @@ _FIELDS = {
     "recompute_checkpoint_every_layer": _bool, "output_mode": _output_mode, "seed": _seed,
     "auto_loss_scaling": _bool, "executable_cache_dir": _str,
 }
+# Keys an optimum-graphcore `ipu_config.json` may hold that ipuloop does not use: accepted so
+# its files load; each with the values that mean "off" (any other value warns, then is dropped).
+_SERIALISATION = tuple(f"{p}{k}" for p in ("", "inference_") for k in (
+    "embedding_serialization_factor", "serialized_embedding_splits_per_ipu",
+    "projection_serialization_factor", "serialized_projection_splits_per_ipu"))
+_OPTIMUM_ONLY: dict[str, tuple[Any, ...]] = {
+    **{k: (None, 1) for k in _SERIALISATION},
+    "explicit_ir_inference": (False,), "parallelize_kwargs": (None, {}),
+    "inference_parallelize_kwargs": (None, {}), "execute_encoder_on_cpu_for_generation": (False,),
+    "sharded_execution_for_inference": (None, False, True),  # inference is always sharded
+    "enable_half_first_order_momentum": (None, False),  # deprecated in optimum too
+    "optimum_version": None, "transformers_version": None,  # metadata written by save_pretrained
+}
 # Set last by the constructor, in the order of optimum's fallback rules.
 _PLACEMENT = ("layers_per_ipu", "inference_layers_per_ipu", "ipus_per_replica",
               "inference_ipus_per_replica", "matmul_proportion", "inference_matmul_proportion")
@@ -154,6 +170,13 @@ class IPUConfig:
         executable_cache_dir: str = "", **unknown: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k in _FIELDS}
+        dropped = {k: unknown.pop(k) for k in list(unknown) if k in _OPTIMUM_ONLY}
+        active = {k: v for k, v in dropped.items()
+                  if _OPTIMUM_ONLY[k] is not None and v not in _OPTIMUM_ONLY[k]}
+        if active:
+            names = ", ".join(f"{k}={v!r}" for k, v in sorted(active.items()))
+            warnings.warn(f"IPUConfig ignores optimum-graphcore settings it does not implement: "
+                          f"{names}. Remove them to silence this warning.", stacklevel=2)
         if unknown:
             names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
             raise IncompatibleIPUConfigError(
@@ -229,6 +252,9 @@ class IPUConfig:
 
         Remainders go to the last wildcard IPU: `[-1, -1]` and 9 layers give `[4, 5]`.
         `num_layers` may be a sequence (its length counts) or None (returned unexpanded).
+        With `ipus_per_replica == 1` every layer goes to IPU 0 whatever `layers_per_ipu` says
+        (optimum's rule): `ipus_per_replica` is derived once, so change it together with
+        `layers_per_ipu`, e.g. `update(layers_per_ipu=[2, -1], ipus_per_replica=2)`.
         """
         p = "inference_" if for_inference else ""
         lpi, n = list(getattr(self, p + "layers_per_ipu")), getattr(self, p + "ipus_per_replica")
@@ -321,8 +347,9 @@ class IPUConfig:
     def update_from_string(self, update_str: str) -> IPUConfig:
         """Apply `"k=v,k2=[a b],flag=true"`, converting each value by its field's current type.
 
-        bool: true/1/y/yes or false/0/n/no (any case); int; float (or a list); list `[a b]` or
-        `[a, b]`; str as is; `seed` also takes `none`. Applied like one `update(...)` call.
+        bool: true/1/y/yes or false/0/n/no (any case); int; float; list `[a b]` or `[a, b]`;
+        str as is. The `matmul_proportion` fields take a float or a list whatever they hold
+        now; `seed` also takes `none`. Applied like one `update(...)` call.
         """
         changes = {}
         # Split on commas outside brackets, so "[0.1, 0.2]" stays one value.
@@ -376,7 +403,12 @@ class IPUConfig:
         """Read what `save` wrote; a folder means `folder/ipu_config.json`."""
         target = Path(path)
         target = target / CONFIG_NAME if target.is_dir() else target
-        return cls.from_dict(json.loads(target.read_text(encoding="utf-8")))
+        try:
+            data = json.loads(target.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{target} is not a JSON IPUConfig ({e}). Write it with "
+                             "IPUConfig.save(path).") from None
+        return cls.from_dict(data)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IPUConfig):
@@ -401,6 +433,8 @@ def _convert(key: str, raw: str, current: Any) -> Any:
     if key == "seed" and raw.lower() in ("none", "null"):
         return None
     try:
+        if key.endswith("matmul_proportion") and not raw.startswith("["):
+            return float(raw)  # a list-valued proportion may go back to one float for all IPUs
         if (raw.startswith("[") and not isinstance(current, str)) or isinstance(current, list):
             if not (raw.startswith("[") and raw.endswith("]")):
                 raise ValueError("expected a list like [a b c]")

@@ -487,3 +487,69 @@ def test_a_config_drives_the_emulated_training_model(emulated):
                                   torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(poptorch.Error, match="gradientAccumulation must be greater than or equal"):
         step(x[:4], y[:4])
+
+
+def test_update_from_string_turns_a_proportion_list_back_into_one_float():
+    cfg = IPUConfig(layers_per_ipu=[1, 1], matmul_proportion=[0.1, 0.3])
+    cfg.update_from_string("matmul_proportion=0.25,inference_matmul_proportion=[0.5 0.6]")
+    assert (cfg.matmul_proportion, cfg.inference_matmul_proportion) == (0.25, [0.5, 0.6])
+    with pytest.raises(ValueError, match="Cannot convert matmul_proportion='high'"):
+        cfg.update_from_string("matmul_proportion=high")
+
+
+def test_load_names_a_file_that_is_not_json(tmp_path):
+    (tmp_path / CONFIG_NAME).write_text("replication_factor: 2\n")
+    with pytest.raises(ValueError, match=f"{CONFIG_NAME} is not a JSON IPUConfig"):
+        IPUConfig.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        IPUConfig.load(tmp_path / "missing.json")
+
+
+def test_one_ipu_ignores_layers_per_ipu_until_ipus_per_replica_changes_with_it():
+    cfg = IPUConfig()
+    cfg.update_from_string("layers_per_ipu=[2 -1]")  # ipus_per_replica stays 1 (derived once)
+    assert cfg.expand_layers_per_ipu(6) == [6]
+    cfg.update(layers_per_ipu=[2, -1], ipus_per_replica=2)
+    assert cfg.expand_layers_per_ipu(6) == [2, 4]
+
+
+# An ipu_config.json as optimum-graphcore's save_pretrained writes it (a 4-IPU BERT layout):
+# its own metadata and the settings ipuloop does not implement, at their "off" values.
+OPTIMUM_JSON = {
+    "device_iterations": 1, "embedding_serialization_factor": 1, "enable_half_partials": True,
+    "executable_cache_dir": "./exe_cache", "explicit_ir_inference": False,
+    "gradient_accumulation_steps": 16, "inference_device_iterations": 4,
+    "inference_embedding_serialization_factor": 1, "inference_ipus_per_replica": 4,
+    "inference_layers_per_ipu": [0, 4, 4, 4], "inference_matmul_proportion": [0.1, 0.15, 0.15, 0.15],
+    "inference_parallelize_kwargs": {}, "inference_projection_serialization_factor": 1,
+    "inference_replication_factor": 4, "inference_serialized_embedding_splits_per_ipu": None,
+    "inference_serialized_projection_splits_per_ipu": None, "ipus_per_replica": 4,
+    "layers_per_ipu": [0, 4, 4, 4], "matmul_proportion": [0.1, 0.15, 0.15, 0.15],
+    "optimizer_state_offchip": True, "optimum_version": "1.6.1", "output_mode": "final",
+    "parallelize_kwargs": {}, "projection_serialization_factor": 1,
+    "recompute_checkpoint_every_layer": True, "replicated_tensor_sharding": True,
+    "replication_factor": 1, "seed": 42, "serialized_embedding_splits_per_ipu": None,
+    "serialized_projection_splits_per_ipu": None, "transformers_version": "4.29.2",
+    "auto_loss_scaling": False,
+}
+
+
+def test_an_optimum_ipu_config_json_loads(tmp_path, recwarn):
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(OPTIMUM_JSON))
+    cfg = IPUConfig.load(tmp_path)
+    assert not [w for w in recwarn if "ignores optimum-graphcore" in str(w.message)]
+    assert (cfg.layers_per_ipu, cfg.ipus_per_replica, cfg.gradient_accumulation_steps,
+            cfg.seed) == ([0, 4, 4, 4], 4, 16, 42)
+    assert cfg.layer_ipu(12) == [1] * 4 + [2] * 4 + [3] * 4
+    assert "optimum_version" not in cfg.to_dict()
+    assert IPUConfig.load(cfg.save(tmp_path / "again.json")) == cfg  # ipuloop's own round trip
+
+
+def test_optimum_settings_ipuloop_does_not_implement_warn_when_on():
+    with pytest.warns(UserWarning, match=r"ignores optimum-graphcore settings it does not "
+                      r"implement: embedding_serialization_factor=4, explicit_ir_inference=True"):
+        cfg = IPUConfig(embedding_serialization_factor=4, explicit_ir_inference=True,
+                        sharded_execution_for_inference=True, optimum_version="1.6.1")
+    assert cfg == IPUConfig()
+    with pytest.raises(IncompatibleIPUConfigError, match="unknown arguments: profile_dir="):
+        IPUConfig(profile_dir="x", optimum_version="1.6.1")

@@ -83,9 +83,7 @@ def build_options(args: argparse.Namespace):
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     if args.replicas > 1:
         opts.replicationFactor(args.replicas)
-    strategy = poptorch.PipelinedExecution if args.strategy == "pipelined" \
-        else poptorch.ShardedExecution
-    opts.setExecutionStrategy(strategy(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4))))
+    opts.setExecutionStrategy(_strategy(args.strategy))
     if args.offload_optimiser:
         opts.TensorLocations.setOptimizerLocation(
             poptorch.TensorLocationSettings().useOnChipStorage(False))
@@ -93,6 +91,29 @@ def build_options(args: argparse.Namespace):
     inference.Training.gradientAccumulation(1)
     inference.deviceIterations(args.inference_iterations)
     return opts, inference
+
+
+def _strategy(name: str):
+    """One stage per block, block ``Bi`` on IPU i-1, pipelined or sharded."""
+    from ipuloop import poptorch
+    strategy = poptorch.PipelinedExecution if name == "pipelined" else poptorch.ShardedExecution
+    return strategy(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4)))
+
+
+def config_options(args: argparse.Namespace):
+    """Training and inference options from ``--ipu-config`` and ``--ipu-config-overrides``.
+
+    The file gives the replication, device iterations, accumulation, output mode, memory and
+    optimizer settings; the placement stays the network's own (blocks B1..B4 on IPUs 0..3,
+    ``--strategy`` for training), so ``layers_per_ipu`` does not apply to this model.
+    """
+    from ipuloop.config import IPUConfig
+    config = IPUConfig.load(args.ipu_config)
+    if args.ipu_config_overrides:
+        config.update_from_string(args.ipu_config_overrides)
+    opts = config.to_options()
+    opts.setExecutionStrategy(_strategy(args.strategy))
+    return config, opts, config.to_options(for_inference=True)
 
 
 def _data_dir(arg: str | None) -> str:
@@ -172,12 +193,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--workers", type=int, default=0, help="data loader worker processes")
-    p.add_argument("--ipu-config", default=None,
-                   help="an ipu_config.json (IPUConfig) replacing the options above")
-    p.add_argument("--ipu-config-overrides", default=None, help='e.g. "device_iterations=20"')
+    p.add_argument("--ipu-config", default=None, metavar="FILE",
+                   help="an IPUConfig JSON file (or a folder holding ipu_config.json) giving "
+                        "the options instead of --device-iterations, --gradient-accumulation, "
+                        "--inference-iterations, --replicas and --offload-optimiser")
+    p.add_argument("--ipu-config-overrides", default=None, metavar="K=V,...",
+                   help='changes to --ipu-config, e.g. "device_iterations=20,output_mode=all"')
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
+    if args.ipu_config_overrides and not args.ipu_config:
+        p.error("--ipu-config-overrides changes an --ipu-config FILE: pass both")
     for name in ("batch_size", "device_iterations", "gradient_accumulation", "test_batch_size",
                  "inference_iterations", "epochs", "replicas"):
         if getattr(args, name) < 1:
@@ -192,8 +218,18 @@ def main(argv: list[str] | None = None) -> int:
     import torchmetrics
 
     from ipuloop import Loop, backend_name, poptorch
-    from ipuloop.config import IPUConfig
 
+    if args.ipu_config:
+        try:
+            config, opts, inference = config_options(args)
+        except (OSError, ValueError, TypeError) as e:  # unreadable, or invalid values
+            print(f"error: --ipu-config {args.ipu_config}: {e}", file=sys.stderr)
+            return 2
+        factors = (config.device_iterations, config.gradient_accumulation_steps,
+                   config.replication_factor)
+    else:
+        opts, inference = build_options(args)
+        factors = (args.device_iterations, args.gradient_accumulation, args.replicas)
     data_dir = _data_dir(args.data_dir)
     try:
         train_set = load_mnist(data_dir, train=True)
@@ -201,14 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     except MissingData as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-    if args.ipu_config:
-        config = IPUConfig.load(args.ipu_config)
-        if args.ipu_config_overrides:
-            config.update_from_string(args.ipu_config_overrides)
-        opts, inference = config, None
-    else:
-        opts, inference = build_options(args)
     torch.manual_seed(args.seed)
     model = Network()
     callbacks = []
@@ -225,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
                                                shuffle=True, num_workers=args.workers)
     print(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
-          f"{args.batch_size} x {args.device_iterations} device iterations x "
-          f"{args.gradient_accumulation} accumulation x {args.replicas} replica(s)", flush=True)
+          f"{args.batch_size} x {factors[0]} device iterations x {factors[1]} accumulation x "
+          f"{factors[2]} replica(s)", flush=True)
     start = time.perf_counter()
     loop.fit(train_loader, epochs=args.epochs, max_steps=args.max_steps,
              resume_from="last" if args.resume else None)
