@@ -630,6 +630,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     ratio("mlp", "loop/hand", 1.15, "Loop.fit (no callbacks) / hand-written, tiny MLP")
     ratio("cnn", "loop_callbacks/hand", 1.10, "Loop.fit (usual callbacks) / hand-written, MNIST CNN")
     ratio("mlp", "loop/pl_barebones", 0.6, "Loop.fit / Lightning barebones, tiny MLP")
+    ratio("mlp", "raw/hand", 1.05, "emulator step (raw trainingModel) / hand-written, tiny MLP")
+    ratio("cnn", "raw/hand", 1.05, "emulator step (raw trainingModel) / hand-written, MNIST CNN")
     for kind, rows in results.get("sweep", {}).items():
         if kind.endswith("_failed"):
             t.append({"target": f"sweep configurations that failed ({kind})",
