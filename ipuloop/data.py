@@ -71,31 +71,14 @@ class ResumableSampler(Sampler):
         return len(self._order) if self._order is not None else len(self.inner)
 
 
-class ResumableBatchSampler(Sampler):
-    """Wraps a custom batch sampler as ``ResumableSampler`` wraps a sampler: the epoch's
-    batches are drawn in ``set_epoch``, then the first ``skip`` dropped unread."""
+class ResumableBatchSampler(ResumableSampler):
+    """``ResumableSampler`` for a custom batch sampler: its items are batches, and the wrapped
+    sampler's attributes (``batch_size``, ``sampler``...) show through."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self._batches: list[Any] | None = None
-
-    def __getattr__(self, name: str) -> Any:  # batch_size, sampler...: the wrapped sampler's
-        if name == "inner":
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (unpickling in a worker): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    def set_epoch(self, skip: int = 0) -> None:
-        """Draw this epoch's batches now (from the RNG as it is) and drop the first ``skip``."""
-        self._batches = list(iter(self.inner))[skip:]
-
-    def __iter__(self) -> Iterator[Any]:
-        if self._batches is None:
-            self.set_epoch()
-        batches, self._batches = self._batches, None
-        return iter(batches)
-
-    def __len__(self) -> int:
-        return len(self._batches) if self._batches is not None else len(self.inner)
 
 
 class _Padded(Dataset):

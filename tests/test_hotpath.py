@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ipuloop.emulator as poptorch
 from ipuloop import Callback, Loop
 from ipuloop.outputs import ALL, EVERY_N, FINAL, SUM, Layout
+from test_emulator_executor import Dropper  # Linear + Dropout(0.5), loss out.pow(2).mean()
 
 IN, OUT, B = 5, 3, 4
 
@@ -116,27 +117,20 @@ def test_float64_inputs_are_converted_on_every_call():
     assert torch.equal(first, Plain()(x.float()))
 
 
-class Dropper(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(IN, 16)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x, y):
-        out = self.drop(self.fc(x))
-        return out, out.pow(2).mean()
-
-
 class NoRandom(Dropper):
     def forward(self, x, y):
         out = self.fc(x)
         return out, out.pow(2).mean()
 
 
+def _inputs(module):
+    return torch.ones(B, module.fc.in_features), torch.zeros(B, 16)
+
+
 def _calls(cls, seed, consume_host_rng=False):
-    model = poptorch.trainingModel(cls(), poptorch.Options().randomSeed(seed))
-    x, y = torch.ones(B, IN), torch.zeros(B, 16)
+    module = cls()
+    model = poptorch.trainingModel(module, poptorch.Options().randomSeed(seed))
+    x, y = _inputs(module)
     model.compile(x, y)
     if consume_host_rng:
         torch.rand(1000)
@@ -166,7 +160,7 @@ def test_model_without_random_ops_leaves_the_device_generator_as_it_was():
     assert torch.equal(states[0], states[1]) and torch.equal(states[1], states[2])
     state = torch.Generator().manual_seed(5).get_state()
     model.rng_state = state  # still settable and readable
-    model(torch.ones(B, IN), torch.zeros(B, 16))
+    model(*_inputs(model))
     assert torch.equal(model.rng_state, state)
 
 
