@@ -10,7 +10,7 @@ import logging
 import os
 from types import ModuleType
 
-__all__ = ["poptorch_module", "backend_name", "BackendError"]
+__all__ = ["poptorch_module", "backend_name", "BackendError", "uses_ipu_model"]
 
 logger = logging.getLogger("ipuloop")
 
@@ -20,6 +20,17 @@ _resolved: tuple[str, ModuleType] | None = None
 
 class BackendError(ImportError):
     """The requested PopTorch backend cannot be used."""
+
+
+def uses_ipu_model(opts) -> bool:
+    """Whether ``opts`` run on the IPU Model: ``useIpuModel()`` if it was called, else the
+    ``POPTORCH_IPU_MODEL`` environment variable read as PopTorch reads it (an integer != 0)."""
+    if opts.exists("use_model"):
+        return bool(opts.use_model)
+    try:  # PopTorch: std::stoi(POPTORCH_IPU_MODEL) != 0
+        return int(os.environ.get("POPTORCH_IPU_MODEL", "0").strip() or 0) != 0
+    except ValueError:
+        return False
 
 
 def _resolve() -> tuple[str, ModuleType]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .backend import poptorch_module
+from .backend import poptorch_module, uses_ipu_model
 from .callbacks.base import EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, overridden
 from .data import Plan, build_plan, describe_factors
 from .signals import Preempted, handle_signals
@@ -69,7 +69,10 @@ class _Autocast(torch.nn.Module):
 
 
 PRECISIONS = ("32", "16-mixed", "16-true")
+# poptorch.optim attributes outside optimizer.state_dict(): checkpointed, and (with
+# velocity_scaling, a per-group value on the emulator) compared before each step
 OPTIMIZER_EXTRAS = ("loss_scaling", "max_grad_norm", "max_weight_norm")
+_PUSHED_EXTRAS = (*OPTIMIZER_EXTRAS, "velocity_scaling")
 # Lightning's spellings: PL 1.x took 16/32 (16 = mixed), lightning-graphcore "32-true"/"16-mixed".
 _PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", 16: "16-mixed", "16": "16-mixed",
                       "16-mixed": "16-mixed", "16-true": "16-true"}
@@ -89,8 +92,7 @@ def _hyper(opt: torch.optim.Optimizer) -> tuple:
 
 
 def _hyper_extras(opt: torch.optim.Optimizer) -> tuple:
-    return (getattr(opt, "loss_scaling", None), getattr(opt, "max_grad_norm", None),
-            getattr(opt, "velocity_scaling", None), getattr(opt, "max_weight_norm", None))
+    return tuple(getattr(opt, k, None) for k in _PUSHED_EXTRAS)
 
 
 class _Seen:
@@ -438,10 +440,7 @@ class Loop:
             raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
                              "set one of them.")
         ipus = replicas * ipus_per_replica
-        if opts.exists("use_model"):  # useIpuModel() wins over the environment, as in PopTorch
-            use_model = bool(opts.use_model)
-        else:
-            use_model = os.environ.get("POPTORCH_IPU_MODEL", "0").strip() not in ("", "0")
+        use_model = uses_ipu_model(opts)
         if not use_model:  # PopTorch reserves a power of two of IPUs, at most 64 a process
             if replicas & (replicas - 1) and not opts.auto_round_num_ipus:
                 below = 1 << (replicas.bit_length() - 1)

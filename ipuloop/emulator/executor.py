@@ -37,6 +37,7 @@ from . import blocks as _blocks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
+from ..backend import uses_ipu_model
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
@@ -555,13 +556,7 @@ class PoplarExecutor:
         per_replica = max(len(ipus), max(ipus) + 1)
         n = per_replica * rf
         o = self._options
-        if o.exists("use_model"):  # useIpuModel() takes precedence over the environment
-            use_model = bool(o.use_model)
-        else:
-            try:  # PopTorch: std::stoi(POPTORCH_IPU_MODEL) != 0
-                use_model = int(os.environ.get("POPTORCH_IPU_MODEL", "0").strip() or 0) != 0
-            except ValueError:
-                use_model = False
+        use_model = uses_ipu_model(o)
         if not use_model and n & (n - 1):
             rounded = 1 << (n - 1).bit_length()
             if not o.auto_round_num_ipus:
