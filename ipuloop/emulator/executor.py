@@ -881,7 +881,6 @@ class PoplarExecutor:
         if training:
             opt = self._device_optimizer
             scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
-            loss_index = self._loss_index
         replica_buffers = self._replica_buffer_sets(rf) if rf > 1 else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)
         is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
@@ -901,10 +900,7 @@ class PoplarExecutor:
                     out = model(*margs, **mkwargs)
                     outs, _ = _out_leaves(out)
                     if training:
-                        loss = outs[loss_index]
-                        if loss.dim():
-                            loss = loss.sum()  # identity_loss(reduction="none")
-                        (loss * scale if scale != 1.0 else loss).backward()
+                        self._backward(outs, scale)
                     outs = [t.detach() if isinstance(t, torch.Tensor) else t for t in outs]
                     if anchored:
                         kept.append(outs)
@@ -923,6 +919,13 @@ class PoplarExecutor:
         rows = kept if keep_all else final
         return self._assemble(rows)
 
+    def _backward(self, outs: list, scale: float) -> None:
+        """Backward of one micro-batch's loss (among its output leaves), scaled by ``scale``."""
+        loss = outs[self._loss_index]
+        if loss.dim():
+            loss = loss.sum()  # identity_loss(reduction="none")
+        (loss * scale if scale != 1.0 else loss).backward()
+
     def _run_single(self, leaves: list, spec: Any) -> Any:
         """``_run`` for DI = GA = RF = 1, with its loops unrolled: the host batch is the one
         micro-batch, the loss scale is loss_scaling (Mean over 1), and every output mode
@@ -934,11 +937,7 @@ class PoplarExecutor:
             out = self._device_model(*margs, **mkwargs)
         outs, _ = _out_leaves(out)
         if self._training:
-            loss = outs[self._loss_index]
-            if loss.dim():
-                loss = loss.sum()  # identity_loss(reduction="none")
-            scale = self._loss_scaling
-            (loss * scale if scale != 1.0 else loss).backward()
+            self._backward(outs, self._loss_scaling)
             opt = self._device_optimizer
             opt.step()
             opt.zero_grad(set_to_none=True)
