@@ -1050,8 +1050,8 @@ class Loop:
                 total += float(loss.double().sum()) * micro  # host tensor: no device sync
                 count += whole
                 if valid > whole and loss_fn is not None:  # the rest: exactly, on the host
-                    part = _map_tensors(output, lambda t: _float32(layout.input_rows(t)
-                                                                   [whole:valid]))
+                    part = _map_tensors(output, lambda t: t if t.dim() == 0 else
+                                        _float32(layout.input_rows(t)[whole:valid]))
                     with torch.no_grad():
                         rest = loss_fn(part, _map_tensors(labels, lambda t: t[whole:valid]))
                     total += float(rest) * (valid - whole)
@@ -1256,12 +1256,16 @@ class Loop:
                 "samples_per_step": plan.combined}
 
     def _continue_at(self, plan: Plan) -> None:
-        """Set the training data factors; after a load, continue the saved epoch at the same
-        sample with these factors, or raise naming each factor that changed."""
-        saved, self._loaded_data = self._loaded_data, None
-        now = self._train_data = self._data_factors(plan)
-        if saved is None:  # nothing loaded (or a checkpoint that did not record its factors)
-            return
+        """The training data factors of this fit; after a load (that recorded them), checked
+        by ``_align`` first. A failed check keeps the loaded ones for the next fit."""
+        now = self._data_factors(plan)
+        if self._loaded_data is not None:
+            self._align(self._loaded_data, now, plan)
+        self._loaded_data, self._train_data = None, now
+
+    def _align(self, saved: dict[str, Any], now: dict[str, Any], plan: Plan) -> None:
+        """Continue the saved epoch at the same sample with the new factors, or raise naming
+        each factor that changed."""
         old, new = saved["factors"], now["factors"]
         changed = ", ".join(f"{k} {old[k]} -> {new[k]}" for k in new
                             if k in old and old[k] != new[k])
@@ -1271,14 +1275,14 @@ class Loop:
         if st.epoch_step == 0:
             warnings.warn(f"Resuming at the start of epoch {st.epoch} with other factors than "
                           f"the checkpoint's ({changed}): the epochs from here on use the new "
-                          "ones.", stacklevel=3)
+                          "ones.", stacklevel=4)
             return
         position = st.epoch_step * saved["samples_per_step"]  # samples the epoch has read
         if old.get("dataset length") == new["dataset length"] and not position % plan.combined:
             st.epoch_step = position // plan.combined  # the same sample, in the new host calls
             warnings.warn(f"Resuming epoch {st.epoch} after its {position} samples already "
                           f"read, with other factors than the checkpoint's ({changed}): "
-                          f"{st.epoch_step} host calls of the new factors.", stacklevel=3)
+                          f"{st.epoch_step} host calls of the new factors.", stacklevel=4)
             return
         raise ValueError(
             f"Cannot resume in the middle of epoch {st.epoch} with other factors ({changed}): "

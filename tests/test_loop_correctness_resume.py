@@ -81,6 +81,8 @@ def test_mid_epoch_resume_off_the_new_host_calls_fails_naming_each_change(tmp_pa
         loop.fit(loader, EPOCHS, resume_from=str(ModelCheckpoint(tmp_path).latest()))
     assert rec2.losses == [] and ds2.log == []  # before any step, nothing read
     assert loop.state.epoch == 0  # the epoch that ran no step is not counted
+    with pytest.raises(ValueError, match=named):  # the loaded state still cannot run with it
+        loop.fit(loader, EPOCHS)
     assert loop.train_model is None or not loop.train_model.isCompiled()
 
 
