@@ -221,6 +221,10 @@ def _map_tensors(x: Any, fn: Callable) -> Any:
     return x
 
 
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
 def _has_loss(result: Any, losses: int) -> bool:
     """Whether an inference call returned ``(output, loss)``: a loss per micro-batch."""
     return (isinstance(result, (tuple, list)) and len(result) == 2
@@ -341,7 +345,10 @@ class Loop:
                             f"optimizer={type(optimizer).__name__}.")
         if max_grad_norm is not None:
             self._set_clipping(optimizer, max_grad_norm)
-        self.optimizer = optimizer
+        # PopTorch's default, made here rather than inside trainingModel, so that it exists
+        # (and its state loads) before the first compilation.
+        self.optimizer = optimizer if optimizer is not None else \
+            pt.optim.SGD(self.model.parameters(), lr=0.01)
         self.metrics = self._resolve_metrics(metrics)  # validation's; training uses clones
         self._train_metric_objs = {k: m.clone() for k, m in self.metrics.items()}
         self.check_finite = check_finite
@@ -398,6 +405,10 @@ class Loop:
         self._batches: Any = None  # the running epoch's batch iterator
         self._preempted = False
         self._warned_no_val_loss = False
+        self._warned_partial_val_loss = False
+        self._options_frozen = False  # train_opts: settable in on_configure, then frozen
+        self._train_data: dict[str, Any] | None = None  # the running fit's data factors
+        self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
 
     # -- configuration ------------------------------------------------------------------------
     def _resolve_options(self, opts: Any, inference_opts: Any) -> tuple[Any, Any]:
@@ -530,6 +541,9 @@ class Loop:
                     self.exception_source = cb
                 if hasattr(e, "add_note"):
                     e.add_note(f"raised in callback {type(cb).__name__}.{event}")
+                    if isinstance(e, AttributeError) and "frozen Options" in str(e):
+                        e.add_note("The loop's options freeze when fit starts: change "
+                                   "loop.train_opts in a callback's on_configure.")
                 raise
 
     def describe(self) -> str:
@@ -549,8 +563,14 @@ class Loop:
             resume_from: str | None = None, max_steps: int | None = None) -> list[dict]:
         """Train for ``epochs`` epochs in total; returns the per-epoch logs.
 
-        ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback)
-        continues an interrupted fit exactly. ``max_steps`` ends the fit after that many
+        ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback: the
+        newest checkpoint written in its folder) continues an interrupted fit exactly. With
+        other factors than the saved run (micro-batch size, deviceIterations,
+        gradientAccumulation, replicas, dataset length), a checkpoint taken at an epoch
+        boundary resumes with a warning; one taken mid-epoch continues at the same sample
+        when the samples already read make whole host calls of the new factors (same dataset
+        length), and is a ``ValueError`` naming each changed factor otherwise, raised before
+        any step. ``max_steps`` ends the fit after that many
         training steps in total (for smoke runs), like ``stop()``: an epoch it cuts short is
         not counted as complete.
 
@@ -564,11 +584,16 @@ class Loop:
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be an int >= 1 or None. Received: "
                              f"max_steps={max_steps!r}.")
+        if not self._options_frozen:
+            self._fire("on_configure")  # the one place where callbacks change train_opts
+            self.train_opts._freeze()  # from here on the loader, outputs, logs and model agree
+            self._options_frozen = True
         plan = self._plan(train_loader, training=True, name="train_loader")
         val_plan = self._val_plan(val_loader) if val_loader is not None else None
         self._probe(plan)
         if resume_from is not None:
             self._resume(resume_from)
+        self._continue_at(plan)
         st = self.state
         st.stop_requested = False
         self._exception_fired = False
@@ -783,8 +808,6 @@ class Loop:
             self.model.train()
             self.train_model = pt.trainingModel(self._device_module, self.train_opts,
                                                 optimizer=self.optimizer)
-            if self.optimizer is None:
-                self.optimizer = getattr(self.train_model, "_optimizer", None)
         self._fire("on_compile_start")
         start = time.perf_counter()
         self._activate(self.train_model)
@@ -818,8 +841,7 @@ class Loop:
     # -- batches --------------------------------------------------------------------------------
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
               pad: bool = False) -> Plan:
-        # The DataLoader freezes the options it gets: give it a copy, so train_opts stay
-        # settable (e.g. by on_fit_start callbacks) until the training model is built.
+        # The loader's own copy of the (frozen) training options.
         opts = self.train_opts.clone() if opts is None else opts
         return build_plan(self.poptorch, loader, opts, self._layout(opts, training),
                           training=training, name=name, pad=pad, sequential=pad)
@@ -981,9 +1003,11 @@ class Loop:
         """Run ``loader`` through the inference model; returns val_loss and val metrics.
 
         Every sample counts: the samples are read in order and the last host call is padded
-        with copies of the last one. The metrics see every sample; val_loss is the mean loss
-        of the micro-batches without padding (all of them when the micro-batch size divides
-        the sample count). A model that returns no loss in eval mode gets no val_loss.
+        with copies of the last one. The metrics see every sample, and so does val_loss, the
+        mean loss per sample: the device's loss for the micro-batches without padding and,
+        with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
+        (without ``loss_fn`` those are left out, and a warning says how many samples
+        val_loss covers). A model that returns no loss in eval mode gets no val_loss.
         """
         plan = self._val_plan(loader)
         try:
@@ -1000,11 +1024,13 @@ class Loop:
         self._fire("on_validation_start")
         for m in self.metrics.values():
             m.reset()
-        total, count = 0.0, 0
+        total, count, uncovered = 0.0, 0, 0  # val_loss: sum over samples, samples, left out
         model = None
-        layout, combined = plan.layout, plan.combined
+        layout, combined, micro = plan.layout, plan.combined, plan.micro
+        loss_fn = self.model.loss_fn if issubclass(type(self.model), WithLoss) else None
         # The loader is padded to whole host calls (copies of the last sample): count only the
-        # samples, and for the loss only the micro-batches without padding.
+        # samples. The device's loss covers the micro-batches without padding; the samples of
+        # the one with padding get loss_fn on the host (their outputs are here), when given.
         left = plan.samples if plan.sampler is not None and plan.samples else None
         for batch in plan.epoch():
             inputs, labels = self._split(batch, plan)
@@ -1018,10 +1044,20 @@ class Loop:
             if _has_loss(output, layout.micro_batches):
                 output, loss = output
                 loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
+                whole = valid // micro * micro  # samples in micro-batches without padding
                 if valid < combined:  # the padded call: its whole micro-batches of samples
-                    loss = loss[:valid // plan.micro]
-                total += float(loss.double().sum())  # host tensor: no device sync
-                count += loss.numel()
+                    loss = loss[:valid // micro]
+                total += float(loss.double().sum()) * micro  # host tensor: no device sync
+                count += whole
+                if valid > whole and loss_fn is not None:  # the rest: exactly, on the host
+                    part = _map_tensors(output, lambda t: t if t.dim() == 0 else
+                                        _float32(layout.input_rows(t)[whole:valid]))
+                    with torch.no_grad():
+                        rest = loss_fn(part, _map_tensors(labels, lambda t: t[whole:valid]))
+                    total += float(rest) * (valid - whole)
+                    count += valid - whole
+                else:
+                    uncovered += valid - whole
             elif not self._warned_no_val_loss:
                 # e.g. ``if self.training: return x, loss`` / ``return x``: no loss in eval mode
                 self._warned_no_val_loss = True
@@ -1038,6 +1074,14 @@ class Loop:
                     m.update(output, labels)
             self._fire("on_validation_step_end")
             self._check_preempted()
+        if uncovered and not self._warned_partial_val_loss:
+            self._warned_partial_val_loss = True
+            warnings.warn(
+                f"val_loss covers {count} of the {count + uncovered} validation samples: the "
+                f"last {uncovered} share a micro-batch of {micro} with padding, whose loss the "
+                "device computes over both. Pass loss_fn= to Loop (then the loop computes the "
+                "loss of those samples on the host), or use a micro-batch size that divides "
+                "the sample count.", stacklevel=3)
         logs = {"val_loss": total / count} if count else {}
         logs.update(_metric_logs("val_", self.metrics))
         if not count:
@@ -1123,7 +1167,9 @@ class Loop:
         model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         sd: dict[str, Any] = {
             "model": model_state,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_type": type(self.optimizer).__name__,
+            "data": copy.deepcopy(self._train_data),  # the factors the counters refer to
             "counters": self.state.counters(),
             "history": [dict(h) for h in self.state.history],
             "logs": dict(self.state.logs),  # an epoch ending right after a resume logs these
@@ -1144,19 +1190,23 @@ class Loop:
         return copy.deepcopy(sd)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``: the next ``fit`` continues where it was taken."""
+        """Restore a ``state_dict()``: the next ``fit`` continues where it was taken.
+
+        The optimizer must be of the saved type with the saved parameter-group layout
+        (checked before anything is restored). The next ``fit`` compares its loader's factors
+        with the saved ones: see ``fit``.
+        """
+        self._check_optimizer(sd)
         if self.train_model is not None:
             self.train_model.load_state_dict(sd["model"])
         else:
             self.model.load_state_dict(sd["model"])
         if sd.get("optimizer") is not None:
-            if self.optimizer is None:
-                raise ValueError("The checkpoint has optimizer state but the loop has no "
-                                 "optimizer: pass the same optimizer as the saved run.")
             self.optimizer.load_state_dict(sd["optimizer"])
             for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
                 setattr(self.optimizer, k, v)
         self.state.load_counters(sd["counters"])
+        self._loaded_data = sd.get("data")  # checked against the next fit's loader
         self.state.history = [dict(h) for h in sd["history"]]
         self.state.logs = dict(sd.get("logs", {}))
         self._epoch_loss = list(sd["epoch_loss"])
@@ -1177,6 +1227,72 @@ class Loop:
             _set_rng_state(sd["rng"])
             self._sampler_rng = sd.get("sampler_rng")  # the loader's own generator, if any
         self._fire("on_load_checkpoint")
+
+    def _check_optimizer(self, sd: dict[str, Any]) -> None:
+        saved = sd.get("optimizer")
+        if saved is None:
+            return
+        ours = self.optimizer
+        theirs_type = sd.get("optimizer_type", type(ours).__name__)  # older checkpoints: unnamed
+        layout = [len(g["params"]) for g in saved["param_groups"]]
+        our_layout = [len(g["params"]) for g in ours.param_groups]
+        if theirs_type != type(ours).__name__ or layout != our_layout:
+            raise ValueError(
+                f"Cannot resume: the checkpoint's optimizer is {theirs_type} with "
+                f"{len(layout)} parameter group(s) of {layout} parameters, but the loop's is "
+                f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. Build the loop "
+                "with the optimizer type and parameter groups of the saved run, or start a new "
+                'fit from its weights: model.load_state_dict(load_checkpoint(path)["model"]).')
+
+    @staticmethod
+    def _data_factors(plan: Plan) -> dict[str, Any]:
+        o = plan.loader.options
+        return {"factors": {"micro-batch size": plan.micro,
+                            "deviceIterations": o.device_iterations,
+                            "gradientAccumulation": o.Training.gradient_accumulation,
+                            "replicationFactor": o.replication_factor,
+                            "input_group_size": o.input_group_size,
+                            "dataset length": plan.samples},
+                "samples_per_step": plan.combined}
+
+    def _continue_at(self, plan: Plan) -> None:
+        """The training data factors of this fit; after a load (that recorded them), checked
+        by ``_align`` first. A failed check keeps the loaded ones for the next fit."""
+        now = self._data_factors(plan)
+        if self._loaded_data is not None:
+            self._align(self._loaded_data, now, plan)
+        self._loaded_data, self._train_data = None, now
+
+    def _align(self, saved: dict[str, Any], now: dict[str, Any], plan: Plan) -> None:
+        """Continue the saved epoch at the same sample with the new factors, or raise naming
+        each factor that changed."""
+        old, new = saved["factors"], now["factors"]
+        changed = ", ".join(f"{k} {old[k]} -> {new[k]}" for k in new
+                            if k in old and old[k] != new[k])
+        st = self.state
+        if not changed:
+            return
+        if st.epoch_step == 0:
+            warnings.warn(f"Resuming at the start of epoch {st.epoch} with other factors than "
+                          f"the checkpoint's ({changed}): the epochs from here on use the new "
+                          "ones.", stacklevel=4)
+            return
+        position = st.epoch_step * saved["samples_per_step"]  # samples the epoch has read
+        if old.get("dataset length") == new["dataset length"] and not position % plan.combined:
+            st.epoch_step = position // plan.combined  # the same sample, in the new host calls
+            warnings.warn(f"Resuming epoch {st.epoch} after its {position} samples already "
+                          f"read, with other factors than the checkpoint's ({changed}): "
+                          f"{st.epoch_step} host calls of the new factors.", stacklevel=4)
+            return
+        raise ValueError(
+            f"Cannot resume in the middle of epoch {st.epoch} with other factors ({changed}): "
+            f"the checkpoint stopped after {position} of the epoch's samples, and "
+            + ("a different dataset length changes the epoch's sample order"
+               if old.get("dataset length") != new["dataset length"] else
+               f"{position} is not a whole number of the new host calls of "
+               f"{describe_factors(plan.loader.options, plan.micro, True)}")
+            + ". Resume with the saved factors (finishing this epoch, then change them at an "
+            "epoch boundary), or from a checkpoint taken at the end of an epoch.")
 
     def _resume(self, source: str) -> None:
         from .callbacks.checkpoint import ModelCheckpoint, load_checkpoint

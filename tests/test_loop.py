@@ -60,7 +60,7 @@ for _e in EVENTS:  # the loop calls only overridden hooks: override them all
 
 
 def expected_events(epochs: int, steps: int, val_steps: int) -> list[str]:
-    ev = ["on_fit_start"]
+    ev = ["on_configure", "on_fit_start"]
     for e in range(epochs):
         ev.append("on_epoch_start")
         for s in range(steps):

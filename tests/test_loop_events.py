@@ -72,7 +72,7 @@ def epoch(first: bool, steps: int = STEPS, val: bool = True) -> list[str]:
 
 def test_full_fit():
     loop, events = run(epochs=2)
-    assert events == ["on_fit_start", *epoch(True), *epoch(False), "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *epoch(True), *epoch(False), "on_fit_end"]
     assert loop.state.epoch == 2 and [h["epoch"] for h in loop.state.history] == [1, 2]
 
 
@@ -85,7 +85,7 @@ def test_stop_mid_epoch_leaves_the_epoch_incomplete(how):
             loop.stop()
 
     loop, events = run(react, epochs=3, **({"max_steps": at} if how == "max_steps" else {}))
-    assert events == ["on_fit_start", *epoch(True), "on_epoch_start", *STEP * 2, "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *epoch(True), "on_epoch_start", *STEP * 2, "on_fit_end"]
     st = loop.state
     assert (st.epoch, st.step, st.epoch_step, len(st.history)) == (1, at, 2, 1)
 
@@ -96,7 +96,7 @@ def test_stop_at_an_epochs_last_step_completes_it():
             loop.stop()
 
     loop, events = run(react, epochs=3)
-    assert events == ["on_fit_start", *epoch(True), "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *epoch(True), "on_fit_end"]
     assert loop.state.epoch == 1 and "val_loss" in loop.state.history[0]
 
 
@@ -112,7 +112,7 @@ def test_cancel_step_skips_the_rest_of_that_step_only():
 
     loop, events = run(react, epochs=1)
     first = ["on_epoch_start", *COMPILE, *STEP * 3, "on_train_step_start", *STEP * (STEPS - 4)]
-    assert events == ["on_fit_start", *first, *validation(True), "on_epoch_end", "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *first, *validation(True), "on_epoch_end", "on_fit_end"]
     assert loop.state.step == STEPS - 1
 
 
@@ -122,7 +122,7 @@ def test_cancel_epoch_from_a_step_still_validates():
             raise CancelEpoch
 
     loop, events = run(react, epochs=2)
-    assert events == ["on_fit_start", *epoch(True, steps=2), *epoch(False, steps=2), "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *epoch(True, steps=2), *epoch(False, steps=2), "on_fit_end"]
     assert loop.state.epoch == 2 and loop.state.step == 4
 
 
@@ -136,7 +136,7 @@ def test_cancel_epoch_from_validation_skips_to_epoch_end_without_val_logs():
     loop, events = run(react, epochs=2)
     cut = ["on_epoch_start", *COMPILE, *STEP * STEPS, "on_validation_start", *COMPILE,
            "on_validation_step_end", "on_epoch_end"]
-    assert events == ["on_fit_start", *cut, *epoch(False), "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *cut, *epoch(False), "on_fit_end"]
     h = loop.state.history
     assert "val_loss" not in h[0] and "val_loss" in h[1] and "train_loss" in h[0]
 
@@ -148,7 +148,7 @@ def test_cancel_epoch_before_any_step_logs_no_stale_train_loss():
 
     loop, events = run(react, epochs=2)
     second = ["on_epoch_start", *validation(False), "on_epoch_end"]
-    assert events == ["on_fit_start", *epoch(True), *second, "on_fit_end"]
+    assert events == ["on_configure", "on_fit_start", *epoch(True), *second, "on_fit_end"]
     h = loop.state.history
     assert "train_loss" in h[0] and "train_loss" not in h[1]
 
@@ -159,7 +159,7 @@ def test_cancel_fit_from_fit_start():
             raise CancelFit
 
     loop, events = run(react, epochs=2)
-    assert events == ["on_fit_start", "on_fit_end"] and loop.state.step == 0
+    assert events == ["on_configure", "on_fit_start", "on_fit_end"] and loop.state.step == 0
 
 
 def test_validate_and_predict_alone():

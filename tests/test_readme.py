@@ -21,7 +21,8 @@ def test_readme_example_runs(capsys):
 
 
 def test_readme_hook_order_matches_the_module_docstring():
-    readme = re.search(r"```\n(on_fit_start.*?)```", README.read_text(), re.S).group(1)
+    readme = re.search(r"```\n(\[first fit only: on_configure\].*?)```", README.read_text(),
+                       re.S).group(1)
     block = re.search(r"::\n\n((?:    .*\n)+)", base.__doc__).group(1)  # the indented pseudocode
     doc_lines = [line[4:] for line in block.splitlines()]
     readme_lines = readme.splitlines()

@@ -3,6 +3,8 @@
 The loop, with every event (``Loop.fit``; ``Loop.describe()`` prints this with the callbacks
 attached at each event)::
 
+    [first fit only: on_configure]           # the one place to change loop.train_opts
+    build the loader, check it; resume_from: load the checkpoint
     on_fit_start
     for epoch in range(state.epoch, epochs):
         on_epoch_start
@@ -24,6 +26,10 @@ attached at each event)::
         if loop.stop() was called: leave
     on_fit_end
 
+``on_configure`` fires once per loop, at the start of its first ``fit``, before the loader is
+built: a callback may change ``loop.train_opts`` there (e.g. ``deviceIterations``). Then the
+options freeze, and the loader, the output layout, the logs and the compiled model all use
+them; a later change raises PopTorch's frozen-options error.
 An incomplete epoch (stopped before its last step) is not counted in ``state.epoch`` and gets
 no validation and no ``on_epoch_end``; ``fit`` with ``resume_from`` finishes it.
 SIGTERM: the running step finishes, then ``on_preempt`` (checkpoint here), ``on_fit_end``,
@@ -53,7 +59,7 @@ if TYPE_CHECKING:  # the loop imports this module; annotations only
 __all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS"]
 
 EVENTS = (
-    "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
+    "on_configure", "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
     "on_train_step_start", "on_train_step_end", "on_validation_start",
     "on_validation_step_end", "on_validation_end", "on_epoch_end", "on_fit_end",
     "on_save_checkpoint", "on_load_checkpoint", "on_preempt", "on_exception",
@@ -93,6 +99,7 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def on_configure(self, loop: Loop) -> None: ...
     def on_fit_start(self, loop: Loop) -> None: ...
     def on_epoch_start(self, loop: Loop) -> None: ...
     def on_compile_start(self, loop: Loop) -> None: ...

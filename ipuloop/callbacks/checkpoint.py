@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import string
 import tempfile
 import time
 import warnings
@@ -36,6 +37,8 @@ MANIFEST, STATE = "manifest.json", "state.pt"
 TMP_PREFIX = ".ipuloop-tmp-"  # every temporary file starts with this
 _CHUNK = 1 << 20  # bytes per write call
 _write_hook: Callable[[Path, int], None] | None = None  # tests: runs before each chunk
+COUNTERS = ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
+_GROWING = ("step", "update", "micro_batch", "samples")  # larger at every training step
 
 
 class CheckpointError(Exception):
@@ -192,6 +195,45 @@ def _provenance() -> dict[str, Any]:
         "poptorch": getattr(poptorch_module(), "__version__", None)}}
 
 
+def _check_filename(filename: str, monitor: str | None, every_n_steps: int | None) -> None:
+    """``ModelCheckpoint``'s filename template, checked before any save."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"ModelCheckpoint: filename={filename!r} {why}. Example: "
+                          "filename='epoch{epoch}-step{step}-{val_loss:.3f}'.")
+
+    if not isinstance(filename, str):
+        raise bad("must be a str")
+    try:
+        parts = list(string.Formatter().parse(filename))
+    except ValueError as e:
+        raise bad(f"is not a format template ({e})") from None
+    keys = {f for _, f, _, _ in parts if f is not None}
+    text = "".join(t for t, _, _, _ in parts)
+    if any(sep and sep in text for sep in ("/", os.sep, os.altsep)) or text.startswith("."):
+        raise bad("must give a plain folder name inside dirpath: no path separator, no "
+                  "leading '.'")
+    for key in sorted(keys):
+        if not key.isidentifier():
+            raise bad(f"has the field {{{key}}}: use names only (a counter or a log), no "
+                      "positional fields, attributes or indices")
+        epoch_log = key.startswith(("train_", "val_"))
+        if key not in COUNTERS and key != "loss" and key != monitor and not epoch_log:
+            raise bad(f"names {{{key}}}, which is neither a counter ({', '.join(COUNTERS)}) "
+                      "nor a log the loop writes (loss, train_<name>, val_<name>) nor the "
+                      f"monitored log (monitor={monitor!r})")
+        if epoch_log and every_n_steps:
+            raise bad(f"names {{{key}}}, a log written at the end of an epoch, so the step saves "
+                      f"(every_n_steps={every_n_steps}) before the first epoch end could not "
+                      "name their folder. Leave it out, or set every_n_steps=None")
+    if not keys & set(_GROWING):
+        raise bad("has no {step} (or {update}, {micro_batch}, {samples}): two saves would "
+                  "get the same name, and the later would overwrite a kept checkpoint")
+    try:  # a format spec that a counter (int) or a log (float) rejects
+        filename.format(**{k: 0 if k in COUNTERS else 0.0 for k in keys})
+    except (ValueError, TypeError) as e:
+        raise bad(f"cannot be formatted: {e}") from None
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         _remove(path / MANIFEST)  # un-commit first: a crash mid-delete leaves no broken commit
@@ -215,7 +257,18 @@ class ModelCheckpoint(Callback):
         save_on_exception: when fit raises (not on Ctrl-C), save once as ``<name>-exception``,
             "tainted" if the cause is a non-finite loss or a failure inside a hook of a callback
             whose state the checkpoint holds (e.g. ``LRScheduler``); never rotated out.
-        filename: the folder name, formatted with the counters and the logs.
+        filename: the folder name, formatted with the counters (``{epoch}``, ``{step}``,
+            ``{update}``, ``{micro_batch}``, ``{samples}``, ``{epoch_step}``) and the logs the
+            loop writes (``{loss}``, ``{train_<name>}``, ``{val_<name>}``) or the monitored
+            one, e.g. ``"epoch{epoch}-step{step}-{val_loss:.3f}"``. Checked here: it must hold
+            ``{step}`` (or ``{update}``, ``{micro_batch}``, ``{samples}``) so that every save
+            has its own name, no path separator, and with ``every_n_steps`` no epoch log
+            (``train_``/``val_``), which does not exist at the first step saves.
+
+    With ``monitor``, a step save before the monitored log first exists (before the first
+    validation) is kept unranked: as the last, never among the best. A save at a step that
+    already has a checkpoint (the epoch-end save after the step save of the epoch's last
+    step) replaces it, so one state is never kept under two names.
 
     Also saves on SIGTERM (``on_preempt``). Example::
 
@@ -239,6 +292,10 @@ class ModelCheckpoint(Callback):
         if not isinstance(save_top_k, int) or save_top_k < -1:
             raise ValueError(f"save_top_k must be an int >= -1. Received: {save_top_k!r}.")
         self.dirpath = Path(dirpath)
+        if self.dirpath.is_file():
+            raise CheckpointError(self.dirpath, "is a file: dirpath must be a folder (created "
+                                  "if missing) for the checkpoint folders")
+        _check_filename(filename, monitor, every_n_steps)
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.save_last, self.save_on_exception = save_last, save_on_exception
@@ -252,6 +309,7 @@ class ModelCheckpoint(Callback):
         self._last: tuple | None = None  # counters of the last save (skip identical saves)
         self._in_fit = False
         self._cleaned = False  # _clean_up ran in this process (at fit start, or a first save)
+        self._warned_unranked = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [dict(e) for e in self.kept], "name": self._saving,
@@ -269,12 +327,22 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, loop: Any) -> None:
         self._in_fit, self._last = True, None
         self._clean_up()
+        st = loop.state
+        if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
+            warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
+                          "fit starts from scratch: its checkpoints go beside them, and "
+                          'resume_from="last" takes the newest written. Pass resume_from= to '
+                          "continue one, or use another folder.", stacklevel=2)
 
     def _clean_up(self) -> None:
         """Remove what a killed process left: temporary files, uncommitted folders, and the
         rotation the resumed checkpoint's save did not finish."""
         self._cleaned = True
-        self.dirpath.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file there, no permission...
+            raise CheckpointError(self.dirpath, f"cannot be used as the checkpoint folder: "
+                                  f"{e}") from e
         for p in [*self.dirpath.glob(TMP_PREFIX + "*"), *self.dirpath.glob(f"*/{TMP_PREFIX}*")]:
             _remove(p)  # left by a save that was killed
         for p in self.dirpath.iterdir():  # interrupted saves: a state.pt and no manifest
@@ -289,7 +357,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_step_end(self, loop: Any) -> None:
         if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
-            self.save(loop)
+            self.save(loop, at_step=True)
 
     def on_epoch_end(self, loop: Any) -> None:
         if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
@@ -297,7 +365,7 @@ class ModelCheckpoint(Callback):
 
     def on_preempt(self, loop: Any) -> None:
         if self._last != tuple(loop.state.counters().values()):  # not saved at this point yet
-            self.save(loop)
+            self.save(loop, at_step=True)
 
     def on_fit_end(self, loop: Any) -> None:
         self._in_fit = False
@@ -324,10 +392,19 @@ class ModelCheckpoint(Callback):
                   tainted=isinstance(loop.exception, NonFiniteLossError) or stateful)
 
     # -- saving --------------------------------------------------------------------------------
-    def _score(self, loop: Any) -> float | None:
+    def _score(self, loop: Any, at_step: bool) -> float | None:
         if self.monitor is None:
             return None
-        if self.monitor not in loop.state.logs:
+        st = loop.state
+        if self.monitor not in st.logs and at_step and not st.history:
+            if not self._warned_unranked:  # e.g. val_loss, before the first validation
+                self._warned_unranked = True
+                warnings.warn(f"ModelCheckpoint(monitor={self.monitor!r}): no such log yet at "
+                              f"step {st.step} (before the first epoch end): step saves are "
+                              "kept unranked (as the last, never among the best) until it "
+                              "exists.", stacklevel=3)
+            return math.nan
+        if self.monitor not in st.logs:
             raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such log at epoch "
                              f"{loop.state.epoch}, step {loop.state.step}. Available logs: "
                              f"{sorted(loop.state.logs)}.")
@@ -344,11 +421,19 @@ class ModelCheckpoint(Callback):
         return keep | {newest} if self.save_last else keep
 
     def save(self, loop: Any, *, exception: BaseException | None = None,
-             tainted: bool = False) -> Path | None:
-        """Write, commit, then rotate; returns the folder, or None when it is not kept."""
+             tainted: bool = False, at_step: bool = False) -> Path | None:
+        """Write, commit, then rotate; returns the folder, or None when it is not kept.
+
+        ``at_step``: a save between epoch ends, where the monitored log may not exist yet.
+        """
         st = loop.state
-        name = self.filename.format(**st.logs, **st.counters()) + ("-exception" if exception
-                                                                    else "")
+        try:
+            name = self.filename.format(**st.logs, **st.counters())
+        except KeyError as e:
+            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}): no log {e} at epoch "
+                             f"{st.epoch}, step {st.step}. Available logs: {sorted(st.logs)}."
+                             ) from None
+        name += "-exception" if exception else ""
         if not _plain(name):
             raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
                              f"plain folder name inside {self.dirpath}.")
@@ -364,8 +449,9 @@ class ModelCheckpoint(Callback):
         old = self.kept
         entry = {"name": name, "step": st.step, "score": None}
         if exception is None:  # regular saves rotate; exception saves sit apart
-            entry["score"] = self._score(loop)
-            entries = [e for e in old if e["name"] != name] + [entry]
+            entry["score"] = self._score(loop, at_step)
+            # one checkpoint per step: this save replaces one at the same step (same weights)
+            entries = [e for e in old if e["name"] != name and e["step"] != st.step] + [entry]
             keep = self._keep(entries, name)
             if name not in keep:
                 return None  # neither among the best k nor kept as the last
@@ -423,18 +509,21 @@ class ModelCheckpoint(Callback):
 
     # -- finding -------------------------------------------------------------------------------
     def latest(self, include_tainted: bool = False) -> Path | None:
-        """The newest valid checkpoint in ``dirpath`` (by step, then time), or None.
+        """The newest valid checkpoint written in ``dirpath`` (by the time its manifest
+        records), or None: this run's last save, never an older run's with a higher step.
 
         Found by scanning the manifests (no pointer file). A newer one that fails verification
         is skipped with a warning naming it and the one used instead.
         """
+        if self.dirpath.is_file():
+            raise CheckpointError(self.dirpath, "is a file, not a folder of checkpoints")
         if not self.dirpath.is_dir():
             return None
         found = []
         for mpath in self.dirpath.glob(f"*/{MANIFEST}"):
             try:
                 m = json.loads(mpath.read_bytes())
-                key = (int(m["step"]), int(m["epoch"]), mpath.stat().st_mtime_ns)
+                key = (float(m["wall_time"]), int(m["step"]), mpath.stat().st_mtime_ns)
             except (ValueError, TypeError, KeyError, OSError):
                 key = (math.inf, math.inf, 0)  # unreadable: possibly the newest, so suspect it
             found.append((key, mpath.parent))

@@ -53,12 +53,9 @@ class ProfileCapture(Callback):
             os.makedirs(self.dirpath, exist_ok=True)
         except OSError as e:
             raise self._error(e) from e
+
+    def on_configure(self, loop: Any) -> None:  # before the options freeze (the first fit)
         if backend_name() != "poptorch" or self.written:
-            return
-        if loop.train_model is not None:  # options are frozen once the model is built
-            warnings.warn("ProfileCapture: the training model is already compiled, so the "
-                          "PopVision report options cannot be set: add the callback before "
-                          "the first fit.")
             return
         loop.train_opts.enableProfiling(self.dirpath)  # autoReport.all, autoReport.directory
         self.written = [self.dirpath]
