@@ -45,6 +45,9 @@ Hooks fire per step, never per micro-batch: the host never sees a micro-batch on
 """
 from __future__ import annotations
 
+import difflib
+import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the loop imports this module; annotations only
@@ -78,9 +81,18 @@ class Callback:
     The loop calls only the hooks a callback overrides, in ascending ``order`` (stable).
     A callback with state to checkpoint returns it from ``state_dict()`` (tensors, numbers,
     strings, lists and dicts only) and takes it back in ``load_state_dict()``.
+
+    A method named like a hook but not one (``on_train_batch_end``) is never called: the
+    first construction of such a class warns, naming the closest event.
     """
 
     order: int = 0
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Callback:
+        if cls not in _CHECKED:
+            _CHECKED.add(cls)
+            _warn_misnamed_hooks(cls)
+        return super().__new__(cls)
 
     @property
     def state_key(self) -> str:
@@ -108,6 +120,25 @@ class Callback:
     def on_load_checkpoint(self, loop: Loop) -> None: ...
     def on_preempt(self, loop: Loop) -> None: ...
     def on_exception(self, loop: Loop) -> None: ...
+
+
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # Callback classes already checked
+_SYNONYMS = (("begin", "start"), ("batch", "step"))  # other loops' words for the same events
+
+
+def _warn_misnamed_hooks(cls: type) -> None:
+    """Warn about each ``on_*`` method of ``cls`` that is close to an event but not one."""
+    names = {n for klass in cls.__mro__ if klass is not Callback and klass is not object
+             for n, v in vars(klass).items() if n.startswith("on_") and callable(v)}
+    for name in sorted(names - set(EVENTS)):
+        key = name
+        for word, ours in _SYNONYMS:
+            key = key.replace(word, ours)
+        close = difflib.get_close_matches(key, EVENTS, n=1, cutoff=0.6)
+        if close:
+            warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never calls "
+                          f"it. Did you mean {close[0]}? (All events: "
+                          "ipuloop.callbacks.base.EVENTS.)", stacklevel=4)
 
 
 def overridden(callback: Callback, event: str) -> bool:
