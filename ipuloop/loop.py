@@ -635,8 +635,8 @@ class Loop:
 
         ``epochs`` x the steps of an epoch (``len(dataset) // (B * DI * GA * RF)``) x DI: the
         ``total_steps`` of a scheduler stepped per update (``LRScheduler``'s default), such
-        as ``OneCycleLR``. A static method, so it can size the scheduler the ``Loop`` takes:
-        ``len(loader) * epochs`` counts micro-batches, DI * GA * RF times too many.
+        as ``OneCycleLR``. A static method, so it can size the scheduler the ``Loop`` takes.
+        (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")

@@ -138,7 +138,7 @@ def _warn_misnamed_hooks(cls: type) -> None:
         if close:
             warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never calls "
                           f"it. Did you mean {close[0]}? (All events: "
-                          "ipuloop.callbacks.base.EVENTS.)", stacklevel=4)
+                          "ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
 
 
 def overridden(callback: Callback, event: str) -> bool:
