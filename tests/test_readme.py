@@ -9,6 +9,7 @@ a profile there).
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -145,3 +146,73 @@ def test_readme_commands_are_the_ci_commands():
     assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
     assert 'pip install -e ".[test]" && python -m pytest -q' in README.read_text()
     assert "python -m ipuloop.examples.mnist" in README.read_text()
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_readme_says_what_cancel_step_skips_and_it_does():
+    assert ("`CancelStep` from `on_train_step_start` skips the training step itself: its host "
+            "batch is read but never runs on the device (no update, no loss, not counted in "
+            "`state`)") in _flat(README.read_text())
+    from ipuloop import Callback, CancelStep
+
+    class Skip(Callback):
+        def on_train_step_start(self, loop):
+            raise CancelStep
+
+    model = _model_with_loss()
+    before = [p.detach().clone() for p in model.parameters()]
+    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+                callbacks=[Skip()], progress=False)
+    loop.fit(_data(16, 2), epochs=1)
+    assert (loop.state.step, loop.state.update, loop.state.samples) == (0, 0, 0)
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_readme_says_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
+    assert ("under `\"16-mixed\"`, the autocast dtype of its last op (bfloat16 on the "
+            "emulator's CPU, float16 on CUDA and on an IPU") in _flat(README.read_text())
+    monkeypatch.delenv("IPULOOP_EMULATOR_DEVICE", raising=False)
+    loop = Loop(_model_with_loss(), precision="16-mixed", progress=False)
+    x = torch.randn(8, 20)
+    assert loop.predict(DataLoader(TensorDataset(x), batch_size=4)).dtype == torch.bfloat16
+
+
+def test_readme_says_metrics_are_estimates_under_final_and_they_are():
+    assert ("Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
+            "outputs, so the train metrics, like `train_loss`, are computed over those "
+            "micro-batches only: estimates") in _flat(README.read_text())
+    import torchmetrics
+
+    class Rows(torchmetrics.Metric):  # counts the samples a metric is updated with
+        def __init__(self):
+            super().__init__()
+            self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
+
+        def update(self, preds, target):
+            self.n += preds.shape[0]
+
+        def compute(self):
+            return self.n
+
+    rows = {}
+    for mode in ("All", "Final"):
+        opts = poptorch.Options().deviceIterations(2).outputMode(getattr(poptorch.OutputMode,
+                                                                        mode))
+        opts.Training.gradientAccumulation(2)
+        loop = Loop(_model_with_loss(), opts, metrics={"rows": Rows()}, progress=False)
+        rows[mode] = loop.fit(_data(64, 2), epochs=1)[-1]["train_rows"]
+    assert rows == {"All": 64, "Final": 8 * 2}  # 8 steps; Final: the last micro-batch of 2
+
+
+def test_readme_says_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):
+    text = _flat(README.read_text())
+    assert "set `OMP_NUM_THREADS=1` or call `torch.set_num_threads(1)`" in text
+    assert "`--threads N`" in text
+    from ipuloop.examples import mnist
+    monkeypatch.setattr(mnist.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    assert mnist._default_threads() == 1  # a busy host: one thread
+    monkeypatch.setattr(mnist.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert mnist._default_threads() == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))

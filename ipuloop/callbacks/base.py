@@ -33,7 +33,8 @@ CancelEpoch or CancelFit from its hooks ends it with no val logs, returning ``{}
 ``Loop.predict`` fires only on_compile_start/on_compile_end, when it compiles.
 ``on_save_checkpoint`` fires when ``ModelCheckpoint`` saves, before the callbacks'
 ``state_dict()`` is read; ``on_load_checkpoint`` at the end of ``Loop.load_state_dict``.
-Any exception other than the Cancel* ones fires ``on_exception`` once, then propagates; an
+Any exception other than the Cancel* ones fires ``on_exception`` once per failing ``fit``,
+``validate`` or ``predict`` call (``loop.exception`` is the error), then propagates; an
 exception raised in a hook carries a note naming the callback and the hook. A Cancel*
 exception skips the rest of its scope, later callbacks' hooks for that event included:
 ``CancelStep`` from a train step hook: to the next step. ``CancelEpoch`` from
@@ -64,7 +65,9 @@ EVENTS = (
 
 
 class CancelStep(Exception):
-    """Raised in ``on_train_step_start``: skip this step (its data is consumed)."""
+    """Raised in ``on_train_step_start``: skip this training step itself (its host batch is
+    read but never run: no update, no loss) and its remaining hooks. Raised in
+    ``on_train_step_end``: skip the later callbacks' ``on_train_step_end`` only."""
 
 
 class CancelEpoch(Exception):
