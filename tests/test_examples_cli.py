@@ -17,7 +17,7 @@ FLAGS = {"--batch-size": "40", "--device-iterations": "10", "--gradient-accumula
          "--profile": None, "--profile-dir": "./profile", "--strategy": "pipelined",
          "--offload-optimiser": None, "--debug": None, "--data-dir": None,
          "--checkpoint-dir": None, "--resume": None, "--replicas": "1", "--max-steps": None,
-         "--ipu-config": None, "--ipu-config-overrides": None}
+         "--ipu-config": None, "--ipu-config-overrides": None, "--threads": None}
 
 
 def test_every_flag_is_listed_with_the_tutorial_defaults(capsys):

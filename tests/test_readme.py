@@ -62,7 +62,7 @@ STAND_INS = {
     "sched = torch.optim.lr_scheduler.OneCycleLR(": _callbacks,
 }
 
-SNIPPETS = [pytest.param(path, i, code, id=f"{path.parent.name}/{path.name}[{i}]")
+SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{i}]")
             for path in DOCS for i, code in enumerate(blocks("python", path))]
 
 
