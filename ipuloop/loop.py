@@ -156,7 +156,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _shape(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"{str(x.dtype).replace('torch.', '')} {list(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} ({', '.join(_shape(v) for v in x)})"
     return type(x).__name__
+
+
+def _device_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the device holds it: float64 is float32 on an IPU."""
+    return x.float() if x.dtype == torch.float64 else x
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def _describe(inputs: tuple, labels: Any) -> str:
@@ -274,7 +285,12 @@ class Loop:
             ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01).
         loss_fn: makes ``model`` a model-with-loss (``loss_fn(output, labels)``).
         metrics: torchmetrics metrics (a dict or ``MetricCollection``), computed on the host
-            from what the device returns, logged as ``train_<name>`` and ``val_<name>``.
+            from what the device returns, logged as ``train_<name>`` and ``val_<name>``. Each
+            gets ``update(output, labels)``: ``output`` is what the model returns beside its
+            loss (for the samples the output mode returns), labels aligned to it. Checked on
+            the host before compiling: a metric that rejects the output fails there.
+        metric_output: a function of that ``output`` giving what the metrics receive instead,
+            e.g. ``lambda out: out[0]`` for a model whose output is a tuple.
         callbacks: ``Callback`` instances; a progress display is added unless ``progress``
             is False.
         replicas: data-parallel replicas (``replicationFactor``), or "auto" (on IPUs, the
@@ -312,7 +328,8 @@ class Loop:
 
     def __init__(self, model: torch.nn.Module, opts: Any = None, *,
                  optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
-                 metrics: Any = None, callbacks: Iterable[Callback] = (),
+                 metrics: Any = None, metric_output: Callable | None = None,
+                 callbacks: Iterable[Callback] = (),
                  replicas: int | str | None = None, inference_opts: Any = None,
                  seed: int | None = None, progress: bool | int = True,
                  check_finite: bool = True, max_grad_norm: float | None = None,
@@ -350,6 +367,10 @@ class Loop:
         self.optimizer = optimizer if optimizer is not None else \
             pt.optim.SGD(self.model.parameters(), lr=0.01)
         self.metrics = self._resolve_metrics(metrics)  # validation's; training uses clones
+        if metric_output is not None and not callable(metric_output):
+            raise TypeError(f"metric_output must be a function of the model's output. "
+                            f"Received: metric_output={metric_output!r}.")
+        self._metric_output = metric_output or _identity
         self._train_metric_objs = {k: m.clone() for k, m in self.metrics.items()}
         self.check_finite = check_finite
         self.state = State()
@@ -399,8 +420,7 @@ class Loop:
         self._sampler_rng: torch.Tensor | None = None  # its generator, resumed at an epoch start
         self._device_rng: torch.Tensor | None = None
         self._max_steps: int | None = None
-        self._exception_fired = False
-        self.exception: BaseException | None = None  # set while on_exception hooks run
+        self.exception: BaseException | None = None  # the error on_exception hooks were told of
         self.exception_source: Callback | None = None  # the callback whose hook raised it
         self._batches: Any = None  # the running epoch's batch iterator
         self._preempted = False
@@ -409,6 +429,7 @@ class Loop:
         self._options_frozen = False  # train_opts: settable in on_configure, then frozen
         self._train_data: dict[str, Any] | None = None  # the running fit's data factors
         self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
+        self._num_inputs: int | None = None  # inputs per batch in the last fit or validate
 
     # -- configuration ------------------------------------------------------------------------
     def _resolve_options(self, opts: Any, inference_opts: Any) -> tuple[Any, Any]:
@@ -572,7 +593,8 @@ class Loop:
         length), and is a ``ValueError`` naming each changed factor otherwise, raised before
         any step. ``max_steps`` ends the fit after that many
         training steps in total (for smoke runs), like ``stop()``: an epoch it cuts short is
-        not counted as complete.
+        not counted as complete. A fit asked for no more epochs than ``state.epoch`` already
+        holds runs none, with a warning.
 
         An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B the loader's
         batch size), each running DI optimizer updates; the remainder is dropped (with a
@@ -595,8 +617,11 @@ class Loop:
             self._resume(resume_from)
         self._continue_at(plan)
         st = self.state
+        if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
+            warnings.warn(f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
+                          "already complete, and epochs is the total, not a number to add. "
+                          f"Pass epochs={st.epoch + epochs} to train {epochs} more.", stacklevel=2)
         st.stop_requested = False
-        self._exception_fired = False
         self.exception = self.exception_source = None
         self._max_steps = max_steps
         self._val_rng = None
@@ -626,6 +651,37 @@ class Loop:
         if self._preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
+
+    @staticmethod
+    def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
+        """Optimizer updates that ``fit(loader, epochs)`` runs from the first epoch, with the
+        training options ``opts`` (``poptorch.Options``, an ``IPUConfig`` or None, as given to
+        ``Loop``; a ``replicas=`` given to ``Loop`` instead must be set in them too).
+
+        ``epochs`` x the steps of an epoch (``len(dataset) // (B * DI * GA * RF)``) x DI: the
+        ``total_steps`` of a scheduler stepped per update (``LRScheduler``'s default), such
+        as ``OneCycleLR``. A static method, so it can size the scheduler the ``Loop`` takes.
+        (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
+        """
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
+        pt = poptorch_module()
+        from .config import IPUConfig
+        if isinstance(opts, IPUConfig):
+            opts = opts.to_options()
+        opts = pt.Options() if opts is None else opts
+        if not isinstance(opts, pt.Options):
+            raise TypeError(f"opts must be poptorch.Options, an ipuloop.IPUConfig or None. "
+                            f"Received: opts={type(opts).__name__}.")
+        opts = opts.clone()
+        layout = Layout(opts.device_iterations, opts.Training.gradient_accumulation,
+                        opts.replication_factor, opts.output_mode)
+        plan = build_plan(pt, loader, opts, layout, training=True, name="loader")
+        if plan.steps is None:
+            raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
+                             "length is unknown, so neither is its number of updates. Count "
+                             "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI.")
+        return epochs * plan.steps * opts.device_iterations
 
     @staticmethod
     def _detach(model: Any, quiet: bool = False) -> None:
@@ -767,7 +823,7 @@ class Loop:
             el[2] = el[2] and step_loss.exact
             st.logs["loss"] = step_loss.mean
             if metrics:
-                aligned = layout.align(labels)
+                aligned, output = layout.align(labels), self._metric_output(output)
                 for m in metrics.values():
                     m.update(output, aligned)
             if hooks["on_train_step_end"]:
@@ -854,6 +910,7 @@ class Loop:
 
     def _split(self, batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+            self._num_inputs = len(batch) - 1  # what predict feeds
             model = self.model  # (issubclass: isinstance would read the wrapped __class__)
             if issubclass(type(model), WithLoss) and model.num_inputs != len(batch) - 1:
                 model.num_inputs = len(batch) - 1  # (Module.__setattr__: only when it changes)
@@ -877,6 +934,7 @@ class Loop:
             return
         collate = plan.loader.collate_fn
         batch = collate([ds[i] for i in range(min(plan.micro, plan.samples))])
+        batch = _map_tensors(batch, _device_dtype)  # as the device receives it
         inputs, labels = self._split(batch, plan)
         n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
         for i, x in enumerate(inputs):
@@ -929,6 +987,24 @@ class Loop:
                     f"({w.message}), with {_describe(inputs, labels)} and an output of shape "
                     f"{_shape(output)}. Give the labels the output's shape.")
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self._probe_metrics(output, labels)
+
+    def _probe_metrics(self, output: Any, labels: Any) -> None:
+        """Update a copy of each metric with the probe's output, so a metric that rejects it
+        (another task, shape or class count; a tuple output) fails before compiling."""
+        for name, metric in self.metrics.items():
+            try:
+                copy.deepcopy(metric).update(self._metric_output(output), labels)
+            except Exception as e:
+                given = (_shape(output) if self._metric_output is _identity
+                         else f"{_shape(output)}, given as {_shape(self._metric_output(output))} "
+                         "by metric_output")
+                raise ValueError(
+                    f"metrics[{name!r}] ({type(metric).__name__}) rejects the model's output: "
+                    f"update(output, labels) with output {given} and labels {_shape(labels)} "
+                    f"raised {type(e).__name__} ({e}). Metrics receive the output the model "
+                    "returns with its loss; pass metric_output= (e.g. lambda out: out[0]) to "
+                    "give them another, or build the metric for this output.") from e
 
     # -- validation -----------------------------------------------------------------------------
     def _inference_options(self, loader: Any, micro_hint: int | None) -> Any:
@@ -1009,6 +1085,7 @@ class Loop:
         (without ``loss_fn`` those are left out, and a warning says how many samples
         val_loss covers). A model that returns no loss in eval mode gets no val_loss.
         """
+        self.exception = self.exception_source = None
         plan = self._val_plan(loader)
         try:
             return self._run_validation(plan)
@@ -1070,6 +1147,7 @@ class Loop:
                                       else layout.input_rows(t)[:valid])
                 if valid < combined:
                     labels = _map_tensors(labels, lambda t: t[:valid])
+                output = self._metric_output(output)
                 for m in self.metrics.values():
                     m.update(output, labels)
             self._fire("on_validation_step_end")
@@ -1100,9 +1178,12 @@ class Loop:
         padded as it streams; with workers, its order is the loader's). With input replica
         grouping each sample's output is returned once. A model returning a tuple, list,
         namedtuple or dict of tensors gets the same structure back, each tensor joined over
-        the samples. A batch that is a tuple of two or more elements is taken as
-        (inputs..., labels) and the labels are ignored.
+        the samples. After a fit (or validate) with N inputs, every batch of N elements is
+        fed whole, and the last element of a batch of N + 1 (the labels) is ignored; before
+        any, a batch of two or more elements is taken as (inputs..., labels).
+        Float64 inputs run, and come back, as float32 (as on the device).
         """
+        self.exception = self.exception_source = None
         plan = self._val_plan(loader, pad=True, name="loader")
         flagged = isinstance(plan.loader.dataset, torch.utils.data.IterableDataset)
         if flagged:  # length unknown: pad the stream, and flag which rows are samples
@@ -1115,9 +1196,7 @@ class Loop:
                 if flagged:
                     flag, batch = batch
                     flags.append(flag)
-                inputs = tuple(batch[:-1]) if isinstance(batch, (tuple, list)) \
-                    and len(batch) >= 2 else (batch if isinstance(batch, (tuple, list))
-                                              else (batch,))
+                inputs = self._predict_inputs(batch, plan)
                 if model is None and isinstance(self.model, WithLoss):
                     self.model.num_inputs = len(inputs)
                 inputs = tuple(self._cast(x) for x in inputs)
@@ -1134,6 +1213,24 @@ class Loop:
         keep = torch.cat(flags) if flagged else slice(None, plan.samples)
         return _concat(outputs, keep, plan.layout.input_rows)
 
+    def _predict_inputs(self, batch: Any, plan: Plan) -> tuple:
+        """The model's inputs in a predict batch: all of its elements, or all but the labels.
+
+        After a fit or validate with N inputs, a batch of N elements is N inputs and one of
+        N + 1 is N inputs and the labels; before, a batch of two or more elements is taken
+        as (inputs..., labels).
+        """
+        if not isinstance(batch, (tuple, list)):
+            return (batch,)
+        n = self._num_inputs
+        if n is None:
+            return tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)
+        if len(batch) in (n, n + 1):
+            return tuple(batch[:n])
+        raise ValueError(f"{plan.name} yields batches of {len(batch)} elements, but the model "
+                         f"was fit with {n} input(s): predict takes (inputs...) or "
+                         "(inputs..., labels) batches of those inputs.")
+
     def _flagged_plan(self, plan: Plan) -> Plan:
         """``plan`` over an IterableDataset, each sample flagged True and the stream padded
         (per worker) to whole host calls with False-flagged copies of its last sample."""
@@ -1149,10 +1246,11 @@ class Loop:
 
     # -- failure --------------------------------------------------------------------------------
     def _on_exception(self) -> None:
-        if self._exception_fired:
+        """Fire on_exception for the error being handled, once (a nested call reported it)."""
+        error = sys.exc_info()[1]
+        if error is self.exception:
             return
-        self._exception_fired = True
-        self.exception = sys.exc_info()[1]  # what on_exception callbacks are told about
+        self.exception = error  # what on_exception callbacks are told about
         for cb, hook in self._hooks["on_exception"]:
             try:
                 hook(self)

@@ -1,23 +1,135 @@
-"""The README's quickstart code runs as written, and its hook order is the loop's."""
+"""Every Python snippet of README.md and examples/README.md runs as written, and the README's
+hook order is the loop's.
+
+A snippet that uses names it does not define (the model, the options, the loaders of the
+surrounding prose) runs with small stand-ins for exactly those names, listed in ``STAND_INS``
+by a line that identifies the snippet; every other snippet runs in an empty namespace. Each
+runs in a temporary working folder (the callbacks snippet writes checkpoints, a CSV log and
+a profile there).
+"""
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
 import ipuloop.callbacks.base as base
+from ipuloop import Loop, WithLoss, poptorch
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+DOCS = (README, README.parent / "examples" / "README.md")
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+def blocks(lang: str, path: pathlib.Path = README) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), re.S)
 
 
-def test_readme_example_runs(capsys):
-    code = next(b for b in blocks("python") if "loop.fit" in b and "import" in b)
-    exec(compile(code, "README.md", "exec"), {})
-    loss, acc = capsys.readouterr().out.split()[-2:]
+def _data(n: int, batch_size: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 20, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=batch_size)
+
+
+def _model_with_loss() -> nn.Module:
+    torch.manual_seed(0)
+    return WithLoss(nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)),
+                    nn.CrossEntropyLoss())
+
+
+def _top_of_readme() -> dict:
+    """The first snippet: ``model_with_loss``, its ``model``, ``opts`` and the two loaders."""
+    model_with_loss = _model_with_loss()
+    return {"Loop": Loop, "poptorch": poptorch, "model_with_loss": model_with_loss,
+            "model": model_with_loss.model, "opts": poptorch.Options().deviceIterations(2),
+            "train_loader": _data(64, 4), "val_loader": _data(16, 4)}
+
+
+def _callbacks() -> dict:
+    """The callbacks snippet: a model-with-loss, options and loaders of 600 steps an epoch,
+    so a step save (every_n_steps=500) comes before the first validation."""
+    return {"model": _model_with_loss(), "opts": poptorch.Options().deviceIterations(2),
+            "loader": _data(2400, 2), "val": _data(32, 2), "epochs": 2}
+
+
+# A line of the snippet -> the stand-ins for the names it uses without defining them.
+STAND_INS = {
+    "loop = Loop(model_with_loss, opts,": _top_of_readme,
+    "sched = torch.optim.lr_scheduler.OneCycleLR(": _callbacks,
+}
+
+SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{i}]")
+            for path in DOCS for i, code in enumerate(blocks("python", path))]
+
+
+def test_the_snippets_are_found():
+    assert len([s for s in SNIPPETS if s.values[0] == README]) == 4
+    for marker in STAND_INS:  # each stand-in serves a snippet that still exists
+        assert sum(marker in s.values[2] for s in SNIPPETS) == 1, marker
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: these tiny models run many times slower when threads outnumber the
+    idle cores of a busy host (the README's advice for a small CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("path, index, code", SNIPPETS)
+def test_every_python_snippet_runs_as_written(path, index, code, tmp_path, monkeypatch, capsys,
+                                              one_thread):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for marker, stand_ins in STAND_INS.items():
+        if marker in code:
+            namespace.update(stand_ins())
+    exec(compile(code, f"{path.name} python block {index}", "exec"), namespace)
+    check = CHECKS.get(next((m for m in CHECKS if m in code), None))
+    if check is not None:
+        check(namespace, capsys.readouterr().out, tmp_path, capsys)
+
+
+def _check_top(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    assert ns["loop"].state.epoch == 3
+
+
+def _check_one_example(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    loss, acc = out.split()[-2:]
     assert 0 < float(loss) < 0.7 and float(acc) > 0.8
+    assert ns["predictions"].shape == (1024, 2)
+
+
+def _check_print_lr(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    model = _model_with_loss()
+    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05),
+                callbacks=[ns["PrintLR"]()], progress=False)
+    loop.fit(_data(400, 2), epochs=1)  # 200 steps: PrintLR prints at steps 100 and 200
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [(int(s), float(lr)) for s, lr, _ in lines] == [(100, 0.05), (200, 0.05)]
+
+
+def _check_callbacks(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    loop, sched, opt = ns["loop"], ns["sched"], ns["opt"]
+    assert loop.state.epoch == 2 and loop.state.update == ns["updates"] == 2 * 600 * 2
+    assert sched.last_epoch == sched.total_steps  # the whole cycle, no step past its end
+    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.95)  # cycled back to the max
+    assert (tmp_path / "logs.csv").exists() and (tmp_path / "profile").is_dir()
+    assert list((tmp_path / "ckpt").iterdir())
+
+
+CHECKS = {
+    "loop = Loop(model_with_loss, opts,": _check_top,
+    "predictions = loop.predict(": _check_one_example,
+    "class PrintLR(Callback):": _check_print_lr,
+    "sched = torch.optim.lr_scheduler.OneCycleLR(": _check_callbacks,
+}
 
 
 def test_readme_hook_order_matches_the_module_docstring():
@@ -35,3 +147,73 @@ def test_readme_commands_are_the_ci_commands():
     assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
     assert 'pip install -e ".[test]" && python -m pytest -q' in README.read_text()
     assert "python -m ipuloop.examples.mnist" in README.read_text()
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_readme_says_what_cancel_step_skips_and_it_does():
+    assert ("`CancelStep` from `on_train_step_start` skips the training step itself: its host "
+            "batch is read but never runs on the device (no update, no loss, not counted in "
+            "`state`)") in _flat(README.read_text())
+    from ipuloop import Callback, CancelStep
+
+    class Skip(Callback):
+        def on_train_step_start(self, loop):
+            raise CancelStep
+
+    model = _model_with_loss()
+    before = [p.detach().clone() for p in model.parameters()]
+    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+                callbacks=[Skip()], progress=False)
+    loop.fit(_data(16, 2), epochs=1)
+    assert (loop.state.step, loop.state.update, loop.state.samples) == (0, 0, 0)
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
+
+
+def test_readme_says_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
+    assert ("under `\"16-mixed\"`, the autocast dtype of its last op (bfloat16 on the "
+            "emulator's CPU, float16 on CUDA and on an IPU") in _flat(README.read_text())
+    monkeypatch.delenv("IPULOOP_EMULATOR_DEVICE", raising=False)
+    loop = Loop(_model_with_loss(), precision="16-mixed", progress=False)
+    x = torch.randn(8, 20)
+    assert loop.predict(DataLoader(TensorDataset(x), batch_size=4)).dtype == torch.bfloat16
+
+
+def test_readme_says_metrics_are_estimates_under_final_and_they_are():
+    assert ("Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
+            "outputs, so the train metrics, like `train_loss`, are computed over those "
+            "micro-batches only: estimates") in _flat(README.read_text())
+    import torchmetrics
+
+    class Rows(torchmetrics.Metric):  # counts the samples a metric is updated with
+        def __init__(self):
+            super().__init__()
+            self.add_state("n", torch.tensor(0), dist_reduce_fx="sum")
+
+        def update(self, preds, target):
+            self.n += preds.shape[0]
+
+        def compute(self):
+            return self.n
+
+    rows = {}
+    for mode in ("All", "Final"):
+        opts = poptorch.Options().deviceIterations(2).outputMode(getattr(poptorch.OutputMode,
+                                                                        mode))
+        opts.Training.gradientAccumulation(2)
+        loop = Loop(_model_with_loss(), opts, metrics={"rows": Rows()}, progress=False)
+        rows[mode] = loop.fit(_data(64, 2), epochs=1)[-1]["train_rows"]
+    assert rows == {"All": 64, "Final": 8 * 2}  # 8 steps; Final: the last micro-batch of 2
+
+
+def test_readme_says_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):
+    text = _flat(README.read_text())
+    assert "set `OMP_NUM_THREADS=1` or call `torch.set_num_threads(1)`" in text
+    assert "`--threads N`" in text
+    from ipuloop.examples import mnist
+    monkeypatch.setattr(mnist.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    assert mnist._default_threads() == 1  # a busy host: one thread
+    monkeypatch.setattr(mnist.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert mnist._default_threads() == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))

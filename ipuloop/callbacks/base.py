@@ -39,7 +39,8 @@ CancelEpoch or CancelFit from its hooks ends it with no val logs, returning ``{}
 ``Loop.predict`` fires only on_compile_start/on_compile_end, when it compiles.
 ``on_save_checkpoint`` fires when ``ModelCheckpoint`` saves, before the callbacks'
 ``state_dict()`` is read; ``on_load_checkpoint`` at the end of ``Loop.load_state_dict``.
-Any exception other than the Cancel* ones fires ``on_exception`` once, then propagates; an
+Any exception other than the Cancel* ones fires ``on_exception`` once per failing ``fit``,
+``validate`` or ``predict`` call (``loop.exception`` is the error), then propagates; an
 exception raised in a hook carries a note naming the callback and the hook. A Cancel*
 exception skips the rest of its scope, later callbacks' hooks for that event included:
 ``CancelStep`` from a train step hook: to the next step. ``CancelEpoch`` from
@@ -51,6 +52,9 @@ Hooks fire per step, never per micro-batch: the host never sees a micro-batch on
 """
 from __future__ import annotations
 
+import difflib
+import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the loop imports this module; annotations only
@@ -67,7 +71,9 @@ EVENTS = (
 
 
 class CancelStep(Exception):
-    """Raised in ``on_train_step_start``: skip this step (its data is consumed)."""
+    """Raised in ``on_train_step_start``: skip this training step itself (its host batch is
+    read but never run: no update, no loss) and its remaining hooks. Raised in
+    ``on_train_step_end``: skip the later callbacks' ``on_train_step_end`` only."""
 
 
 class CancelEpoch(Exception):
@@ -84,9 +90,18 @@ class Callback:
     The loop calls only the hooks a callback overrides, in ascending ``order`` (stable).
     A callback with state to checkpoint returns it from ``state_dict()`` (tensors, numbers,
     strings, lists and dicts only) and takes it back in ``load_state_dict()``.
+
+    A method named like a hook but not one (``on_train_batch_end``) is never called: the
+    first construction of such a class warns, naming the closest event.
     """
 
     order: int = 0
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Callback:
+        if cls not in _CHECKED:
+            _CHECKED.add(cls)
+            _warn_misnamed_hooks(cls)
+        return super().__new__(cls)
 
     @property
     def state_key(self) -> str:
@@ -115,6 +130,25 @@ class Callback:
     def on_load_checkpoint(self, loop: Loop) -> None: ...
     def on_preempt(self, loop: Loop) -> None: ...
     def on_exception(self, loop: Loop) -> None: ...
+
+
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # Callback classes already checked
+_SYNONYMS = (("begin", "start"), ("batch", "step"))  # other loops' words for the same events
+
+
+def _warn_misnamed_hooks(cls: type) -> None:
+    """Warn about each ``on_*`` method of ``cls`` that is close to an event but not one."""
+    names = {n for klass in cls.__mro__ if klass is not Callback and klass is not object
+             for n, v in vars(klass).items() if n.startswith("on_") and callable(v)}
+    for name in sorted(names - set(EVENTS)):
+        key = name
+        for word, ours in _SYNONYMS:
+            key = key.replace(word, ours)
+        close = difflib.get_close_matches(key, EVENTS, n=1, cutoff=0.6)
+        if close:
+            warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never calls "
+                          f"it. Did you mean {close[0]}? (All events: "
+                          "ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
 
 
 def overridden(callback: Callback, event: str) -> bool:

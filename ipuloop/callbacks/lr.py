@@ -46,9 +46,14 @@ class LRScheduler(Callback):
             "update", and "epoch" for ``ReduceLROnPlateau``, which only steps per epoch.
         monitor: for ``ReduceLROnPlateau``, the log it watches (e.g. "val_loss").
 
+    A scheduler that cycles momentum (``OneCycleLR``, ``CyclicLR``) needs it variable on the
+    device (for ``poptorch.optim``, passed to the optimizer's constructor); otherwise
+    ``fit`` fails before the first step, naming the fix (e.g. ``cycle_momentum=False``).
+
     Example::
 
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=updates)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.1, total_steps=Loop.num_updates(train_loader, opts, epochs))
         loop = Loop(model, opts, optimizer=opt, callbacks=[LRScheduler(sched)])
     """
 
@@ -84,6 +89,7 @@ class LRScheduler(Callback):
             raise ValueError("LRScheduler: the scheduler drives another optimizer than the "
                              "loop's, so its LR would never reach the device. Build the "
                              "scheduler over the optimizer passed to Loop(optimizer=...).")
+        self._check_cycled_momentum(loop.optimizer)
         # A checkpoint or a device read-back can hold the LR the device last ran, one scheduler
         # step behind: the schedule's LR wins, and the loop pushes it before the first step.
         lrs = getattr(self.scheduler, "_last_lr", None) or ()
@@ -92,6 +98,31 @@ class LRScheduler(Callback):
                 group["lr"].fill_(float(lr))
             else:
                 group["lr"] = float(lr)
+
+    def _check_cycled_momentum(self, opt: Any) -> None:
+        """A scheduler that cycles momentum (OneCycleLR, CyclicLR) changes ``betas`` or
+        ``momentum`` every update: PopTorch lets only variable attributes change after
+        compilation, so a constant one fails here rather than at the first pushed change."""
+        if not getattr(self.scheduler, "cycle_momentum", False):
+            return
+        name = "betas" if getattr(self.scheduler, "use_beta1", False) else "momentum"
+        variable_attrs = getattr(opt, "variable_attrs", None)  # poptorch.optim optimizers
+        if variable_attrs is not None:
+            constant = variable_attrs.isConstant(name)
+            why = (f"{name} was not passed to its constructor (PopTorch makes an attribute "
+                   "variable only when it is passed)")
+            fix = (f"pass {name} explicitly, e.g. {type(opt).__name__}(params, lr=..., "
+                   + ("betas=(0.9, 0.999))" if name == "betas" else "momentum=0.9)")
+                   + f" or opt.variable_attrs.markAsVariable({name!r}), or")
+        else:  # torch.optim: PopTorch keeps betas constant whatever the constructor was given
+            constant = name == "betas"
+            why = "PopTorch keeps a torch.optim optimizer's betas constant"
+            fix = f"use poptorch.optim.{type(opt).__name__}(params, lr=..., betas=...), or"
+        if constant:
+            raise ValueError(
+                f"LRScheduler: {type(self.scheduler).__name__} with cycle_momentum=True changes "
+                f"{name} every update, but {name} cannot change after compilation: {why}. "
+                f"To cycle it, {fix} build the scheduler with cycle_momentum=False.")
 
     def on_train_step_end(self, loop: Any) -> None:
         if self.interval == "update":

@@ -7,7 +7,10 @@ written with ``ipuloop.Loop``. Runs on IPUs with poptorch installed, else on the
 from __future__ import annotations
 
 import argparse
+import gzip
+import hashlib
 import logging
+import math
 import os
 import shutil
 import sys
@@ -19,6 +22,9 @@ import torch.nn as nn
 __all__ = ["Network", "TrainingModelWithLoss", "build_options", "load_mnist", "main"]
 
 MEAN, STD = 0.1307, 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
+STAGES = 4  # blocks B1..B4, one IPU each
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+               "t10k-labels-idx1-ubyte")
 
 
 class ConvLayer(nn.Module):
@@ -97,7 +103,31 @@ def _strategy(name: str):
     """One stage per block, block ``Bi`` on IPU i-1, pipelined or sharded."""
     from ipuloop import poptorch
     strategy = poptorch.PipelinedExecution if name == "pipelined" else poptorch.ShardedExecution
-    return strategy(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4)))
+    return strategy(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(STAGES)))
+
+
+def check_factors(opts, inference, strategy: str, inference_pipelined: bool,
+                  names: dict[str, str]) -> None:
+    """The options' factors against the IPUs and the pipeline, before any data is read.
+
+    ``names`` spells each factor as the user gave it (a flag, or an --ipu-config key).
+    Raises ``ValueError`` naming the factor, its value and the fix.
+    """
+    rf, ga = opts.replication_factor, opts.Training.gradient_accumulation
+    ipus = rf * STAGES
+    if not opts.auto_round_num_ipus and (ipus & (ipus - 1) or ipus > 64):
+        raise ValueError(f"{names['replicas']} {rf}: {rf} replica(s) of {STAGES} IPUs is "
+                         f"{ipus} IPUs, but PopTorch reserves a power of 2 of IPUs, at most 64. "
+                         f"Use {names['replicas']} 1, 2, 4, 8 or 16.")
+    if strategy == "pipelined" and ga < 2 * STAGES - 1:
+        raise ValueError(f"{names['gradient_accumulation']} {ga} is too small for --strategy "
+                         f"pipelined: training {STAGES} pipeline stages needs at least "
+                         f"{2 * STAGES - 1}. Raise it, or use --strategy sharded.")
+    di = inference.device_iterations
+    if inference_pipelined and di < STAGES:
+        raise ValueError(f"{names['inference_iterations']} {di} is too small for --strategy "
+                         f"pipelined: inference over {STAGES} pipeline stages needs at least "
+                         f"{STAGES} device iterations.")
 
 
 def config_options(args: argparse.Namespace):
@@ -125,23 +155,39 @@ def _data_dir(arg: str | None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "torchvision")
 
 
+def _cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME")
+                        or os.path.join(os.path.expanduser("~"), ".cache"), "ipuloop", "mnist")
+
+
 def _mnist_root(data_dir: str) -> str:
-    """A folder torchvision can read MNIST from: ``data_dir``, or a writable copy of its files."""
+    """A folder torchvision can read MNIST from without writing into ``data_dir``.
+
+    ``data_dir`` itself when ``MNIST/raw`` holds the unpacked files (or not all four ``.gz``
+    files: torchvision then downloads them). When it holds only the ``.gz`` files, they are
+    unpacked once into ``$XDG_CACHE_HOME/ipuloop/mnist`` (default ``~/.cache``), keyed by
+    their content, never beside them: the data folder may be read-only or shared.
+    """
     raw = os.path.join(data_dir, "MNIST", "raw")
-    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-             "t10k-labels-idx1-ubyte"]
-    if all(os.path.exists(os.path.join(raw, n)) for n in names) or not all(
-            os.path.exists(os.path.join(raw, n + ".gz")) for n in names):
+    if all(os.path.exists(os.path.join(raw, n)) for n in MNIST_FILES) or not all(
+            os.path.exists(os.path.join(raw, n + ".gz")) for n in MNIST_FILES):
         return data_dir
-    if os.access(raw, os.W_OK):
-        return data_dir  # torchvision unpacks the .gz files in place
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "ipuloop", "mnist")
-    os.makedirs(os.path.join(cache, "MNIST", "raw"), exist_ok=True)
-    for n in names:  # a read-only folder: unpack a copy instead
-        dst = os.path.join(cache, "MNIST", "raw", n + ".gz")
-        if not os.path.exists(dst):
-            shutil.copyfile(os.path.join(raw, n + ".gz"), dst)
-    return cache
+    key = hashlib.sha256()
+    for n in MNIST_FILES:  # the content: copies of the same files share one unpacked set
+        with open(os.path.join(raw, n + ".gz"), "rb") as f:
+            key.update(hashlib.sha256(f.read()).digest())
+    root = os.path.join(_cache_dir(), key.hexdigest()[:16])
+    out = os.path.join(root, "MNIST", "raw")
+    os.makedirs(out, exist_ok=True)
+    for n in MNIST_FILES:
+        dst = os.path.join(out, n)
+        if os.path.exists(dst):
+            continue
+        tmp = f"{dst}.{os.getpid()}.tmp"  # renamed when whole: a crash leaves no half file
+        with gzip.open(os.path.join(raw, n + ".gz"), "rb") as src, open(tmp, "wb") as f:
+            shutil.copyfileobj(src, f)
+        os.replace(tmp, dst)
+    return root
 
 
 class MissingData(RuntimeError):
@@ -166,9 +212,25 @@ def load_mnist(data_dir: str, train: bool):
     return torch.utils.data.TensorDataset(images, ds.targets)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit status 2
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _default_threads() -> int:
+    """Torch threads for this host: its cores less the ones busy (load average), at least 1.
+
+    Small models slow down many times over when torch's threads outnumber the idle cores of
+    a busy host.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(torch.get_num_threads(), (cores or 1) - busy))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ipuloop.examples.mnist", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m ipuloop.examples.mnist", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-size", type=int, default=40, help="micro-batch size for training")
     p.add_argument("--device-iterations", type=int, default=10)
     p.add_argument("--gradient-accumulation", type=int, default=10)
@@ -193,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--workers", type=int, default=0, help="data loader worker processes")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: $OMP_NUM_THREADS, else the host's idle cores, "
+                        "at least 1)")
     p.add_argument("--ipu-config", default=None, metavar="FILE",
                    help="an IPUConfig JSON file (or a folder holding ipu_config.json) giving "
                         "the options instead of --device-iterations, --gradient-accumulation, "
@@ -205,9 +270,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ipu_config_overrides and not args.ipu_config:
         p.error("--ipu-config-overrides changes an --ipu-config FILE: pass both")
     for name in ("batch_size", "device_iterations", "gradient_accumulation", "test_batch_size",
-                 "inference_iterations", "epochs", "replicas"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+                 "inference_iterations", "epochs", "replicas", "max_steps", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {value}")
+    if args.workers < 0:
+        p.error(f"--workers must be >= 0 (0: load in the main process). Received: {args.workers}")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        p.error(f"--learning-rate must be a finite number > 0. Received: {args.learning_rate}")
     return args
 
 
@@ -227,9 +297,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         factors = (config.device_iterations, config.gradient_accumulation_steps,
                    config.replication_factor)
+        names = {"replicas": "--ipu-config replication_factor",
+                 "gradient_accumulation": "--ipu-config gradient_accumulation_steps"}
     else:
         opts, inference = build_options(args)
         factors = (args.device_iterations, args.gradient_accumulation, args.replicas)
+        names = {k: f"--{k.replace('_', '-')}" for k in
+                 ("replicas", "gradient_accumulation", "inference_iterations")}
+    try:  # the config's inference options run sharded; the flags' run as training does
+        check_factors(opts, inference, args.strategy, not args.ipu_config, names)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    threads = args.threads or (None if os.environ.get("OMP_NUM_THREADS") else _default_threads())
+    if threads:
+        torch.set_num_threads(threads)
     data_dir = _data_dir(args.data_dir)
     try:
         train_set = load_mnist(data_dir, train=True)
@@ -254,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                                                shuffle=True, num_workers=args.workers)
     print(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
           f"{args.batch_size} x {factors[0]} device iterations x {factors[1]} accumulation x "
-          f"{factors[2]} replica(s)", flush=True)
+          f"{factors[2]} replica(s); {torch.get_num_threads()} torch thread(s)", flush=True)
     start = time.perf_counter()
     loop.fit(train_loader, epochs=args.epochs, max_steps=args.max_steps,
              resume_from="last" if args.resume else None)
