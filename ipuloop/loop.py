@@ -1118,8 +1118,10 @@ class Loop:
     # -- checkpoint state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts."""
-        if self.train_model is not None and self.train_model.isCompiled():
-            self.train_model.copyWeightsToHost()  # the device holds the current weights
+        if self.train_model is not None and self.train_model.isAttachedToDevice():
+            # the device holds the current weights (a detached model copied them back when it
+            # detached, and reading from a device it no longer holds is undefined in PopTorch)
+            self.train_model.copyWeightsToHostIfNeeded()
         model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         sd: dict[str, Any] = {
             "model": model_state,

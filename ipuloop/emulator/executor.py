@@ -635,6 +635,10 @@ class PoplarExecutor:
         """Read the device's weights back into the host module (replica 0's buffers)."""
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)  # the device copy would overwrite host edits
+        if not self._attached:  # PopTorch runs a program on a device it no longer holds
+            raise Error("copyWeightsToHost() on a model detached from its device: detaching "
+                        "already copied the weights to the host. Read them from the host "
+                        "module, or call attachToDevice() first.")
         self._host_dirty = False
         with torch.no_grad():
             for h, d in zip(self._host_params + self._host_buffers,
