@@ -95,6 +95,24 @@ def _hyper_extras(opt: torch.optim.Optimizer) -> tuple:
     return tuple(getattr(opt, k, None) for k in _PUSHED_EXTRAS)
 
 
+@contextlib.contextmanager
+def _plain_numbers(opt: torch.optim.Optimizer | None) -> Any:
+    """While PopTorch reads ``opt`` (``trainingModel``, ``setOptimizer``), its tensor
+    hyper-parameters (an lr a scheduler updates in place) are their floats: PopTorch asserts
+    numbers. The tensors are put back after, so in-place updates keep working."""
+    swapped = []
+    for group in (opt.defaults, *opt.param_groups) if opt is not None else ():
+        for k, v in group.items():
+            if k != "params" and isinstance(v, torch.Tensor):
+                swapped.append((group, k, v))
+                group[k] = float(v)  # a host tensor: no device sync
+    try:
+        yield
+    finally:
+        for group, k, v in swapped:
+            group[k] = v
+
+
 class _Seen:
     """An optimizer's param groups and PopTorch attributes as ``_push_optimizer`` last read them.
 
@@ -319,7 +337,7 @@ class Loop:
         self.model = WithLoss(model, loss_fn) if loss_fn is not None else model
         self._set_precision(precision)
         from .config import IPUConfig
-        per_replica = opts.ipus_per_replica if isinstance(opts, IPUConfig) else 1
+        per_replica = opts.ipus_used() if isinstance(opts, IPUConfig) else 1
         self.train_opts, inf = self._resolve_options(opts, inference_opts)
         self._user_inference_opts = inf
         if replicas is not None:
@@ -420,16 +438,23 @@ class Loop:
     def _set_replicas(self, replicas: int | str, ipus_per_replica: int = 1) -> None:
         """``replicas=``, checked as PopTorch checks the IPUs it reserves, before compiling.
 
-        ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed for "auto"
-        (a pipelined model's IPUs are only known once it is traced).
+        ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed (a
+        pipelined model's IPUs are only known once it is traced).
         """
         pt, opts = self.poptorch, self.train_opts
         hardware = pt.ipuHardwareIsAvailable()
+        use_model = uses_ipu_model(opts)
+
+        def reserved(n: int) -> int:  # what PopTorch reserves for n IPUs (CompilerImpl.cpp)
+            if use_model or not n & (n - 1) or not opts.auto_round_num_ipus:
+                return n
+            return 1 << (n - 1).bit_length()  # autoRoundNumIPUs: the next power of 2
+
         if replicas == "auto":
             # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
             n = 1
-            while hardware and 2 * n * ipus_per_replica <= 64 \
-                    and pt.ipuHardwareIsAvailable(2 * n * ipus_per_replica):
+            while hardware and reserved(2 * n * ipus_per_replica) <= 64 \
+                    and pt.ipuHardwareIsAvailable(reserved(2 * n * ipus_per_replica)):
                 n *= 2
             replicas = n
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -440,22 +465,23 @@ class Loop:
             raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
                              "set one of them.")
         ipus = replicas * ipus_per_replica
-        use_model = uses_ipu_model(opts)
         if not use_model:  # PopTorch reserves a power of two of IPUs, at most 64 a process
-            if replicas & (replicas - 1) and not opts.auto_round_num_ipus:
+            if ipus & (ipus - 1) and not opts.auto_round_num_ipus:
                 below = 1 << (replicas.bit_length() - 1)
+                other = "" if ipus_per_replica & (ipus_per_replica - 1) else \
+                    f"use replicas={below} or {2 * below}, or "
                 raise ValueError(
                     f"replicas={replicas}: PopTorch reserves a power of 2 of IPUs, and "
-                    f"{replicas} replicas of any whole number of IPUs are not one. Use "
-                    f"replicas={below} or {2 * below}, or set "
-                    "opts.autoRoundNumIPUs(True) to reserve the next power of 2.")
-            if ipus > 64:
+                    f"{replicas} replica(s) x {ipus_per_replica} IPU(s) = {ipus} is not one. "
+                    f"{other.capitalize()}set opts.autoRoundNumIPUs(True) to reserve "
+                    f"{1 << (ipus - 1).bit_length()}.")
+            if reserved(ipus) > 64:
                 raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
                                  f"= {ipus} IPUs, but a process can reserve at most 64.")
-        if hardware and not use_model and not pt.ipuHardwareIsAvailable(ipus):
+        if hardware and not use_model and not pt.ipuHardwareIsAvailable(reserved(ipus)):
             raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
-                             f"needs {ipus} IPUs, more than this system has. Use fewer "
-                             "replicas, or replicas='auto'.")
+                             f"needs {reserved(ipus)} IPUs, more than this system has. Use "
+                             "fewer replicas, or replicas='auto'.")
         opts.replicationFactor(replicas)
 
     def _set_precision(self, precision: str | int) -> None:
@@ -568,6 +594,7 @@ class Loop:
         val_plan = self._val_plan(val_loader) if val_loader is not None else None
         self._probe(plan)
         if resume_from is not None:
+            self.check_resumable()
             self._resume(resume_from)
         st = self.state
         st.stop_requested = False
@@ -781,8 +808,9 @@ class Loop:
         pt = self.poptorch
         if self.train_model is None:
             self.model.train()
-            self.train_model = pt.trainingModel(self._device_module, self.train_opts,
-                                                optimizer=self.optimizer)
+            with _plain_numbers(self.optimizer):
+                self.train_model = pt.trainingModel(self._device_module, self.train_opts,
+                                                    optimizer=self.optimizer)
             if self.optimizer is None:
                 self.optimizer = getattr(self.train_model, "_optimizer", None)
         self._fire("on_compile_start")
@@ -804,7 +832,8 @@ class Loop:
             return
         current = _hyper(opt)
         if current != self._pushed:
-            self.train_model.setOptimizer(opt)
+            with _plain_numbers(opt):
+                self.train_model.setOptimizer(opt)
             self.optimizer_pushes += 1
             self._pushed = current
         self._seen = _Seen(opt)
@@ -1116,8 +1145,36 @@ class Loop:
                 warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}")
 
     # -- checkpoint state -----------------------------------------------------------------------
+    def check_resumable(self) -> None:
+        """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
+        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers, so a
+        stateful ``torch.optim`` one keeps it on the device, out of every checkpoint."""
+        opt = self.optimizer
+        pt = self.poptorch
+        if opt is None or isinstance(opt, (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW,
+                                           pt.optim.RMSprop, pt.optim.LAMB)):
+            return
+        if isinstance(opt, torch.optim.SGD) and not any(g.get("momentum")
+                                                        for g in opt.param_groups):
+            return  # plain SGD: no state to lose
+        twin = next((c.__name__ for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
+                                          torch.optim.RMSprop) if isinstance(opt, c)),
+                    type(opt).__name__)
+        args = ", ".join(f"{k}={v!r}" for k, v in opt.defaults.items() if k in (
+            "lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "alpha",
+            "centered"))
+        raise ValueError(
+            f"optimizer={type(opt).__module__}.{type(opt).__qualname__} keeps its state "
+            "(momentum, moments) on the IPU only: PopTorch reads and writes optimizer state for "
+            "poptorch.optim optimizers alone, so a checkpoint would hold none and a resumed fit "
+            "would restart it from zero. Use its poptorch.optim twin, with the same values: "
+            f"poptorch.optim.{twin}(params, {args}).")
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts."""
+        """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts.
+
+        A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
+        self.check_resumable()
         if self.train_model is not None and self.train_model.isAttachedToDevice():
             # the device holds the current weights (a detached model copied them back when it
             # detached, and reading from a device it no longer holds is undefined in PopTorch)

@@ -104,3 +104,135 @@ def test_checkpoints_after_validation_hold_the_trained_weights(tmp_path, when):
     assert saved.keys() == host.keys()
     assert all(torch.equal(saved[k], host[k]) for k in host)
     assert not torch.equal(host["net.0.weight"], Net().state_dict()["net.0.weight"])  # trained
+
+
+# -- 7. small ones -----------------------------------------------------------------------------
+@pytest.mark.parametrize("choice", ["auto", "poptorch"])
+def test_a_poptorch_that_fails_to_import_falls_back_only_under_auto(tmp_path, monkeypatch, choice):
+    """A PopTorch wheel built for another torch fails with an ``AssertionError``, not an
+    ``ImportError``: ``assert torch.__version__.startswith("@TORCH_VERSION@"), ("This version
+    of PopTorch only works with torch==...")`` (``python/__init__.py``)."""
+    from ipuloop import backend
+    (tmp_path / "poptorch.py").write_text(
+        "raise AssertionError('This version of PopTorch only works with torch==2.0.1')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("IPULOOP_BACKEND", choice)
+    monkeypatch.setattr(backend, "_resolved", None)
+    if choice == "poptorch":
+        with pytest.raises(backend.BackendError, match="AssertionError: This version of PopTorch"):
+            backend.poptorch_module()
+        return
+    with pytest.warns(RuntimeWarning, match="AssertionError: This version of PopTorch"):
+        assert backend.poptorch_module() is poptorch
+    assert backend.backend_name() == "emulator"
+
+
+def test_the_emulator_asserts_numbers_as_hyperparameters():
+    """``_assertIsNumber``: ``assert isinstance(value, numbers.Number), (f"Expected a number for
+    {name} but got {value} instead")`` on every group variable, lr included
+    (``_optimizer_attributes.py``, ``convertOptimizerToDict``)."""
+    model = Net()
+    with pytest.raises(AssertionError, match="Expected a number for lr"):
+        poptorch.trainingModel(model, poptorch.Options(),
+                               torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1)))
+    ok = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = poptorch.trainingModel(model, poptorch.Options(), ok)
+    ok.param_groups[0]["lr"] = torch.tensor(0.05)
+    with pytest.raises(AssertionError, match="Expected a number for lr"):
+        train.setOptimizer(ok)
+
+
+def test_the_loop_pushes_tensor_learning_rates_as_numbers():
+    """The loop keeps a tensor lr a tensor on the host (updated in place) and pushes floats."""
+    lr = torch.tensor(0.1)
+
+    class Halve(Callback):
+        def on_train_step_end(self, loop):
+            lr.mul_(0.5)
+
+    model = Net()
+    loop = Loop(model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), progress=False,
+                callbacks=[Halve()])
+    loop.fit(DataLoader(data(12), batch_size=4))
+    assert loop.optimizer.param_groups[0]["lr"] is lr and loop.optimizer_pushes == 2
+    assert loop.train_model._device_optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_replicas_count_ipus_as_poptorch_reserves_them(monkeypatch):
+    """PopTorch reserves max(IPUs used, highest IPU + 1) x replicationFactor IPUs, rounded up to
+    a power of 2 with autoRoundNumIPUs (``CompilerImpl.cpp`` ``createDevice``; semantics §1.3):
+    an IPU with no layers past the last used one is not reserved, and the system is asked for
+    the rounded count."""
+    from ipuloop.config import IPUConfig
+    asked = []
+    monkeypatch.setattr(poptorch, "ipuHardwareIsAvailable",
+                        lambda num_ipus=1: asked.append(num_ipus) or num_ipus <= 64)
+    loop = make_loop(opts=IPUConfig(layers_per_ipu=[2, 0], ipus_per_replica=2), replicas=64)
+    assert loop.train_opts.replication_factor == 64 and asked[-1] == 64
+    make_loop(opts=IPUConfig(layers_per_ipu=[1, 1, 1]), replicas=2)
+    assert asked[-1] == 8  # 2 x 3 = 6 IPUs, reserved as 8
+    with pytest.raises(ValueError, match="= 3 is not one"):
+        make_loop(opts=poptorch.Options(), replicas=3)
+
+
+def test_recomputation_checkpoints_get_tensors_only():
+    """``recomputationCheckpoint`` raises ``ValueError("All inputs must be tensors")`` for any
+    other argument (``ops.py``); a layer returning (tensor, None) passes the None through."""
+    from ipuloop.config import _RecomputeHook
+    with pytest.raises(ValueError, match="All inputs must be tensors"):
+        poptorch.recomputationCheckpoint(torch.ones(1), None)
+    out = _RecomputeHook(poptorch)(nn.Identity(), (), (torch.ones(2), None))
+    assert torch.equal(out[0], torch.ones(2)) and out[1] is None
+
+
+def test_mnist_ipu_config_inference_uses_the_training_ipus(tmp_path):
+    """Inference options from an IPUConfig shard with ``AutoStage.AutoIncrement``, whose stage
+    ids start at 1: blocks B1..B4 would land on IPUs 1..4, 5 IPUs (``_options_impl.py``,
+    ``AutoStage.AutoIncrement``); the example places them as training does."""
+    from ipuloop.config import IPUConfig
+    from ipuloop.examples import mnist
+    IPUConfig(device_iterations=1, gradient_accumulation_steps=8).save(tmp_path / "c.json")
+    args = mnist.parse_args(["--ipu-config", str(tmp_path / "c.json")])
+    _, opts, inference = mnist.config_options(args)
+    model = mnist.TrainingModelWithLoss(mnist.Network())
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1))
+    train.compile(x, y)
+    infer = poptorch.inferenceModel(model, inference)
+    infer.compile(x[:1])
+    assert infer.num_ipus <= train.num_ipus == 4
+
+
+# -- 3. optimizer state: poptorch.optim only ---------------------------------------------------
+def test_a_torch_optim_optimizer_state_stays_on_the_device():
+    """PopTorch reads the device's optimizer state only for its own optimizers:
+    ``_read_optim_state_dict_if_needed`` returns at ``if not isinstance(self._optimizer,
+    Optimizer)`` and ``setOptimizer`` rebinds ``state_dict`` only ``if isinstance(optimizer,
+    Optimizer)``; ``_write_optim_state_dict_if_needed`` likewise (``_poplar_executor.py``)."""
+    for cls, read_back in ((torch.optim.Adam, False), (poptorch.optim.Adam, True)):
+        model = Net()
+        opt = cls(model.parameters(), lr=0.01)
+        train = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2), opt)
+        train(*data(8)[:])
+        assert bool(opt.state_dict()["state"]) is read_back
+        train.detachFromDevice()
+        assert bool(opt.state) is read_back
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "resume", "state_dict"])
+def test_checkpointing_a_stateful_torch_optim_optimizer_is_refused_before_training(tmp_path, how):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    loop = Loop(model, optimizer=opt, progress=False,
+                callbacks=[ModelCheckpoint(tmp_path)] if how == "checkpoint" else [])
+    with pytest.raises(ValueError, match=r"poptorch.optim.AdamW\(params, lr=0.02, "):
+        if how == "state_dict":
+            loop.state_dict()
+        else:
+            loop.fit(DataLoader(data(), batch_size=4),
+                     resume_from=str(tmp_path) if how == "resume" else None)
+    assert loop.train_model is None  # refused before anything was compiled
+    # stateless (SGD without momentum) and poptorch.optim optimizers checkpoint exactly
+    for opt in (torch.optim.SGD(model.parameters(), lr=0.1),
+                poptorch.optim.AdamW(model.parameters(), lr=0.02)):
+        Loop(model, optimizer=opt, progress=False).state_dict()
