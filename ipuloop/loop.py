@@ -296,7 +296,8 @@ class Loop:
             PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
             the IPU Model), at most 64 IPUs, and no more than the system has.
         inference_opts: options for validation and predict; default: a clone of the
-            training options with gradientAccumulation 1 and, of the device-iteration counts
+            training options without their training-only settings (gradientAccumulation 1,
+            no automatic loss scaling, no anchored tensors) and, of the device-iteration counts
             from DI*GA down to half of it (fewer only for a short loader), the one that
             needs the least padding to make whole host calls of the loader's samples.
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
@@ -943,7 +944,12 @@ class Loop:
         if self._user_inference_opts is not None:
             return self._user_inference_opts.clone()
         inf = self.train_opts.clone()
+        # training-only settings PopTorch or PopART reject for inference: accumulation,
+        # automatic loss scaling, anchors (of gradients and updated weights, or anything else
+        # the training step returns)
         inf.Training.gradientAccumulation(1)
+        inf.Training.setAutomaticLossScaling(False)
+        inf.anchored_tensors.clear()
         inf.outputMode(pt.OutputMode.All)
         if isinstance(loader, pt.DataLoader):
             lo = loader.options

@@ -236,3 +236,19 @@ def test_checkpointing_a_stateful_torch_optim_optimizer_is_refused_before_traini
     for opt in (torch.optim.SGD(model.parameters(), lr=0.1),
                 poptorch.optim.AdamW(model.parameters(), lr=0.02)):
         Loop(model, optimizer=opt, progress=False).state_dict()
+
+
+# -- 4. inference options ----------------------------------------------------------------------
+def test_inference_options_drop_training_only_settings():
+    """``_TrainingOptions``: "You must not set these options for inference models"
+    (``options.py``); PopART refuses automatic loss scaling for a session that does not train,
+    and an inference graph has no gradients or updated weights to anchor."""
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    with pytest.raises(poptorch.Error, match="Automatic loss scaling is a training setting"):
+        poptorch.inferenceModel(Net(), opts.clone())
+    opts.anchorTensor("grad", "Gradient___net.0.weight")
+    loop = make_loop(opts=opts)
+    hist = loop.fit(DataLoader(data(), batch_size=4), val_loader=DataLoader(data(8), batch_size=4))
+    assert "val_loss" in hist[-1]
+    assert loop.train_model.getAnchoredTensor("grad").shape == (8, IN)

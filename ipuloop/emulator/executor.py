@@ -1116,4 +1116,10 @@ def inferenceModel(model: torch.nn.Module, options: Any = None) -> PoplarExecuto
                     + (" Use poptorch.Options().deviceIterations to fill the pipeline instead."
                        if pipelined else "")
                     + f" Received: gradientAccumulation={options.Training.gradient_accumulation}.")
+    if options is not None and options._Popart.options.get("automaticLossScalingSettings.enabled"):
+        # PopART refuses it for a session that does not train (Training options: "You must not
+        # set these options for inference models")
+        raise Error("Automatic loss scaling is a training setting: an inferenceModel cannot use "
+                    "options with Training.setAutomaticLossScaling(True). Clone the options and "
+                    "call Training.setAutomaticLossScaling(False) for inference.")
     return PoplarExecutor(model, options, training=False)
