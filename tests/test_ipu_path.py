@@ -252,3 +252,55 @@ def test_inference_options_drop_training_only_settings():
     hist = loop.fit(DataLoader(data(), batch_size=4), val_loader=DataLoader(data(8), batch_size=4))
     assert "val_loss" in hist[-1]
     assert loop.train_model.getAnchoredTensor("grad").shape == (8, IN)
+
+
+# -- 5. custom batch samplers ------------------------------------------------------------------
+class _Pairs(torch.utils.data.Sampler):
+    """A custom batch sampler: consecutive pairs of indices (``batch_size`` 2)."""
+
+    batch_size = 2
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter([[i, i + 1] for i in range(0, self.n - 1, 2)])
+
+    def __len__(self) -> int:
+        return self.n // 2
+
+
+def test_the_emulator_counts_a_batch_samplers_batches():
+    """With a ``batch_sampler``, PopTorch's ``DataLoader.__len__`` is ``super().__len__()`` (the
+    sampler's micro-batches) and ``__iter__`` returns ``_utils.combined_batch_generator(...)``,
+    a plain generator (``python/__init__.py``)."""
+    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(2), data(16),
+                                 batch_sampler=_Pairs(16))
+    assert len(loader) == 8 and len(list(loader)) == 4
+
+
+class _Workers(Callback):
+    """Records the running epoch's loader worker processes."""
+
+    def __init__(self) -> None:
+        self.workers = []
+
+    def on_train_step_end(self, loop):
+        self.workers += getattr(loop._batches, "_workers", [])
+
+
+@pytest.mark.parametrize("max_steps", [None, 3])
+def test_a_custom_batch_sampler_counts_host_calls(max_steps):
+    """DI 2 and 2-sample batches: 32 samples are 16 batches, 8 host calls an epoch; the
+    progress total, the counters and epoch completion count host calls, and the loader's
+    worker processes end with the fit."""
+    workers = _Workers()
+    loop = make_loop(opts=poptorch.Options().deviceIterations(2), callbacks=[workers])
+    loader = DataLoader(data(32), batch_sampler=_Pairs(32), num_workers=1)
+    hist = loop.fit(loader, epochs=2, max_steps=max_steps)
+    assert loop._steps_hint == 8
+    if max_steps is None:
+        assert loop.state.step == 16 and len(hist) == 2 and loop.state.samples == 64
+    else:  # stopped in the first epoch: not complete
+        assert loop.state.step == 3 and loop.state.epoch == 0 and loop.state.epoch_step == 3
+    assert workers.workers and not any(w.is_alive() for w in workers.workers)
