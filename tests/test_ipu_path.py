@@ -304,3 +304,41 @@ def test_a_custom_batch_sampler_counts_host_calls(max_steps):
     else:  # stopped in the first epoch: not complete
         assert loop.state.step == 3 and loop.state.epoch == 0 and loop.state.epoch_step == 3
     assert workers.workers and not any(w.is_alive() for w in workers.workers)
+
+
+# -- 6. distributed slices ---------------------------------------------------------------------
+class _Seen(TensorDataset):
+    """Records every index read."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(*data(n).tensors)
+        self.read: list[int] = []
+
+    def __getitem__(self, i):
+        self.read.append(int(i))
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_loop_orders_this_process_slice(shuffle):
+    """With ``Distributed.numProcesses > 1`` PopTorch's DataLoader replaces the dataset by
+    ``_SubDataset(dataset, options, self._combined_batch_size, drop_last)``, this process's
+    contiguous slice (``python/__init__.py``): rank 1 of 2 with 4-sample host calls and 32
+    samples reads samples 16..31, each once an epoch."""
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(1, 2)
+    ds = _Seen(32)
+    loop = make_loop(opts=opts)
+    loop.fit(DataLoader(ds, batch_size=4, shuffle=shuffle), epochs=2)
+    assert loop.state.step == 8
+    first, second = ds.read[len(ds.read) - 32:len(ds.read) - 16], ds.read[-16:]
+    assert sorted(first) == sorted(second) == list(range(16, 32))
+    assert (first != second) is shuffle and (first == sorted(first)) is not shuffle
+
+
+def test_a_sampler_over_the_whole_dataset_is_refused_with_distributed_slices():
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    sampler = torch.utils.data.SubsetRandomSampler(range(32))
+    with pytest.raises(ValueError, match="SubsetRandomSampler over the whole dataset"):
+        make_loop(opts=opts).fit(DataLoader(data(32), batch_size=4, sampler=sampler))
