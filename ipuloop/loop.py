@@ -8,7 +8,6 @@ import contextlib
 import copy
 import math
 import operator
-import os
 import random
 import sys
 import time
@@ -53,19 +52,6 @@ class WithLoss(torch.nn.Module):
                             f"Received {len(args)} arguments.")
         output = self.model(*args[:-1])
         return output, self.loss_fn(output, args[-1])
-
-
-class _Autocast(torch.nn.Module):
-    """Runs ``module`` under ``torch.autocast`` (mixed 16-bit precision on the emulator)."""
-
-    def __init__(self, module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module = module
-        self.device_type, self.dtype = device_type, dtype
-
-    def forward(self, *args: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.module(*args)
 
 
 PRECISIONS = ("32", "16-mixed", "16-true")
@@ -303,10 +289,14 @@ class Loop:
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
         precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
-            are accepted: 16 means mixed, as in Lightning's IPU docs). Mixed: autocast on the emulator
-            (bfloat16 on the CPU, float16 on CUDA), float inputs cast to half on an IPU.
-            True: the model and float inputs in float16. Loss scaling is static: set
-            ``loss_scaling`` on a ``poptorch.optim`` optimizer.
+            are accepted: 16 means mixed, as in Lightning's IPU docs), the same on the
+            emulator and on an IPU. Both send float inputs as float16. True: the model's
+            weights are float16 too. Mixed: they stay float32, and an op with a float16 input
+            and float32 weights (Linear, Conv) computes in float16, while an op mixing float16
+            and float32 activations computes in float32: PopTorch's user guide, "16-bit float
+            support" (overview.rst), item 2 and its note, as PopTorch's half_float_test.py
+            checks. The host check before compiling runs in float32. Loss scaling is static:
+            set ``loss_scaling`` on a ``poptorch.optim`` optimizer.
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
             can clip on the IPU) and rejects any other optimizer.
@@ -492,19 +482,12 @@ class Loop:
                              f"'32-true'). Received: precision={precision!r}.")
         precision = _PRECISION_ALIASES[precision]
         self.precision = precision
-        self._device_module = self.model  # what the executors wrap
-        self._input_dtype: torch.dtype | None = None
+        # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
+        # also makes the weights float16, "16-mixed" keeps them float32 (each op with a
+        # float16 input casts them to float16, as PopTorch does: see ``Loop``).
         if precision == "16-true":
             self.model.half()
-            self._input_dtype = torch.float16
-        elif precision == "16-mixed":
-            from .backend import backend_name
-            if backend_name() == "emulator":
-                device = os.environ.get("IPULOOP_EMULATOR_DEVICE", "cpu").split(":")[0]
-                dtype = torch.float16 if device == "cuda" else torch.bfloat16
-                self._device_module = _Autocast(self.model, device, dtype)
-            else:  # PopTorch 3.x: half inputs, ops follow PyTorch's type promotion
-                self._input_dtype = torch.float16
+        self._input_dtype = None if precision == "32" else torch.float16
 
     def _set_clipping(self, optimizer: Any, max_grad_norm: float) -> None:
         pt = self.poptorch
@@ -810,7 +793,7 @@ class Loop:
         if self.train_model is None:
             self.model.train()
             with _plain_numbers(self.optimizer):
-                self.train_model = pt.trainingModel(self._device_module, self.train_opts,
+                self.train_model = pt.trainingModel(self.model, self.train_opts,
                                                     optimizer=self.optimizer)
             if self.optimizer is None:
                 self.optimizer = getattr(self.train_model, "_optimizer", None)
@@ -860,12 +843,12 @@ class Loop:
             return x.to(self._input_dtype)  # 16-bit: float inputs are sent as half
         return x
 
-    def _split(self, batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
+    def _split(self, batch: Any, plan: Plan, cast: bool = True) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
             model = self.model  # (issubclass: isinstance would read the wrapped __class__)
             if issubclass(type(model), WithLoss) and model.num_inputs != len(batch) - 1:
                 model.num_inputs = len(batch) - 1  # (Module.__setattr__: only when it changes)
-            if self._input_dtype is not None:
+            if self._input_dtype is not None and cast:
                 batch = [self._cast(x) for x in batch]
             return tuple(batch[:-1]), batch[-1]
         if isinstance(batch, dict):
@@ -885,7 +868,7 @@ class Loop:
             return
         collate = plan.loader.collate_fn
         batch = collate([ds[i] for i in range(min(plan.micro, plan.samples))])
-        inputs, labels = self._split(batch, plan)
+        inputs, labels = self._split(batch, plan, cast=False)  # float32: the host computes it
         n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
         for i, x in enumerate(inputs):
             if isinstance(x, torch.Tensor) and x.dim() and n is not None and x.shape[0] != n:
@@ -893,6 +876,8 @@ class Loop:
                                  f"labels have {n}. Every tensor in a batch must have the "
                                  "samples on dimension 0.")
         model = self.model
+        if self.precision == "16-true":  # a float32 copy: the host may have no float16 kernels
+            model = copy.deepcopy(model).float()  # (torch 2.0.1's CPU has no float16 matmul)
         saved = [b.clone() for b in model.buffers()]
         was_training = model.training
         try:
@@ -996,7 +981,7 @@ class Loop:
             return model
         # PopTorch's inference wrapper is a shallow copy that shares the submodules and traces
         # them in the mode they are in: keep them in eval mode until the graph is compiled.
-        module = self._device_module
+        module = self.model
         module.eval()
         try:
             if model is None:

@@ -342,3 +342,73 @@ def test_a_sampler_over_the_whole_dataset_is_refused_with_distributed_slices():
     sampler = torch.utils.data.SubsetRandomSampler(range(32))
     with pytest.raises(ValueError, match="SubsetRandomSampler over the whole dataset"):
         make_loop(opts=opts).fit(DataLoader(data(32), batch_size=4, sampler=sampler))
+
+
+# -- 2. one precision path ---------------------------------------------------------------------
+class _HostFloat32(nn.Module):
+    """A linear model whose host runs (outside the device) compute float32 only, as torch
+    2.0.1's CPU, which has no float16 matmul ("addmm_impl_cpu_" not implemented for 'Half')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x, labels=None):
+        if not poptorch.isRunningOnIpu():
+            assert x.dtype == self.lin.weight.dtype == torch.float32, "no float16 on this host"
+        out = self.lin(x)
+        return out if labels is None else (out, nn.functional.cross_entropy(out.float(), labels))
+
+
+@pytest.mark.parametrize("precision", ["16-true", "16-mixed"])
+def test_the_host_probe_computes_in_float32(precision):
+    """Before compiling, the loop runs one micro-batch on the host: in float32, whatever the
+    precision, since the host may lack float16 kernels; the device gets float16 inputs."""
+    seen = []
+    model = _HostFloat32()
+    model.lin.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+                precision=precision, progress=False)
+    loop._probe(loop._plan(DataLoader(data(8), batch_size=4), training=True, name="train"))
+    assert seen == [torch.float32]
+    assert model.lin.weight.dtype == (torch.float16 if precision == "16-true" else torch.float32)
+
+
+_DEVICE_INPUTS: list[torch.dtype] = []  # (the emulator runs a copy of the module)
+
+
+class _Recording(nn.Module):
+    """Records the dtype of the inputs the device runs; computes in its weights' dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x, labels=None):
+        if poptorch.isRunningOnIpu():
+            _DEVICE_INPUTS.append(x.dtype)
+        out = self.lin(x.to(self.lin.weight.dtype))
+        return out if labels is None else (out, nn.functional.cross_entropy(out.float(), labels))
+
+
+@pytest.mark.parametrize("backend", ["emulator", "poptorch"])
+def test_16_bit_precisions_take_one_path_on_every_backend(monkeypatch, backend):
+    """Mixed and true 16-bit send float16 inputs to the model the executors wrap (the user's,
+    its weights float32 for mixed) on the emulator and on an IPU alike: no emulator-only
+    autocast. PopTorch 3.x has no autocast (``python/`` has no ``autocasting.py`` since 3.1)."""
+    from ipuloop import backend as backend_mod
+    monkeypatch.setattr(backend_mod, "backend_name", lambda: backend)
+    wrapped = []
+    real = poptorch.trainingModel
+    monkeypatch.setattr(poptorch, "trainingModel",
+                        lambda model, *a, **k: wrapped.append(model) or real(model, *a, **k))
+    for precision, weights in (("16-mixed", torch.float32), ("16-true", torch.float16)):
+        _DEVICE_INPUTS.clear()
+        model = _Recording()
+        loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+                    precision=precision, progress=False)
+        loop.fit(DataLoader(data(8), batch_size=4), max_steps=1)
+        assert wrapped[-1] is model and model.lin.weight.dtype == weights
+        assert _DEVICE_INPUTS and set(_DEVICE_INPUTS) == {torch.float16}
