@@ -1,7 +1,8 @@
 """Which PopTorch ``ipuloop.poptorch`` is: the real one, or ``ipuloop.emulator``.
 
 ``IPULOOP_BACKEND`` picks: ``auto`` (default: real poptorch when it imports, else the
-emulator, with a warning naming the cause when an installed poptorch fails), ``poptorch`` (the real one or an error, never a silent fallback) or ``emulator``.
+emulator, with a warning naming the cause when an installed poptorch fails to import),
+``poptorch`` (the real one or an error, never a silent fallback) or ``emulator``.
 """
 from __future__ import annotations
 
