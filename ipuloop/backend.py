@@ -1,13 +1,15 @@
 """Which PopTorch ``ipuloop.poptorch`` is: the real one, or ``ipuloop.emulator``.
 
 ``IPULOOP_BACKEND`` picks: ``auto`` (default: real poptorch when it imports, else the
-emulator), ``poptorch`` (the real one or an error, never a silent fallback) or ``emulator``.
+emulator, with a warning naming the cause when an installed poptorch fails to import),
+``poptorch`` (the real one or an error, never a silent fallback) or ``emulator``.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import os
+import warnings
 from types import ModuleType
 
 __all__ = ["poptorch_module", "backend_name", "BackendError", "uses_ipu_model"]
@@ -41,14 +43,21 @@ def _resolve() -> tuple[str, ModuleType]:
     if choice in ("auto", "poptorch"):
         try:
             return "poptorch", importlib.import_module("poptorch")
-        except ImportError as e:
+        except Exception as e:  # ImportError, or e.g. the AssertionError of a poptorch built
+            # for another torch version: either way there is no PopTorch to run on
             if choice == "poptorch":
                 raise BackendError(
                     "IPULOOP_BACKEND=poptorch, but poptorch cannot be imported "
-                    f"({e}). poptorch ships with Graphcore's Poplar SDK: enable the SDK "
-                    "(source <sdk>/enable) and install its wheel with "
-                    "`pip install <sdk>/poptorch-*.whl`, or set IPULOOP_BACKEND=emulator "
-                    "to run on the CPU.") from e
+                    f"({type(e).__name__}: {e}). poptorch ships with Graphcore's Poplar SDK: "
+                    "enable the SDK (source <sdk>/enable) and install its wheel with "
+                    "`pip install <sdk>/poptorch-*.whl` into an environment with the torch "
+                    "version it was built for, or set IPULOOP_BACKEND=emulator to run on the "
+                    "CPU.") from e
+            if not isinstance(e, ImportError):  # installed but broken: say why, once
+                warnings.warn(f"poptorch is installed but failed to import ({type(e).__name__}: "
+                              f"{e}): using the ipuloop emulator. Set IPULOOP_BACKEND=emulator "
+                              "to silence this, or fix the installation to run on IPUs.",
+                              RuntimeWarning, stacklevel=4)
     return "emulator", importlib.import_module("ipuloop.emulator")
 
 

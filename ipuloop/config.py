@@ -292,6 +292,15 @@ class IPUConfig:
                 f"but there are {total} layers in the model. {p}layers_per_ipu={lpi}")
         return lpi
 
+    def ipus_used(self, for_inference: bool = False) -> int:
+        """IPUs a replica reserves, counted as PopTorch counts them: max(IPUs used, highest
+        IPU + 1), i.e. one past the last IPU that can hold layers (an entry other than 0)."""
+        p = "inference_" if for_inference else ""
+        lpi, n = getattr(self, p + "layers_per_ipu"), getattr(self, p + "ipus_per_replica")
+        if n == 1 or len(lpi) != n:  # all on IPU 0, or [-1] spread over the n IPUs
+            return n
+        return max((i + 1 for i, k in enumerate(lpi) if k != 0), default=1)
+
     def layer_ipu(self, num_layers: int | Sequence[Any] | None,
                   for_inference: bool = False) -> list[int]:
         """The IPU of each layer: `[2, -1]` and 6 layers give `[0, 0, 1, 1, 1, 1]`."""
@@ -484,8 +493,9 @@ class _RecomputeHook:
     def __call__(self, module: Any, inputs: Any, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return self.pt.recomputationCheckpoint(output)
-        if isinstance(output, tuple):
-            return tuple(self.pt.recomputationCheckpoint(y) for y in output)
+        if isinstance(output, tuple):  # PopTorch takes tensors only: the rest pass through
+            return tuple(self.pt.recomputationCheckpoint(y) if isinstance(y, torch.Tensor)
+                         else y for y in output)
         return output
 
 

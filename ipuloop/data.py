@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, Dataset, IterableDataset, Sampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              Sampler, SequentialSampler)
 
 from .outputs import Layout
 
@@ -94,6 +95,43 @@ class _Padded(Dataset):
         return self.dataset[min(i, self.n - 1)]
 
 
+def _cat(batches: list[Any]) -> Any:
+    """Batches (tensors, or tuples, lists and dicts of them) joined along dim 0."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return type(first)((k, _cat([b[k] for b in batches])) for k in first)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_cat(list(parts)) for parts in zip(*batches))
+    raise TypeError(f"Cannot join batches of {type(first).__name__}: a custom batch sampler's "
+                    "batches must be tensors, or tuples, lists or dicts of tensors.")
+
+
+class _HostCalls:
+    """A custom batch sampler's micro-batches, ``count`` at a time, joined into host batches.
+
+    PopTorch's DataLoader does this in a plain generator (``_utils.combined_batch_generator``),
+    whose workers the loop could neither shut down nor kill: here the torch iterator's
+    attributes (``_workers``, ``_shutdown_workers``) show through. An incomplete group at the
+    end is dropped, as the loop drops the last incomplete host call.
+    """
+
+    def __init__(self, batches: Iterator[Any], count: int) -> None:
+        self.batches, self.count = batches, count
+
+    def __iter__(self) -> _HostCalls:
+        return self
+
+    def __next__(self) -> Any:
+        return _cat([next(self.batches) for _ in range(self.count)])
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "batches":
+            raise AttributeError(name)
+        return getattr(self.batches, name)
+
+
 @dataclass
 class Plan:
     """A loader the loop can run, with what it needs to know about it."""
@@ -109,7 +147,10 @@ class Plan:
 
     @property
     def steps(self) -> int | None:
+        """Host calls per epoch (PopTorch's ``len`` counts a custom batch sampler's batches)."""
         try:
+            if self.batches is not None:
+                return len(self.batches.inner) // (self.combined // self.micro)
             return len(self.loader)
         except TypeError:
             return None
@@ -120,7 +161,10 @@ class Plan:
         # once either way, so a run resumed in a new process consumes the RNG as the original.
         g = self.loader.generator
         host, own = torch.get_rng_state(), g.get_state() if g is not None else None
-        it = iter(self.loader)
+        if self.batches is not None:  # torch's iterator of micro-batches, joined here
+            it = _HostCalls(DataLoader.__iter__(self.loader), self.combined // self.micro)
+        else:
+            it = iter(self.loader)
         torch.set_rng_state(host)
         if g is not None:
             g.set_state(own)
@@ -139,6 +183,19 @@ class Plan:
         for _ in range(skip_steps):  # an IterableDataset: nothing to skip into, read and discard
             next(it, None)
         return it
+
+
+def _on_slice(inner: Sampler, part: Dataset, name: str) -> Sampler:
+    """``inner`` (shuffled or in order) over ``part``, this process's slice of the dataset."""
+    if isinstance(inner, RandomSampler):
+        return RandomSampler(part, replacement=inner.replacement, generator=inner.generator)
+    if isinstance(inner, SequentialSampler):
+        return SequentialSampler(part)
+    raise ValueError(
+        f"{name} has a {type(inner).__name__} over the whole dataset, but with "
+        "Distributed.numProcesses > 1 PopTorch gives each process a contiguous slice of it, "
+        "which the sampler's indices do not address. Use shuffle=True or False instead: the "
+        "loop then orders this process's slice.")
 
 
 def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
@@ -214,7 +271,12 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     if custom_batches:
         kwargs.pop("generator", None)
     built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
-    if samples is not None and len(built) == 0:
+    if sampler is not None and opts.Distributed.numProcesses > 1:
+        # PopTorch gave this process a slice of the dataset: the loop's order covers the slice
+        sampler.inner = _on_slice(sampler.inner, built.dataset, name)
+        samples = len(built.dataset)
+    plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches)
+    if samples is not None and plan.steps == 0:
         raise ValueError(f"{name} is empty: {samples} samples make no host call of "
                          f"{describe_factors(opts, micro, training)}.")
-    return Plan(built, sampler, micro, micro * factor, layout, samples, name, batches)
+    return plan

@@ -8,7 +8,6 @@ import contextlib
 import copy
 import math
 import operator
-import os
 import random
 import sys
 import time
@@ -55,19 +54,6 @@ class WithLoss(torch.nn.Module):
         return output, self.loss_fn(output, args[-1])
 
 
-class _Autocast(torch.nn.Module):
-    """Runs ``module`` under ``torch.autocast`` (mixed 16-bit precision on the emulator)."""
-
-    def __init__(self, module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module = module
-        self.device_type, self.dtype = device_type, dtype
-
-    def forward(self, *args: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.module(*args)
-
-
 PRECISIONS = ("32", "16-mixed", "16-true")
 # poptorch.optim attributes outside optimizer.state_dict(): checkpointed, and (with
 # velocity_scaling, a per-group value on the emulator) compared before each step
@@ -93,6 +79,24 @@ def _hyper(opt: torch.optim.Optimizer) -> tuple:
 
 def _hyper_extras(opt: torch.optim.Optimizer) -> tuple:
     return tuple(getattr(opt, k, None) for k in _PUSHED_EXTRAS)
+
+
+@contextlib.contextmanager
+def _plain_numbers(opt: torch.optim.Optimizer | None) -> Any:
+    """While PopTorch reads ``opt`` (``trainingModel``, ``setOptimizer``), its tensor
+    hyper-parameters (an lr a scheduler updates in place) are their floats: PopTorch asserts
+    numbers. The tensors are put back after, so in-place updates keep working."""
+    swapped = []
+    for group in (opt.defaults, *opt.param_groups) if opt is not None else ():
+        for k, v in group.items():
+            if k != "params" and isinstance(v, torch.Tensor):
+                swapped.append((group, k, v))
+                group[k] = float(v)  # a host tensor: no device sync
+    try:
+        yield
+    finally:
+        for group, k, v in swapped:
+            group[k] = v
 
 
 class _Seen:
@@ -298,16 +302,21 @@ class Loop:
             PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
             the IPU Model), at most 64 IPUs, and no more than the system has.
         inference_opts: options for validation and predict; default: a clone of the
-            training options with gradientAccumulation 1 and, of the device-iteration counts
+            training options without their training-only settings (gradientAccumulation 1,
+            no automatic loss scaling, no anchored tensors) and, of the device-iteration counts
             from DI*GA down to half of it (fewer only for a short loader), the one that
             needs the least padding to make whole host calls of the loader's samples.
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
         precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
-            are accepted: 16 means mixed, as in Lightning's IPU docs). Mixed: autocast on the emulator
-            (bfloat16 on the CPU, float16 on CUDA), float inputs cast to half on an IPU.
-            True: the model and float inputs in float16. Loss scaling is static: set
-            ``loss_scaling`` on a ``poptorch.optim`` optimizer.
+            are accepted: 16 means mixed, as in Lightning's IPU docs), the same on the
+            emulator and on an IPU. Both send float inputs as float16. True: the model's
+            weights are float16 too. Mixed: they stay float32, and an op with a float16 input
+            and float32 weights (Linear, Conv) computes in float16, while an op mixing float16
+            and float32 activations computes in float32: PopTorch's user guide, "16-bit float
+            support" (overview.rst), item 2 and its note, as PopTorch's half_float_test.py
+            checks. The host check before compiling runs in float32. Loss scaling is static:
+            set ``loss_scaling`` on a ``poptorch.optim`` optimizer.
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
             can clip on the IPU) and rejects any other optimizer.
@@ -340,7 +349,7 @@ class Loop:
         self.model = WithLoss(model, loss_fn) if loss_fn is not None else model
         self._set_precision(precision)
         from .config import IPUConfig
-        per_replica = opts.ipus_per_replica if isinstance(opts, IPUConfig) else 1
+        per_replica = opts.ipus_used() if isinstance(opts, IPUConfig) else 1
         self.train_opts, inf = self._resolve_options(opts, inference_opts)
         self._user_inference_opts = inf
         if replicas is not None:
@@ -452,16 +461,23 @@ class Loop:
     def _set_replicas(self, replicas: int | str, ipus_per_replica: int = 1) -> None:
         """``replicas=``, checked as PopTorch checks the IPUs it reserves, before compiling.
 
-        ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed for "auto"
-        (a pipelined model's IPUs are only known once it is traced).
+        ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed (a
+        pipelined model's IPUs are only known once it is traced).
         """
         pt, opts = self.poptorch, self.train_opts
         hardware = pt.ipuHardwareIsAvailable()
+        use_model = uses_ipu_model(opts)
+
+        def reserved(n: int) -> int:  # what PopTorch reserves for n IPUs (CompilerImpl.cpp)
+            if use_model or not n & (n - 1) or not opts.auto_round_num_ipus:
+                return n
+            return 1 << (n - 1).bit_length()  # autoRoundNumIPUs: the next power of 2
+
         if replicas == "auto":
             # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
             n = 1
-            while hardware and 2 * n * ipus_per_replica <= 64 \
-                    and pt.ipuHardwareIsAvailable(2 * n * ipus_per_replica):
+            while hardware and reserved(2 * n * ipus_per_replica) <= 64 \
+                    and pt.ipuHardwareIsAvailable(reserved(2 * n * ipus_per_replica)):
                 n *= 2
             replicas = n
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -472,22 +488,23 @@ class Loop:
             raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
                              "set one of them.")
         ipus = replicas * ipus_per_replica
-        use_model = uses_ipu_model(opts)
         if not use_model:  # PopTorch reserves a power of two of IPUs, at most 64 a process
-            if replicas & (replicas - 1) and not opts.auto_round_num_ipus:
+            if ipus & (ipus - 1) and not opts.auto_round_num_ipus:
                 below = 1 << (replicas.bit_length() - 1)
+                other = "" if ipus_per_replica & (ipus_per_replica - 1) else \
+                    f"use replicas={below} or {2 * below}, or "
                 raise ValueError(
                     f"replicas={replicas}: PopTorch reserves a power of 2 of IPUs, and "
-                    f"{replicas} replicas of any whole number of IPUs are not one. Use "
-                    f"replicas={below} or {2 * below}, or set "
-                    "opts.autoRoundNumIPUs(True) to reserve the next power of 2.")
-            if ipus > 64:
+                    f"{replicas} replica(s) x {ipus_per_replica} IPU(s) = {ipus} is not one. "
+                    f"{other.capitalize()}set opts.autoRoundNumIPUs(True) to reserve "
+                    f"{1 << (ipus - 1).bit_length()}.")
+            if reserved(ipus) > 64:
                 raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
                                  f"= {ipus} IPUs, but a process can reserve at most 64.")
-        if hardware and not use_model and not pt.ipuHardwareIsAvailable(ipus):
+        if hardware and not use_model and not pt.ipuHardwareIsAvailable(reserved(ipus)):
             raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
-                             f"needs {ipus} IPUs, more than this system has. Use fewer "
-                             "replicas, or replicas='auto'.")
+                             f"needs {reserved(ipus)} IPUs, more than this system has. Use "
+                             "fewer replicas, or replicas='auto'.")
         opts.replicationFactor(replicas)
 
     def _set_precision(self, precision: str | int) -> None:
@@ -497,19 +514,12 @@ class Loop:
                              f"'32-true'). Received: precision={precision!r}.")
         precision = _PRECISION_ALIASES[precision]
         self.precision = precision
-        self._device_module = self.model  # what the executors wrap
-        self._input_dtype: torch.dtype | None = None
+        # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
+        # also makes the weights float16, "16-mixed" keeps them float32 (each op with a
+        # float16 input casts them to float16, as PopTorch does: see ``Loop``).
         if precision == "16-true":
             self.model.half()
-            self._input_dtype = torch.float16
-        elif precision == "16-mixed":
-            from .backend import backend_name
-            if backend_name() == "emulator":
-                device = os.environ.get("IPULOOP_EMULATOR_DEVICE", "cpu").split(":")[0]
-                dtype = torch.float16 if device == "cuda" else torch.bfloat16
-                self._device_module = _Autocast(self.model, device, dtype)
-            else:  # PopTorch 3.x: half inputs, ops follow PyTorch's type promotion
-                self._input_dtype = torch.float16
+        self._input_dtype = None if precision == "32" else torch.float16
 
     def _set_clipping(self, optimizer: Any, max_grad_norm: float) -> None:
         pt = self.poptorch
@@ -614,6 +624,7 @@ class Loop:
         val_plan = self._val_plan(val_loader) if val_loader is not None else None
         self._probe(plan)
         if resume_from is not None:
+            self.check_resumable()
             self._resume(resume_from)
         self._continue_at(plan)
         st = self.state
@@ -862,8 +873,9 @@ class Loop:
         pt = self.poptorch
         if self.train_model is None:
             self.model.train()
-            self.train_model = pt.trainingModel(self._device_module, self.train_opts,
-                                                optimizer=self.optimizer)
+            with _plain_numbers(self.optimizer):
+                self.train_model = pt.trainingModel(self.model, self.train_opts,
+                                                    optimizer=self.optimizer)
         self._fire("on_compile_start")
         start = time.perf_counter()
         self._activate(self.train_model)
@@ -883,7 +895,8 @@ class Loop:
             return
         current = _hyper(opt)
         if current != self._pushed:
-            self.train_model.setOptimizer(opt)
+            with _plain_numbers(opt):
+                self.train_model.setOptimizer(opt)
             self.optimizer_pushes += 1
             self._pushed = current
         self._seen = _Seen(opt)
@@ -908,13 +921,13 @@ class Loop:
             return x.to(self._input_dtype)  # 16-bit: float inputs are sent as half
         return x
 
-    def _split(self, batch: Any, plan: Plan) -> tuple[tuple, torch.Tensor]:
+    def _split(self, batch: Any, plan: Plan, cast: bool = True) -> tuple[tuple, torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) >= 2:
             self._num_inputs = len(batch) - 1  # what predict feeds
             model = self.model  # (issubclass: isinstance would read the wrapped __class__)
             if issubclass(type(model), WithLoss) and model.num_inputs != len(batch) - 1:
                 model.num_inputs = len(batch) - 1  # (Module.__setattr__: only when it changes)
-            if self._input_dtype is not None:
+            if self._input_dtype is not None and cast:
                 batch = [self._cast(x) for x in batch]
             return tuple(batch[:-1]), batch[-1]
         if isinstance(batch, dict):
@@ -934,8 +947,8 @@ class Loop:
             return
         collate = plan.loader.collate_fn
         batch = collate([ds[i] for i in range(min(plan.micro, plan.samples))])
-        batch = _map_tensors(batch, _device_dtype)  # as the device receives it
-        inputs, labels = self._split(batch, plan)
+        batch = _map_tensors(batch, _device_dtype)  # float64 as the device receives it
+        inputs, labels = self._split(batch, plan, cast=False)  # float32: the host computes it
         n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
         for i, x in enumerate(inputs):
             if isinstance(x, torch.Tensor) and x.dim() and n is not None and x.shape[0] != n:
@@ -943,6 +956,8 @@ class Loop:
                                  f"labels have {n}. Every tensor in a batch must have the "
                                  "samples on dimension 0.")
         model = self.model
+        if self.precision == "16-true":  # a float32 copy: the host may have no float16 kernels
+            model = copy.deepcopy(model).float()  # (torch 2.0.1's CPU has no float16 matmul)
         saved = [b.clone() for b in model.buffers()]
         was_training = model.training
         try:
@@ -1012,7 +1027,12 @@ class Loop:
         if self._user_inference_opts is not None:
             return self._user_inference_opts.clone()
         inf = self.train_opts.clone()
+        # training-only settings PopTorch or PopART reject for inference: accumulation,
+        # automatic loss scaling, anchors (of gradients and updated weights, or anything else
+        # the training step returns)
         inf.Training.gradientAccumulation(1)
+        inf.Training.setAutomaticLossScaling(False)
+        inf.anchored_tensors.clear()
         inf.outputMode(pt.OutputMode.All)
         if isinstance(loader, pt.DataLoader):
             lo = loader.options
@@ -1059,7 +1079,7 @@ class Loop:
             return model
         # PopTorch's inference wrapper is a shallow copy that shares the submodules and traces
         # them in the mode they are in: keep them in eval mode until the graph is compiled.
-        module = self._device_module
+        module = self.model
         module.eval()
         try:
             if model is None:
@@ -1258,10 +1278,40 @@ class Loop:
                 warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}")
 
     # -- checkpoint state -----------------------------------------------------------------------
+    def check_resumable(self) -> None:
+        """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
+        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers, so a
+        stateful ``torch.optim`` one keeps it on the device, out of every checkpoint."""
+        opt = self.optimizer
+        pt = self.poptorch
+        if opt is None or isinstance(opt, (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW,
+                                           pt.optim.RMSprop, pt.optim.LAMB)):
+            return
+        if isinstance(opt, torch.optim.SGD) and not any(g.get("momentum")
+                                                        for g in opt.param_groups):
+            return  # plain SGD: no state to lose
+        twin = next((c.__name__ for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
+                                          torch.optim.RMSprop) if isinstance(opt, c)),
+                    type(opt).__name__)
+        args = ", ".join(f"{k}={v!r}" for k, v in opt.defaults.items() if k in (
+            "lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "alpha",
+            "centered"))
+        raise ValueError(
+            f"optimizer={type(opt).__module__}.{type(opt).__qualname__} keeps its state "
+            "(momentum, moments) on the IPU only: PopTorch reads and writes optimizer state for "
+            "poptorch.optim optimizers alone, so a checkpoint would hold none and a resumed fit "
+            "would restart it from zero. Use its poptorch.optim twin, with the same values: "
+            f"poptorch.optim.{twin}(params, {args}).")
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts."""
-        if self.train_model is not None and self.train_model.isCompiled():
-            self.train_model.copyWeightsToHost()  # the device holds the current weights
+        """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts.
+
+        A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
+        self.check_resumable()
+        if self.train_model is not None and self.train_model.isAttachedToDevice():
+            # the device holds the current weights (a detached model copied them back when it
+            # detached, and reading from a device it no longer holds is undefined in PopTorch)
+            self.train_model.copyWeightsToHostIfNeeded()
         model_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         sd: dict[str, Any] = {
             "model": model_state,

@@ -124,7 +124,7 @@ def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (
     opts.Training.gradientAccumulation(ga)
     if all_outputs:
         opts.outputMode(pt.OutputMode.All)
-    optimizer = (optimizer or (lambda p: torch.optim.AdamW(p, lr=0.02)))(model.parameters())
+    optimizer = (optimizer or (lambda p: pt.optim.AdamW(p, lr=0.02)))(model.parameters())
     ds = IndexedData(n or samples_for(di, ga))
     loader = DataLoader(ds, batch_size=MICRO, shuffle=shuffle, num_workers=workers,
                         persistent_workers=workers > 0,  # reused iterators: the harder case

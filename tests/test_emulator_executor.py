@@ -373,11 +373,11 @@ def test_training_equivalence_batchnorm_rf2_interleaved():
 def test_training_call_performs_di_updates():
     # one optimizer update per device iteration (not per micro-batch): count Adam's steps
     m = Net()
-    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    opt = poptorch.optim.Adam(m.parameters(), lr=0.01)
     model = poptorch.trainingModel(m, opts(di=3, ga=2), opt)
     model(*host_batch(3, 2, 1, 2))
     model(*host_batch(3, 2, 1, 2, seed=2))
-    sd = opt.state_dict()  # reflects the device state (§4.3)
+    sd = opt.state_dict()  # a poptorch.optim optimizer's reflects the device state (§4.3)
     steps = {float(s["step"]) for s in sd["state"].values()}
     assert steps == {6.0}
 
@@ -629,7 +629,7 @@ def test_set_optimizer_on_inference_model_is_an_error():
 
 def test_optimizer_state_dict_reflects_device_state():
     m = Net()
-    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    opt = poptorch.optim.Adam(m.parameters(), lr=0.01)  # torch.optim's: tests/test_ipu_path.py
     assert opt.state_dict()["state"] == {}
     model = poptorch.trainingModel(m, opts(di=2), opt)
     model(*host_batch(2, 1, 1, 2))

@@ -480,7 +480,7 @@ def _tiny_loop(opts=None, callbacks=(), **kw) -> Loop:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     return Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), progress=False,
-                optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                optimizer=poptorch.optim.AdamW(model.parameters(), lr=0.01),
                 callbacks=list(callbacks), **kw)
 
 
@@ -1022,7 +1022,7 @@ def test_lr_scheduler_failure(tmp_path, user_sigterm, fail_step):
     ckpt = ModelCheckpoint(ckdir, every_n_steps=1, save_top_k=3)
     torch.manual_seed(0)
     model = H.TinyMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    opt = poptorch.optim.AdamW(model.parameters(), lr=0.02)
     # call 1 is LambdaLR's own, in __init__; host step s makes calls 2+(s-1)*DI ... 1+s*DI
     sched = FailingLR(opt, fail_at=2 + (fail_step - 1) * di + 1)  # in the middle of an update
     loop = Loop(model, poptorch.Options().deviceIterations(di), optimizer=opt, seed=1,

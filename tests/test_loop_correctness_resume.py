@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import helpers_train as H
 import ipuloop
-from ipuloop import Callback, Loop
+from ipuloop import Callback, Loop, poptorch
 from ipuloop.callbacks.checkpoint import CheckpointError, ModelCheckpoint, read_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
@@ -214,7 +214,7 @@ def test_default_optimizer_run_resumes_exactly(tmp_path):
 # -- 6. a different optimizer fails before any step ------------------------------------------------
 def _two_groups(p):
     p = list(p)
-    return torch.optim.AdamW([{"params": p[:2]}, {"params": p[2:], "lr": 0.01}], lr=0.02)
+    return poptorch.optim.AdamW([{"params": p[:2]}, {"params": p[2:], "lr": 0.01}], lr=0.02)
 
 
 @pytest.mark.parametrize("optimizer,named", [

@@ -325,6 +325,7 @@ class ModelCheckpoint(Callback):
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
+        loop.check_resumable()  # before training, rather than at the first save
         self._in_fit, self._last = True, None
         self._clean_up()
         st = loop.state

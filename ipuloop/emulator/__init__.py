@@ -80,7 +80,14 @@ def ipuHardwareVersion() -> int:
 
 
 def recomputationCheckpoint(*tensors):
-    """Identity on the emulator (on an IPU: a recomputation checkpoint for pipelined training)."""
+    """Identity on the emulator (on an IPU: a recomputation checkpoint for pipelined training).
+
+    One or more tensors, or one tuple or list of them; anything else is a ``ValueError``."""
+    if len(tensors) == 1 and isinstance(tensors[0], (tuple, list)):
+        return type(tensors[0])(recomputationCheckpoint(*tensors[0]))
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"All inputs must be tensors. Received: {type(t).__name__}.")
     return tensors[0] if len(tensors) == 1 else tensors
 
 

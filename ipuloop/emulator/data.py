@@ -273,15 +273,12 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._options
 
     def __len__(self) -> int:
-        """Model calls per epoch."""
+        """Model calls per epoch; with a ``batch_sampler``, its batches (micro-batches, as in
+        PopTorch, which combines them only while iterating)."""
         if self._accessor is not None and self._accessor.rebatched_size:
             n, size = len(self.dataset), self._accessor.rebatched_size
             return n // size + (1 if n % size and not self.rebatched_drop_last else 0)
-        length = super().__len__()
-        if self._combine > 1:
-            length = length // self._combine + (
-                1 if length % self._combine and not self._combine_drop_last else 0)
-        return length
+        return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
         if self._accessor is not None:

@@ -635,6 +635,10 @@ class PoplarExecutor:
         """Read the device's weights back into the host module (replica 0's buffers)."""
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)  # the device copy would overwrite host edits
+        if not self._attached:  # PopTorch runs a program on a device it no longer holds
+            raise Error("copyWeightsToHost() on a model detached from its device: detaching "
+                        "already copied the weights to the host. Read them from the host "
+                        "module, or call attachToDevice() first.")
         self._host_dirty = False
         with torch.no_grad():
             for h, d in zip(self._host_params + self._host_buffers,
@@ -650,7 +654,10 @@ class PoplarExecutor:
 
     # -- optimizer ---------------------------------------------------------------------------
     def _patch_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        # PopTorch rebinds state_dict()/load_state_dict() so they read and write the IPU's state.
+        # PopTorch rebinds state_dict()/load_state_dict() so they read and write the IPU's state,
+        # for poptorch.optim optimizers only: a torch.optim one's state stays on the device.
+        if not isinstance(opt, _optim._IpuOptimizer):
+            return
         cls_state_dict, cls_load = type(opt).state_dict, type(opt).load_state_dict
 
         def state_dict():
@@ -701,7 +708,7 @@ class PoplarExecutor:
         return sd
 
     def _download_optimizer(self) -> None:
-        if self._device_optimizer is not None:
+        if self._device_optimizer is not None and isinstance(self._optimizer, _optim._IpuOptimizer):
             type(self._optimizer).load_state_dict(self._optimizer, self._device_state_dict())
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -714,7 +721,8 @@ class PoplarExecutor:
             self._unpatch_optimizer(self._optimizer)
             self._optimizer = optimizer
             self._patch_optimizer(optimizer)
-            if optimizer.state:  # only an optimizer carrying state resets the device's
+            if optimizer.state and isinstance(optimizer, _optim._IpuOptimizer):
+                # only a poptorch.optim optimizer carrying state resets the device's
                 self._optimizer_dirty = True
         if self._device_optimizer is None:
             return  # not compiled yet: used as is at compile time
@@ -1108,4 +1116,10 @@ def inferenceModel(model: torch.nn.Module, options: Any = None) -> PoplarExecuto
                     + (" Use poptorch.Options().deviceIterations to fill the pipeline instead."
                        if pipelined else "")
                     + f" Received: gradientAccumulation={options.Training.gradient_accumulation}.")
+    if options is not None and options._Popart.options.get("automaticLossScalingSettings.enabled"):
+        # PopART refuses it for a session that does not train (Training options: "You must not
+        # set these options for inference models")
+        raise Error("Automatic loss scaling is a training setting: an inferenceModel cannot use "
+                    "options with Training.setAutomaticLossScaling(True). Clone the options and "
+                    "call Training.setAutomaticLossScaling(False) for inference.")
     return PoplarExecutor(model, options, training=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -423,6 +424,8 @@ def default_optimizer(params: Iterable) -> SGD:
 
 # -- helpers used by the executor ------------------------------------------------------------
 _OURS = (SGD, Adam, AdamW, RMSprop, LAMB)
+_NUMBERS = ("lr", "momentum", "dampening", "weight_decay", "eps", "alpha", "betas",
+            "max_weight_norm", "velocity_scaling")  # hyper-parameters PopTorch reads as numbers
 _TORCH = (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop)
 _warned_subclasses: set[type] = set()
 
@@ -448,6 +451,14 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
                        "which applies the built-in %s update with the hyper-parameters read "
                        "from param_groups.", cls.__name__, base.__name__, base.__name__)
     groups = optimizer.param_groups
+    for where, group in (("defaults", optimizer.defaults),
+                         *((f"param_groups[{i}]", g) for i, g in enumerate(groups))):
+        for name in _NUMBERS:  # PopTorch's convertOptimizerToDict asserts numbers.Number
+            values = group.get(name, 0.0)
+            for value in values if isinstance(values, tuple) else (values,):
+                assert isinstance(value, numbers.Number), (
+                    f"Expected a number for {name} but got {value!r} instead (in the "
+                    f"optimizer's {where}). Pass plain numbers, e.g. lr=float(lr).")
     if isinstance(optimizer, torch.optim.Adam) and any(g.get("amsgrad") for g in groups):
         _reject_amsgrad(True)
     if isinstance(optimizer, torch.optim.RMSprop):

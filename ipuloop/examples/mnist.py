@@ -135,7 +135,8 @@ def config_options(args: argparse.Namespace):
 
     The file gives the replication, device iterations, accumulation, output mode, memory and
     optimizer settings; the placement stays the network's own (blocks B1..B4 on IPUs 0..3,
-    ``--strategy`` for training), so ``layers_per_ipu`` does not apply to this model.
+    ``--strategy`` for training, sharded for inference), so ``layers_per_ipu`` does not apply
+    to this model, and inference uses the IPUs training uses.
     """
     from ipuloop.config import IPUConfig
     config = IPUConfig.load(args.ipu_config)
@@ -143,7 +144,9 @@ def config_options(args: argparse.Namespace):
         config.update_from_string(args.ipu_config_overrides)
     opts = config.to_options()
     opts.setExecutionStrategy(_strategy(args.strategy))
-    return config, opts, config.to_options(for_inference=True)
+    inference = config.to_options(for_inference=True)
+    inference.setExecutionStrategy(_strategy("sharded"))
+    return config, opts, inference
 
 
 def _data_dir(arg: str | None) -> str:
