@@ -92,9 +92,10 @@ def plot_csv(path: str, output: str) -> list[str]:
         for key in keys:
             xs, ys = zip(*series[key])
             if key.startswith(("train_", "val_")):  # one point per epoch
-                ax.plot(xs, ys, marker="o", linewidth=2, label=key)
+                color = "tab:blue" if key.startswith("train_") else "tab:orange"
+                ax.plot(xs, ys, marker="o", linewidth=2, color=color, label=key)
             else:  # one point per logged step
-                ax.plot(xs, ys, linewidth=1, alpha=0.6, label=f"{key} (step)")
+                ax.plot(xs, ys, linewidth=1, color="tab:gray", alpha=0.7, label=f"{key} (step)")
         ax.set_title(name)
         ax.set_xlabel("optimizer updates")
         ax.grid(alpha=0.3)
