@@ -94,3 +94,22 @@ def test_missing_matplotlib_names_the_extra(log_file, tmp_path, capsys, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main([str(log_file[0]), "-o", str(tmp_path / "x.png")]) == 2
     assert 'pip install "ipuloop[plot]"' in capsys.readouterr().err
+
+
+
+def test_mnist_example_csv_option_plots(tmp_path, monkeypatch):
+    from ipuloop.examples import mnist
+
+    def tiny(data_dir, train):  # one host call of training data (40 x 10 x 10), 32 test images
+        n = 4000 if train else 32
+        g = torch.Generator().manual_seed(int(train))
+        return TensorDataset(torch.randn(n, 1, 28, 28, generator=g),
+                             torch.randint(0, 10, (n,), generator=g))
+
+    monkeypatch.setattr(mnist, "load_mnist", tiny)
+    logs = tmp_path / "logs.csv"
+    assert mnist.main(["--epochs", "2", "--inference-iterations", "4", "--csv", str(logs)]) == 0
+    series = read_csv(str(logs))
+    assert sorted({u for u, _ in series["loss"]}) == [10, 20]  # 10 device iterations a step
+    assert [u for u, _ in series["train_accuracy"]] == [10, 20]
+    assert main([str(logs), "-o", str(tmp_path / "m.png")]) == 0
