@@ -1,4 +1,4 @@
-"""TensorBoardLogger: the event file holds the logged scalars, read back with TensorBoard's reader."""
+"""TensorBoardLogger: the event file holds the logged scalars (read with TensorBoard's reader)."""
 from __future__ import annotations
 
 import sys
