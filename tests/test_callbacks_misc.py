@@ -123,9 +123,10 @@ def test_one_row_per_epoch_matches_the_history(tmp_path):
     loop = make_loop([CSVLogger(path)])
     history = loop.fit(loader(), epochs=3, val_loader=loader(8, seed=1))
     header, rows = read(path)
-    assert header == ["epoch", "step", "loss", "train_loss", "train_loss_exact", "val_loss"]
+    assert header == ["epoch", "step", "update", "loss", "train_loss", "train_loss_exact", "val_loss"]
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
     assert [int(r["step"]) for r in rows] == [4, 8, 12]
+    assert [int(r["update"]) for r in rows] == [8, 16, 24]  # 2 device iterations per step
     for r, h in zip(rows, history):
         assert float(r["val_loss"]) == h["val_loss"] and float(r["train_loss"]) == h["train_loss"]
 
@@ -141,7 +142,7 @@ def test_step_rows_and_a_header_rewritten_for_new_keys(tmp_path):
     path = tmp_path / "m.csv"
     make_loop([CSVLogger(path, every_n_steps=2), Late()]).fit(loader(), epochs=2)
     header, rows = read(path)
-    assert header == ["epoch", "step", "loss", "train_loss", "train_loss_exact", "extra"]
+    assert header == ["epoch", "step", "update", "loss", "train_loss", "train_loss_exact", "extra"]
     assert [(r["epoch"], r["step"]) for r in rows] == [
         ("0", "2"), ("0", "4"), ("1", "4"), ("1", "6"), ("1", "8"), ("2", "8")]
     step_rows = [rows[i] for i in (0, 1, 3, 4)]

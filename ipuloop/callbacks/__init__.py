@@ -8,7 +8,8 @@ from .early_stopping import EarlyStopping
 from .lr import LRScheduler
 from .profile import ProfileCapture
 from .progress import ProgressBar
+from .tensorboard import TensorBoardLogger
 
 __all__ = ["CSVLogger", "Callback", "CancelEpoch", "CancelFit", "CancelStep", "CheckpointError",
            "EarlyStopping", "LRScheduler", "ModelCheckpoint", "ProfileCapture", "ProgressBar",
-           "load_checkpoint"]
+           "TensorBoardLogger", "load_checkpoint"]

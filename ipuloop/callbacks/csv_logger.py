@@ -15,7 +15,8 @@ class CSVLogger(Callback):
     """Writes ``loop.state.logs`` to ``path``, one row per epoch, flushed at each row.
 
     Columns: ``epoch`` (``state.epoch``: epochs completed), ``step`` (``state.step``: host
-    steps completed), then every log key in the order first seen. When a row brings a new key,
+    steps completed), ``update`` (``state.update``: optimizer updates completed), then every
+    log key in the order first seen. When a row brings a new key,
     the file is rewritten with the wider header (earlier rows get empty cells), so the header
     always names every column. Rows every ``every_n_steps`` steps hold the step logs (the keys
     not prefixed ``train_``/``val_``, e.g. ``loss``). A new fit starts a new file; a resumed
@@ -39,7 +40,7 @@ class CSVLogger(Callback):
             raise ValueError(f"every_n_steps must be an int >= 1 or None. Received: "
                              f"every_n_steps={every_n_steps!r}.")
         self.path, self.every_n_steps = os.fspath(path), every_n_steps
-        self.columns: list[str] = ["epoch", "step"]
+        self.columns: list[str] = ["epoch", "step", "update"]
         self.rows = 0  # data rows in the file
 
     def _read(self) -> list[dict[str, str]]:
@@ -57,7 +58,8 @@ class CSVLogger(Callback):
         os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half
 
     def _write(self, loop: Any, logs: dict[str, Any]) -> None:
-        row = {**logs, "epoch": loop.state.epoch, "step": loop.state.step}
+        row = {**logs, "epoch": loop.state.epoch, "step": loop.state.step,
+               "update": loop.state.update}
         new = [k for k in row if k not in self.columns]
         if new or self.rows == 0:
             self.columns += new

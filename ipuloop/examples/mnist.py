@@ -254,6 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch here")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument("--csv", default=None, metavar="FILE",
+                   help="write the logs to this CSV file, a row per step and per epoch "
+                        "(draw them with python -m ipuloop.plot FILE)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
     p.add_argument("--seed", type=int, default=42)
@@ -328,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint_dir:
         from ipuloop.callbacks.checkpoint import ModelCheckpoint
         callbacks.append(ModelCheckpoint(args.checkpoint_dir))
+    if args.csv:
+        from ipuloop.callbacks.csv_logger import CSVLogger
+        callbacks.append(CSVLogger(args.csv, every_n_steps=1))
     if args.profile:
         from ipuloop.callbacks.profile import ProfileCapture
         callbacks.append(ProfileCapture(dirpath=args.profile_dir))

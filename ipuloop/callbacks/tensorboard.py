@@ -1,0 +1,105 @@
+"""``TensorBoardLogger``: the loop's logs, learning rate and throughput as TensorBoard scalars."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .base import Callback
+
+__all__ = ["TensorBoardLogger"]
+
+INSTALL = 'pip install "ipuloop[tensorboard]"'
+
+
+class TensorBoardLogger(Callback):
+    """Writes scalars with ``torch.utils.tensorboard.SummaryWriter`` to ``log_dir``.
+
+    The x axis (``global_step``) is ``loop.state.update``, the optimizer updates completed, so
+    runs with different device iterations line up. Scalars:
+
+    - every host step: the step logs (the keys not prefixed ``train_``/``val_``, e.g.
+      ``loss``, the step's mean loss), ``samples_per_second`` (the step's samples over the
+      time since the previous step ended, or since the epoch started or the model compiled:
+      data loading counts, compilation and validation do not), and the learning rate the
+      step runs (``lr``; ``lr/group<i>`` per parameter group when there are several),
+      recorded at the update that step starts from;
+    - every epoch: the epoch logs (``train_*`` and ``val_*``; the flag ``train_loss_exact`` is
+      left out).
+
+    The file is flushed at every epoch end and closed when the fit ends. View it with
+    ``tensorboard --logdir <log_dir>``. Needs the ``tensorboard`` package
+    (``pip install "ipuloop[tensorboard]"``).
+
+    Args:
+        log_dir: the folder of the event files (created).
+
+    Example::
+
+        loop = Loop(model, opts, callbacks=[TensorBoardLogger("runs/exp1")])
+    """
+
+    order = 50  # after callbacks that add logs or step the LR at the same event
+
+    def __init__(self, log_dir: str | os.PathLike = "runs") -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch imports tensorboard there, and raises without it
+            raise ImportError(f"TensorBoardLogger needs the tensorboard package, which is not "
+                              f"installed ({e}). Install it with: {INSTALL}") from e
+        self._writer_type = SummaryWriter
+        self.log_dir = os.fspath(log_dir)
+        self.writer: Any = None
+        self._since: float | None = None  # when the running step's time started
+        self._samples = 0  # state.samples at that time
+
+    def _scalar(self, tag: str, value: Any, step: int) -> None:
+        self.writer.add_scalar(tag, float(value), global_step=step)
+
+    def _restart_clock(self, loop: Any) -> None:
+        self._since, self._samples = time.perf_counter(), loop.state.samples
+
+    def on_fit_start(self, loop: Any) -> None:
+        if self.writer is None:
+            self.writer = self._writer_type(log_dir=self.log_dir)
+
+    def on_epoch_start(self, loop: Any) -> None:
+        self._restart_clock(loop)
+
+    def on_compile_end(self, loop: Any) -> None:
+        self._restart_clock(loop)
+
+    def on_train_step_start(self, loop: Any) -> None:
+        groups = loop.optimizer.param_groups if loop.optimizer is not None else []
+        for i, group in enumerate(groups):
+            tag = "lr" if len(groups) == 1 else f"lr/group{i}"
+            self._scalar(tag, group["lr"], loop.state.update)
+
+    def on_train_step_end(self, loop: Any) -> None:
+        st = loop.state
+        for key, value in st.logs.items():
+            if not key.startswith(("train_", "val_")):
+                self._scalar(key, value, st.update)
+        now = time.perf_counter()
+        if self._since is not None and now > self._since:
+            self._scalar("samples_per_second", (st.samples - self._samples) / (now - self._since),
+                         st.update)
+        self._restart_clock(loop)
+
+    def on_epoch_end(self, loop: Any) -> None:
+        st = loop.state
+        for key, value in st.logs.items():
+            if key.startswith(("train_", "val_")) and not key.endswith("_exact"):
+                self._scalar(key, value, st.update)
+        self.writer.flush()
+
+    def _close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def on_fit_end(self, loop: Any) -> None:
+        self._close()
+
+    def on_exception(self, loop: Any) -> None:
+        self._close()
