@@ -57,16 +57,21 @@ def __getattr__(name: str) -> Any:
 
 _LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
            "ERR": logging.ERROR, "OFF": logging.CRITICAL + 10}
+_LEGACY_LEVELS = {0: "TRACE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERR", 6: "OFF"}  # PopTorch's
 
 
 def setLogLevel(level: int | str) -> None:
-    """Set the "poptorch" logger's level: an int, or TRACE, DEBUG, INFO, WARN, ERR, OFF."""
-    if isinstance(level, str):
-        if level.upper() not in _LEVELS:
-            raise ValueError(f"Unknown log level. Received: level={level!r}. Expected one of "
-                             f"{sorted(_LEVELS)} or an int.")
-        level = _LEVELS[level.upper()]
-    logging.getLogger("poptorch").setLevel(level)
+    """Set the "poptorch" logger's level: TRACE, DEBUG, INFO, WARN, ERR or OFF, or PopTorch's
+    legacy integer for one of them (0, 1, 2, 3, 4 or 6)."""
+    if isinstance(level, int):
+        if level not in _LEGACY_LEVELS:
+            raise ValueError(f"Invalid log level integer: {level}. Expected one of "
+                             f"{_LEGACY_LEVELS} or a name.")
+        level = _LEGACY_LEVELS[level]
+    if not isinstance(level, str) or level.upper() not in _LEVELS:
+        raise ValueError(f"Unknown log level: {level}. Valid values are "
+                         f"{', '.join(sorted(_LEVELS)[:-1])} and {sorted(_LEVELS)[-1]}")
+    logging.getLogger("poptorch").setLevel(_LEVELS[level.upper()])
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
@@ -177,7 +182,7 @@ def for_loop(count: int, body: Callable[..., Any], inputs: list[torch.Tensor]
     """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs."""
     if not isinstance(inputs, list):
         raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
-                         f"tensors. Received: {type(inputs).__name__}.")
+                         f"tensors. (Object is not list) Received: {type(inputs).__name__}.")
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
             raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import logging
 import threading
 import weakref
@@ -97,7 +98,8 @@ class _SubDataset:
     """This process's contiguous slice of a map-style dataset (``Distributed.numProcesses > 1``).
 
     With shuffling, all processes draw the same global permutation (seeded by ``randomSeed``)
-    and the left-over elements rotate into use on alternate epochs.
+    and the left-over elements rotate into use on alternate epochs. The epoch's indices live in
+    shared memory, written in place, so persistent worker processes see each new epoch's.
     """
 
     def __init__(self, dataset: Any, opts: Options, step: int, drop_last: bool) -> None:
@@ -113,18 +115,30 @@ class _SubDataset:
         self._dataset = dataset
         self._seed = opts.random_seed if opts.exists("random_seed") else None
         self._generator: torch.Generator | None = None
-        self._indices: torch.Tensor | None = None
+        self._permutation: torch.Tensor | None = None  # the epoch's global order
+        self._indices: torch.Tensor | None = None  # this slice of it, in shared memory
 
     def shuffle_global_indices(self) -> None:
         if self._generator is None:
             assert self._seed is not None, ("Seed must be set when shuffling so that all instances "
                                             "end up with the same shuffled global indices.")
             self._generator = torch.Generator().manual_seed(self._seed)
-        self._indices = torch.randperm(len(self._dataset), generator=self._generator)
+        self._permutation = torch.randperm(len(self._dataset), generator=self._generator)
+        self._publish()
 
     def swap_range(self) -> None:
         self._offset = self._base_offset + self._leftovers if self._offset == self._base_offset \
             else self._base_offset
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._permutation is None:
+            return
+        indices = self._permutation[self._offset:self._offset + self._length]
+        if self._indices is None:
+            self._indices = indices.clone().share_memory_()
+        else:
+            self._indices.copy_(indices)  # in place: the workers' copies share this memory
 
     def __len__(self) -> int:
         return self._length
@@ -132,10 +146,9 @@ class _SubDataset:
     def __getitem__(self, index: int) -> Any:
         if not 0 <= index < self._length:
             raise IndexError(f"index {index} out of range for a slice of {self._length} elements")
-        index += self._offset
         if self._indices is not None:
-            index = int(self._indices[index])
-        return self._dataset[index]
+            return self._dataset[int(self._indices[index])]
+        return self._dataset[index + self._offset]
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -147,7 +160,8 @@ class DataLoader(torch.utils.data.DataLoader):
         drop_last: drop the incomplete final combined batch (default True, unlike torch).
         mode: ``DataLoaderMode.Sync``, ``Async`` (background prefetch) or ``AsyncRebatched``.
         async_options: keyword arguments for ``AsynchronousDataAccessor``.
-        rebatched_worker_size: AsyncRebatched: batch size read by the torch loader (default 1).
+        rebatched_worker_size: AsyncRebatched: batch size read by the torch loader (default:
+            the combined batch size, as in PopTorch).
 
     Example::
 
@@ -243,7 +257,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if mode == DataLoaderMode.Async and not drop_last and rebatchable:
                 mode = DataLoaderMode.AsyncRebatched  # PopTorch converts this case automatically
             if mode == DataLoaderMode.AsyncRebatched and rebatchable:
-                rebatched_size, worker_batch, drop_last = combined, 1, False
+                rebatched_size, drop_last = combined, False  # the accessor drops, if anything
                 if rebatched_worker_size is not None:
                     assert rebatched_worker_size <= combined, (
                         f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to the "
@@ -285,8 +299,13 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         if self._accessor is not None:
-            return iter(self._accessor)
+            return self._async_iter(iter(self._accessor))
         return self._sync_iter()
+
+    def _async_iter(self, accessor: AsynchronousDataAccessor) -> Iterator[Any]:
+        # The accessor holds this loader weakly, so that dropping the loader stops its thread;
+        # this generator holds it strongly, so `for b in DataLoader(...)` reads every batch.
+        yield from accessor
 
     def _sync_iter(self) -> Iterator[Any]:
         """The Sync-mode iterator (also what the Async prefetch thread reads)."""
@@ -322,8 +341,20 @@ class _Channel:
         self.buf: collections.deque[tuple[int, int, Any]] = collections.deque()
         self.size = max(1, size)
         self.gen = 0
-        self.started = self.stopped = self.finished = False
+        self.started = self.stopped = self.finished = self.is_ready = False
         self.error: BaseException | None = None
+        self.setup_error: BaseException | None = None
+
+    def ready(self, error: BaseException | None) -> None:
+        """The producer read the first batch (``error``: it could not)."""
+        with self.cond:
+            self.is_ready, self.setup_error = True, error
+            self.cond.notify_all()
+
+    def wait_ready(self) -> BaseException | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.is_ready)
+            return self.setup_error
 
     def stop(self) -> None:
         with self.cond:
@@ -364,8 +395,10 @@ class _Channel:
                     _, kind, payload = self.buf.popleft()
                     self.cond.notify_all()
                     return kind, payload
-                if self.error is not None:
-                    raise self.error
+                if self.error is not None:  # PopTorch's words, then what the dataset raised
+                    raise AssertionError("An error occurred in the data fetcher: "
+                                         f"{type(self.error).__name__}: {self.error}"
+                                         ) from self.error
                 if self.finished or self.stopped:
                     return _EOF, None
                 self.cond.wait()
@@ -381,23 +414,37 @@ class _Channel:
             return False
 
 
+def _epoch(make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
+           drop_last: bool) -> Iterator[Any]:
+    batches = make_iter()
+    return _rebatch(batches, rebatched_size, drop_last) if rebatched_size else batches
+
+
 def _produce(channel: _Channel, make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
              drop_last: bool, load_indefinitely: bool) -> None:
     """Prefetch thread body: fill ``channel`` epoch after epoch until stopped."""
     try:
+        try:  # as in PopTorch's worker, the first batch is read at once: a broken dataset fails
+            batches: Iterator[Any] | None = iter(_epoch(make_iter, rebatched_size, drop_last))
+            first = [next(batches)]
+        except StopIteration:
+            first = []
+        except BaseException as e:  # noqa: BLE001 - raised by the accessor's constructor
+            channel.ready(e)
+            return
+        channel.ready(None)
         gen = channel.wait_start()
         while gen is not None:
-            batches = make_iter()
-            if rebatched_size:
-                batches = _rebatch(batches, rebatched_size, drop_last)
+            if batches is None:
+                batches, first = _epoch(make_iter, rebatched_size, drop_last), []
             completed = True
-            for batch in batches:
+            for batch in itertools.chain(first, batches):
                 if not channel.put(gen, _ITEM, batch):
                     completed = False
                     break
             if hasattr(batches, "close"):
                 batches.close()
-            del batches
+            batches = first = None
             if completed and not channel.put(gen, _EOF, None):
                 completed = False
             gen = channel.next_epoch(gen, load_indefinitely) if completed else \
@@ -464,6 +511,11 @@ class AsynchronousDataAccessor:
         self._channel, self._thread = channel, thread
         atexit.register(channel.stop)  # never block interpreter exit
         thread.start()
+        error = channel.wait_ready()
+        if error is not None:
+            self.terminate()
+            raise Error("AsynchronousDataAccessor worker thread failed to start (Check above for "
+                        f"details): {type(error).__name__}: {error}") from error
         if early_preload:
             with channel.cond:
                 channel.started = True
