@@ -15,13 +15,14 @@ from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
                      removeBlocks)
-from .data import AsynchronousDataAccessor, DataLoader
+from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
 from .enums import (CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType,
                     OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
                     VariableRetrievalMode)
 from .errors import Error
-from .executor import PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu, trainingModel
+from .executor import (PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu,
+                       registerPostCompileHook, registerPreCompileHook, trainingModel)
 from .options import Options, TensorLocationSettings
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
@@ -29,15 +30,17 @@ __version__ = "3.4.0"  # the PopTorch API version this emulates
 __all__ = [
     "AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockFunction", "CPU",
     "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
-    "HalfFloatCastingBehavior", "Liveness", "MatMulSerializationMode", "MeanReductionStrategy",
+    "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MatMulSerializationMode",
+    "MeanReductionStrategy",
     "MultiConv", "MultiConvPlanType", "NameScope", "Options", "OutputMode", "OverlapMode",
     "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "ReductionType",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
     "TensorLocationSettings", "VariableRetrievalMode", "ctc_beam_search_decoder", "custom_op",
     "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
-    "nop", "optim",
-    "recomputationCheckpoint", "removeBlocks", "serializedMatMul", "setLogLevel",
+    "module_repr", "nop", "optim", "recomputationCheckpoint", "registerCustomArgParser",
+    "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "serializedMatMul",
+    "setLogLevel",
     "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel",
 ]
 
@@ -72,6 +75,20 @@ def setLogLevel(level: int | str) -> None:
         raise ValueError(f"Unknown log level: {level}. Valid values are "
                          f"{', '.join(sorted(_LEVELS)[:-1])} and {sorted(_LEVELS)[-1]}")
     logging.getLogger("poptorch").setLevel(_LEVELS[level.upper()])
+
+
+def module_repr(m: torch.nn.Module) -> str:
+    """``repr(m)`` with each module's forward pre-hooks (its ``BeginBlock``) before its name."""
+    extra = m.extra_repr()
+    lines = extra.split("\n") if extra else []
+    lines += [f"({name}): " + (module_repr(child) if child is not None else "None")
+              .replace("\n", "\n  ") for name, child in m._modules.items()]
+    hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values())
+    if len(lines) == 1 and extra and not m._modules:
+        body = lines[0]
+    else:
+        body = "\n  " + "\n  ".join(lines) + "\n" if lines else ""
+    return f"{hooks}{m._get_name()}({body})"
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:

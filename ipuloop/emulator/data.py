@@ -9,6 +9,7 @@ next batch, so code that clones them behaves the same on both).
 """
 from __future__ import annotations
 
+import abc
 import atexit
 import collections
 import itertools
@@ -18,25 +19,93 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
 from .enums import DataLoaderMode, SharingStrategy
 from .errors import Error
 from .options import Options
 
-__all__ = ["AsynchronousDataAccessor", "DataLoader"]
+__all__ = ["AsynchronousDataAccessor", "DataLoader", "ICustomArgParser", "registerCustomArgParser"]
 
 logger = logging.getLogger("poptorch")
 
 
-# -- batch structures: tensors, or (nested) tuples / lists / dicts of tensors ------------------
+# -- custom argument types ---------------------------------------------------------------------
+class ICustomArgParser(abc.ABC):
+    """How to take a custom argument (or batch) type apart into its tensors and rebuild it.
+
+    Register one with ``poptorch.registerCustomArgParser(MyType, MyParser())``: model inputs
+    and outputs, and DataLoader batches, of that type are then handled tensor by tensor.
+    """
+
+    @abc.abstractmethod
+    def yieldTensors(self, struct: Any) -> Iterator[torch.Tensor]:
+        """Yield every tensor in ``struct``, in a deterministic order."""
+
+    @abc.abstractmethod
+    def reconstruct(self, original_structure: Any, tensor_iterator: Iterator[torch.Tensor]) -> Any:
+        """A copy of ``original_structure`` holding the tensors read from ``tensor_iterator``
+        (in ``yieldTensors``' order)."""
+
+
+class _CustomStructure:
+    """pytree context of a custom argument: the object itself (``reconstruct`` reads it); two
+    are equal when their types are, as two inputs of one compiled model must be."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CustomStructure) and type(other.obj) is type(self.obj)
+
+    def __hash__(self) -> int:
+        return hash(type(self.obj))
+
+    def __repr__(self) -> str:
+        return f"{type(self.obj).__name__}(...)"
+
+
+_custom_arg_parsers: dict[type, ICustomArgParser] = {}
+
+
+def registerCustomArgParser(arg_data_type: type, arg_parser: ICustomArgParser | None) -> None:
+    """Use ``arg_parser`` for arguments of type ``arg_data_type`` (replacing any parser it had);
+    ``None`` removes the type's parser."""
+    if arg_parser is not None and not isinstance(arg_parser, ICustomArgParser):
+        raise Error("arg_parser must inherit from ICustomArgParser. Received: "
+                    f"{type(arg_parser).__name__}. Subclass poptorch.ICustomArgParser.")
+    if _custom_arg_parsers.pop(arg_data_type, None) is not None:
+        pytree._deregister_pytree_node(arg_data_type)
+    if arg_parser is None:
+        return
+    _custom_arg_parsers[arg_data_type] = arg_parser
+    # As a pytree node, the type is taken apart and rebuilt wherever inputs/outputs are.
+    pytree.register_pytree_node(
+        arg_data_type, lambda x: (list(arg_parser.yieldTensors(x)), _CustomStructure(x)),
+        lambda tensors, context: arg_parser.reconstruct(context.obj, iter(tensors)))
+
+
+def _custom_parser(x: Any) -> ICustomArgParser | None:
+    parser = _custom_arg_parsers.get(type(x))
+    if parser is None and _custom_arg_parsers:  # as in PopTorch, a subclass uses its base's
+        parser = next((p for t, p in _custom_arg_parsers.items() if isinstance(x, t)), None)
+    return parser
+
+
+# -- batch structures: tensors, (nested) tuples / lists / dicts of tensors, custom types -------
 def _is_structure(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, dict, list, tuple))
+    return isinstance(x, (torch.Tensor, dict, list, tuple)) or _custom_parser(x) is not None
 
 
 def _batch_len(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return len(batch) if batch.dim() else 1
+    parser = _custom_parser(batch)
+    if parser is not None:
+        return _batch_len(next(iter(parser.yieldTensors(batch))))
     if isinstance(batch, dict):
         return _batch_len(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch and _is_structure(batch[0]):
@@ -51,6 +120,10 @@ def _cat(batches: list[Any]) -> Any:
     first = batches[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(batches)
+    parser = _custom_parser(first)
+    if parser is not None:
+        columns = zip(*(list(parser.yieldTensors(b)) for b in batches))
+        return parser.reconstruct(first, iter([torch.cat(list(c)) for c in columns]))
     if isinstance(first, dict):
         return type(first)({k: _cat([b[k] for b in batches]) for k in first})
     if isinstance(first, (list, tuple)) and first and _is_structure(first[0]):
@@ -59,6 +132,9 @@ def _cat(batches: list[Any]) -> Any:
 
 
 def _slice(batch: Any, start: int, stop: int) -> Any:
+    parser = _custom_parser(batch)
+    if parser is not None:
+        return parser.reconstruct(batch, iter([t[start:stop] for t in parser.yieldTensors(batch)]))
     if isinstance(batch, dict):
         return type(batch)({k: _slice(v, start, stop) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)) and batch and _is_structure(batch[0]):

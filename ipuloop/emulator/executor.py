@@ -17,6 +17,7 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 """
 from __future__ import annotations
 
+import collections
 import copy
 import copyreg
 import datetime
@@ -315,8 +316,9 @@ class PoplarExecutor:
     """A model wrapped by ``trainingModel`` or ``inferenceModel``."""
 
     # registerPreCompileHook / registerPostCompileHook: handle id -> hook, in registration order
-    _precompile_hooks: dict[int, Callable[[], Any]] = {}
-    _postcompile_hooks: dict[int, Callable[[], Any]] = {}
+    # (OrderedDicts: a RemovableHandle holds its dict by weak reference, which dict refuses)
+    _precompile_hooks: dict[int, Callable[[], Any]] = collections.OrderedDict()
+    _postcompile_hooks: dict[int, Callable[[], Any]] = collections.OrderedDict()
 
     def __init__(self, model: torch.nn.Module, options: Any, training: bool,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -661,6 +663,28 @@ class PoplarExecutor:
                             self._host_params + self._host_buffers):
                 d.copy_(h)
         self._replica_buffers = None
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Push only the buffers named in ``Options.updatableNamedBuffers`` to the device."""
+        if not self._compiled:
+            raise Error(_NO_EXECUTABLE)
+        names = self._options._Popart.options.get("updatableNamedBuffers")
+        if names is None:
+            raise Error("No named buffers marked as updatable via updatableNamedBuffers option. "
+                        "Call options.updatableNamedBuffers([...]) before wrapping the model.")
+        index = {name: i for i, (name, _) in enumerate(self._user_model.named_buffers())}
+        replicas = self._replica_buffers or []
+        with torch.no_grad():
+            for name in names:
+                if name not in index:
+                    raise Error(f"updatableNamedBuffers names {name!r}, which is not a buffer of "
+                                f"the model. Its buffers: {sorted(index)}.")
+                dev = self._dev_buffers[index[name]]
+                dev.copy_(self._host_buffers[index[name]])
+                if replicas:  # every replica's copy of the buffer gets the host's value
+                    j = next(j for j, b in enumerate(replicas[0]) if b is dev)
+                    for own in replicas[1:]:
+                        own[j].copy_(dev)
 
     def copyWeightsToHost(self) -> None:
         """Read the device's weights back into the host module (replica 0's buffers)."""

@@ -600,6 +600,11 @@ class Options(_OptionsDict):
         self.createOrSet(model_name=name)
         return self
 
+    def updatableNamedBuffers(self, buffers: list[str]) -> Options:
+        """Buffers (by ``named_buffers()`` name) that ``copyNamedBuffersToDevice()`` uploads."""
+        self._popart.set("updatableNamedBuffers", list(buffers))
+        return self
+
     def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Options:
         self._relax_optimizer_checks = relax
         return self
