@@ -349,6 +349,9 @@ def test_updatable_named_buffers_are_the_only_ones_copied():
         plain.copyNamedBuffersToDevice()
     with pytest.raises(poptorch.Error, match="not been compiled"):
         poptorch.inferenceModel(Buffers(), opts).copyNamedBuffersToDevice()
+    unknown = poptorch.Options().updatableNamedBuffers(["three"])
+    with pytest.raises(poptorch.Error, match=r"updatableNamedBuffers names \['three'\]"):
+        poptorch.inferenceModel(Buffers(), unknown)(x)  # PopTorch too fails at compilation
 
 
 def test_compilation_time():

@@ -541,7 +541,9 @@ class AsynchronousDataAccessor:
         dataset: what to read; a ``poptorch.DataLoader`` must not already be in an Async mode.
         buffer_size: batches prefetched ahead.
         load_indefinitely: start the next epoch as soon as one ends.
-        early_preload: start prefetching now rather than on the first ``iter()``.
+        early_preload: prefetch now rather than from the first ``iter()`` (the first batch
+            is always read at once, as PopTorch's worker does: a dataset that cannot produce
+            it raises ``poptorch.Error`` here).
         rebatched_size: re-cut the incoming batches into batches of this size (> 1).
         miss_sleep_time_in_ms, sharing_strategy: accepted, unused (a thread needs neither).
 

@@ -480,6 +480,11 @@ class PoplarExecutor:
                 raise Error(f"Return period must be a factor of the number of batches per step: "
                             f"outputMode(EveryN, {n}) with deviceIterations({di}). Choose a "
                             "period that divides deviceIterations.")
+        unknown = sorted(set(o._Popart.options.get("updatableNamedBuffers", ())) -
+                         {name for name, _ in self._user_model.named_buffers()})
+        if unknown:
+            raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
+                        "the model: use names from model.named_buffers().")
         leaves, spec = _flatten(args, kwargs)
         prod = di * rfg * ga
         for x in leaves:
