@@ -637,7 +637,8 @@ class Options(_OptionsDict):
             lines = [line.strip() for line in f]
         commands = [f"options.{line}" for line in lines if line and not line.startswith("#")]
         try:
-            code = compile("\n".join(commands), filepath, "exec")
+            # (line numbers are those of the option lines, so not the file's own name)
+            code = compile("\n".join(commands), f"<option lines of {filepath}>", "exec")
         except SyntaxError as e:
             n = e.lineno or 0
             line = commands[n - 1] if 0 < n <= len(commands) else (e.text or "").rstrip()
