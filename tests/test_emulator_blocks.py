@@ -186,7 +186,7 @@ def test_trace_state_is_restored_after_an_exception():
 
 def test_block_argument_types_are_checked():
     with pytest.raises(TypeError, match="user_id"):
-        Block(3)
+        Block(3.0)
     with pytest.raises(TypeError, match="ipu_id"):
         BlockFunction("a", ipu_id=-1)
 

@@ -236,10 +236,11 @@ def test_async_producer_exceptions_reach_the_consumer():
 
     loader = DataLoader(opts(), Broken(), mode=DataLoaderMode.Async)
     seen = []
-    with pytest.raises(KeyError, match="bad sample 3"):
+    with pytest.raises(AssertionError, match="An error occurred in the data fetcher: KeyError: "
+                                             "'bad sample 3'") as info:
         for x in loader:
             seen.append(int(x))
-    assert seen == [0, 1, 2]
+    assert seen == [0, 1, 2] and isinstance(info.value.__cause__, KeyError)
     loader.terminate()
 
 
@@ -256,7 +257,7 @@ def test_async_without_load_indefinitely_runs_several_epochs():
 def test_async_rebatched_lengths_and_content(drop_last, expected):
     loader = DataLoader(opts(di=4), dataset(10), mode=DataLoaderMode.AsyncRebatched,
                         drop_last=drop_last)
-    assert loader.batch_size == 1 and loader._accessor.rebatched_size == 4
+    assert loader.batch_size == 4 and loader._accessor.rebatched_size == 4  # PopTorch's size
     assert len(loader) == len(expected) and firsts(loader) == expected
     assert firsts(loader) == expected  # and again in the next epoch
     loader.terminate()

@@ -258,7 +258,8 @@ def test_check_supported(caplog):
     with caplog.at_level(logging.WARNING, logger="poptorch"):
         popt.check_supported(MySGD(p, lr=0.1))
         popt.check_supported(MySGD(p, lr=0.1))
-    assert caplog.text.count("never run on the IPU") == 1  # once per class
+    assert caplog.text.count("Poptorch does not run Python optimizer code directly") == 1  # once
+    assert "Optimizer `MySGD` subclassed from classes in poptorch.optim" in caplog.text
     with pytest.raises(ValueError, match="non-amsgrad"):
         popt.check_supported(torch.optim.Adam(p, amsgrad=True))
     q = [torch.nn.Parameter(torch.ones(2))]

@@ -15,13 +15,14 @@ from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
                      removeBlocks)
-from .data import AsynchronousDataAccessor, DataLoader
+from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
 from .enums import (CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType,
                     OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
                     VariableRetrievalMode)
 from .errors import Error
-from .executor import PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu, trainingModel
+from .executor import (PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu,
+                       registerPostCompileHook, registerPreCompileHook, trainingModel)
 from .options import Options, TensorLocationSettings
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
@@ -29,15 +30,17 @@ __version__ = "3.4.0"  # the PopTorch API version this emulates
 __all__ = [
     "AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockFunction", "CPU",
     "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
-    "HalfFloatCastingBehavior", "Liveness", "MatMulSerializationMode", "MeanReductionStrategy",
+    "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MatMulSerializationMode",
+    "MeanReductionStrategy",
     "MultiConv", "MultiConvPlanType", "NameScope", "Options", "OutputMode", "OverlapMode",
     "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "ReductionType",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
     "TensorLocationSettings", "VariableRetrievalMode", "ctc_beam_search_decoder", "custom_op",
     "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
-    "nop", "optim",
-    "recomputationCheckpoint", "removeBlocks", "serializedMatMul", "setLogLevel",
+    "module_repr", "nop", "optim", "recomputationCheckpoint", "registerCustomArgParser",
+    "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "serializedMatMul",
+    "setLogLevel",
     "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel",
 ]
 
@@ -57,16 +60,35 @@ def __getattr__(name: str) -> Any:
 
 _LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
            "ERR": logging.ERROR, "OFF": logging.CRITICAL + 10}
+_LEGACY_LEVELS = {0: "TRACE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERR", 6: "OFF"}  # PopTorch's
 
 
 def setLogLevel(level: int | str) -> None:
-    """Set the "poptorch" logger's level: an int, or TRACE, DEBUG, INFO, WARN, ERR, OFF."""
-    if isinstance(level, str):
-        if level.upper() not in _LEVELS:
-            raise ValueError(f"Unknown log level. Received: level={level!r}. Expected one of "
-                             f"{sorted(_LEVELS)} or an int.")
-        level = _LEVELS[level.upper()]
-    logging.getLogger("poptorch").setLevel(level)
+    """Set the "poptorch" logger's level: TRACE, DEBUG, INFO, WARN, ERR or OFF, or PopTorch's
+    legacy integer for one of them (0, 1, 2, 3, 4 or 6)."""
+    if isinstance(level, int):
+        if level not in _LEGACY_LEVELS:
+            raise ValueError(f"Invalid log level integer: {level}. Expected one of "
+                             f"{_LEGACY_LEVELS} or a name.")
+        level = _LEGACY_LEVELS[level]
+    if not isinstance(level, str) or level.upper() not in _LEVELS:
+        raise ValueError(f"Unknown log level: {level}. Valid values are "
+                         f"{', '.join(sorted(_LEVELS)[:-1])} and {sorted(_LEVELS)[-1]}")
+    logging.getLogger("poptorch").setLevel(_LEVELS[level.upper()])
+
+
+def module_repr(m: torch.nn.Module) -> str:
+    """``repr(m)`` with each module's forward pre-hooks (its ``BeginBlock``) before its name."""
+    extra = m.extra_repr()
+    lines = extra.split("\n") if extra else []
+    lines += [f"({name}): " + (module_repr(child) if child is not None else "None")
+              .replace("\n", "\n  ") for name, child in m._modules.items()]
+    hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values())
+    if len(lines) == 1 and extra and not m._modules:
+        body = lines[0]
+    else:
+        body = "\n  " + "\n  ".join(lines) + "\n" if lines else ""
+    return f"{hooks}{m._get_name()}({body})"
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
@@ -184,7 +206,7 @@ def for_loop(count: int, body: Callable[..., Any], inputs: list[torch.Tensor]
     """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs."""
     if not isinstance(inputs, list):
         raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
-                         f"tensors. Received: {type(inputs).__name__}.")
+                         f"tensors. (Object is not list) Received: {type(inputs).__name__}.")
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
             raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "

@@ -162,8 +162,10 @@ def trace_stages(strategy: _IExecutionStrategy | None = None) -> Iterator[StageT
 
 
 def _check_ids(user_id: Any, ipu_id: Any) -> None:
-    if user_id is not None and not isinstance(user_id, str):
-        raise TypeError(f"Block user_id must be a str or None. Received: user_id={user_id!r}.")
+    # An int is PopTorch's legacy form: a block id of its own (Stage ids must then match it).
+    if user_id is not None and (not isinstance(user_id, (str, int)) or isinstance(user_id, bool)):
+        raise TypeError(f"Block user_id must be a str, an int or None. Received: "
+                        f"user_id={user_id!r}.")
     if ipu_id is not None and not (isinstance(ipu_id, int) and ipu_id >= 0):
         raise TypeError(f"Block ipu_id must be an int >= 0 or None. Received: ipu_id={ipu_id!r}.")
 

@@ -9,33 +9,103 @@ next batch, so code that clones them behaves the same on both).
 """
 from __future__ import annotations
 
+import abc
 import atexit
 import collections
+import itertools
 import logging
 import threading
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
 from .enums import DataLoaderMode, SharingStrategy
 from .errors import Error
 from .options import Options
 
-__all__ = ["AsynchronousDataAccessor", "DataLoader"]
+__all__ = ["AsynchronousDataAccessor", "DataLoader", "ICustomArgParser", "registerCustomArgParser"]
 
 logger = logging.getLogger("poptorch")
 
 
-# -- batch structures: tensors, or (nested) tuples / lists / dicts of tensors ------------------
+# -- custom argument types ---------------------------------------------------------------------
+class ICustomArgParser(abc.ABC):
+    """How to take a custom argument (or batch) type apart into its tensors and rebuild it.
+
+    Register one with ``poptorch.registerCustomArgParser(MyType, MyParser())``: model inputs
+    and outputs, and DataLoader batches, of that type are then handled tensor by tensor.
+    """
+
+    @abc.abstractmethod
+    def yieldTensors(self, struct: Any) -> Iterator[torch.Tensor]:
+        """Yield every tensor in ``struct``, in a deterministic order."""
+
+    @abc.abstractmethod
+    def reconstruct(self, original_structure: Any, tensor_iterator: Iterator[torch.Tensor]) -> Any:
+        """A copy of ``original_structure`` holding the tensors read from ``tensor_iterator``
+        (in ``yieldTensors``' order)."""
+
+
+class _CustomStructure:
+    """pytree context of a custom argument: the object itself (``reconstruct`` reads it); two
+    are equal when their types are, as two inputs of one compiled model must be."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CustomStructure) and type(other.obj) is type(self.obj)
+
+    def __hash__(self) -> int:
+        return hash(type(self.obj))
+
+    def __repr__(self) -> str:
+        return f"{type(self.obj).__name__}(...)"
+
+
+_custom_arg_parsers: dict[type, ICustomArgParser] = {}
+
+
+def registerCustomArgParser(arg_data_type: type, arg_parser: ICustomArgParser | None) -> None:
+    """Use ``arg_parser`` for arguments of type ``arg_data_type`` (replacing any parser it had);
+    ``None`` removes the type's parser."""
+    if arg_parser is not None and not isinstance(arg_parser, ICustomArgParser):
+        raise Error("arg_parser must inherit from ICustomArgParser. Received: "
+                    f"{type(arg_parser).__name__}. Subclass poptorch.ICustomArgParser.")
+    if _custom_arg_parsers.pop(arg_data_type, None) is not None:
+        pytree._deregister_pytree_node(arg_data_type)
+    if arg_parser is None:
+        return
+    _custom_arg_parsers[arg_data_type] = arg_parser
+    # As a pytree node, the type is taken apart and rebuilt wherever inputs/outputs are.
+    pytree.register_pytree_node(
+        arg_data_type, lambda x: (list(arg_parser.yieldTensors(x)), _CustomStructure(x)),
+        lambda tensors, context: arg_parser.reconstruct(context.obj, iter(tensors)))
+
+
+def _custom_parser(x: Any) -> ICustomArgParser | None:
+    parser = _custom_arg_parsers.get(type(x))
+    if parser is None and _custom_arg_parsers:  # as in PopTorch, a subclass uses its base's
+        parser = next((p for t, p in _custom_arg_parsers.items() if isinstance(x, t)), None)
+    return parser
+
+
+# -- batch structures: tensors, (nested) tuples / lists / dicts of tensors, custom types -------
 def _is_structure(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, dict, list, tuple))
+    return isinstance(x, (torch.Tensor, dict, list, tuple)) or _custom_parser(x) is not None
 
 
 def _batch_len(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return len(batch) if batch.dim() else 1
+    parser = _custom_parser(batch)
+    if parser is not None:
+        return _batch_len(next(iter(parser.yieldTensors(batch))))
     if isinstance(batch, dict):
         return _batch_len(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch and _is_structure(batch[0]):
@@ -50,6 +120,10 @@ def _cat(batches: list[Any]) -> Any:
     first = batches[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(batches)
+    parser = _custom_parser(first)
+    if parser is not None:
+        columns = zip(*(list(parser.yieldTensors(b)) for b in batches))
+        return parser.reconstruct(first, iter([torch.cat(list(c)) for c in columns]))
     if isinstance(first, dict):
         return type(first)({k: _cat([b[k] for b in batches]) for k in first})
     if isinstance(first, (list, tuple)) and first and _is_structure(first[0]):
@@ -58,6 +132,9 @@ def _cat(batches: list[Any]) -> Any:
 
 
 def _slice(batch: Any, start: int, stop: int) -> Any:
+    parser = _custom_parser(batch)
+    if parser is not None:
+        return parser.reconstruct(batch, iter([t[start:stop] for t in parser.yieldTensors(batch)]))
     if isinstance(batch, dict):
         return type(batch)({k: _slice(v, start, stop) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)) and batch and _is_structure(batch[0]):
@@ -97,7 +174,8 @@ class _SubDataset:
     """This process's contiguous slice of a map-style dataset (``Distributed.numProcesses > 1``).
 
     With shuffling, all processes draw the same global permutation (seeded by ``randomSeed``)
-    and the left-over elements rotate into use on alternate epochs.
+    and the left-over elements rotate into use on alternate epochs. The epoch's indices live in
+    shared memory, written in place, so persistent worker processes see each new epoch's.
     """
 
     def __init__(self, dataset: Any, opts: Options, step: int, drop_last: bool) -> None:
@@ -113,18 +191,30 @@ class _SubDataset:
         self._dataset = dataset
         self._seed = opts.random_seed if opts.exists("random_seed") else None
         self._generator: torch.Generator | None = None
-        self._indices: torch.Tensor | None = None
+        self._permutation: torch.Tensor | None = None  # the epoch's global order
+        self._indices: torch.Tensor | None = None  # this slice of it, in shared memory
 
     def shuffle_global_indices(self) -> None:
         if self._generator is None:
             assert self._seed is not None, ("Seed must be set when shuffling so that all instances "
                                             "end up with the same shuffled global indices.")
             self._generator = torch.Generator().manual_seed(self._seed)
-        self._indices = torch.randperm(len(self._dataset), generator=self._generator)
+        self._permutation = torch.randperm(len(self._dataset), generator=self._generator)
+        self._publish()
 
     def swap_range(self) -> None:
         self._offset = self._base_offset + self._leftovers if self._offset == self._base_offset \
             else self._base_offset
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._permutation is None:
+            return
+        indices = self._permutation[self._offset:self._offset + self._length]
+        if self._indices is None:
+            self._indices = indices.clone().share_memory_()
+        else:
+            self._indices.copy_(indices)  # in place: the workers' copies share this memory
 
     def __len__(self) -> int:
         return self._length
@@ -132,10 +222,9 @@ class _SubDataset:
     def __getitem__(self, index: int) -> Any:
         if not 0 <= index < self._length:
             raise IndexError(f"index {index} out of range for a slice of {self._length} elements")
-        index += self._offset
         if self._indices is not None:
-            index = int(self._indices[index])
-        return self._dataset[index]
+            return self._dataset[int(self._indices[index])]
+        return self._dataset[index + self._offset]
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -147,7 +236,8 @@ class DataLoader(torch.utils.data.DataLoader):
         drop_last: drop the incomplete final combined batch (default True, unlike torch).
         mode: ``DataLoaderMode.Sync``, ``Async`` (background prefetch) or ``AsyncRebatched``.
         async_options: keyword arguments for ``AsynchronousDataAccessor``.
-        rebatched_worker_size: AsyncRebatched: batch size read by the torch loader (default 1).
+        rebatched_worker_size: AsyncRebatched: batch size read by the torch loader (default:
+            the combined batch size, as in PopTorch).
 
     Example::
 
@@ -243,7 +333,7 @@ class DataLoader(torch.utils.data.DataLoader):
             if mode == DataLoaderMode.Async and not drop_last and rebatchable:
                 mode = DataLoaderMode.AsyncRebatched  # PopTorch converts this case automatically
             if mode == DataLoaderMode.AsyncRebatched and rebatchable:
-                rebatched_size, worker_batch, drop_last = combined, 1, False
+                rebatched_size, drop_last = combined, False  # the accessor drops, if anything
                 if rebatched_worker_size is not None:
                     assert rebatched_worker_size <= combined, (
                         f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to the "
@@ -282,8 +372,13 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         if self._accessor is not None:
-            return iter(self._accessor)
+            return self._async_iter(iter(self._accessor))
         return self._sync_iter()
+
+    def _async_iter(self, accessor: AsynchronousDataAccessor) -> Iterator[Any]:
+        # The accessor holds this loader weakly, so that dropping the loader stops its thread;
+        # this generator holds it strongly, so `for b in DataLoader(...)` reads every batch.
+        yield from accessor
 
     def _sync_iter(self) -> Iterator[Any]:
         """The Sync-mode iterator (also what the Async prefetch thread reads)."""
@@ -319,8 +414,20 @@ class _Channel:
         self.buf: collections.deque[tuple[int, int, Any]] = collections.deque()
         self.size = max(1, size)
         self.gen = 0
-        self.started = self.stopped = self.finished = False
+        self.started = self.stopped = self.finished = self.is_ready = False
         self.error: BaseException | None = None
+        self.setup_error: BaseException | None = None
+
+    def ready(self, error: BaseException | None) -> None:
+        """The producer read the first batch (``error``: it could not)."""
+        with self.cond:
+            self.is_ready, self.setup_error = True, error
+            self.cond.notify_all()
+
+    def wait_ready(self) -> BaseException | None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.is_ready)
+            return self.setup_error
 
     def stop(self) -> None:
         with self.cond:
@@ -361,8 +468,10 @@ class _Channel:
                     _, kind, payload = self.buf.popleft()
                     self.cond.notify_all()
                     return kind, payload
-                if self.error is not None:
-                    raise self.error
+                if self.error is not None:  # PopTorch's words, then what the dataset raised
+                    raise AssertionError("An error occurred in the data fetcher: "
+                                         f"{type(self.error).__name__}: {self.error}"
+                                         ) from self.error
                 if self.finished or self.stopped:
                     return _EOF, None
                 self.cond.wait()
@@ -378,23 +487,37 @@ class _Channel:
             return False
 
 
+def _epoch(make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
+           drop_last: bool) -> Iterator[Any]:
+    batches = make_iter()
+    return _rebatch(batches, rebatched_size, drop_last) if rebatched_size else batches
+
+
 def _produce(channel: _Channel, make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
              drop_last: bool, load_indefinitely: bool) -> None:
     """Prefetch thread body: fill ``channel`` epoch after epoch until stopped."""
     try:
+        try:  # as in PopTorch's worker, the first batch is read at once: a broken dataset fails
+            batches: Iterator[Any] | None = iter(_epoch(make_iter, rebatched_size, drop_last))
+            first = [next(batches)]
+        except StopIteration:
+            first = []
+        except BaseException as e:  # noqa: BLE001 - raised by the accessor's constructor
+            channel.ready(e)
+            return
+        channel.ready(None)
         gen = channel.wait_start()
         while gen is not None:
-            batches = make_iter()
-            if rebatched_size:
-                batches = _rebatch(batches, rebatched_size, drop_last)
+            if batches is None:
+                batches, first = _epoch(make_iter, rebatched_size, drop_last), []
             completed = True
-            for batch in batches:
+            for batch in itertools.chain(first, batches):
                 if not channel.put(gen, _ITEM, batch):
                     completed = False
                     break
             if hasattr(batches, "close"):
                 batches.close()
-            del batches
+            batches = first = None
             if completed and not channel.put(gen, _EOF, None):
                 completed = False
             gen = channel.next_epoch(gen, load_indefinitely) if completed else \
@@ -415,7 +538,9 @@ class AsynchronousDataAccessor:
         dataset: what to read; a ``poptorch.DataLoader`` must not already be in an Async mode.
         buffer_size: batches prefetched ahead.
         load_indefinitely: start the next epoch as soon as one ends.
-        early_preload: start prefetching now rather than on the first ``iter()``.
+        early_preload: prefetch now rather than from the first ``iter()`` (the first batch
+            is always read at once, as PopTorch's worker does: a dataset that cannot produce
+            it raises ``poptorch.Error`` here).
         rebatched_size: re-cut the incoming batches into batches of this size (> 1).
         miss_sleep_time_in_ms, sharing_strategy: accepted, unused (a thread needs neither).
 
@@ -461,6 +586,11 @@ class AsynchronousDataAccessor:
         self._channel, self._thread = channel, thread
         atexit.register(channel.stop)  # never block interpreter exit
         thread.start()
+        error = channel.wait_ready()
+        if error is not None:
+            self.terminate()
+            raise Error("AsynchronousDataAccessor worker thread failed to start (Check above for "
+                        f"details): {type(error).__name__}: {error}") from error
         if early_preload:
             with channel.cond:
                 channel.started = True

@@ -17,8 +17,10 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 """
 from __future__ import annotations
 
+import collections
 import copy
 import copyreg
+import datetime
 import functools
 import inspect
 import logging
@@ -102,9 +104,23 @@ def _wrapped_class(cls: type) -> type:
             state = {k: v for k, v in d.items() if k != "_poptorch_executor"}
             return copyreg._reconstructor, (cls, object, None), state  # no ipuloop reference
 
+        def destroy(self):
+            """Destroy the model: release the IPUs and the executable (and unwrap the model)."""
+            ex = object.__getattribute__(self, "__dict__").get("_poptorch_executor")
+            if ex is not None:
+                ex.destroy()
+
+        def copyWeightsToHostIfNeeded(self):
+            """Whether the host weights were out of date (and have now been copied back)."""
+            ex = object.__getattribute__(self, "__dict__").get("_poptorch_executor")
+            return ex.copyWeightsToHostIfNeeded() if ex is not None else False
+
+        # PopTorch's wrapper class exposes destroy() and copyWeightsToHostIfNeeded() too.
         _wrapped_classes[cls] = type(f"Poptorch{cls.__name__}", (cls,),
                                      {"__getattribute__": __getattribute__,
                                       "__reduce_ex__": __reduce_ex__,
+                                      "destroy": destroy,
+                                      "copyWeightsToHostIfNeeded": copyWeightsToHostIfNeeded,
                                       "__module__": cls.__module__})
     return _wrapped_classes[cls]
 
@@ -299,6 +315,11 @@ class _LossWatcher(TorchFunctionMode):
 class PoplarExecutor:
     """A model wrapped by ``trainingModel`` or ``inferenceModel``."""
 
+    # registerPreCompileHook / registerPostCompileHook: handle id -> hook, in registration order
+    # (OrderedDicts: a RemovableHandle holds its dict by weak reference, which dict refuses)
+    _precompile_hooks: dict[int, Callable[[], Any]] = collections.OrderedDict()
+    _postcompile_hooks: dict[int, Callable[[], Any]] = collections.OrderedDict()
+
     def __init__(self, model: torch.nn.Module, options: Any, training: bool,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         from .options import Options
@@ -348,11 +369,13 @@ class PoplarExecutor:
             ex = model.__dict__.get("_poptorch_executor")
             if ex is not None:
                 raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. "
-                                   "Call model.destroy() on the model to unwrap it before "
-                                   "wrapping it again.")
+                                   "Call model.destroy() on the model to unwrap before "
+                                   "wrapping again.")
             if self._optimizer is None:
                 self._optimizer = _optim.default_optimizer(model.parameters())
             _optim.check_supported(self._optimizer)
+            self._attribute_tracker = _optim.AttributeTracker(opts._relax_optimizer_checks)
+            self._attribute_tracker.check(self._optimizer)
             self._set_reduction_strategy(self._optimizer)
             self._host_params, self._host_buffers = _tensors(model)
             self._patch_optimizer(self._optimizer)
@@ -420,9 +443,14 @@ class PoplarExecutor:
     def isAttachedToDevice(self) -> bool:
         return self._compiled and self._attached
 
-    def getCompilationTime(self) -> float:
-        """Seconds the last compilation took (tracing and checks on the emulator)."""
-        return self._compile_time
+    def compilationTime(self) -> datetime.timedelta:
+        """How long the last compilation took (on the emulator: tracing and checks)."""
+        if not self._compiled:
+            raise Error("Please compile the model before obtaining compilation time.")
+        if not self._options._show_compilation_progress_bar:
+            raise Error("Please set showCompilationProgressBar option to obtain compilation "
+                        "time.")
+        return datetime.timedelta(seconds=self._compile_time)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile for these inputs without running (PopTorch: explicit AOT compilation)."""
@@ -452,6 +480,11 @@ class PoplarExecutor:
                 raise Error(f"Return period must be a factor of the number of batches per step: "
                             f"outputMode(EveryN, {n}) with deviceIterations({di}). Choose a "
                             "period that divides deviceIterations.")
+        unknown = sorted(set(o._Popart.options.get("updatableNamedBuffers", ())) -
+                         {name for name, _ in self._user_model.named_buffers()})
+        if unknown:
+            raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
+                        "the model: use names from model.named_buffers().")
         leaves, spec = _flatten(args, kwargs)
         prod = di * rfg * ga
         for x in leaves:
@@ -472,6 +505,8 @@ class PoplarExecutor:
         fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
         self._ready = fast if fast is not None and self._on_cpu and not any(
             dtype in _SENT_AS_FLOAT32 for _, dtype in fast) else None
+        for hook in list(PoplarExecutor._precompile_hooks.values()):
+            hook()
         self._compiled = True
         try:
             if o.connection_type != ConnectionType.Never:  # offline target: compile only
@@ -482,6 +517,9 @@ class PoplarExecutor:
             self._compiled = self._attached = False
             self._signature = self._device_optimizer = None
             raise
+        finally:  # as in PopTorch, post-compile hooks run whether or not compilation succeeded
+            for hook in list(PoplarExecutor._postcompile_hooks.values()):
+                hook()
         self._compile_time = time.perf_counter() - start
 
     def _trace(self, leaves: list[Any], spec: Any, prod: int, di: int, ga: int, rf: int) -> None:
@@ -631,6 +669,28 @@ class PoplarExecutor:
                 d.copy_(h)
         self._replica_buffers = None
 
+    def copyNamedBuffersToDevice(self) -> None:
+        """Push only the buffers named in ``Options.updatableNamedBuffers`` to the device."""
+        if not self._compiled:
+            raise Error(_NO_EXECUTABLE)
+        names = self._options._Popart.options.get("updatableNamedBuffers")
+        if names is None:
+            raise Error("No named buffers marked as updatable via updatableNamedBuffers option. "
+                        "Call options.updatableNamedBuffers([...]) before wrapping the model.")
+        index = {name: i for i, (name, _) in enumerate(self._user_model.named_buffers())}
+        replicas = self._replica_buffers or []
+        with torch.no_grad():
+            for name in names:
+                if name not in index:
+                    raise Error(f"updatableNamedBuffers names {name!r}, which is not a buffer of "
+                                f"the model. Its buffers: {sorted(index)}.")
+                dev = self._dev_buffers[index[name]]
+                dev.copy_(self._host_buffers[index[name]])
+                if replicas:  # every replica's copy of the buffer gets the host's value
+                    j = next(j for j, b in enumerate(replicas[0]) if b is dev)
+                    for own in replicas[1:]:
+                        own[j].copy_(dev)
+
     def copyWeightsToHost(self) -> None:
         """Read the device's weights back into the host module (replica 0's buffers)."""
         if not self._compiled:
@@ -692,7 +752,7 @@ class PoplarExecutor:
         # Instance-level wrappers (an LR scheduler's step counter) would call the host optimizer.
         for name in ("step", "zero_grad", "_opt_called"):
             dev.__dict__.pop(name, None)
-        if not isinstance(dev, _optim._IpuOptimizer) and _optim.has_16bit_params(dev):
+        if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
             dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
         self._device_optimizer = dev
         self._optimizer_snapshot = _optim.hyperparameters(opt)
@@ -716,6 +776,7 @@ class PoplarExecutor:
         if not self._training:
             raise Error("setOptimizer() is only available on a poptorch.trainingModel.")
         _optim.check_supported(optimizer)
+        self._attribute_tracker.check(optimizer)
         self._set_reduction_strategy(optimizer)
         if optimizer is not self._optimizer:
             self._unpatch_optimizer(self._optimizer)
@@ -798,8 +859,9 @@ class PoplarExecutor:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._offline:
-            raise AssertionError("Trying to run a model compiled for an offline IPU target: use "
-                                 "model.compile(inputs) instead.")
+            raise AssertionError("Trying to run a model on an offline device "
+                                 "(ConnectionType.Never): use model.compile(inputs) instead of "
+                                 "model(inputs)")
         ready = None
         if not self._compiled:
             self._compile(args, kwargs)
@@ -1096,6 +1158,25 @@ class PoplarExecutor:
                     "cannot load.")
 
 
+def _register_hook(hooks: dict[int, Callable[[], Any]], hook: Callable[[], Any], what: str
+                   ) -> torch.utils.hooks.RemovableHandle:
+    if not callable(hook):
+        raise RuntimeError(f"{what} hook must be callable. Received: {hook!r}.")
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def registerPreCompileHook(hook: Callable[[], Any]) -> torch.utils.hooks.RemovableHandle:
+    """Call ``hook()`` before each model compilation; ``handle.remove()`` unregisters it."""
+    return _register_hook(PoplarExecutor._precompile_hooks, hook, "Pre-compile")
+
+
+def registerPostCompileHook(hook: Callable[[], Any]) -> torch.utils.hooks.RemovableHandle:
+    """Call ``hook()`` after each model compilation, failed ones included."""
+    return _register_hook(PoplarExecutor._postcompile_hooks, hook, "Post-compile")
+
+
 def trainingModel(model: torch.nn.Module, options: Any = None,
                   optimizer: torch.optim.Optimizer | None = None) -> PoplarExecutor:
     """Wrap ``model`` for training: each call runs DI optimizer updates (see module doc)."""
@@ -1109,12 +1190,13 @@ def inferenceModel(model: torch.nn.Module, options: Any = None) -> PoplarExecuto
     if isinstance(model, PoplarExecutor):
         model = model._user_model
     if options is not None and options.Training.gradient_accumulation != 1:
-        pipelined = isinstance(getattr(options, "_execution_strategy", None),
-                               _blocks.PipelinedExecution)
-        raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or use "
-                    "the default options when using poptorch.inferenceModel."
-                    + (" Use poptorch.Options().deviceIterations to fill the pipeline instead."
-                       if pipelined else "")
+        strategy = getattr(options, "_execution_strategy", None)
+        pipelined = isinstance(strategy, _blocks.PipelinedExecution) and \
+            not isinstance(strategy, _blocks.ShardedExecution)
+        raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
+                    "it as its default value (1) when running a poptorch.inferenceModel()."
+                    + (" Use poptorch.Options().deviceIterations to process a sufficient number "
+                       "of batches each run for pipelined execution instead." if pipelined else "")
                     + f" Received: gradientAccumulation={options.Training.gradient_accumulation}.")
     if options is not None and options._Popart.options.get("automaticLossScalingSettings.enabled"):
         # PopART refuses it for a session that does not train (Training options: "You must not

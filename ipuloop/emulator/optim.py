@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 __all__ = [
-    "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
+    "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
     "default_optimizer", "check_supported", "hyperparameters", "constant_attributes",
     "changed_constants", "apply_hyperparameters", "loss_scaling", "needs_running_mean",
-    "has_16bit_params", "update_in_float32", "float32_step",
+    "has_16bit_params", "update_in_float32", "float32_step", "AttributeTracker",
 ]
 
 logger = logging.getLogger("poptorch")
@@ -60,8 +60,9 @@ class VariableAttributes:
         assert attr in self._allowed, f"Unknown attribute {attr}, allowed values: {self._allowed}"
 
 
-class _IpuOptimizer:
-    """Mixin: PopTorch's extra arguments, their pickling, and the unscale/clip before the update."""
+class Optimizer:
+    """Base of every ``poptorch.optim`` optimizer (``isinstance(opt, poptorch.optim.Optimizer)``):
+    PopTorch's extra arguments, their pickling, and the unscale/clip before the update."""
 
     _extras: tuple[str, ...] = ()  # global (not per group) attributes, stored on the instance
     _extra_defaults: dict[str, Any] = {}  # every PopTorch-only argument, with its default
@@ -99,7 +100,8 @@ class _IpuOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scale, max_norm = self.loss_scaling, getattr(self, "max_grad_norm", math.inf)
+        scale = getattr(self, "loss_scaling", 1.0)
+        max_norm = getattr(self, "max_grad_norm", math.inf)
         grad_was = torch.is_grad_enabled()  # torch.no_grad(), at a fraction of its cost per step
         torch._C._set_grad_enabled(False)
         try:
@@ -192,7 +194,7 @@ _ADAM_EXTRAS = dict(loss_scaling=1.0, accum_type=_F32, first_order_momentum_accu
                     second_order_momentum_accum_type=_F32)
 
 
-class SGD(_IpuOptimizer, torch.optim.SGD):
+class SGD(Optimizer, torch.optim.SGD):
     """SGD with loss scaling, velocity scaling and gradient clipping.
 
     Args: as ``torch.optim.SGD``, plus ``loss_scaling`` (1.0), ``velocity_scaling`` (1.0,
@@ -247,7 +249,7 @@ def _reject_amsgrad(amsgrad: bool | None) -> None:
                          "amsgrad=True. Remove the argument.")
 
 
-class Adam(_IpuOptimizer, torch.optim.Adam):
+class Adam(Optimizer, torch.optim.Adam):
     """Adam with loss scaling and gradient clipping (``amsgrad`` unsupported).
 
     Args: as ``torch.optim.Adam``, plus ``loss_scaling`` (1.0), ``accum_type``,
@@ -272,7 +274,7 @@ class Adam(_IpuOptimizer, torch.optim.Adam):
         self._setup(torch.optim.Adam.__init__, locals())
 
 
-class AdamW(_IpuOptimizer, torch.optim.AdamW):
+class AdamW(Optimizer, torch.optim.AdamW):
     """AdamW with loss scaling, gradient clipping and optional bias correction.
 
     Args: as ``torch.optim.AdamW``, plus those of :class:`Adam` and ``bias_correction`` (True).
@@ -315,7 +317,7 @@ class AdamW(_IpuOptimizer, torch.optim.AdamW):
                 p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().add_(eps), value=-lr)
 
 
-class RMSprop(_IpuOptimizer, torch.optim.RMSprop):
+class RMSprop(Optimizer, torch.optim.RMSprop):
     """RMSprop with loss scaling and an optional TensorFlow variant (no gradient clipping).
 
     Args: as ``torch.optim.RMSprop``, plus ``loss_scaling`` (1.0), the three accum types
@@ -371,7 +373,7 @@ def _optimizer_init(self: torch.optim.Optimizer, params: Iterable, **defaults: A
     torch.optim.Optimizer.__init__(self, params, defaults)
 
 
-class LAMB(_IpuOptimizer, torch.optim.Optimizer):
+class LAMB(Optimizer, torch.optim.Optimizer):
     """LAMB (arXiv:1904.00962) with phi(z) = min(z, max_weight_norm); no ``max_grad_norm``.
 
     Args: ``lr`` (1e-3), ``betas`` ((0.9, 0.999)), ``eps`` (1e-8), ``weight_decay`` (1e-2),
@@ -445,11 +447,15 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
             f"Unsupported optimizer type. Types supported {names}. Received: "
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those.")
     cls = type(optimizer)
-    if cls not in (*_OURS, *_TORCH) and cls not in _warned_subclasses:
+    direct = {torch.optim.Optimizer, Optimizer} & set(cls.__bases__)  # PopTorch's test
+    if cls not in (*_OURS, *_TORCH) and not direct and cls not in _warned_subclasses:
         _warned_subclasses.add(cls)
-        logger.warning("%s subclasses %s: its Python optimizer code is never run on the IPU, "
-                       "which applies the built-in %s update with the hyper-parameters read "
-                       "from param_groups.", cls.__name__, base.__name__, base.__name__)
+        logger.warning("Optimizer `%s` subclassed from classes in poptorch.optim or torch.optim "
+                       "are unlikely to behave as intended. Poptorch does not run Python "
+                       "optimizer code directly; but instead uses IPU native optimisers "
+                       "implemented in PopART. (The emulator runs the optimizer's own step(): "
+                       "an IPU applies the built-in %s update with the hyper-parameters read "
+                       "from param_groups instead.)", cls.__name__, base.__name__)
     groups = optimizer.param_groups
     for where, group in (("defaults", optimizer.defaults),
                          *((f"param_groups[{i}]", g) for i, g in enumerate(groups))):
@@ -466,6 +472,41 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
             assert g["centered"] == groups[0]["centered"], (
                 "All parameter groups must have the same value for the 'centered' attribute "
                 f"(Group 0: {groups[0]['centered']} / Group {i}: {g['centered']}).")
+
+
+class AttributeTracker:
+    """PopTorch's check for attributes that appear on an optimizer after the wrap: the device
+    never reads them, so each new set is reported once (at DEBUG, rather than WARNING, after
+    ``Options.relaxOptimizerAttributesChecks()``). The first ``check`` records what is there."""
+
+    # torch's own attributes, and the state_dict wrappers the executor puts on the optimizer
+    _UPSTREAM = ("defaults", "state", "param_groups", "variable_attrs", "state_dict",
+                 "load_state_dict")
+
+    def __init__(self, relax: bool) -> None:
+        self._log = logger.debug if relax else logger.warning
+        self._group: list[str] = []
+        self._optimizer: list[str] = []
+        self._recording = True
+        self._printed: set[str] = set()
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        attrs = [k for k in optimizer.__dict__ if k not in self._UPSTREAM and not k.startswith("_")]
+        checks = [("default group variable", self._group, list(optimizer.defaults)),
+                  ("optimizer attribute", self._optimizer, attrs)]
+        checks += [(f"group {i} attribute", self._group, [k for k in g if k != "params"])
+                   for i, g in enumerate(optimizer.param_groups)]
+        base = _torch_base(optimizer)
+        for what, expected, provided in checks:
+            extra = [a for a in provided if a not in expected]
+            if self._recording:
+                expected += extra
+            elif extra:
+                msg = f"Ignoring unexpected {what} in {base.__name__} optimizer: {extra}"
+                if msg not in self._printed:
+                    self._printed.add(msg)
+                    self._log(msg)
+        self._recording = False
 
 
 def _plain(value: Any) -> Any:
@@ -485,15 +526,15 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> dict:
 
 def constant_attributes(optimizer: torch.optim.Optimizer) -> set[str]:
     """Attributes that may not change after compilation (``lr`` never is)."""
-    if isinstance(optimizer, _IpuOptimizer):
+    if isinstance(optimizer, Optimizer):
         va = optimizer.variable_attrs
         names = {*optimizer.defaults, *optimizer._extras}
-        return {n for n in names if n in _STRUCTURAL or va.isConstant(n)} - {"lr"}
+        return ({n for n in names if va.isConstant(n)} | _STRUCTURAL) - {"lr"}
     # torch.optim: a hyper-parameter left at its constructor default is constant; PopTorch
     # also always treats betas and alpha as constant for them.
     base = _torch_base(optimizer)
     sig = inspect.signature(base.__init__).parameters if base else {}
-    const = {"loss_scaling"} | ({"betas", "alpha"} & set(optimizer.defaults))
+    const = {"loss_scaling", *_STRUCTURAL} | ({"betas", "alpha"} & set(optimizer.defaults))
     for name, par in sig.items():
         if par.default is inspect.Parameter.empty or name not in optimizer.defaults:
             continue
@@ -503,16 +544,23 @@ def constant_attributes(optimizer: torch.optim.Optimizer) -> set[str]:
 
 
 _MISSING = object()
+# What an attribute an optimizer lacks stands for: PopTorch's default for it. So a torch.optim
+# optimizer swapped for the poptorch.optim one with the same values changes no constant.
+_IMPLICIT = {k: v for cls in _OURS for k, v in cls._extra_defaults.items()}
 
 
 def changed_constants(old_snapshot: dict, new_snapshot: dict, constants: set[str]) -> list[str]:
     """Names in ``constants`` whose value differs between two snapshots (sorted)."""
     if len(old_snapshot["groups"]) != len(new_snapshot["groups"]):
         return ["param_groups"]
+
+    def differ(old: dict, new: dict, k: str) -> bool:
+        implicit = _IMPLICIT.get(k, _MISSING)
+        return old.get(k, implicit) != new.get(k, implicit)
+
     changed = {k for old, new in zip(old_snapshot["groups"], new_snapshot["groups"])
-               for k in constants if old.get(k, _MISSING) != new.get(k, _MISSING)}
-    old_g, new_g = old_snapshot["global"], new_snapshot["global"]
-    changed |= {k for k in constants if old_g.get(k, _MISSING) != new_g.get(k, _MISSING)}
+               for k in constants if differ(old, new, k)}
+    changed |= {k for k in constants if differ(old_snapshot["global"], new_snapshot["global"], k)}
     return sorted(changed)
 
 

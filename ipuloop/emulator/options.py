@@ -105,7 +105,8 @@ class _OptionsDict:
         self.checkIsFrozen(option)
         if not option.startswith("_"):
             self.set(**{option: value})
-        elif "_values" in self.__dict__ and option not in self.__dict__:
+        elif "_values" in self.__dict__ and option not in (*self.__dict__, "__class__"):
+            # (assigning __class__ wraps a group in a subclass, as popdist does)
             raise AttributeError(f"Invalid private attribute {option}. "
                                  f"Valid attributes: {list(self.__dict__)}")
         else:
@@ -599,6 +600,11 @@ class Options(_OptionsDict):
         self.createOrSet(model_name=name)
         return self
 
+    def updatableNamedBuffers(self, buffers: list[str]) -> Options:
+        """Buffers (by ``named_buffers()`` name) that ``copyNamedBuffersToDevice()`` uploads."""
+        self._popart.set("updatableNamedBuffers", list(buffers))
+        return self
+
     def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Options:
         self._relax_optimizer_checks = relax
         return self
@@ -623,22 +629,22 @@ class Options(_OptionsDict):
 
     # -- loading, serialising, copying ------------------------------------------------------
     def loadFromFile(self, filepath: str) -> Options:
-        """Run each non-comment line of ``filepath`` as ``options.<line>``."""
+        """Run each non-comment line of ``filepath`` as ``options.<line>``. As in PopTorch, a
+        syntax error anywhere applies nothing and raises ``ConfigFileError`` naming the line
+        among the file's option lines (blank and comment lines are not counted)."""
         from .. import emulator  # the names an options file may use as "poptorch.<name>"
-        namespace = {"poptorch": emulator, "torch": torch, "options": self}
         with open(filepath, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        for number, line in enumerate(lines, start=1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            code = f"options.{line}"
-            try:
-                exec(compile(code, filepath, "exec"), namespace)  # noqa: S102 - PopTorch's format
-            except Exception as e:  # report the file line whatever went wrong
-                message = e.msg if isinstance(e, SyntaxError) else str(e)
-                raise ConfigFileError(f"{type(e).__name__} at line {number} of "
-                                      f"{os.path.basename(filepath)}: {message}\n> {code}") from e
+            lines = [line.strip() for line in f]
+        commands = [f"options.{line}" for line in lines if line and not line.startswith("#")]
+        try:
+            # (line numbers are those of the option lines, so not the file's own name)
+            code = compile("\n".join(commands), f"<option lines of {filepath}>", "exec")
+        except SyntaxError as e:
+            n = e.lineno or 0
+            line = commands[n - 1] if 0 < n <= len(commands) else (e.text or "").rstrip()
+            raise ConfigFileError(f"{type(e).__name__} at line {n} of "
+                                  f"{os.path.basename(filepath)}: {e.msg}\n> {line}") from e
+        exec(code, {"poptorch": emulator, "torch": torch, "options": self})  # noqa: S102
         return self
 
     def from_json(self, string: str) -> Options:
