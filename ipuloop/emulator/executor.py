@@ -716,7 +716,7 @@ class PoplarExecutor:
     def _patch_optimizer(self, opt: torch.optim.Optimizer) -> None:
         # PopTorch rebinds state_dict()/load_state_dict() so they read and write the IPU's state,
         # for poptorch.optim optimizers only: a torch.optim one's state stays on the device.
-        if not isinstance(opt, _optim._IpuOptimizer):
+        if not isinstance(opt, _optim.Optimizer):
             return
         cls_state_dict, cls_load = type(opt).state_dict, type(opt).load_state_dict
 
@@ -768,7 +768,7 @@ class PoplarExecutor:
         return sd
 
     def _download_optimizer(self) -> None:
-        if self._device_optimizer is not None and isinstance(self._optimizer, _optim._IpuOptimizer):
+        if self._device_optimizer is not None and isinstance(self._optimizer, _optim.Optimizer):
             type(self._optimizer).load_state_dict(self._optimizer, self._device_state_dict())
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -782,7 +782,7 @@ class PoplarExecutor:
             self._unpatch_optimizer(self._optimizer)
             self._optimizer = optimizer
             self._patch_optimizer(optimizer)
-            if optimizer.state and isinstance(optimizer, _optim._IpuOptimizer):
+            if optimizer.state and isinstance(optimizer, _optim.Optimizer):
                 # only a poptorch.optim optimizer carrying state resets the device's
                 self._optimizer_dirty = True
         if self._device_optimizer is None:
