@@ -37,6 +37,7 @@ from . import blocks as _blocks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
+from .signature import Signature, unflatten as _unflatten
 from ..backend import uses_ipu_model
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
@@ -169,18 +170,6 @@ def _tensors(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Te
 # ---------------------------------------------------------------------------------------------
 # Inputs and outputs
 
-def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    if not kwargs and all(type(a) is torch.Tensor for a in args):
-        return list(args), len(args)  # fast path: positional tensors only
-    return pytree.tree_flatten((args, kwargs))
-
-
-def _unflatten(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
-    if isinstance(spec, int):
-        return tuple(leaves), {}
-    return pytree.tree_unflatten(leaves, spec)
-
-
 def _out_leaves(out: Any) -> tuple[list[Any], Any]:
     if isinstance(out, torch.Tensor):
         return [out], None
@@ -210,61 +199,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     elif t.dtype == torch.float64:
         t = t.to(torch.float32)
     return t if t.is_cpu else t.cpu()
-
-
-class _Signature:
-    """What the first call compiled for; later calls must match it exactly (PopTorch §2.1)."""
-
-    def __init__(self, forward: Callable, args: tuple, kwargs: dict) -> None:
-        try:
-            names = list(inspect.signature(forward).parameters)
-        except (TypeError, ValueError):
-            names = []
-        self.names = names
-        self.num_args = len(args)
-        self.kwarg_keys = sorted(kwargs)
-        leaves, self.spec = _flatten(args, kwargs)
-        self.meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
-        # Positional tensors only: what a matching call looks like, compared in one pass.
-        self.fast = [(torch.Size(m[0]), m[1]) for m in self.meta] \
-            if isinstance(self.spec, int) else None
-
-    def arg_name(self, i: int) -> str:
-        return repr(self.names[i]) if i < len(self.names) else f"#{i}"
-
-    def check(self, args: tuple, kwargs: dict) -> list[Any]:
-        fast = self.fast
-        if fast is not None and not kwargs and len(args) == len(fast) and all(
-                type(x) is torch.Tensor and x.dtype == dt and x.shape == sh
-                for x, (sh, dt) in zip(args, fast)):
-            return list(args)  # the common case; anything else gets the full check below
-        if len(args) != self.num_args:
-            raise Error(f"Number of positional arguments mismatch: expected {self.num_args} "
-                        f"arguments but got {len(args)}. To compile a new model call destroy() "
-                        "on the wrapped model and wrap it again.")
-        if sorted(kwargs) != self.kwarg_keys:
-            raise Error(f"Keys mismatch for keyword arguments: expected {self.kwarg_keys} but got "
-                        f"{sorted(kwargs)}.")
-        leaves, spec = _flatten(args, kwargs)
-        if spec != self.spec:
-            raise Error("Type or structure mismatch of the inputs: expected the same nesting of "
-                        "tuples, lists and dicts as the first call, which compiled the model.")
-        for i, (x, m) in enumerate(zip(leaves, self.meta)):
-            where = f"input {self.arg_name(i)}" if isinstance(spec, int) else f"input #{i}"
-            if isinstance(x, torch.Tensor) != isinstance(m, tuple):
-                raise Error(f"Type mismatch for {where}: expected {m!r} but got {type(x).__name__}.")
-            if isinstance(x, torch.Tensor):
-                if x.dtype != m[1]:  # checked before the shape, as PopTorch does
-                    raise Error(f"Data type mismatch for {where}: expected {m[1]} but got {x.dtype}.")
-                if tuple(x.shape) != m[0]:
-                    raise Error(f"Shape mismatch for {where}: expected {list(m[0])} but got "
-                                f"{list(x.shape)}. The model was compiled for the first call's "
-                                "shapes: call destroy() on the wrapped model and wrap it again "
-                                "to compile for new ones.")
-            elif x != m:
-                raise Error(f"Value mismatch for {where}: expected {m!r} but got {x!r}. Non-tensor "
-                            "arguments are constants of the compiled graph.")
-        return leaves
 
 
 _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
@@ -321,7 +255,7 @@ class PoplarExecutor:
         self._trained_version = 0  # bumped by each training call
         self._source: PoplarExecutor | None = None  # training executor an inference one follows
         self._source_version = -1
-        self._signature: _Signature | None = None
+        self._signature: Signature | None = None
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
@@ -452,7 +386,8 @@ class PoplarExecutor:
                 raise Error(f"Return period must be a factor of the number of batches per step: "
                             f"outputMode(EveryN, {n}) with deviceIterations({di}). Choose a "
                             "period that divides deviceIterations.")
-        leaves, spec = _flatten(args, kwargs)
+        self._signature = Signature(self._device_model.forward, args, kwargs)
+        leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         for x in leaves:
             if isinstance(x, torch.Tensor):
@@ -466,7 +401,6 @@ class PoplarExecutor:
                     "calculate the batch size which will be executed on the device in any given "
                     "iteration. For a full explanation see the batching semantics page of the "
                     "documentation.")
-        self._signature = _Signature(self._device_model.forward, args, kwargs)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
         fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
@@ -778,7 +712,7 @@ class PoplarExecutor:
         """``args`` as they are, when they are what the model compiled for and ``_prepare``
         would leave them as they are: plain tensors of the compiled shapes and dtypes (none it
         converts), contiguous, not requiring grad, on the CPU. Else None: the general path
-        (``_Signature.check``, then ``_prepare``) checks, converts and raises."""
+        (``Signature.check``, then ``_prepare``) checks, converts and raises."""
         ready = self._ready
         if len(args) != len(ready):
             return None
@@ -795,15 +729,15 @@ class PoplarExecutor:
         ready = None
         if not self._compiled:
             self._compile(args, kwargs)
-            leaves, spec = _flatten(args, kwargs)
+            leaves = self._signature.flatten(args, kwargs)
         else:
             if self._ready is not None and not kwargs:
                 ready = self._as_ready(args)
             if ready is None:
                 leaves = self._signature.check(args, kwargs)
-            spec = self._signature.spec
             if not self._attached:
                 self._attach()  # a call re-attaches a detached model
+        spec = self._signature.spec
         if self._training:
             if self._optimizer_dirty:
                 self._upload_optimizer(self._optimizer)
