@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ipuloop.emulator as poptorch
 from ipuloop import Callback, Loop
 from ipuloop.outputs import ALL, EVERY_N, FINAL, SUM, Layout
-from test_emulator_executor import Dropper  # Linear + Dropout(0.5), loss out.pow(2).mean()
+from test_emulator_executor import Dropper  # Linear + Dropout(0.5), loss identity_loss(out.pow(2), "mean")
 
 IN, OUT, B = 5, 3, 4
 
@@ -120,7 +120,7 @@ def test_float64_inputs_are_converted_on_every_call():
 class NoRandom(Dropper):
     def forward(self, x, y):
         out = self.fc(x)
-        return out, out.pow(2).mean()
+        return out, poptorch.identity_loss(out.pow(2), reduction="mean")
 
 
 def _inputs(module):

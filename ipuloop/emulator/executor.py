@@ -17,10 +17,10 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 import functools
-import inspect
 import logging
 import os
 import time
@@ -29,11 +29,10 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import blocks as _blocks
+from . import checks as _checks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
@@ -45,6 +44,7 @@ __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss",
 logger = logging.getLogger("poptorch")
 
 _NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+_NO_CAPTURE = contextlib.nullcontext()
 _running_on_ipu = False  # True while a wrapped model's forward runs "on the device"
 
 
@@ -59,7 +59,7 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
         f'Unsupported reduction type! reduction must be "sum", "mean" or "none". Received: '
         f'reduction={reduction!r}.')
     out = x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x * 1
-    out._poptorch_identity_loss = True  # lets the executor find the loss as PopTorch's graph pass does
+    _checks.note_identity_loss(out)  # a loss of the graph being traced, if any
     return out
 
 
@@ -201,33 +201,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_cpu else t.cpu()
 
 
-_LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
-    "cross_entropy", "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss",
-    "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss", "multi_margin_loss",
-    "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
-    "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
-    "triplet_margin_with_distance_loss") if hasattr(F, name))
-
-
-class _LossWatcher(TorchFunctionMode):
-    """While tracing: remembers the outputs of torch's loss functions (``nn.*Loss`` call them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list[torch.Tensor] = []  # kept alive so their ids stay unique
-
-    @property
-    def ids(self) -> frozenset[int]:
-        return frozenset(id(t) for t in self.outputs)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
-            self.outputs.append(out)
-        return out
-
-
 # ---------------------------------------------------------------------------------------------
 
 class PoplarExecutor:
@@ -266,6 +239,7 @@ class PoplarExecutor:
         self._optimizer_constants: set[str] = set()
         self._optimizer_dirty = False
         self._replica_buffers: list[list[torch.Tensor]] | None = None
+        self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
 
         strategy = getattr(opts, "_execution_strategy", None)
         if strategy is not None and not getattr(strategy, "emulated", True):
@@ -375,6 +349,7 @@ class PoplarExecutor:
     def _compile(self, args: tuple, kwargs: dict) -> None:
         start = time.perf_counter()
         o = self._options
+        _checks.check_options(o)
         di, ga, rf, rfg = self._factors()
         if self._training and ga < 1 or di < 1 or rf < 1:
             raise Error(f"deviceIterations, replicationFactor and gradientAccumulation must be "
@@ -430,11 +405,14 @@ class PoplarExecutor:
         host_rng = self._swap_rng(rng)
         global _running_on_ipu
         strategy = self._options._execution_strategy
+        checks = _checks.TraceChecks(self._device_model, micro, self._training)
+        addresses = _checks.tensor_addresses(self._device_model)
         try:
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    _LossWatcher() as losses:
+                    checks:
                 out = self._device_model(*margs, **mkwargs)
+            _checks.check_addresses(addresses, _checks.tensor_addresses(self._device_model))
         finally:
             _running_on_ipu = False
             with torch.no_grad():
@@ -447,29 +425,13 @@ class PoplarExecutor:
         out_leaves, self._out_spec = _out_leaves(out)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
-            self._loss_index = self._find_loss(out_leaves, losses.ids)
+            self._loss_index, nth = checks.find_loss(out_leaves)
+            # A final loss the outputs only use is taken from each forward as it runs.
+            self._loss_capture = _NO_CAPTURE if self._loss_index is not None else \
+                _checks.LossCapture(nth)
+        _checks.check_replicated_updates(checks, self._options)
         self._check_stages(trace, di, ga, rf)
         self._setup_anchors()
-
-    @staticmethod
-    def _find_loss(leaves: list[Any], loss_ids: frozenset[int] = frozenset()) -> int:
-        # PopTorch's graph pass: identity_loss outputs, else torch loss functions (which lower
-        # to identity losses). Without a graph, a returned scalar needing gradients stands in.
-        marked = [i for i, t in enumerate(leaves)
-                  if isinstance(t, torch.Tensor) and getattr(t, "_poptorch_identity_loss", False)]
-        builtin = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
-                   and id(t) in loss_ids and t.requires_grad]
-        scalars = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
-                   and t.dim() == 0 and t.requires_grad and t.is_floating_point()]
-        found = marked or builtin or scalars
-        if not found:
-            raise Error("Couldn't find a loss in graph! The training model must return a scalar "
-                        "loss that depends on the parameters (for example `return output, loss`), "
-                        "or wrap a custom loss in poptorch.identity_loss(loss, reduction=...).")
-        if len(found) > 1:
-            raise Error("Multiple independent losses found in graph. Graph must have one final "
-                        "loss. Wrap final graph loss in poptorch.identity_loss.")
-        return found[0]
 
     def _check_stages(self, trace: Any, di: int, ga: int, rf: int) -> None:
         f = trace.num_forward_stages
@@ -765,8 +727,9 @@ class PoplarExecutor:
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
         try:
-            out = self._run_single(leaves, spec) if single else \
-                self._run(leaves, chunks, spec, di, ga, rf, rfg)
+            with self._loss_capture:
+                out = self._run_single(leaves, spec) if single else \
+                    self._run(leaves, chunks, spec, di, ga, rf, rfg)
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
@@ -775,7 +738,7 @@ class PoplarExecutor:
             _running_on_ipu = False
             if draws_random:
                 self._rng_state = self._swap_rng(host_rng)
-        return out
+        return _checks.forbid_backward(out)
 
     def _swap_rng(self, state: torch.Tensor) -> torch.Tensor:
         """Install ``state`` as the generator the device's random ops use; return the old one."""
@@ -855,7 +818,8 @@ class PoplarExecutor:
 
     def _backward(self, outs: list, scale: float) -> None:
         """Backward of one micro-batch's loss (among its output leaves), scaled by ``scale``."""
-        loss = outs[self._loss_index]
+        index = self._loss_index
+        loss = outs[index] if index is not None else self._loss_capture.take()
         if loss.dim():
             loss = loss.sum()  # identity_loss(reduction="none")
         (loss * scale if scale != 1.0 else loss).backward()
