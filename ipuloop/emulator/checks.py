@@ -6,11 +6,13 @@ the data flow as PopTorch's graph does, to
 
 * find the loss: each ``identity_loss`` and each torch loss function (which PopTorch lowers to
   an identity loss) is a loss; a loss that feeds a later one is folded into it, one that feeds
-  no output is dead code. Exactly one must remain (``find_loss``);
+  no output is dead code. Exactly one must remain (``find_loss``); when the outputs only use
+  it, ``LossCapture`` takes it from each forward as a training call runs;
 * reject a CPU tensor meeting the graph's tensors in one op, as the IPU does: the graph's
   tensors are the inputs, the parameters and buffers, and what ops made from them or from
   nothing (factory functions). Ops on CPU tensors alone run on the host, as in PopTorch;
-* see parameters and buffers updated in place (``updated``), which replicas cannot broadcast;
+* see parameters and buffers written in place (``updated``), which replicas broadcasting their
+  buffers cannot have (``check_replicated_updates``);
 * reject ``poptorch.for_loop`` in a training model.
 
 It also holds the other checks of a compiled model: buffers and parameters removed or

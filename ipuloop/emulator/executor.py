@@ -817,7 +817,8 @@ class PoplarExecutor:
         return self._assemble(rows)
 
     def _backward(self, outs: list, scale: float) -> None:
-        """Backward of one micro-batch's loss (among its output leaves), scaled by ``scale``."""
+        """Backward of one micro-batch's loss (an output leaf, or taken by ``_loss_capture``
+        when the outputs only use it), scaled by ``scale``."""
         index = self._loss_index
         loss = outs[index] if index is not None else self._loss_capture.take()
         if loss.dim():
