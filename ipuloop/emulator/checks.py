@@ -99,15 +99,19 @@ class LossCapture(_LossMode):
 class TraceChecks(_LossMode):
     """The mode the executor traces a wrapped model's forward in (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module, inputs: list[Any], training: bool) -> None:
+    def __init__(self, models: list[torch.nn.Module], inputs: list[Any], training: bool) -> None:
+        """``models``: the modules whose parameters and buffers are on the device (the wrapped
+        module, and the copy the emulator runs); ``inputs``: the traced call's inputs."""
         super().__init__()
         self.training = training
         self.losses: list[torch.Tensor] = []  # in creation order
         self.updated: list[str] = []  # names of parameters and buffers written in place
         self._graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> losses it uses
-        named = [*model.named_parameters(), *model.named_buffers()]
+        named = [nt for model in models
+                 for nt in [*model.named_parameters(), *model.named_buffers()]]
         # Normalisation statistics are PopART's to update, not an in-place write of a buffer.
-        stats = {id(t) for m in model.modules() if isinstance(m, _NormBase) for t in m.buffers()}
+        stats = {id(t) for model in models for m in model.modules() if isinstance(m, _NormBase)
+                 for t in m.buffers()}
         self._names = {id(t): n for n, t in named if id(t) not in stats}
         for t in [*(t for _, t in named), *_tensors(inputs)]:
             self._graph[t] = _NO_LOSSES

@@ -405,7 +405,8 @@ class PoplarExecutor:
         host_rng = self._swap_rng(rng)
         global _running_on_ipu
         strategy = self._options._execution_strategy
-        checks = _checks.TraceChecks(self._device_model, micro, self._training)
+        checks = _checks.TraceChecks([self._device_model, self._user_model], micro,
+                                     self._training)
         addresses = _checks.tensor_addresses(self._device_model)
         try:
             _running_on_ipu = True
