@@ -26,7 +26,7 @@ class Probe(nn.Module):
 
     def forward(self, x, y):
         out = x * self.w
-        return out, self.w.sum() + 0 * out.sum()
+        return out, poptorch.identity_loss(self.w.sum() + 0 * out.sum(), reduction="sum")
 
 
 class Record(Callback):

@@ -594,7 +594,7 @@ class _Changing(Dataset):
 
 @pytest.mark.parametrize("change,match", [
     ("extra", r"expected 2 arguments but got 3"),
-    ("dtype", r"Data type mismatch for input .*expected torch.float32 but got torch.float64"),
+    ("dtype", r"Data type mismatch for .*expected torch.float32 but got torch.float64"),
 ])
 def test_changed_arguments_after_compilation_are_rejected(change, match):
     """Step 2's batch differs from the compiled one: that step is refused, not run."""

@@ -84,8 +84,8 @@ def _underflow_step(loss_scaling: float, precision: str) -> torch.Tensor:
     lin = nn.Linear(1, 1, bias=False)
     nn.init.zeros_(lin.weight)
     opt = poptorch.optim.SGD(lin.parameters(), lr=1.0, loss_scaling=loss_scaling)
-    loop = Loop(lin, loss_fn=lambda out, y: (out * 1e-8).sum(), optimizer=opt,
-                precision=precision, progress=False)
+    loop = Loop(lin, loss_fn=lambda out, y: poptorch.identity_loss(out * 1e-8, "sum"),
+                optimizer=opt, precision=precision, progress=False)
     x, y = torch.full((1, 1), 1000.0), torch.zeros(1, 1)
     loop.fit(DataLoader(TensorDataset(x, y), batch_size=1), epochs=1)
     return lin.weight.detach().float().reshape(())

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from . import checks as _checks
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
@@ -203,7 +204,9 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
 
 def for_loop(count: int, body: Callable[..., Any], inputs: list[torch.Tensor]
              ) -> list[torch.Tensor]:
-    """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs."""
+    """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs
+    (inference models only, as in PopTorch)."""
+    _checks.note_for_loop()
     if not isinstance(inputs, list):
         raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
                          f"tensors. (Object is not list) Received: {type(inputs).__name__}.")

@@ -72,6 +72,7 @@ class StageTrace:
         self._current_ipu = 0  # PopTorch's counter starts on IPU 0
         self._changes = 0
         self._ran_before_first_block = False
+        self.in_block = True  # ops before the first block run on IPU 0; leaving a block ends it
 
     @property
     def num_forward_stages(self) -> int:
@@ -131,22 +132,35 @@ class StageTrace:
             self._changes += 1
             self._current_ipu = ipu
         self.blocks.append((block_id, stage._stage_id, ipu))
+        self.in_block = True
+
+    def end(self) -> None:
+        """A ``with Block`` ended: ops that follow belong to no block until the next one."""
+        self.in_block = False
 
     def reset_auto_id(self) -> None:
         self._next_auto_id = 0
 
 
 class _OpWatcher(TorchFunctionMode):
-    """Notes whether any torch op ran before the first block (that code lives on IPU 0)."""
+    """Notes whether any torch op ran before the first block (that code lives on IPU 0), and
+    rejects an op outside every block after a ``with Block`` ended, as PopTorch does."""
 
     def __init__(self, trace: StageTrace) -> None:
         super().__init__()
         self._trace = trace
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self._trace.blocks and getattr(func, "__name__", "") != "__get__":
-            self._trace._ran_before_first_block = True
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") != "__get__" and isinstance(out, torch.Tensor):
+            if not self._trace.in_block:
+                raise Error(f"No active Block, all the ops must belong to a Block: "
+                            f"{getattr(func, '__name__', func)}() runs after a `with "
+                            "poptorch.Block(...)` ended and before the next block began. Move it "
+                            "into a block (for example the loss into the last block).")
+            if not self._trace.blocks:
+                self._trace._ran_before_first_block = True
+        return out
 
 
 @contextlib.contextmanager
@@ -199,7 +213,10 @@ class Block:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        # Like PopTorch, leaving a block does not move code back: later code inherits it.
+        # As in PopTorch, leaving a block does not move code back to an earlier one: ops that
+        # follow belong to no block, an error until the next block begins.
+        if Block._trace is not None:
+            Block._trace.end()
         return None
 
 

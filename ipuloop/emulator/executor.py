@@ -18,11 +18,11 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import copyreg
 import datetime
 import functools
-import inspect
 import logging
 import os
 import time
@@ -31,14 +31,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import blocks as _blocks
+from . import checks as _checks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
+from .signature import Signature, unflatten as _unflatten
 from ..backend import uses_ipu_model
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
@@ -46,6 +46,7 @@ __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss",
 logger = logging.getLogger("poptorch")
 
 _NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
+_NO_CAPTURE = contextlib.nullcontext()
 _running_on_ipu = False  # True while a wrapped model's forward runs "on the device"
 
 
@@ -60,7 +61,7 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
         f'Unsupported reduction type! reduction must be "sum", "mean" or "none". Received: '
         f'reduction={reduction!r}.')
     out = x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x * 1
-    out._poptorch_identity_loss = True  # lets the executor find the loss as PopTorch's graph pass does
+    _checks.note_identity_loss(out)  # a loss of the graph being traced, if any
     return out
 
 
@@ -185,18 +186,6 @@ def _tensors(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Te
 # ---------------------------------------------------------------------------------------------
 # Inputs and outputs
 
-def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    if not kwargs and all(type(a) is torch.Tensor for a in args):
-        return list(args), len(args)  # fast path: positional tensors only
-    return pytree.tree_flatten((args, kwargs))
-
-
-def _unflatten(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
-    if isinstance(spec, int):
-        return tuple(leaves), {}
-    return pytree.tree_unflatten(leaves, spec)
-
-
 def _out_leaves(out: Any) -> tuple[list[Any], Any]:
     if isinstance(out, torch.Tensor):
         return [out], None
@@ -226,88 +215,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     elif t.dtype == torch.float64:
         t = t.to(torch.float32)
     return t if t.is_cpu else t.cpu()
-
-
-class _Signature:
-    """What the first call compiled for; later calls must match it exactly (PopTorch §2.1)."""
-
-    def __init__(self, forward: Callable, args: tuple, kwargs: dict) -> None:
-        try:
-            names = list(inspect.signature(forward).parameters)
-        except (TypeError, ValueError):
-            names = []
-        self.names = names
-        self.num_args = len(args)
-        self.kwarg_keys = sorted(kwargs)
-        leaves, self.spec = _flatten(args, kwargs)
-        self.meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves]
-        # Positional tensors only: what a matching call looks like, compared in one pass.
-        self.fast = [(torch.Size(m[0]), m[1]) for m in self.meta] \
-            if isinstance(self.spec, int) else None
-
-    def arg_name(self, i: int) -> str:
-        return repr(self.names[i]) if i < len(self.names) else f"#{i}"
-
-    def check(self, args: tuple, kwargs: dict) -> list[Any]:
-        fast = self.fast
-        if fast is not None and not kwargs and len(args) == len(fast) and all(
-                type(x) is torch.Tensor and x.dtype == dt and x.shape == sh
-                for x, (sh, dt) in zip(args, fast)):
-            return list(args)  # the common case; anything else gets the full check below
-        if len(args) != self.num_args:
-            raise Error(f"Number of positional arguments mismatch: expected {self.num_args} "
-                        f"arguments but got {len(args)}. To compile a new model call destroy() "
-                        "on the wrapped model and wrap it again.")
-        if sorted(kwargs) != self.kwarg_keys:
-            raise Error(f"Keys mismatch for keyword arguments: expected {self.kwarg_keys} but got "
-                        f"{sorted(kwargs)}.")
-        leaves, spec = _flatten(args, kwargs)
-        if spec != self.spec:
-            raise Error("Type or structure mismatch of the inputs: expected the same nesting of "
-                        "tuples, lists and dicts as the first call, which compiled the model.")
-        for i, (x, m) in enumerate(zip(leaves, self.meta)):
-            where = f"input {self.arg_name(i)}" if isinstance(spec, int) else f"input #{i}"
-            if isinstance(x, torch.Tensor) != isinstance(m, tuple):
-                raise Error(f"Type mismatch for {where}: expected {m!r} but got {type(x).__name__}.")
-            if isinstance(x, torch.Tensor):
-                if x.dtype != m[1]:  # checked before the shape, as PopTorch does
-                    raise Error(f"Data type mismatch for {where}: expected {m[1]} but got {x.dtype}.")
-                if tuple(x.shape) != m[0]:
-                    raise Error(f"Shape mismatch for {where}: expected {list(m[0])} but got "
-                                f"{list(x.shape)}. The model was compiled for the first call's "
-                                "shapes: call destroy() on the wrapped model and wrap it again "
-                                "to compile for new ones.")
-            elif x != m:
-                raise Error(f"Value mismatch for {where}: expected {m!r} but got {x!r}. Non-tensor "
-                            "arguments are constants of the compiled graph.")
-        return leaves
-
-
-_LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
-    "cross_entropy", "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss",
-    "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss", "multi_margin_loss",
-    "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
-    "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
-    "triplet_margin_with_distance_loss") if hasattr(F, name))
-
-
-class _LossWatcher(TorchFunctionMode):
-    """While tracing: remembers the outputs of torch's loss functions (``nn.*Loss`` call them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list[torch.Tensor] = []  # kept alive so their ids stay unique
-
-    @property
-    def ids(self) -> frozenset[int]:
-        return frozenset(id(t) for t in self.outputs)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
-            self.outputs.append(out)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +249,7 @@ class PoplarExecutor:
         self._trained_version = 0  # bumped by each training call
         self._source: PoplarExecutor | None = None  # training executor an inference one follows
         self._source_version = -1
-        self._signature: _Signature | None = None
+        self._signature: Signature | None = None
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
@@ -353,6 +260,7 @@ class PoplarExecutor:
         self._optimizer_constants: set[str] = set()
         self._optimizer_dirty = False
         self._replica_buffers: list[list[torch.Tensor]] | None = None
+        self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
 
         strategy = getattr(opts, "_execution_strategy", None)
         if strategy is not None and not getattr(strategy, "emulated", True):
@@ -469,6 +377,7 @@ class PoplarExecutor:
     def _compile(self, args: tuple, kwargs: dict) -> None:
         start = time.perf_counter()
         o = self._options
+        _checks.check_options(o)
         di, ga, rf, rfg = self._factors()
         if self._training and ga < 1 or di < 1 or rf < 1:
             raise Error(f"deviceIterations, replicationFactor and gradientAccumulation must be "
@@ -485,7 +394,8 @@ class PoplarExecutor:
         if unknown:
             raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
                         "the model: use names from model.named_buffers().")
-        leaves, spec = _flatten(args, kwargs)
+        self._signature = Signature(self._device_model.forward, args, kwargs)
+        leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         for x in leaves:
             if isinstance(x, torch.Tensor):
@@ -499,7 +409,6 @@ class PoplarExecutor:
                     "calculate the batch size which will be executed on the device in any given "
                     "iteration. For a full explanation see the batching semantics page of the "
                     "documentation.")
-        self._signature = _Signature(self._device_model.forward, args, kwargs)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
         fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
@@ -534,11 +443,15 @@ class PoplarExecutor:
         host_rng = self._swap_rng(rng)
         global _running_on_ipu
         strategy = self._options._execution_strategy
+        checks = _checks.TraceChecks([self._device_model, self._user_model], micro,
+                                     self._training)
+        addresses = _checks.tensor_addresses(self._device_model)
         try:
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    _LossWatcher() as losses:
+                    checks:
                 out = self._device_model(*margs, **mkwargs)
+            _checks.check_addresses(addresses, _checks.tensor_addresses(self._device_model))
         finally:
             _running_on_ipu = False
             with torch.no_grad():
@@ -551,29 +464,13 @@ class PoplarExecutor:
         out_leaves, self._out_spec = _out_leaves(out)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
-            self._loss_index = self._find_loss(out_leaves, losses.ids)
+            self._loss_index, nth = checks.find_loss(out_leaves)
+            # A final loss the outputs only use is taken from each forward as it runs.
+            self._loss_capture = _NO_CAPTURE if self._loss_index is not None else \
+                _checks.LossCapture(nth)
+        _checks.check_replicated_updates(checks, self._options)
         self._check_stages(trace, di, ga, rf)
         self._setup_anchors()
-
-    @staticmethod
-    def _find_loss(leaves: list[Any], loss_ids: frozenset[int] = frozenset()) -> int:
-        # PopTorch's graph pass: identity_loss outputs, else torch loss functions (which lower
-        # to identity losses). Without a graph, a returned scalar needing gradients stands in.
-        marked = [i for i, t in enumerate(leaves)
-                  if isinstance(t, torch.Tensor) and getattr(t, "_poptorch_identity_loss", False)]
-        builtin = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
-                   and id(t) in loss_ids and t.requires_grad]
-        scalars = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)
-                   and t.dim() == 0 and t.requires_grad and t.is_floating_point()]
-        found = marked or builtin or scalars
-        if not found:
-            raise Error("Couldn't find a loss in graph! The training model must return a scalar "
-                        "loss that depends on the parameters (for example `return output, loss`), "
-                        "or wrap a custom loss in poptorch.identity_loss(loss, reduction=...).")
-        if len(found) > 1:
-            raise Error("Multiple independent losses found in graph. Graph must have one final "
-                        "loss. Wrap final graph loss in poptorch.identity_loss.")
-        return found[0]
 
     def _check_stages(self, trace: Any, di: int, ga: int, rf: int) -> None:
         f = trace.num_forward_stages
@@ -847,7 +744,7 @@ class PoplarExecutor:
         """``args`` as they are, when they are what the model compiled for and ``_prepare``
         would leave them as they are: plain tensors of the compiled shapes and dtypes (none it
         converts), contiguous, not requiring grad, on the CPU. Else None: the general path
-        (``_Signature.check``, then ``_prepare``) checks, converts and raises."""
+        (``Signature.check``, then ``_prepare``) checks, converts and raises."""
         ready = self._ready
         if len(args) != len(ready):
             return None
@@ -865,15 +762,15 @@ class PoplarExecutor:
         ready = None
         if not self._compiled:
             self._compile(args, kwargs)
-            leaves, spec = _flatten(args, kwargs)
+            leaves = self._signature.flatten(args, kwargs)
         else:
             if self._ready is not None and not kwargs:
                 ready = self._as_ready(args)
             if ready is None:
                 leaves = self._signature.check(args, kwargs)
-            spec = self._signature.spec
             if not self._attached:
                 self._attach()  # a call re-attaches a detached model
+        spec = self._signature.spec
         if self._training:
             if self._optimizer_dirty:
                 self._upload_optimizer(self._optimizer)
@@ -901,8 +798,9 @@ class PoplarExecutor:
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
         try:
-            out = self._run_single(leaves, spec) if single else \
-                self._run(leaves, chunks, spec, di, ga, rf, rfg)
+            with self._loss_capture:
+                out = self._run_single(leaves, spec) if single else \
+                    self._run(leaves, chunks, spec, di, ga, rf, rfg)
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
@@ -911,7 +809,7 @@ class PoplarExecutor:
             _running_on_ipu = False
             if draws_random:
                 self._rng_state = self._swap_rng(host_rng)
-        return out
+        return _checks.forbid_backward(out)
 
     def _swap_rng(self, state: torch.Tensor) -> torch.Tensor:
         """Install ``state`` as the generator the device's random ops use; return the old one."""
@@ -990,8 +888,10 @@ class PoplarExecutor:
         return self._assemble(rows)
 
     def _backward(self, outs: list, scale: float) -> None:
-        """Backward of one micro-batch's loss (among its output leaves), scaled by ``scale``."""
-        loss = outs[self._loss_index]
+        """Backward of one micro-batch's loss (an output leaf, or taken by ``_loss_capture``
+        when the outputs only use it), scaled by ``scale``."""
+        index = self._loss_index
+        loss = outs[index] if index is not None else self._loss_capture.take()
         if loss.dim():
             loss = loss.sum()  # identity_loss(reduction="none")
         (loss * scale if scale != 1.0 else loss).backward()

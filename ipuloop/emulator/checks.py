@@ -1,0 +1,259 @@
+"""What PopTorch's compiler checks in a traced model, checked in the emulator's trace.
+
+The executor traces the first micro-batch of a wrapped model's first call inside
+``TraceChecks``, a torch function mode that sees every torch op ``forward`` runs. It follows
+the data flow as PopTorch's graph does, to
+
+* find the loss: each ``identity_loss`` and each torch loss function (which PopTorch lowers to
+  an identity loss) is a loss; a loss that feeds a later one is folded into it, one that feeds
+  no output is dead code. Exactly one must remain (``find_loss``); when the outputs only use
+  it, ``LossCapture`` takes it from each forward as a training call runs;
+* reject a CPU tensor meeting the graph's tensors in one op, as the IPU does: the graph's
+  tensors are the inputs, the parameters and buffers, and what ops made from them or from
+  nothing (factory functions). Ops on CPU tensors alone run on the host, as in PopTorch;
+* see parameters and buffers written in place (``updated``), which replicas broadcasting their
+  buffers cannot have (``check_replicated_updates``);
+* reject ``poptorch.for_loop`` in a training model.
+
+It also holds the other checks of a compiled model: buffers and parameters removed or
+reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_options``) and
+``backward()`` on a model's outputs (``forbid_backward``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .errors import Error
+
+__all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
+           "forbid_backward", "note_for_loop", "note_identity_loss", "tensor_addresses"]
+
+_LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
+    "cross_entropy", "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss",
+    "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss", "multi_margin_loss",
+    "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
+    "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
+    "triplet_margin_with_distance_loss") if hasattr(F, name))
+
+_NO_LOSSES: frozenset[int] = frozenset()
+_active: _LossMode | None = None
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _LossMode(TorchFunctionMode):
+    """A mode that ``identity_loss`` reports to (``note_loss``) while it is active."""
+
+    def __enter__(self) -> _LossMode:
+        global _active
+        self._previous, _active = _active, self
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _active
+        _active = self._previous
+        return super().__exit__(*exc_info)
+
+    def note_loss(self, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class LossCapture(_LossMode):
+    """While a training call runs: keeps the ``index``-th loss of each micro-batch's forward,
+    for a model whose final loss is not among its outputs (see ``TraceChecks.find_loss``)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.seen: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
+            self.seen.append(out)
+        return out
+
+    def note_loss(self, t: torch.Tensor) -> None:
+        self.seen.append(t)
+
+    def take(self) -> torch.Tensor:
+        """The final loss of the micro-batch that just ran (and forget that micro-batch's)."""
+        seen, self.seen = self.seen, []
+        if len(seen) <= self.index:
+            raise Error(f"The model's forward computed {len(seen)} loss(es) in this call, but "
+                        f"its first call's final loss was loss #{self.index}: a training graph "
+                        "is fixed when compiled. Compute the same losses on every call.")
+        return seen[self.index]
+
+
+class TraceChecks(_LossMode):
+    """The mode the executor traces a wrapped model's forward in (see the module doc)."""
+
+    def __init__(self, models: list[torch.nn.Module], inputs: list[Any], training: bool) -> None:
+        """``models``: the modules whose parameters and buffers are on the device (the wrapped
+        module, and the copy the emulator runs); ``inputs``: the traced call's inputs."""
+        super().__init__()
+        self.training = training
+        self.losses: list[torch.Tensor] = []  # in creation order
+        self.updated: list[str] = []  # names of parameters and buffers written in place
+        self._graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> losses it uses
+        named = [nt for model in models
+                 for nt in [*model.named_parameters(), *model.named_buffers()]]
+        # Normalisation statistics are PopART's to update, not an in-place write of a buffer.
+        stats = {id(t) for model in models for m in model.modules() if isinstance(m, _NormBase)
+                 for t in m.buffers()}
+        self._names = {id(t): n for n, t in named if id(t) not in stats}
+        for t in [*(t for _, t in named), *_tensors(inputs)]:
+            self._graph[t] = _NO_LOSSES
+
+    def _in_graph(self, t: torch.Tensor) -> bool:
+        return t in self._graph or isinstance(t, torch.nn.Parameter)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = _tensors((args, kwargs))
+        in_graph = [self._in_graph(t) for t in inputs]
+        if any(in_graph) and not all(in_graph) and func is not torch.Tensor.to:
+            cpu = inputs[in_graph.index(False)]
+            raise Error(f"Expected an IPU tensor but got tensor(device={cpu.device.type}, "
+                        f"shape={list(cpu.shape)}, dtype={_dtype_name(cpu.dtype)}).\nConstant "
+                        "tensors should be moved explicitly to the IPU, via "
+                        "cpu_tensor.to(ipu_tensor.device). A tensor made inside forward() by "
+                        "a legacy constructor (torch.LongTensor([...])), from numpy, or kept as "
+                        "a plain module attribute stays on the host: make it with torch.tensor("
+                        "...) or register it as a buffer.")
+        watched = [(t, t._version) for t in inputs if id(t) in self._names]
+        out = func(*args, **kwargs)
+        for t, version in watched:
+            if t._version != version and self._names[id(t)] not in self.updated:
+                self.updated.append(self._names[id(t)])
+        if all(in_graph) or func is torch.Tensor.to:  # an op of the graph (or a factory)
+            losses = _NO_LOSSES.union(*(self._graph.get(t, _NO_LOSSES) for t in inputs))
+            outputs = _tensors(out)
+            if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
+                losses = losses | {len(self.losses)}
+                self.losses.append(out)
+            for t in outputs:
+                self._graph[t] = losses
+        return out
+
+    def note_loss(self, t: torch.Tensor) -> None:
+        """``t`` is an ``identity_loss``: a loss of the graph."""
+        self._graph[t] = self._graph.get(t, _NO_LOSSES) | {len(self.losses)}
+        self.losses.append(t)
+
+    def find_loss(self, outputs: list[Any]) -> tuple[int | None, int]:
+        """The graph's one final loss (PopTorch's loss pass): its index among ``outputs`` (None
+        when the outputs only use it) and among the losses in the order forward made them."""
+        used = _NO_LOSSES.union(*(self._graph.get(t, _NO_LOSSES) for t in outputs
+                                  if isinstance(t, torch.Tensor)))  # others are dead code
+        folded = _NO_LOSSES.union(*(self._graph[t] - {i} for i, t in enumerate(self.losses)
+                                    if i in used))
+        final = sorted(used - folded)
+        if not final:
+            raise Error("Couldn't find a loss in graph! A training model must return its loss: "
+                        "a torch loss function's output (for example `return output, "
+                        "F.mse_loss(output, target)`), or a custom loss wrapped in "
+                        "poptorch.identity_loss(loss, reduction=...).")
+        if len(final) > 1:
+            raise Error("Multiple independent losses found in graph. Graph must have one final "
+                        "loss. Wrap final graph loss in poptorch.identity_loss.")
+        loss = self.losses[final[0]]
+        returned = [i for i, t in enumerate(outputs) if t is loss]
+        return (returned[0] if returned else None), final[0]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """torch.int64 -> "Long", as c10 prints scalar types."""
+    return {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+            torch.uint8: "Byte", torch.bool: "Bool", torch.float32: "Float",
+            torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(
+                dtype, str(dtype).replace("torch.", ""))
+
+
+def note_identity_loss(t: torch.Tensor) -> None:
+    """Called by ``identity_loss``: while a wrapped model runs, ``t`` is a loss of its graph."""
+    if _active is not None:
+        _active.note_loss(t)
+
+
+def note_for_loop() -> None:
+    """Called by ``for_loop``: PopTorch compiles it for inference graphs only."""
+    if isinstance(_active, TraceChecks) and _active.training:
+        raise Error("poptorch.for_loop() is only supported in inference. Use it in a model "
+                    "wrapped by poptorch.inferenceModel, or unroll the loop in Python for a "
+                    "trainingModel.")
+
+
+def check_replicated_updates(checks: TraceChecks, options: Any) -> None:
+    """Replicas broadcasting their buffers cannot have them written in place (PopTorch)."""
+    if checks.updated and options.replication_factor > 1 and options.broadcast_buffers:
+        raise Error("PopTorch does not support broadcasting buffers. If your model is able to "
+                    "tolerate buffers becoming out of sync between replicas, you can disable "
+                    "buffer broadcasting using poptorch.Options.broadcastBuffers(False). "
+                    f"Written in place by forward(): {', '.join(checks.updated)}.")
+
+
+# BatchNorm replaces its statistics' tensors as it likes; PopTorch does not check them.
+_BUFFERS_CAN_CHANGE = (_BatchNorm,)
+
+
+def tensor_addresses(model: torch.nn.Module) -> tuple[dict, dict]:
+    """Buffers and parameters of ``model`` by name: (tensor, storage address) each."""
+    buffers = {name: (t, t.data_ptr()) for prefix, m in model.named_modules()
+               if not isinstance(m, _BUFFERS_CAN_CHANGE)
+               for name, t in m.named_buffers(prefix=prefix, recurse=False)}
+    params = {name: (t, t.data_ptr()) for name, t in model.named_parameters()}
+    return buffers, params
+
+
+def check_addresses(before: tuple[dict, dict], after: tuple[dict, dict]) -> None:
+    """Raise if ``forward`` removed or reassigned a buffer or parameter (PopTorch's check)."""
+    for kind, old, new in zip(("Buffer", "Parameter"), before, after):
+        for name, (_, address) in old.items():
+            if name not in new:
+                raise Error(f"{kind} {name} is removed from the model when calling the forward "
+                            "method.")
+            if new[name][1] != address:
+                raise Error(f"{kind} {name} is reassigned within the model when calling the "
+                            "forward method. This is not supported. Consider using "
+                            f"self.{name}.copy_(src) to copy data from a source tensor, where "
+                            "src is the name of the source tensor.")
+
+
+def check_options(options: Any) -> None:
+    """Options a compile on a host without IPU hardware rejects."""
+    if options._Popart.options.get("instrumentWithHardwareCycleCounter"):
+        raise Error("Cycle count logging is only supported on actual IPU hardware. The ipuloop "
+                    "emulator has no cycle counters: set poptorch.Options().logCycleCount(False) "
+                    "(time host calls instead, e.g. ipuloop.callbacks.ProfileCapture).")
+
+
+def _backward_error(*args: Any, **kwargs: Any) -> None:
+    raise Error("backward() cannot be called explicitly on outputs of a PopTorch model. If "
+                "you're using a trainingModel, the backwards pass is performed automatically "
+                "when invoking the model. If you're using an inferenceModel, you should use a "
+                "trainingModel instead.")
+
+
+def forbid_backward(out: Any) -> Any:
+    """``out`` with ``backward()`` of each of its tensors raising PopTorch's error."""
+    if isinstance(out, torch.Tensor):
+        out.backward = _backward_error
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            forbid_backward(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            forbid_backward(o)
+    return out
