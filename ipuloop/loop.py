@@ -35,7 +35,9 @@ class WithLoss(torch.nn.Module):
 
     Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
     labels, it returns ``(output, loss_fn(output, labels))``. The loss runs after the model's
-    last layer, so it joins the model's last pipeline block.
+    last layer, so it joins the model's last pipeline block. On the device the loss is marked
+    with ``identity_loss`` (reduction "none": the value unchanged), so that PopTorch finds it
+    whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
     """
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1) -> None:
@@ -51,7 +53,11 @@ class WithLoss(torch.nn.Module):
             raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
                             f"Received {len(args)} arguments.")
         output = self.model(*args[:-1])
-        return output, self.loss_fn(output, args[-1])
+        loss = self.loss_fn(output, args[-1])
+        pt = poptorch_module()
+        if pt.isRunningOnIpu():  # in the device graph, a loss PopTorch finds whatever loss_fn does
+            loss = pt.identity_loss(loss, reduction="none")
+        return output, loss
 
 
 PRECISIONS = ("32", "16-mixed", "16-true")

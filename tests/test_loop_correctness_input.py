@@ -287,3 +287,21 @@ def test_a_scheduler_cycling_a_constant_momentum_fails_before_any_step_naming_th
 def test_a_scheduler_cycling_a_variable_momentum_runs_the_whole_schedule(factory, kwargs):
     loop, sched = _one_cycle_fit(factory, **kwargs)
     assert sched.last_epoch == loop.state.update == sched.total_steps  # every update, no more
+
+
+def test_a_hand_written_loss_fn_trains_as_a_torch_loss_function():
+    """PopTorch finds a graph's loss only as a torch loss op or an ``identity_loss``
+    (poptorch ``python/_impl.py``: "Couldn't find a loss in graph!"); the loop marks
+    ``loss_fn``'s result, so arithmetic losses train like ``F.mse_loss``."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    weights = []
+    for loss_fn in (lambda o, t: ((o - t) ** 2).mean(), F.mse_loss):
+        torch.manual_seed(1)
+        m = nn.Linear(4, 1)
+        loop = Loop(m, loss_fn=loss_fn, optimizer=poptorch.optim.SGD(m.parameters(), lr=0.1),
+                    progress=False)
+        loop.fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=1)
+        weights.append(m.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1])
