@@ -486,8 +486,11 @@ class PoplarExecutor:
 
     def _trace(self, leaves: list[Any], spec: Any, prod: int, di: int, ga: int, rf: int) -> None:
         """Trace the first micro-batch: finds the loss, the blocks and the pipeline stages."""
-        micro = [self._prepare(x)[:x.shape[0] // prod] if isinstance(x, torch.Tensor) and x.dim()
-                 else self._prepare(x) for x in leaves]
+        # Copies: the trace must not apply a forward's in-place edits of its inputs, which the
+        # call that follows applies once, as the device run does.
+        micro = [self._prepare(x)[:x.shape[0] // prod].clone() if isinstance(x, torch.Tensor)
+                 and x.dim() else self._prepare(x).clone() if isinstance(x, torch.Tensor) else x
+                 for x in leaves]
         margs, mkwargs = _unflatten(micro, spec)
         saved = [b.clone() for b in self._dev_buffers]
         # Random ops draw from the device generator, which the trace leaves as it found it; the
@@ -812,11 +815,14 @@ class PoplarExecutor:
             self._source.copyWeightsToHostIfNeeded()
             self.copyWeightsToDevice()
             self._source_version = self._source._trained_version
+        edited = None  # inputs ``_prepare`` converted: the device's in-place edits come back
         if ready is not None:
             leaves = ready
         else:
             prepare = self._prepare
-            leaves = [prepare(x) for x in leaves]
+            given, leaves = leaves, [prepare(x) for x in leaves]
+            edited = [(x, y, y._version) for x, y in zip(given, leaves)
+                      if isinstance(y, torch.Tensor) and y is not x]
         single = self._single
         if not single:
             di, ga, rf, rfg = self._consts[:4]
@@ -836,6 +842,11 @@ class PoplarExecutor:
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
+            if edited:
+                with torch.no_grad():
+                    for x, y, version in edited:
+                        if y._version != version:
+                            x.copy_(y)
         finally:
             torch._C._set_grad_enabled(grad_was)
             _running_on_ipu = False
