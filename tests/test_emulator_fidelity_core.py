@@ -83,3 +83,80 @@ def test_input_converted_for_the_device_gets_the_edit_back():
     x = torch.zeros(2, 3, dtype=torch.float64)
     model(x)
     assert torch.equal(x, torch.ones(2, 3, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed float16 / float32
+
+@pytest.mark.parametrize("conv", [True, False])
+@pytest.mark.parametrize("act, weight", [(torch.float32, torch.float32),
+                                         (torch.float16, torch.float32),
+                                         (torch.float32, torch.float16),
+                                         (torch.float16, torch.float16)])
+def test_output_takes_the_activation_dtype(conv, act, weight):
+    """PopTorch 3.4 half_float_test (float16 activations, float32 weights): the output has the
+    activation's dtype whatever the weights' dtype; poptorch-semantics §1 says mixed ops follow
+    torch promotion, which torch's matmul and convolution do not define for mixed operands: we
+    read the test as the rule for them."""
+    torch.manual_seed(0)
+    model = nn.Conv1d(4, 5, 2) if conv else nn.Linear(4, 5)
+    x = torch.rand(2, 4, 4) if conv else torch.rand(2, 4)
+    expected = model(x)
+    model.to(weight)
+    out = poptorch.inferenceModel(model)(x.to(act))
+    assert out.dtype == act
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+class Regress(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        out = self.linear(x)
+        return out, nn.functional.mse_loss(out, y)
+
+
+def test_float32_master_weights_train_on_float16_activations():
+    """The float32 weights train through their float16 casts: the same updates as a torch loop
+    that casts them itself."""
+    model, ref = Regress(), Regress()
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.rand(8, 4)
+    y = (x.flip(1) * 2 - 1).half()
+    x = x.half()
+    for step in range(60):
+        out, loss = training(x, y)
+        w, b = ref.linear.weight, ref.linear.bias
+        ref_loss = nn.functional.mse_loss(nn.functional.linear(x, w.half(), b.half()), y)
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        assert out.dtype == torch.float16 and loss.dtype == torch.float16
+        assert torch.equal(loss, ref_loss.detach())
+        first = loss if step == 0 else first
+    assert loss < first / 2
+    assert model.linear.weight.dtype == torch.float32  # the master weights stay float32
+    assert torch.equal(model.linear.weight, ref.linear.weight)
+
+
+def test_automatic_loss_scaling_and_partials_type_run():
+    """The emulator's loss scaling is the optimizer's static ``loss_scaling``; automatic loss
+    scaling is accepted and leaves the math as it is (README, 16-bit)."""
+    def train(auto: bool) -> torch.Tensor:
+        model = Regress().half()
+        o = poptorch.Options()
+        o.Training.setAutomaticLossScaling(auto)
+        o.Precision.setPartialsType(torch.half)
+        opt = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=128.0)
+        training = poptorch.trainingModel(model, o, optimizer=opt)
+        x, y = torch.rand(8, 4).half(), torch.rand(8, 4).half()
+        for _ in range(5):
+            training(x, y)
+        return model.linear.weight.detach().clone()
+
+    assert torch.equal(train(True), train(False))
+    assert not torch.equal(train(True), Regress().half().linear.weight)

@@ -17,6 +17,7 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 import functools
@@ -37,6 +38,7 @@ from . import blocks as _blocks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
+from .precision import MixedFloat, mixes_float_types
 from ..backend import uses_ipu_model
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
@@ -325,6 +327,7 @@ class PoplarExecutor:
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
+        self._mixed = False  # float16 and float32 operands together: ``MixedFloat`` (``_trace``)
         self._ready: list | None = None  # see ``_compile`` and ``_as_ready``
         self._optimizer = optimizer
         self._device_optimizer: torch.optim.Optimizer | None = None
@@ -499,10 +502,13 @@ class PoplarExecutor:
         host_rng = self._swap_rng(rng)
         global _running_on_ipu
         strategy = self._options._execution_strategy
+        # float16 and float32 together (inputs, weights): ops mix them as an IPU does.
+        self._mixed = mixes_float_types([*micro, *self._dev_params, *self._dev_buffers])
+        mixed = MixedFloat() if self._mixed else contextlib.nullcontext()
         try:
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    _LossWatcher() as losses:
+                    mixed, _LossWatcher() as losses:
                 out = self._device_model(*margs, **mkwargs)
         finally:
             _running_on_ipu = False
@@ -837,8 +843,13 @@ class PoplarExecutor:
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
         try:
-            out = self._run_single(leaves, spec) if single else \
-                self._run(leaves, chunks, spec, di, ga, rf, rfg)
+            if self._mixed:
+                with MixedFloat():
+                    out = self._run_single(leaves, spec) if single else \
+                        self._run(leaves, chunks, spec, di, ga, rf, rfg)
+            else:
+                out = self._run_single(leaves, spec) if single else \
+                    self._run(leaves, chunks, spec, di, ga, rf, rfg)
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
