@@ -108,6 +108,19 @@ def test_output_takes_the_activation_dtype(conv, act, weight):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def test_cast_inside_forward_mixes_with_float32_weights():
+    class CastInside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.linear(x.half()), self.linear(x.float())
+
+    half, full = poptorch.inferenceModel(CastInside())(torch.tensor([[3]], dtype=torch.uint8))
+    assert half.dtype == torch.float16 and full.dtype == torch.float32
+
+
 class Regress(nn.Module):
     def __init__(self) -> None:
         super().__init__()

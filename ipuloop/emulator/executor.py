@@ -17,7 +17,6 @@ optimizer changes reach the device only through ``setOptimizer``, as on hardware
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import copyreg
 import functools
@@ -38,7 +37,7 @@ from . import blocks as _blocks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
-from .precision import MixedFloat, mixes_float_types
+from .precision import MixedFloat
 from ..backend import uses_ipu_model
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
@@ -327,7 +326,7 @@ class PoplarExecutor:
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
-        self._mixed = False  # float16 and float32 operands together: ``MixedFloat`` (``_trace``)
+        self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
         self._ready: list | None = None  # see ``_compile`` and ``_as_ready``
         self._optimizer = optimizer
         self._device_optimizer: torch.optim.Optimizer | None = None
@@ -502,9 +501,9 @@ class PoplarExecutor:
         host_rng = self._swap_rng(rng)
         global _running_on_ipu
         strategy = self._options._execution_strategy
-        # float16 and float32 together (inputs, weights): ops mix them as an IPU does.
-        self._mixed = mixes_float_types([*micro, *self._dev_params, *self._dev_buffers])
-        mixed = MixedFloat() if self._mixed else contextlib.nullcontext()
+        # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
+        # the trace needed it (``__call__``).
+        mixed = MixedFloat()
         try:
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
@@ -516,6 +515,7 @@ class PoplarExecutor:
                 for b, s in zip(self._dev_buffers, saved):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
+        self._mixed = mixed.cast
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
