@@ -173,3 +173,83 @@ def test_automatic_loss_scaling_and_partials_type_run():
 
     assert torch.equal(train(True), train(False))
     assert not torch.equal(train(True), Regress().half().linear.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device runs the user's own tensors
+
+def test_model_reached_through_a_closure_is_trained():
+    """PopTorch fine_tuning_test: the loss module calls a network it does not own; the
+    optimizer's parameters train, as in a plain torch loop."""
+    torch.manual_seed(0)
+    net, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(net.state_dict())
+    net.weight.requires_grad_(False)  # frozen, as a fine-tuning script does
+    ref.weight.requires_grad_(False)
+
+    class WithLoss(nn.Module):
+        def forward(self, x, y):
+            out = net(x)
+            return out, nn.functional.mse_loss(out, y)
+
+    training = poptorch.trainingModel(WithLoss(), optimizer=torch.optim.SGD([net.bias], lr=0.1))
+    ref_opt = torch.optim.SGD([ref.bias], lr=0.1)
+    x, y = torch.rand(4, 3), torch.rand(4, 2)
+    frozen = net.weight.detach().clone()
+    for _ in range(3):
+        training(x, y)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    training.copyWeightsToHost()
+    assert torch.equal(net.bias, ref.bias) and not torch.equal(net.bias, torch.zeros(2))
+    assert torch.equal(net.weight, frozen)
+
+
+def test_layer_replaced_before_wrapping_and_reached_as_a_global_is_trained():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[1] = nn.Linear(3, 2)  # replaced before wrapping
+    head = model[1]
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(model(x), y)  # the global, not self.model
+
+    wrapper = WithLoss()
+    training = poptorch.trainingModel(
+        wrapper, optimizer=torch.optim.SGD(head.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    training(torch.rand(4, 3), torch.rand(4, 2))
+    assert training._host_dirty  # the host is stale until read
+    after = wrapper.model.state_dict()  # reading the wrapped module syncs
+    assert not torch.equal(after["1.weight"], before["1.weight"])
+    assert torch.equal(after["0.weight"], before["0.weight"])
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(2))
+
+    def forward(self, x):
+        self.count += 1
+        return x + self.count
+
+
+def test_buffer_reassigned_before_copy_weights_to_device_is_what_the_device_gets():
+    """PopTorch buffers_test / inplace_test: the host's buffer (even one of another dtype)
+    reaches the device on copyWeightsToDevice."""
+    model = Counter()
+    inference = poptorch.inferenceModel(model)
+    assert torch.equal(inference(torch.zeros(1, 2)), torch.ones(1, 2))
+    model.count = torch.full((2,), 10.0, dtype=torch.float64)  # reassigned on the host
+    assert torch.equal(inference(torch.zeros(1, 2)), torch.full((1, 2), 2.0))  # not pushed yet
+    inference.copyWeightsToDevice()
+    out = inference(torch.zeros(1, 2))
+    assert torch.equal(out, torch.full((1, 2), 11.0)) and out.dtype == torch.float32
+    assert torch.equal(model.count, torch.full((2,), 10.0, dtype=torch.float64))  # host's own
