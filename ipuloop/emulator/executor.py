@@ -11,9 +11,11 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
         optimizer.step(); optimizer.zero_grad()
     return what the output mode anchors (All / Final / Sum / EveryN)
 
-The "device" is a deep copy of the module with its own optimizer and RNG: the host module is
-stale after a training call until something reads it (``copyWeightsToHost``), and host-side
-optimizer changes reach the device only through ``setOptimizer``, as on hardware.
+The "device" is a tensor per parameter and buffer, its own optimizer and RNG. A run swaps the
+device tensors into the user's own parameters and buffers, so whatever the model reaches runs
+on them, and swaps the host's back afterwards: the host module is stale after a training call
+until something reads it (``copyWeightsToHost``), and host-side optimizer changes reach the
+device only through ``setOptimizer``, as on hardware.
 """
 from __future__ import annotations
 
