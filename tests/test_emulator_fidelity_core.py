@@ -253,3 +253,13 @@ def test_buffer_reassigned_before_copy_weights_to_device_is_what_the_device_gets
     out = inference(torch.zeros(1, 2))
     assert torch.equal(out, torch.full((1, 2), 11.0)) and out.dtype == torch.float32
     assert torch.equal(model.count, torch.full((2,), 10.0, dtype=torch.float64))  # host's own
+
+
+def test_a_failing_call_leaves_the_host_as_it_was():
+    model = Counter()
+    inference = poptorch.inferenceModel(model)
+    inference(torch.zeros(1, 2))
+    del model._buffers["count"]  # the compiled model's buffer is gone
+    with pytest.raises(KeyError):
+        inference(torch.zeros(1, 2))
+    assert not poptorch.isRunningOnIpu() and torch.is_grad_enabled()

@@ -390,6 +390,7 @@ class PoplarExecutor:
     def _swap_in(self) -> list[torch.Tensor]:
         """Give the user's module, parameters and buffers the device's storage for a run;
         returns the buffer tensors (a replica swaps its own statistics into them)."""
+        buffers = self._host_buffers  # first: nothing is swapped if this raises
         model = self._user_model
         cls = type(model)
         base = cls.__dict__.get("_poptorch_wrapped_base")
@@ -408,7 +409,6 @@ class PoplarExecutor:
             params.append((p, pcls, p.data, p.grad))
             p.grad = None
             p.data = d
-        buffers = self._host_buffers
         saved = [b.data for b in buffers]
         for b, d in zip(buffers, self._dev_buffers):
             b.data = d
@@ -562,14 +562,15 @@ class PoplarExecutor:
         # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
         # the trace needed it (``__call__``).
         mixed = MixedFloat()
-        self._swap_in()
         try:
+            self._swap_in()
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
                     mixed, _LossWatcher() as losses:
                 out = self._user_model(*margs, **mkwargs)
         finally:
-            self._swap_out()
+            if self._swapped:
+                self._swap_out()
             _running_on_ipu = False
             with torch.no_grad():
                 for b, s in zip(self._dev_buffers, saved):
@@ -907,8 +908,8 @@ class PoplarExecutor:
         _running_on_ipu = True
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
-        buffers = self._swap_in()
         try:
+            buffers = self._swap_in()
             if self._mixed:
                 with MixedFloat():
                     out = self._run_single(leaves, spec) if single else \
@@ -925,7 +926,8 @@ class PoplarExecutor:
                         if y._version != version:
                             x.copy_(y)
         finally:
-            self._swap_out()
+            if self._swapped:
+                self._swap_out()
             torch._C._set_grad_enabled(grad_was)
             _running_on_ipu = False
             if draws_random:
