@@ -35,7 +35,9 @@ class WithLoss(torch.nn.Module):
 
     Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
     labels, it returns ``(output, loss_fn(output, labels))``. The loss runs after the model's
-    last layer, so it joins the model's last pipeline block. On the device the loss is marked
+    last layer, so it joins the block started last (``BeginBlock``/``Stage`` placement; after a
+    ``with poptorch.Block(...)`` has ended no op may run, so such a model computes its loss
+    itself, inside its last block). On the device the loss is marked
     with ``identity_loss`` (reduction "none": the value unchanged), so that PopTorch finds it
     whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
     """

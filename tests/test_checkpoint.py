@@ -603,7 +603,7 @@ def test_loss_scale_overflow_step_does_not_raise(monkeypatch):
 
 # -- §8.16 device/host weight sync ----------------------------------------------------------------
 class _DeviceView(Callback):
-    """At step ``n``: the weights on the device (emulator: its own copy of the module)."""
+    """At step ``n``: the weights on the device (emulator: its tensor per weight)."""
 
     order = 95  # after the checkpoint is written
 
@@ -612,8 +612,8 @@ class _DeviceView(Callback):
 
     def on_train_step_end(self, loop) -> None:
         if loop.state.step == self.n:
-            device = loop.train_model._device_model
-            self.weights = {k: v.detach().clone() for k, v in device.state_dict().items()}
+            device = loop.train_model._device_weights()
+            self.weights = {k: v.detach().clone() for k, v in device.items()}
         if self.first_lr is None:  # the LR of the first step this fit ran on the device
             self.first_lr = loop.train_model._device_optimizer.param_groups[0]["lr"]
 

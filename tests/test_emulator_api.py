@@ -444,7 +444,7 @@ def test_copying_a_wrapped_module_gives_an_unwrapped_module_with_device_weights(
     model = WithNorm()
     training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
     training(torch.randn(4, 3), torch.randn(4, 2))
-    device = {k: v.clone() for k, v in training._device_model.state_dict().items()}
+    device = {k: v.clone() for k, v in training._device_weights().items()}
     if copier == "deepcopy":
         copied = copy.deepcopy(model)
     else:

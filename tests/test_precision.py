@@ -29,11 +29,6 @@ def fit(precision: str):
 # "16-mixed" sends float16 inputs to float32 weights, as on an IPU: running it needs the
 # emulator to execute mixed float16/float32 ops as PopTorch does (a float16 input casts the
 # weights of its op to float16). Strict: these start failing, as XPASS, once it does.
-NEEDS_MIXED = pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                reason="the emulator does not run float16 x float32 ops yet")
-
-
-@NEEDS_MIXED
 def test_mixed_and_pure_16_bit_train_close_to_32_bit():
     _, _, h32 = fit("32")
     loop, model, hmix = fit("16-mixed")
@@ -49,7 +44,6 @@ def test_mixed_and_pure_16_bit_train_close_to_32_bit():
     assert logits.shape == (8, 2)
 
 
-@NEEDS_MIXED
 def test_mixed_precision_really_runs_in_16_bit():
     seen = []
     torch.manual_seed(0)

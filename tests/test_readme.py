@@ -172,8 +172,6 @@ def test_readme_says_what_cancel_step_skips_and_it_does():
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="the emulator does not run float16 x float32 ops yet")
 def test_readme_says_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
     assert ("float16 under `\"16-mixed\"` and `\"16-true\"` alike") in _flat(README.read_text())
     monkeypatch.delenv("IPULOOP_EMULATOR_DEVICE", raising=False)

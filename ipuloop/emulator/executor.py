@@ -11,9 +11,11 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
         optimizer.step(); optimizer.zero_grad()
     return what the output mode anchors (All / Final / Sum / EveryN)
 
-The "device" is a deep copy of the module with its own optimizer and RNG: the host module is
-stale after a training call until something reads it (``copyWeightsToHost``), and host-side
-optimizer changes reach the device only through ``setOptimizer``, as on hardware.
+The "device" is a tensor per parameter and buffer, its own optimizer and RNG. A run swaps the
+device tensors into the user's own parameters and buffers, so whatever the model reaches runs
+on them, and swaps the host's back afterwards: the host module is stale after a training call
+until something reads it (``copyWeightsToHost``), and host-side optimizer changes reach the
+device only through ``setOptimizer``, as on hardware.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from . import checks as _checks
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
+from .precision import MixedFloat
 from .signature import Signature, unflatten as _unflatten
 from ..backend import uses_ipu_model
 
@@ -122,6 +125,7 @@ def _wrapped_class(cls: type) -> type:
                                       "__reduce_ex__": __reduce_ex__,
                                       "destroy": destroy,
                                       "copyWeightsToHostIfNeeded": copyWeightsToHostIfNeeded,
+                                      "_poptorch_wrapped_base": cls,
                                       "__module__": cls.__module__})
     return _wrapped_classes[cls]
 
@@ -161,26 +165,15 @@ def _unwrap_parameters(params: list[torch.Tensor]) -> None:
             p.__class__ = base
 
 
-def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` as the user defined it (no executor, original classes)."""
-    ex = model.__dict__.pop("_poptorch_executor", None)
-    if ex is None:
-        out = copy.deepcopy(model)  # reading wrapped parameters syncs them first
-    else:
-        ex.copyWeightsToHostIfNeeded()
-        cls = type(model)
-        model.__class__ = cls.__mro__[1]
-        try:
-            out = copy.deepcopy(model)
-        finally:
-            model.__class__ = cls
-            model.__dict__["_poptorch_executor"] = ex
-    _unwrap_parameters(list(out.parameters()))  # device copies: no host hooks
-    return out
+def _device_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else dtype  # the IPU has no 64-bit floats
 
 
-def _tensors(module: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    return list(module.parameters()), list(module.buffers())
+def _buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+    """Where ``model``'s buffers live (module, name, full name): a buffer reassigned later is
+    read from its slot."""
+    return [(m, n, f"{prefix}.{n}" if prefix else n) for prefix, m in model.named_modules()
+            for n, b in m.__dict__["_buffers"].items() if b is not None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +246,7 @@ class PoplarExecutor:
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
+        self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
         self._ready: list | None = None  # see ``_compile`` and ``_as_ready``
         self._optimizer = optimizer
         self._device_optimizer: torch.optim.Optimizer | None = None
@@ -266,13 +260,13 @@ class PoplarExecutor:
         if strategy is not None and not getattr(strategy, "emulated", True):
             raise Error(f"{type(strategy).__name__} is not supported by the ipuloop emulator: "
                         "use poptorch.PipelinedExecution or poptorch.ShardedExecution.")
-        # The device copy: same structure, its own storage. Values are uploaded on attach.
-        self._device_model = _plain_copy(model).to(self._device)
-        self._device_model.train(training)
-        with torch.no_grad():  # the IPU has no 64-bit floats: float64 weights live as float32
-            for t in [*self._device_model.parameters(), *self._device_model.buffers()]:
-                if t.dtype == torch.float64:
-                    t.data = t.data.float()
+        # The device: a tensor per parameter and per buffer, swapped into the user's own
+        # tensors for a run (``_swap_in``), so that whatever the model reaches (submodules,
+        # closures, globals) runs on the device's values. Values are uploaded on attach.
+        self._buffer_slots = _buffer_slots(model)
+        named = list(model.named_parameters())
+        self._param_names = [name for name, _ in named]
+        params = [p for _, p in named]
         if training:
             ex = model.__dict__.get("_poptorch_executor")
             if ex is not None:
@@ -285,7 +279,13 @@ class PoplarExecutor:
             self._attribute_tracker = _optim.AttributeTracker(opts._relax_optimizer_checks)
             self._attribute_tracker.check(self._optimizer)
             self._set_reduction_strategy(self._optimizer)
-            self._host_params, self._host_buffers = _tensors(model)
+            known = {id(p) for p in params}
+            for group in self._optimizer.param_groups:  # trained wherever the model reaches them
+                for p in group["params"]:
+                    if id(p) not in known:
+                        known.add(id(p))
+                        params.append(p)
+            self._host_params = params
             self._patch_optimizer(self._optimizer)
             classes: dict[type, type] = {}
             for p in self._host_params:
@@ -297,11 +297,71 @@ class PoplarExecutor:
             model.__dict__["_poptorch_executor"] = self
         else:
             self._source = model.__dict__.get("_poptorch_executor")
-            self._host_params, self._host_buffers = _tensors(model)
-        self._dev_params, self._dev_buffers = _tensors(self._device_model)
+            self._host_params = params
+        # The IPU has no 64-bit floats: float64 weights live as float32 on the device.
+        self._dev_params = [self._device_tensor(p) for p in self._host_params]
+        self._dev_buffers = [self._device_tensor(b) for b in self._host_buffers]
+        self._swapped: list = []  # what ``_swap_in`` took out of the user's tensors
         opts._freeze()  # resolved: changing it now would desynchronise it from the executable
 
     # -- the user's module -------------------------------------------------------------------
+    def _device_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(self._device, _device_dtype(t.dtype), copy=True)
+
+    @property
+    def _host_buffers(self) -> list[torch.Tensor]:
+        # Read through ``__dict__``: no sync from the device (as PopTorch's copies avoid one).
+        return [m.__dict__["_buffers"][n] for m, n, _ in self._buffer_slots]
+
+    def _device_weights(self) -> dict[str, torch.Tensor]:
+        """The device's parameters and buffers by their names in the module (no host sync)."""
+        names = [*self._param_names, *(name for _, _, name in self._buffer_slots)]
+        return dict(zip(names, self._dev_params + self._dev_buffers))
+
+    def _swap_in(self) -> list[torch.Tensor]:
+        """Give the user's module, parameters and buffers the device's storage for a run;
+        returns the buffer tensors (a replica swaps its own statistics into them)."""
+        buffers = self._host_buffers  # first: nothing is swapped if this raises
+        model = self._user_model
+        cls = type(model)
+        base = cls.__dict__.get("_poptorch_wrapped_base")
+        if base is not None:  # no sync hooks while the device runs
+            model.__class__ = base
+        flags = None
+        if model.training != self._training:
+            flags = [(m, m.training) for m in model.modules()]
+            model.train(self._training)
+        params = []
+        for p, d in zip(self._host_params, self._dev_params):
+            pcls = type(p)
+            pbase = pcls.__dict__.get("_poptorch_base")
+            if pbase is not None:
+                p.__class__ = pbase
+            params.append((p, pcls, p.data, p.grad))
+            p.grad = None
+            p.data = d
+        saved = [b.data for b in buffers]
+        for b, d in zip(buffers, self._dev_buffers):
+            b.data = d
+        self._swapped = [cls, flags, params, buffers, saved]
+        return buffers
+
+    def _swap_out(self) -> None:
+        """Undo ``_swap_in``: the user's tensors hold the host's values again."""
+        cls, flags, params, buffers, saved = self._swapped
+        self._swapped = []
+        for b, data in zip(buffers, saved):
+            b.data = data
+        for p, pcls, data, grad in params:
+            p.data = data
+            p.grad = grad
+            p.__class__ = pcls
+        model = self._user_model
+        if flags is not None:
+            for m, flag in flags:
+                m.training = flag
+        model.__class__ = cls
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -394,7 +454,7 @@ class PoplarExecutor:
         if unknown:
             raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
                         "the model: use names from model.named_buffers().")
-        self._signature = Signature(self._device_model.forward, args, kwargs)
+        self._signature = Signature(self._user_model.forward, args, kwargs)
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         for x in leaves:
@@ -433,8 +493,11 @@ class PoplarExecutor:
 
     def _trace(self, leaves: list[Any], spec: Any, prod: int, di: int, ga: int, rf: int) -> None:
         """Trace the first micro-batch: finds the loss, the blocks and the pipeline stages."""
-        micro = [self._prepare(x)[:x.shape[0] // prod] if isinstance(x, torch.Tensor) and x.dim()
-                 else self._prepare(x) for x in leaves]
+        # Copies: the trace must not apply a forward's in-place edits of its inputs, which the
+        # call that follows applies once, as the device run does.
+        micro = [self._prepare(x)[:x.shape[0] // prod].clone() if isinstance(x, torch.Tensor)
+                 and x.dim() else self._prepare(x).clone() if isinstance(x, torch.Tensor) else x
+                 for x in leaves]
         margs, mkwargs = _unflatten(micro, spec)
         saved = [b.clone() for b in self._dev_buffers]
         # Random ops draw from the device generator, which the trace leaves as it found it; the
@@ -443,21 +506,27 @@ class PoplarExecutor:
         host_rng = self._swap_rng(rng)
         global _running_on_ipu
         strategy = self._options._execution_strategy
-        checks = _checks.TraceChecks([self._device_model, self._user_model], micro,
-                                     self._training)
-        addresses = _checks.tensor_addresses(self._device_model)
+        # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
+        # the trace needed it (``__call__``).
+        mixed = MixedFloat()
         try:
+            self._swap_in()  # the checks see the device's tensors in the user's module
+            checks = _checks.TraceChecks([self._user_model], micro, self._training)
+            addresses = _checks.tensor_addresses(self._user_model)
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    checks:
-                out = self._device_model(*margs, **mkwargs)
-            _checks.check_addresses(addresses, _checks.tensor_addresses(self._device_model))
+                    mixed, checks:
+                out = self._user_model(*margs, **mkwargs)
+            _checks.check_addresses(addresses, _checks.tensor_addresses(self._user_model))
         finally:
+            if self._swapped:
+                self._swap_out()
             _running_on_ipu = False
             with torch.no_grad():
                 for b, s in zip(self._dev_buffers, saved):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
+        self._mixed = mixed.cast
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
@@ -561,9 +630,13 @@ class PoplarExecutor:
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)
         with torch.no_grad():
-            for d, h in zip(self._dev_params + self._dev_buffers,
-                            self._host_params + self._host_buffers):
+            for d, h in zip(self._dev_params, self._host_params):
                 d.copy_(h)
+            for i, (d, h) in enumerate(zip(self._dev_buffers, self._host_buffers)):
+                if d.shape == h.shape and d.dtype == _device_dtype(h.dtype):
+                    d.copy_(h)
+                else:  # a buffer the host reassigned with another shape or dtype
+                    self._dev_buffers[i] = self._device_tensor(h)
         self._replica_buffers = None
 
     def copyNamedBuffersToDevice(self) -> None:
@@ -634,12 +707,13 @@ class PoplarExecutor:
         opt.__dict__.pop("load_state_dict", None)
 
     def _upload_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        memo = {id(h): d for h, d in zip(self._host_params, self._dev_params)}
+        memo = {id(h): h for h in self._host_params}  # runs on them, swapped in
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in memo:
-                    raise ValueError("The optimizer holds a parameter that is not in the wrapped "
-                                     "model. Build the optimizer from model.parameters().")
+                    raise ValueError("The optimizer holds a parameter that the optimizer given "
+                                     "when wrapping did not hold and the model does not have: "
+                                     "wrap the model again with this optimizer.")
         patched = {k: opt.__dict__.pop(k) for k in ("state_dict", "load_state_dict")
                    if k in opt.__dict__}
         try:
@@ -779,11 +853,14 @@ class PoplarExecutor:
             self._source.copyWeightsToHostIfNeeded()
             self.copyWeightsToDevice()
             self._source_version = self._source._trained_version
+        edited = None  # inputs ``_prepare`` converted: the device's in-place edits come back
         if ready is not None:
             leaves = ready
         else:
             prepare = self._prepare
-            leaves = [prepare(x) for x in leaves]
+            given, leaves = leaves, [prepare(x) for x in leaves]
+            edited = [(x, y, y._version) for x, y in zip(given, leaves)
+                      if isinstance(y, torch.Tensor) and y is not x]
         single = self._single
         if not single:
             di, ga, rf, rfg = self._consts[:4]
@@ -798,13 +875,21 @@ class PoplarExecutor:
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
         try:
-            with self._loss_capture:
+            buffers = self._swap_in()
+            with self._loss_capture, (MixedFloat() if self._mixed else _NO_CAPTURE):
                 out = self._run_single(leaves, spec) if single else \
-                    self._run(leaves, chunks, spec, di, ga, rf, rfg)
+                    self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
+            if edited:
+                with torch.no_grad():
+                    for x, y, version in edited:
+                        if y._version != version:
+                            x.copy_(y)
         finally:
+            if self._swapped:
+                self._swap_out()
             torch._C._set_grad_enabled(grad_was)
             _running_on_ipu = False
             if draws_random:
@@ -827,9 +912,7 @@ class PoplarExecutor:
         if rf == 1 or not self._dev_buffers:
             return None
         if self._replica_buffers is None:
-            self._buffer_slots = [(m, n) for m in self._device_model.modules()
-                                  for n, b in m._buffers.items() if b is not None]
-            own = [m._buffers[n] for m, n in self._buffer_slots]
+            own = self._dev_buffers
             self._replica_buffers = [own] + [[b.clone() for b in own] for _ in range(rf - 1)]
         return self._replica_buffers
 
@@ -842,9 +925,9 @@ class PoplarExecutor:
         return di, ga, rf, rfg, mode, period, grouped, o.input_group_size, mean
 
     def _run(self, leaves: list, chunks: list, spec: Any, di: int, ga: int, rf: int,
-             rfg: int) -> Any:
+             rfg: int, buffers: list[torch.Tensor]) -> Any:
         mode, period, grouped, g, mean = self._consts[4:]
-        model = self._device_model
+        model = self._user_model
         training = self._training
         if training:
             opt = self._device_optimizer
@@ -863,8 +946,8 @@ class PoplarExecutor:
                     mb = [x if c is None else c[slot] for x, c in zip(leaves, chunks)]
                     margs, mkwargs = _unflatten(mb, spec)
                     if replica_buffers is not None:
-                        for (m, n), b in zip(self._buffer_slots, replica_buffers[r]):
-                            m._buffers[n] = b
+                        for b, own in zip(buffers, replica_buffers[r]):
+                            b.data = own
                     out = model(*margs, **mkwargs)
                     outs, _ = _out_leaves(out)
                     if training:
@@ -881,9 +964,6 @@ class PoplarExecutor:
             if training:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        if replica_buffers is not None:
-            for (m, n), b in zip(self._buffer_slots, replica_buffers[0]):
-                m._buffers[n] = b
         rows = kept if keep_all else final
         return self._assemble(rows)
 
@@ -901,10 +981,10 @@ class PoplarExecutor:
         micro-batch, the loss scale is loss_scaling (Mean over 1), and every output mode
         returns that micro-batch's outputs."""
         if isinstance(spec, int):  # positional tensors
-            out = self._device_model(*leaves)
+            out = self._user_model(*leaves)
         else:
             margs, mkwargs = _unflatten(leaves, spec)
-            out = self._device_model(*margs, **mkwargs)
+            out = self._user_model(*margs, **mkwargs)
         outs, _ = _out_leaves(out)
         if self._training:
             self._backward(outs, self._loss_scaling)
@@ -969,7 +1049,9 @@ class PoplarExecutor:
 
     def _anchor_names(self) -> dict[str, tuple[str, int]]:
         names = {}
-        for i, (name, _) in enumerate(self._device_model.named_parameters()):
+        index = {id(p): i for i, p in enumerate(self._host_params)}
+        for name, p in self._user_model.named_parameters():
+            i = index[id(p)]
             for kind in ("", "Gradient___", "UpdatedVar___") if self._training else ("",):
                 names[kind + name] = (kind, i)
         return names
@@ -1013,7 +1095,7 @@ class PoplarExecutor:
             self._anchors[short] = (kind, i, mode, period)
             if kind == "Gradient___" and i not in self._anchor_grads:
                 self._anchor_grads[i] = [-1, []]
-                self._anchor_hooks.append(self._dev_params[i].register_hook(
+                self._anchor_hooks.append(self._host_params[i].register_hook(
                     functools.partial(self._record_gradient, self._anchor_grads[i])))
 
     def _record_gradient(self, record: list, grad: torch.Tensor) -> None:

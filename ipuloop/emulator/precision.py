@@ -1,0 +1,48 @@
+"""float16 and float32 operands in one op, as PopTorch 3.x runs them on an IPU."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["MixedFloat"]
+
+
+def _mixes_float_types(tensors: list[Any]) -> bool:
+    """True when ``tensors`` hold floating tensors of more than one dtype."""
+    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return len(dtypes) > 1
+
+
+class MixedFloat(TorchFunctionMode):
+    """Ops follow torch's type promotion; where torch refuses to mix floating dtypes (matmul,
+    convolution, normalisation with float16 activations and float32 weights, or the reverse),
+    the other floating operands take the first one's dtype, so the result has the activation's
+    dtype, as PopTorch returns it. Gradients flow through the cast to the weights' own dtype
+    (float32 master weights stay float32). ``cast`` tells whether an op needed the cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cast = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            leaves = pytree.tree_leaves((args, kwargs))
+            first = next((t.dtype for t in leaves
+                          if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+            if first is None or not _mixes_float_types(leaves):
+                raise
+
+            def cast(t: Any) -> Any:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != first:
+                    return t.to(first)
+                return t
+
+            args, kwargs = pytree.tree_map(cast, (args, kwargs))
+            self.cast = True
+            return func(*args, **kwargs)
