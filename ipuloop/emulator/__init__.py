@@ -9,7 +9,7 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
+from . import _pytree as pytree
 
 from . import checks as _checks
 from . import optim

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import Error

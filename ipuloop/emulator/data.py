@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
+from . import _pytree as pytree
 from torch.utils.data import IterableDataset
 
 from .enums import DataLoaderMode, SharingStrategy
@@ -78,7 +78,7 @@ def registerCustomArgParser(arg_data_type: type, arg_parser: ICustomArgParser | 
         raise Error("arg_parser must inherit from ICustomArgParser. Received: "
                     f"{type(arg_parser).__name__}. Subclass poptorch.ICustomArgParser.")
     if _custom_arg_parsers.pop(arg_data_type, None) is not None:
-        pytree._deregister_pytree_node(arg_data_type)
+        pytree.deregister_pytree_node(arg_data_type)
     if arg_parser is None:
         return
     _custom_arg_parsers[arg_data_type] = arg_parser

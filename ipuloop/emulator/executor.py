@@ -33,7 +33,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
+from . import _pytree as pytree
 
 from . import blocks as _blocks
 from . import checks as _checks

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from . import _pytree as pytree
 
 __all__ = ["MixedFloat"]
 
