@@ -178,6 +178,23 @@ def _device_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype == torch.float64 else x
 
 
+def _add_note(e: BaseException, note: str) -> None:
+    """``e.add_note(note)``; before Python 3.11, the ``__notes__`` list it would write."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        try:
+            notes = e.__dict__.setdefault("__notes__", [])
+        except AttributeError:  # an exception type without a __dict__
+            return
+        notes.append(note)
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    """A torchmetrics metric's state by name (``metric_state``, which torchmetrics 1.0 lacks)."""
+    return {name: getattr(metric, name) for name in metric._defaults}
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -578,11 +595,10 @@ class Loop:
             except BaseException as e:
                 if self.exception_source is None:  # the innermost hook: the one that failed
                     self.exception_source = cb
-                if hasattr(e, "add_note"):
-                    e.add_note(f"raised in callback {type(cb).__name__}.{event}")
-                    if isinstance(e, AttributeError) and "frozen Options" in str(e):
-                        e.add_note("The loop's options freeze when fit starts: change "
-                                   "loop.train_opts in a callback's on_configure.")
+                _add_note(e, f"raised in callback {type(cb).__name__}.{event}")
+                if isinstance(e, AttributeError) and "frozen Options" in str(e):
+                    _add_note(e, "The loop's options freeze when fit starts: change "
+                                 "loop.train_opts in a callback's on_configure.")
                 raise
 
     def describe(self) -> str:
@@ -1337,7 +1353,7 @@ class Loop:
             "sampler_rng": self._sampler.generator_state() if self._sampler is not None else None,
             "epoch_rng": self._epoch_rng,
             "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
-                            for n, v in m.metric_state.items()}
+                            for n, v in _metric_state(m).items()}
                         for k, m in self._train_metrics().items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
         }

@@ -285,7 +285,7 @@ def test_json_round_trip_string_file_and_folder(tmp_path):
 
 
 def test_loading_reruns_validation(tmp_path):
-    data = IPUConfig().to_dict() | {"layer_per_ipu": [1]}
+    data = {**IPUConfig().to_dict(), "layer_per_ipu": [1]}
     (tmp_path / CONFIG_NAME).write_text(json.dumps(data))
     with pytest.raises(IncompatibleIPUConfigError, match=r"unknown arguments: layer_per_ipu=\[1\]"):
         IPUConfig.load(tmp_path)

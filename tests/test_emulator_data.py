@@ -61,7 +61,7 @@ def test_input_replica_grouping_divides_the_replicas():
 
 
 def test_drop_last_defaults_to_true():
-    assert inspect.signature(DataLoader).parameters["drop_last"].default is True
+    assert inspect.signature(DataLoader.__init__).parameters["drop_last"].default is True
     loader = DataLoader(opts(di=4), dataset(10), batch_size=1)
     assert len(loader) == 2 and firsts(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 

@@ -142,7 +142,11 @@ class LRScheduler(Callback):
             self._step(float(logs[self.monitor]))
 
     def state_dict(self) -> dict[str, Any]:
-        return _plain(self.scheduler.state_dict(), "state_dict()")
+        # A method of the scheduler itself (torch 2.0's OneCycleLR keeps ``anneal_func``) is
+        # made again by its __init__: not state.
+        state = {k: v for k, v in self.scheduler.state_dict().items()
+                 if getattr(v, "__self__", None) is not self.scheduler}
+        return _plain(state, "state_dict()")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state)  # its LR reaches the optimizer at on_fit_start

@@ -1,6 +1,7 @@
 """``ProfileCapture``: a profile of a window of training steps (PopVision, or torch.profiler)."""
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from typing import Any
@@ -109,8 +110,12 @@ class ProfileCapture(Callback):
         ops = os.path.join(self.dirpath, "ops.txt")
         key = "self_device_time_total" if self._cuda else "self_cpu_time_total"
         try:
-            # The Python exporter raises when it cannot write (torch's default fails silently).
-            prof.export_chrome_trace(trace, use_python_export=True)
+            # The Python exporter raises when it cannot write (torch's default fails silently;
+            # torch 2.0 has only the Python exporter, and no switch for it).
+            if "use_python_export" in inspect.signature(prof.export_chrome_trace).parameters:
+                prof.export_chrome_trace(trace, use_python_export=True)
+            else:
+                prof.export_chrome_trace(trace)
             with open(ops, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=15) + "\n")
         except OSError as e:

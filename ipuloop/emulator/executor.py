@@ -325,8 +325,8 @@ class PoplarExecutor:
         model = self._user_model
         cls = type(model)
         base = cls.__dict__.get("_poptorch_wrapped_base")
-        if base is not None:  # no sync hooks while the device runs
-            model.__class__ = base
+        if base is not None:  # no sync hooks while the device runs (Module.__setattr__ skipped)
+            object.__setattr__(model, "__class__", base)
         flags = None
         if model.training != self._training:
             flags = [(m, m.training) for m in model.modules()]
@@ -360,7 +360,7 @@ class PoplarExecutor:
         if flags is not None:
             for m, flag in flags:
                 m.training = flag
-        model.__class__ = cls
+        object.__setattr__(model, "__class__", cls)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

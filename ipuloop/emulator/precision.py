@@ -21,7 +21,9 @@ class MixedFloat(TorchFunctionMode):
     convolution, normalisation with float16 activations and float32 weights, or the reverse),
     the other floating operands take the first one's dtype, so the result has the activation's
     dtype, as PopTorch returns it. Gradients flow through the cast to the weights' own dtype
-    (float32 master weights stay float32). ``cast`` tells whether an op needed the cast."""
+    (float32 master weights stay float32). Where the host has no float16 kernel for an op,
+    it runs in float32 and its result is rounded to float16. ``cast`` tells whether an op
+    needed the cast."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,7 +32,7 @@ class MixedFloat(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
-            return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         except RuntimeError:
             leaves = pytree.tree_leaves((args, kwargs))
             first = next((t.dtype for t in leaves
@@ -45,4 +47,24 @@ class MixedFloat(TorchFunctionMode):
 
             args, kwargs = pytree.tree_map(cast, (args, kwargs))
             self.cast = True
+            return self._run(func, args, kwargs)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func(*args, **kwargs)``; where the host has no float16 kernel for it (torch 2.0's CPU
+        has no float16 matmul or convolution), computed in float32 and rounded to float16, as
+        the IPU's float16 op returns it."""
+        try:
             return func(*args, **kwargs)
+        except RuntimeError as e:
+            if "for 'Half'" not in str(e):
+                raise
+
+        def up(t: Any) -> Any:
+            return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t
+
+        def down(t: Any) -> Any:
+            return t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+        self.cast = True
+        args, kwargs = pytree.tree_map(up, (args, kwargs))
+        return pytree.tree_map(down, func(*args, **kwargs))
