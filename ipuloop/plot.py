@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import sys
 
 __all__ = ["main", "plot_csv", "read_csv"]
@@ -64,7 +65,7 @@ def panels(columns: list[str]) -> dict[str, list[str]]:
     for key in columns:
         if key.endswith("_exact"):  # a flag (is train_loss exact?), not a curve
             continue
-        name = key.removeprefix("train_").removeprefix("val_")
+        name = re.sub(r"^(train|val)_", "", key)
         out.setdefault(name, []).append(key)
     return out
 

@@ -76,7 +76,10 @@ def test_window_writes_a_chrome_trace_and_an_op_table(tmp_path, capsys):
     run(cb)
     ev = events(tmp_path / "prof" / "trace.json")
     steps = sorted(e["name"] for e in ev if e.get("name", "").startswith("ProfilerStep#"))
-    assert steps == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+    numbers = sorted(int(name.split("#")[1]) for name in steps)
+    assert len(numbers) == 3 and numbers == list(range(numbers[0], numbers[0] + 3))
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 1):  # 2.0 counts from 1
+        assert steps == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
     # Exactly the window's forwards: 3 steps x DI updates x 2 linear layers.
     assert sum(e.get("name") == "aten::addmm" for e in ev) == 3 * DI * 2
     table = (tmp_path / "prof" / "ops.txt").read_text()

@@ -290,7 +290,7 @@ def test_loading_reruns_validation(tmp_path):
     with pytest.raises(IncompatibleIPUConfigError, match=r"unknown arguments: layer_per_ipu=\[1\]"):
         IPUConfig.load(tmp_path)
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1"):
-        IPUConfig.from_dict(IPUConfig().to_dict() | {"gradient_accumulation_steps": 0})
+        IPUConfig.from_dict({**IPUConfig().to_dict(), "gradient_accumulation_steps": 0})
 
 
 def test_equality():

@@ -102,6 +102,9 @@ def test_golden_loads_with_weights_only(case, monkeypatch):
     torch.load(case / "expected.pt", weights_only=True)
 
 
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+                    reason="the recorded losses and weights are torch 2.14's arithmetic; torch "
+                           "2.0's kernels round differently (loading is tested on every torch)")
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_golden_resumes_to_the_recorded_weights(case, copy):
     cfg = json.loads((case / "config.json").read_text())

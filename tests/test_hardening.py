@@ -561,7 +561,7 @@ def _bad_input(case: str, spy: Spy):
                                                "would broadcast"]),
     ("label batch != input batch", ["input 0 has batch size 4", "labels have 2"]),
     ("float labels to CrossEntropy", [r"labels float32 \[4\]", r"inputs? \(float32 \[4, 4\]\)",
-                                      "expected target dtype to be Long"]),
+                                      "(expected target dtype to be Long|expected scalar type Long)"]),
     ("dict batch", [r"dict batches \(keys \['image', 'target'\]\)", r"\(inputs\.\.\., labels\)"]),
 ])
 def test_bad_input_named_before_the_first_step(case, patterns):

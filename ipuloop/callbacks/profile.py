@@ -116,6 +116,8 @@ class ProfileCapture(Callback):
                 prof.export_chrome_trace(trace, use_python_export=True)
             else:
                 prof.export_chrome_trace(trace)
+                if not os.path.isfile(trace):  # that exporter can fail without a word
+                    raise OSError(f"the profiler wrote no trace to {trace}")
             with open(ops, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=15) + "\n")
         except OSError as e:
