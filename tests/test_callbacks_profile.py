@@ -16,6 +16,12 @@ from ipuloop.callbacks import ProfileCapture
 
 DI, STEPS = 2, 6
 
+# torch 2.0's profiler exports its trace through kineto's C++ writer, which reports no write
+# error, and names its steps otherwise (ProfilerStep#2 twice): these tests need torch >= 2.1.
+OLD_PROFILER = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+    reason="torch < 2.1's trace exporter reports no write error and numbers steps otherwise")
+
 
 class Net(nn.Module):
     def __init__(self) -> None:
@@ -71,15 +77,13 @@ def events(path):
     return trace["traceEvents"]
 
 
+@OLD_PROFILER
 def test_window_writes_a_chrome_trace_and_an_op_table(tmp_path, capsys):
     cb = ProfileCapture(start_step=2, num_steps=3, dirpath=tmp_path / "prof")
     run(cb)
     ev = events(tmp_path / "prof" / "trace.json")
     steps = sorted(e["name"] for e in ev if e.get("name", "").startswith("ProfilerStep#"))
-    numbers = sorted(int(name.split("#")[1]) for name in steps)
-    assert len(numbers) == 3 and numbers == list(range(numbers[0], numbers[0] + 3))
-    if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 1):  # 2.0 counts from 1
-        assert steps == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
     # Exactly the window's forwards: 3 steps x DI updates x 2 linear layers.
     assert sum(e.get("name") == "aten::addmm" for e in ev) == 3 * DI * 2
     table = (tmp_path / "prof" / "ops.txt").read_text()
@@ -122,6 +126,7 @@ def test_write_failure_names_the_callback_and_closes_the_profiler(tmp_path, monk
 
 
 @pytest.mark.parametrize("break_it", ["remove folder", "trace.json is a folder"])
+@OLD_PROFILER
 def test_unwritable_output_is_an_error_not_a_silent_miss(tmp_path, break_it):
     class Break(Callback):  # the output becomes unwritable while the window runs
         def on_train_step_end(self, loop):

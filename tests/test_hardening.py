@@ -971,6 +971,9 @@ def user_sigterm():
 
 
 @pytest.mark.parametrize("disk", ["injected", "tmpfs"])
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+                    reason="torch < 2.1's trace exporter (kineto's C++ writer) reports no "
+                           "write error")
 def test_profile_capture_disk_full(tmp_path, monkeypatch, user_sigterm, disk):
     ckdir = tmp_path / "ckpt"
     with contextlib.ExitStack() as stack:
