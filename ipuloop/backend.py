@@ -12,6 +12,8 @@ import os
 import warnings
 from types import ModuleType
 
+from .rules import uses_ipu_model
+
 __all__ = ["poptorch_module", "backend_name", "BackendError", "uses_ipu_model"]
 
 logger = logging.getLogger("ipuloop")
@@ -22,23 +24,6 @@ _resolved: tuple[str, ModuleType] | None = None
 
 class BackendError(ImportError):
     """The requested PopTorch backend cannot be used."""
-
-
-def _env_flag(name: str) -> bool:
-    # PopTorch: std::stoi(getenv(name)) != 0, unset meaning 0 (a non-integer counts as 0 here)
-    try:
-        return int(os.environ.get(name, "0").strip() or 0) != 0
-    except ValueError:
-        return False
-
-
-def uses_ipu_model(opts) -> bool:
-    """Whether ``opts`` run on the IPU Model: ``useIpuModel()`` if it was called, else the
-    ``POPTORCH_IPU_MODEL`` or ``POPTORCH_SMALL_IPU_MODEL`` environment variable (the full or
-    the small IPU Model), each read as PopTorch reads it: an integer != 0."""
-    if opts.exists("use_model"):
-        return bool(opts.use_model)
-    return _env_flag("POPTORCH_IPU_MODEL") or _env_flag("POPTORCH_SMALL_IPU_MODEL")
 
 
 def _resolve() -> tuple[str, ModuleType]:

@@ -29,7 +29,7 @@ PROBE = textwrap.dedent("""
         resolve, current = ipuloop.backend_name, lambda: ipuloop.poptorch
     else:
         import importlib.util
-        spec = importlib.util.spec_from_file_location("backend_alone", "ipuloop/backend.py")
+        spec = importlib.util.spec_from_file_location("ipuloop.backend_alone", "ipuloop/backend.py")
         backend = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(backend)
         lazy = True

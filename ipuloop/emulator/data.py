@@ -22,6 +22,7 @@ import torch
 from . import _pytree as pytree
 from torch.utils.data import IterableDataset
 
+from .. import rules
 from .enums import DataLoaderMode, SharingStrategy
 from .errors import Error
 from .options import Options
@@ -266,8 +267,7 @@ class DataLoader(torch.utils.data.DataLoader):
             seed = int(torch.empty((), dtype=torch.int64).random_())
             kwargs["generator"] = torch.Generator().manual_seed(seed)
         procs = options.Distributed.numProcesses
-        input_groups = options.replication_factor // options.input_group_size
-        factor = options.device_iterations * input_groups * options.Training.gradient_accumulation
+        factor = rules.host_call_factor(options, training=True)  # GA counts: it may train
         self._options = options
         self._accessor: AsynchronousDataAccessor | None = None
         self._shuffle_distributed = False

@@ -42,7 +42,7 @@ from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionT
 from .errors import Error
 from .precision import MixedFloat
 from .signature import Signature, unflatten as _unflatten
-from ..backend import uses_ipu_model
+from .. import rules
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
@@ -429,10 +429,11 @@ class PoplarExecutor:
         self._compile(args, kwargs)
 
     def _factors(self) -> tuple[int, int, int, int]:
+        """DI, GA (1 for inference), RF and the input groups RF // g of one host call."""
         o = self._options
         ga = o.Training.gradient_accumulation if self._training else 1
         rf = o.replication_factor
-        return o.device_iterations, ga, rf, max(rf // o.input_group_size, 1)
+        return o.device_iterations, ga, rf, rules.input_groups(o)
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
         start = time.perf_counter()
@@ -444,11 +445,7 @@ class PoplarExecutor:
                         f">= 1. Received: {di}, {rf}, {ga}.")
         mode = OutputMode(o.output_mode)
         if mode == OutputMode.EveryN:
-            n = o.output_return_period
-            if n < 1 or n > di or di % n:
-                raise Error(f"Return period must be a factor of the number of batches per step: "
-                            f"outputMode(EveryN, {n}) with deviceIterations({di}). Choose a "
-                            "period that divides deviceIterations.")
+            rules.check_return_period(o.output_return_period, di, Error)
         unknown = sorted(set(o._Popart.options.get("updatableNamedBuffers", ())) -
                          {name for name, _ in self._user_model.named_buffers()})
         if unknown:
@@ -470,6 +467,7 @@ class PoplarExecutor:
                     "iteration. For a full explanation see the batching semantics page of the "
                     "documentation.")
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
+        self._returned = frozenset(rules.returned_iterations(mode, di, self._consts[5]))
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
         fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
         self._ready = fast if fast is not None and self._on_cpu and not any(
@@ -560,18 +558,13 @@ class PoplarExecutor:
         per_replica = max(len(ipus), max(ipus) + 1)
         n = per_replica * rf
         o = self._options
-        use_model = uses_ipu_model(o)
-        if not use_model and n & (n - 1):
-            rounded = 1 << (n - 1).bit_length()
-            if not o.auto_round_num_ipus:
-                raise Error(f"The model needs {per_replica} IPU(s) per replica x "
-                            f"replicationFactor({rf}) = {n} IPUs, but you must reserve a power "
-                            "of 2 or maximum of 64 IPUs per process. Set "
-                            "poptorch.Options().autoRoundNumIPUs(True) to reserve "
-                            f"{rounded} IPUs.")
-            logger.warning("Reserving %d IPUs instead of %d (autoRoundNumIPUs).", rounded, n)
-        if n > 64 and not use_model:
-            raise Error(f"The model needs {n} IPUs: a process can reserve at most 64.")
+        problem = rules.ipu_count_error(o, rf, per_replica)
+        if problem is not None:
+            raise Error(f"The model needs {per_replica} IPU(s) per replica x "
+                        f"replicationFactor({rf}): {problem}")
+        reserved = rules.reserved_ipus(o, n)
+        if reserved != n:
+            logger.warning("Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
         self.num_ipus = n
 
     def _attach(self) -> None:
@@ -933,12 +926,13 @@ class PoplarExecutor:
             opt = self._device_optimizer
             scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
         replica_buffers = self._replica_buffer_sets(rf) if rf > 1 else None
-        keep_all = mode in (OutputMode.All, OutputMode.EveryN)
+        keep_all = mode in (OutputMode.All, OutputMode.EveryN)  # rows: one per micro-batch
+        returned = self._returned  # of these device iterations
         is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
         kept: list[list[Any]] = []
         final: list[Any] = [None] * rf
         for d in range(di):
-            anchored = keep_all and (d + 1) % period == 0
+            anchored = keep_all and d in returned
             last_d = d == di - 1
             for a in range(ga):
                 for r in range(rf):
@@ -1088,10 +1082,9 @@ class PoplarExecutor:
                             f"{mode.name}: the ipuloop emulator anchors weights and updated "
                             "weights with OutputMode.Final only. Pass output_mode="
                             "poptorch.OutputMode.Final to anchorTensor.")
-            if mode == OutputMode.EveryN and (period < 1 or self._consts[0] % period):
-                raise Error(f"Return period must be a factor of the number of batches per step: "
-                            f"anchorTensor({short!r}, ..., EveryN, {period}) with "
-                            f"deviceIterations({self._consts[0]}).")
+            if mode == OutputMode.EveryN:
+                rules.check_return_period(period, self._consts[0], Error,
+                                          f"anchorTensor({short!r}, ..., EveryN, {period})")
             self._anchors[short] = (kind, i, mode, period)
             if kind == "Gradient___" and i not in self._anchor_grads:
                 self._anchor_grads[i] = [-1, []]
@@ -1119,14 +1112,8 @@ class PoplarExecutor:
         version, grads = self._anchor_grads[i]
         assert version == self._trained_version - 1 and len(grads) == di * ga * rf, (
             "No tensor with name " + short_name + " found: run the model first.")
-        if mode == OutputMode.All:
-            rows = grads
-        elif mode == OutputMode.EveryN:
-            rows = [g for j, g in enumerate(grads) if (j // (ga * rf) + 1) % period == 0]
-        elif mode == OutputMode.Sum:
-            rows = [sum(grads[r::rf][1:], grads[r]) for r in range(rf)]
-        else:  # Final: the last micro-batch of each replica
-            rows = grads[-rf:]
+        rows = [sum((grads[j] for j in row[1:]), grads[row[0]])
+                for row in rules.returned_rows(mode, di, ga, rf, period)]
         if len(rows) == 1:
             return _to_host(rows[0])
         return _to_host(torch.stack(rows) if rows[0].dim() == 0 else torch.cat(rows))

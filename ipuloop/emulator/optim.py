@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .. import rules as _rules
+
 __all__ = [
     "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
     "default_optimizer", "check_supported", "hyperparameters", "constant_attributes",
@@ -509,19 +511,9 @@ class AttributeTracker:
         self._recording = False
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item()  # host read of a host-side hyper-parameter (setOptimizer time only)
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def hyperparameters(optimizer: torch.optim.Optimizer) -> dict:
-    """Comparable snapshot: ``{"groups": [non-"params" keys per group], "global": extras}``."""
-    return {"groups": [{k: _plain(v) for k, v in g.items() if k != "params"}
-                       for g in optimizer.param_groups],
-            "global": {k: getattr(optimizer, k) for k in getattr(optimizer, "_extras", ())}}
+_plain = _rules.plain_hyperparameter
+# The snapshot PopTorch compares when it rereads an optimizer (one rule, in ``ipuloop.rules``).
+hyperparameters = _rules.optimizer_hyperparameters
 
 
 def constant_attributes(optimizer: torch.optim.Optimizer) -> set[str]:
