@@ -1,7 +1,7 @@
 """The per-call shortcuts of the executor and the loop compute what their general paths do.
 
 * ``PoplarExecutor._run_single`` (DI = GA = RF = 1) against the general ``_run``;
-* ``PoplarExecutor._as_ready`` (inputs taken as they are) against ``_Signature.check`` and
+* ``inputs.as_ready`` (inputs taken as they are) against ``Signature.check`` and
   ``_prepare``: every input it cannot take goes the general way (checks, warnings, conversions);
 * the device generator, swapped in and out only for models whose trace drew random numbers;
 * ``Loop``'s per-step test of the optimizer's hyper-parameters against ``_hyper``;

@@ -16,11 +16,14 @@ the data flow as PopTorch's graph does, to
 * reject ``poptorch.for_loop`` in a training model.
 
 It also holds the other checks of a compiled model: buffers and parameters removed or
-reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_options``) and
-``backward()`` on a model's outputs (``forbid_backward``).
+reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_options``),
+``updatableNamedBuffers`` naming buffers (``check_updatable_buffers``), the pipeline's stages
+and the IPUs they need (``check_stages``) and ``backward()`` on a model's outputs
+(``forbid_backward``).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,9 +33,11 @@ from torch.overrides import TorchFunctionMode
 from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import rules
 from .errors import Error
 
 __all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
+           "check_stages", "check_updatable_buffers",
            "forbid_backward", "note_for_loop", "note_identity_loss", "tensor_addresses"]
 
 _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
@@ -257,3 +262,43 @@ def forbid_backward(out: Any) -> Any:
         for o in out.values():
             forbid_backward(o)
     return out
+
+
+def check_updatable_buffers(options: Any, model: torch.nn.Module) -> None:
+    """``Options.updatableNamedBuffers`` must name buffers of ``model``."""
+    unknown = sorted(set(options._Popart.options.get("updatableNamedBuffers", ())) -
+                     {name for name, _ in model.named_buffers()})
+    if unknown:
+        raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
+                    "the model: use names from model.named_buffers().")
+
+
+def check_stages(trace: Any, options: Any, training: bool, di: int, ga: int, rf: int) -> int:
+    """Check a traced model's pipeline stages against GA (training) or DI (inference), and the
+    IPUs it needs against what PopTorch can reserve; returns that number of IPUs."""
+    f = trace.num_forward_stages
+    if trace.is_pipelined and f > 1:
+        if training and ga < 2 * f - 1:
+            raise Error(
+                "poptorch.Options().Training.gradientAccumulation must be greater than or "
+                f"equal to the number of pipeline stages ({2 * f - 1}) when using "
+                f"poptorch.PipelinedExecution. Please note that a model with {f} pipeline "
+                f"stages in PopTorch will have an additional {f - 1} stages when training. "
+                f"Received: gradientAccumulation={ga}.")
+        if not training and di < f:
+            raise Error(
+                "poptorch.Options().deviceIterations must be greater than or equal to the "
+                f"number of pipeline stages ({f}) when using poptorch.PipelinedExecution. "
+                f"Received: deviceIterations={di}.")
+    ipus = trace.ipus or {0}
+    per_replica = max(len(ipus), max(ipus) + 1)
+    n = per_replica * rf
+    problem = rules.ipu_count_error(options, rf, per_replica)
+    if problem is not None:
+        raise Error(f"The model needs {per_replica} IPU(s) per replica x "
+                    f"replicationFactor({rf}): {problem}")
+    reserved = rules.reserved_ipus(options, n)
+    if reserved != n:
+        logging.getLogger("poptorch").warning(
+            "Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
+    return n

@@ -11,38 +11,39 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
         optimizer.step(); optimizer.zero_grad()
     return what the output mode anchors (All / Final / Sum / EveryN)
 
-The "device" is a tensor per parameter and buffer, its own optimizer and RNG. A run swaps the
-device tensors into the user's own parameters and buffers, so whatever the model reaches runs
-on them, and swaps the host's back afterwards: the host module is stale after a training call
-until something reads it (``copyWeightsToHost``), and host-side optimizer changes reach the
-device only through ``setOptimizer``, as on hardware.
+The "device" is a tensor per parameter and buffer (``device_state``), its own optimizer
+(``optimizer_sync``) and RNG. A run swaps the device tensors into the user's own parameters and
+buffers, so whatever the model reaches runs on them, and swaps the host's back afterwards: the
+host module is stale after a training call until something reads it (``copyWeightsToHost``),
+and host-side optimizer changes reach the device only through ``setOptimizer``, as on hardware.
+Inputs become what the device gets in ``inputs``; outputs and anchored tensors come back
+through ``anchors``. This module compiles (traces) and runs.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import copy
-import copyreg
 import datetime
-import functools
 import logging
-import os
 import time
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
-from . import _pytree as pytree
 
+from .. import rules
+from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
-from . import optim as _optim
-from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
+from . import inputs as _inputs
+from .anchors import Anchors
+from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
+from .enums import ConnectionType, OutputMode, ReductionType
 from .errors import Error
+from .hardware_only import HardwareOnly
+from .optimizer_sync import OptimizerSync
 from .precision import MixedFloat
 from .signature import Signature, unflatten as _unflatten
-from .. import rules
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
@@ -68,151 +69,7 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     return out
 
 
-def _emulator_device() -> torch.device:
-    name = os.environ.get("IPULOOP_EMULATOR_DEVICE", "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"IPULOOP_EMULATOR_DEVICE={name!r} asks for CUDA, but torch sees no CUDA "
-                           "device. Unset it to emulate on the CPU.")
-    return device
-
-
-# ---------------------------------------------------------------------------------------------
-# The host module: wrapped in place, as PopTorch does, so reading it syncs device weights back.
-
-_SYNC_ON_READ = frozenset({"_parameters", "_buffers", "_modules", "forward", "state_dict",
-                           "parameters", "named_parameters", "buffers", "named_buffers",
-                           "modules", "named_modules", "children", "named_children"})
-_wrapped_classes: dict[type, type] = {}
-
-
-def _wrapped_class(cls: type) -> type:
-    if cls not in _wrapped_classes:
-        def __getattribute__(self, name):
-            if name in _SYNC_ON_READ or not name.startswith("__"):
-                d = object.__getattribute__(self, "__dict__")
-                ex = d.get("_poptorch_executor")
-                if ex is not None and ex._host_dirty and (
-                        name in _SYNC_ON_READ or name in d["_modules"]
-                        or name in d["_parameters"] or name in d["_buffers"]):
-                    ex.copyWeightsToHost()
-            return cls.__getattribute__(self, name)
-
-        def __reduce_ex__(self, protocol):
-            # Pickling or deep-copying the wrapped module gives the user's class, with fresh
-            # weights and no executor, as PopTorch's registered wrapper types do.
-            d = object.__getattribute__(self, "__dict__")
-            ex = d.get("_poptorch_executor")
-            if ex is not None:
-                ex.copyWeightsToHostIfNeeded()
-            state = {k: v for k, v in d.items() if k != "_poptorch_executor"}
-            return copyreg._reconstructor, (cls, object, None), state  # no ipuloop reference
-
-        def destroy(self):
-            """Destroy the model: release the IPUs and the executable (and unwrap the model)."""
-            ex = object.__getattribute__(self, "__dict__").get("_poptorch_executor")
-            if ex is not None:
-                ex.destroy()
-
-        def copyWeightsToHostIfNeeded(self):
-            """Whether the host weights were out of date (and have now been copied back)."""
-            ex = object.__getattribute__(self, "__dict__").get("_poptorch_executor")
-            return ex.copyWeightsToHostIfNeeded() if ex is not None else False
-
-        # PopTorch's wrapper class exposes destroy() and copyWeightsToHostIfNeeded() too.
-        _wrapped_classes[cls] = type(f"Poptorch{cls.__name__}", (cls,),
-                                     {"__getattribute__": __getattribute__,
-                                      "__reduce_ex__": __reduce_ex__,
-                                      "destroy": destroy,
-                                      "copyWeightsToHostIfNeeded": copyWeightsToHostIfNeeded,
-                                      "_poptorch_wrapped_base": cls,
-                                      "__module__": cls.__module__})
-    return _wrapped_classes[cls]
-
-
-def _host_parameter_class(ex: PoplarExecutor, base: type) -> type:
-    """PopTorch's ``PoptorchParameter``: reading a host parameter (any attribute, or passing it
-    to a torch function) first syncs the device's weights if a training call made them stale."""
-    parent = weakref.ref(ex)
-
-    class PoptorchParameter(base):
-        _poptorch_base = base
-
-        def __getattribute__(self, name):
-            owner = parent()
-            if owner is not None and owner._host_dirty:
-                owner.copyWeightsToHost()
-            return base.__getattribute__(self, name)
-
-        def __deepcopy__(self, memo):
-            result = base.__deepcopy__(self, memo)  # reads (and so syncs) the data first
-            result.__class__ = base  # a copy is a plain parameter, not tied to the executor
-            return result
-
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            # Defined so torch looks it up on the instance (running the hook above); results
-            # are plain tensors, as for torch.nn.Parameter.
-            return super().__torch_function__(func, types, args, kwargs or {})
-
-    return PoptorchParameter
-
-
-def _unwrap_parameters(params: list[torch.Tensor]) -> None:
-    for p in params:
-        base = getattr(type(p), "_poptorch_base", None)
-        if base is not None:
-            p.__class__ = base
-
-
-def _device_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype == torch.float64 else dtype  # the IPU has no 64-bit floats
-
-
-def _buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
-    """Where ``model``'s buffers live (module, name, full name): a buffer reassigned later is
-    read from its slot."""
-    return [(m, n, f"{prefix}.{n}" if prefix else n) for prefix, m in model.named_modules()
-            for n, b in m.__dict__["_buffers"].items() if b is not None]
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs and outputs
-
-def _out_leaves(out: Any) -> tuple[list[Any], Any]:
-    if isinstance(out, torch.Tensor):
-        return [out], None
-    if type(out) is tuple:
-        for o in out:
-            if not isinstance(o, torch.Tensor):
-                return pytree.tree_flatten(out)
-        return list(out), len(out)
-    return pytree.tree_flatten(out)
-
-
-def _out_unflatten(leaves: list[Any], spec: Any) -> Any:
-    if spec is None:
-        return leaves[0]
-    if isinstance(spec, int):
-        return tuple(leaves)
-    return pytree.tree_unflatten(leaves, spec)
-
-
-_SENT_AS_FLOAT32 = frozenset({torch.float64, torch.bfloat16})  # inputs the IPU gets as float32
-_NARROWED = frozenset({torch.int64, torch.float64})  # outputs ``_to_host`` narrows
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.int64:
-        t = t.to(torch.int32)  # the IPU has no 64-bit types: outputs come back narrowed
-    elif t.dtype == torch.float64:
-        t = t.to(torch.float32)
-    return t if t.is_cpu else t.cpu()
-
-
-# ---------------------------------------------------------------------------------------------
-
-class PoplarExecutor:
+class PoplarExecutor(HardwareOnly):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``."""
 
     # registerPreCompileHook / registerPostCompileHook: handle id -> hook, in registration order
@@ -233,7 +90,7 @@ class PoplarExecutor:
         self._consts: tuple | None = None  # what every call reads from the options (compile)
         self._training = training
         self._user_model = model
-        self._device = _emulator_device()
+        self._device = emulator_device()
         self._on_cpu = self._device.type == "cpu"
         self._compiled = False
         self._attached = False
@@ -247,120 +104,52 @@ class PoplarExecutor:
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
         self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
-        self._ready: list | None = None  # see ``_compile`` and ``_as_ready``
-        self._optimizer = optimizer
-        self._device_optimizer: torch.optim.Optimizer | None = None
-        self._optimizer_snapshot: dict | None = None
-        self._optimizer_constants: set[str] = set()
-        self._optimizer_dirty = False
-        self._replica_buffers: list[list[torch.Tensor]] | None = None
+        self._ready: list | None = None  # see ``_compile`` and ``inputs.as_ready``
         self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
+        self._anchors: Anchors | None = None  # Options.anchorTensor's (compile)
+        self._opt: OptimizerSync | None = None  # a training model's optimizer
 
         strategy = getattr(opts, "_execution_strategy", None)
         if strategy is not None and not getattr(strategy, "emulated", True):
             raise Error(f"{type(strategy).__name__} is not supported by the ipuloop emulator: "
                         "use poptorch.PipelinedExecution or poptorch.ShardedExecution.")
-        # The device: a tensor per parameter and per buffer, swapped into the user's own
-        # tensors for a run (``_swap_in``), so that whatever the model reaches (submodules,
-        # closures, globals) runs on the device's values. Values are uploaded on attach.
-        self._buffer_slots = _buffer_slots(model)
-        named = list(model.named_parameters())
-        self._param_names = [name for name, _ in named]
-        params = [p for _, p in named]
+        # The device: a tensor per parameter and per buffer (``DeviceWeights``), uploaded on
+        # attach. The IPU has no 64-bit floats: float64 weights live as float32 on the device.
+        self._weights = DeviceWeights(self, model, self._device, wrap=training)
         if training:
             ex = model.__dict__.get("_poptorch_executor")
             if ex is not None:
                 raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. "
                                    "Call model.destroy() on the model to unwrap before "
                                    "wrapping again.")
-            if self._optimizer is None:
-                self._optimizer = _optim.default_optimizer(model.parameters())
-            _optim.check_supported(self._optimizer)
-            self._attribute_tracker = _optim.AttributeTracker(opts._relax_optimizer_checks)
-            self._attribute_tracker.check(self._optimizer)
-            self._set_reduction_strategy(self._optimizer)
-            known = {id(p) for p in params}
-            for group in self._optimizer.param_groups:  # trained wherever the model reaches them
-                for p in group["params"]:
-                    if id(p) not in known:
-                        known.add(id(p))
-                        params.append(p)
-            self._host_params = params
-            self._patch_optimizer(self._optimizer)
-            classes: dict[type, type] = {}
-            for p in self._host_params:
-                base = type(p)
-                if base not in classes:
-                    classes[base] = _host_parameter_class(self, base)
-                p.__class__ = classes[base]
-            model.__class__ = _wrapped_class(type(model))
+            self._opt = OptimizerSync(self, model, optimizer)
+            self._weights.bind(self._opt.params())
+            model.__class__ = wrapped_class(type(model))
             model.__dict__["_poptorch_executor"] = self
         else:
             self._source = model.__dict__.get("_poptorch_executor")
-            self._host_params = params
-        # The IPU has no 64-bit floats: float64 weights live as float32 on the device.
-        self._dev_params = [self._device_tensor(p) for p in self._host_params]
-        self._dev_buffers = [self._device_tensor(b) for b in self._host_buffers]
-        self._swapped: list = []  # what ``_swap_in`` took out of the user's tensors
+            self._weights.bind()
         opts._freeze()  # resolved: changing it now would desynchronise it from the executable
 
     # -- the user's module -------------------------------------------------------------------
-    def _device_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(self._device, _device_dtype(t.dtype), copy=True)
-
-    @property
-    def _host_buffers(self) -> list[torch.Tensor]:
-        # Read through ``__dict__``: no sync from the device (as PopTorch's copies avoid one).
-        return [m.__dict__["_buffers"][n] for m, n, _ in self._buffer_slots]
-
     def _device_weights(self) -> dict[str, torch.Tensor]:
         """The device's parameters and buffers by their names in the module (no host sync)."""
-        names = [*self._param_names, *(name for _, _, name in self._buffer_slots)]
-        return dict(zip(names, self._dev_params + self._dev_buffers))
+        return self._weights.named()
 
-    def _swap_in(self) -> list[torch.Tensor]:
-        """Give the user's module, parameters and buffers the device's storage for a run;
-        returns the buffer tensors (a replica swaps its own statistics into them)."""
-        buffers = self._host_buffers  # first: nothing is swapped if this raises
-        model = self._user_model
-        cls = type(model)
-        base = cls.__dict__.get("_poptorch_wrapped_base")
-        if base is not None:  # no sync hooks while the device runs (Module.__setattr__ skipped)
-            object.__setattr__(model, "__class__", base)
-        flags = None
-        if model.training != self._training:
-            flags = [(m, m.training) for m in model.modules()]
-            model.train(self._training)
-        params = []
-        for p, d in zip(self._host_params, self._dev_params):
-            pcls = type(p)
-            pbase = pcls.__dict__.get("_poptorch_base")
-            if pbase is not None:
-                p.__class__ = pbase
-            params.append((p, pcls, p.data, p.grad))
-            p.grad = None
-            p.data = d
-        saved = [b.data for b in buffers]
-        for b, d in zip(buffers, self._dev_buffers):
-            b.data = d
-        self._swapped = [cls, flags, params, buffers, saved]
-        return buffers
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        """The host optimizer of a training model."""
+        return self._opt.optimizer if self._opt is not None else None
 
-    def _swap_out(self) -> None:
-        """Undo ``_swap_in``: the user's tensors hold the host's values again."""
-        cls, flags, params, buffers, saved = self._swapped
-        self._swapped = []
-        for b, data in zip(buffers, saved):
-            b.data = data
-        for p, pcls, data, grad in params:
-            p.data = data
-            p.grad = grad
-            p.__class__ = pcls
-        model = self._user_model
-        if flags is not None:
-            for m, flag in flags:
-                m.training = flag
-        object.__setattr__(model, "__class__", cls)
+    @property
+    def _device_optimizer(self) -> torch.optim.Optimizer | None:
+        """Its copy on the device (once compiled)."""
+        return self._opt.device if self._opt is not None else None
+
+    @property
+    def _loss_scaling(self) -> float:
+        """The factor each loss is multiplied by before its backward."""
+        return self._opt.loss_scaling
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -446,32 +235,16 @@ class PoplarExecutor:
         mode = OutputMode(o.output_mode)
         if mode == OutputMode.EveryN:
             rules.check_return_period(o.output_return_period, di, Error)
-        unknown = sorted(set(o._Popart.options.get("updatableNamedBuffers", ())) -
-                         {name for name, _ in self._user_model.named_buffers()})
-        if unknown:
-            raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
-                        "the model: use names from model.named_buffers().")
+        _checks.check_updatable_buffers(o, self._user_model)
         self._signature = Signature(self._user_model.forward, args, kwargs)
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                n = x.shape[0] if x.dim() else 1
-                assert n % prod == 0, (
-                    f"Invalid batch dimension: In the input {x.shape}, the batch dimension "
-                    f"({n}) must be a multiple of Options.deviceIterations({di}) * "
-                    f"(Options.replicationFactor({rf}) / "
-                    f"Options.inputReplicaGrouping.input_group_size({o.input_group_size})) * "
-                    f"Options.Training.gradientAccumulation({ga}) = {prod} because it is used to "
-                    "calculate the batch size which will be executed on the device in any given "
-                    "iteration. For a full explanation see the batching semantics page of the "
-                    "documentation.")
+        _inputs.check_batch(leaves, di, ga, rf, o.input_group_size)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._returned = frozenset(rules.returned_iterations(mode, di, self._consts[5]))
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
-        fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
-        self._ready = fast if fast is not None and self._on_cpu and not any(
-            dtype in _SENT_AS_FLOAT32 for _, dtype in fast) else None
+        # inputs ``prepare`` leaves as they are: the ``as_ready`` shortcut
+        self._ready = _inputs.ready_shapes(self._signature.fast, self._on_cpu)
         for hook in list(PoplarExecutor._precompile_hooks.values()):
             hook()
         self._compiled = True
@@ -482,7 +255,9 @@ class PoplarExecutor:
         except BaseException:
             # A failed compilation leaves no executable behind (PopTorch: isCompiled() False).
             self._compiled = self._attached = False
-            self._signature = self._device_optimizer = None
+            self._signature = None
+            if self._opt is not None:
+                self._opt.device = None
             raise
         finally:  # as in PopTorch, post-compile hooks run whether or not compilation succeeded
             for hook in list(PoplarExecutor._postcompile_hooks.values()):
@@ -497,7 +272,8 @@ class PoplarExecutor:
                  and x.dim() else self._prepare(x).clone() if isinstance(x, torch.Tensor) else x
                  for x in leaves]
         margs, mkwargs = _unflatten(micro, spec)
-        saved = [b.clone() for b in self._dev_buffers]
+        weights = self._weights
+        saved = [b.clone() for b in weights.dev_buffers]
         # Random ops draw from the device generator, which the trace leaves as it found it; the
         # host generator is not touched (the device's RNG is its own).
         rng = self._rng_state if self._rng_state is not None else self._initial_rng_state()
@@ -508,7 +284,7 @@ class PoplarExecutor:
         # the trace needed it (``__call__``).
         mixed = MixedFloat()
         try:
-            self._swap_in()  # the checks see the device's tensors in the user's module
+            weights.swap_in(self._training)  # the checks see the device's tensors in the user's module
             checks = _checks.TraceChecks([self._user_model], micro, self._training)
             addresses = _checks.tensor_addresses(self._user_model)
             _running_on_ipu = True
@@ -517,18 +293,18 @@ class PoplarExecutor:
                 out = self._user_model(*margs, **mkwargs)
             _checks.check_addresses(addresses, _checks.tensor_addresses(self._user_model))
         finally:
-            if self._swapped:
-                self._swap_out()
+            if weights.swapped:
+                weights.swap_out()
             _running_on_ipu = False
             with torch.no_grad():
-                for b, s in zip(self._dev_buffers, saved):
+                for b, s in zip(weights.dev_buffers, saved):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
         self._mixed = mixed.cast
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
-        out_leaves, self._out_spec = _out_leaves(out)
+        out_leaves, self._out_spec = _anchors.out_leaves(out)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
             self._loss_index, nth = checks.find_loss(out_leaves)
@@ -536,36 +312,14 @@ class PoplarExecutor:
             self._loss_capture = _NO_CAPTURE if self._loss_index is not None else \
                 _checks.LossCapture(nth)
         _checks.check_replicated_updates(checks, self._options)
-        self._check_stages(trace, di, ga, rf)
-        self._setup_anchors()
-
-    def _check_stages(self, trace: Any, di: int, ga: int, rf: int) -> None:
-        f = trace.num_forward_stages
-        if trace.is_pipelined and f > 1:
-            if self._training and ga < 2 * f - 1:
-                raise Error(
-                    "poptorch.Options().Training.gradientAccumulation must be greater than or "
-                    f"equal to the number of pipeline stages ({2 * f - 1}) when using "
-                    f"poptorch.PipelinedExecution. Please note that a model with {f} pipeline "
-                    f"stages in PopTorch will have an additional {f - 1} stages when training. "
-                    f"Received: gradientAccumulation={ga}.")
-            if not self._training and di < f:
-                raise Error(
-                    "poptorch.Options().deviceIterations must be greater than or equal to the "
-                    f"number of pipeline stages ({f}) when using poptorch.PipelinedExecution. "
-                    f"Received: deviceIterations={di}.")
-        ipus = trace.ipus or {0}
-        per_replica = max(len(ipus), max(ipus) + 1)
-        n = per_replica * rf
+        self.num_ipus = _checks.check_stages(trace, self._options, self._training, di, ga, rf)
+        if self._anchors is not None:
+            self._anchors.remove()
         o = self._options
-        problem = rules.ipu_count_error(o, rf, per_replica)
-        if problem is not None:
-            raise Error(f"The model needs {per_replica} IPU(s) per replica x "
-                        f"replicationFactor({rf}): {problem}")
-        reserved = rules.reserved_ipus(o, n)
-        if reserved != n:
-            logger.warning("Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
-        self.num_ipus = n
+        mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
+            == ReductionType.Mean
+        self._anchors = _anchors.Anchors(o, self._training, self._weights, (di, ga, rf, mean),
+                                         lambda: self._trained_version)
 
     def _attach(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
@@ -575,8 +329,8 @@ class PoplarExecutor:
         if self._source is not None:
             self._source.copyWeightsToHostIfNeeded()
         self.copyWeightsToDevice()
-        if self._training and (self._device_optimizer is None or self._optimizer_dirty):
-            self._upload_optimizer(self._optimizer)
+        if self._training and (self._opt.device is None or self._opt.dirty):
+            self._opt.upload(self._weights.host_params)
         if self._rng_state is None:
             self._rng_state = self._initial_rng_state()
         if self._source is not None:
@@ -596,7 +350,7 @@ class PoplarExecutor:
             raise Error("Device is not attached")
         if self._training:
             self.copyWeightsToHostIfNeeded()
-            self._download_optimizer()
+            self._opt.download()
         self._attached = False
 
     def destroy(self) -> None:
@@ -606,31 +360,24 @@ class PoplarExecutor:
             return
         if self._training and self._user_model.__dict__.get("_poptorch_executor") is self:
             self.copyWeightsToHostIfNeeded()
-            self._download_optimizer()
+            self._opt.download()
             model = self._user_model
             model.__class__ = type(model).__mro__[1]
             del model.__dict__["_poptorch_executor"]
-            _unwrap_parameters(self._host_params)
-            self._unpatch_optimizer(self._optimizer)
+            self._weights.unwrap()
+            self._opt.release()
         self._compiled = False
         self._attached = False
         self._signature = None
-        self._device_optimizer = None
+        if self._opt is not None:
+            self._opt.device = None
 
     # -- weights -----------------------------------------------------------------------------
     def copyWeightsToDevice(self) -> None:
         """Push the host module's weights (and buffers, to every replica) to the device."""
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)
-        with torch.no_grad():
-            for d, h in zip(self._dev_params, self._host_params):
-                d.copy_(h)
-            for i, (d, h) in enumerate(zip(self._dev_buffers, self._host_buffers)):
-                if d.shape == h.shape and d.dtype == _device_dtype(h.dtype):
-                    d.copy_(h)
-                else:  # a buffer the host reassigned with another shape or dtype
-                    self._dev_buffers[i] = self._device_tensor(h)
-        self._replica_buffers = None
+        self._weights.to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
         """Push only the buffers named in ``Options.updatableNamedBuffers`` to the device."""
@@ -640,19 +387,12 @@ class PoplarExecutor:
         if names is None:
             raise Error("No named buffers marked as updatable via updatableNamedBuffers option. "
                         "Call options.updatableNamedBuffers([...]) before wrapping the model.")
-        index = {name: i for i, (name, _) in enumerate(self._user_model.named_buffers())}
-        replicas = self._replica_buffers or []
-        with torch.no_grad():
-            for name in names:
-                if name not in index:
-                    raise Error(f"updatableNamedBuffers names {name!r}, which is not a buffer of "
-                                f"the model. Its buffers: {sorted(index)}.")
-                dev = self._dev_buffers[index[name]]
-                dev.copy_(self._host_buffers[index[name]])
-                if replicas:  # every replica's copy of the buffer gets the host's value
-                    j = next(j for j, b in enumerate(replicas[0]) if b is dev)
-                    for own in replicas[1:]:
-                        own[j].copy_(dev)
+        known = [name for name, _ in self._user_model.named_buffers()]
+        for name in names:
+            if name not in known:
+                raise Error(f"updatableNamedBuffers names {name!r}, which is not a buffer of "
+                            f"the model. Its buffers: {sorted(known)}.")
+        self._weights.named_buffers_to_device(names)
 
     def copyWeightsToHost(self) -> None:
         """Read the device's weights back into the host module (replica 0's buffers)."""
@@ -663,10 +403,7 @@ class PoplarExecutor:
                         "already copied the weights to the host. Read them from the host "
                         "module, or call attachToDevice() first.")
         self._host_dirty = False
-        with torch.no_grad():
-            for h, d in zip(self._host_params + self._host_buffers,
-                            self._dev_params + self._dev_buffers):
-                h.copy_(d)
+        self._weights.to_host()
         self._host_weights_version += 1
 
     def copyWeightsToHostIfNeeded(self) -> bool:
@@ -676,150 +413,15 @@ class PoplarExecutor:
         return False
 
     # -- optimizer ---------------------------------------------------------------------------
-    def _patch_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        # PopTorch rebinds state_dict()/load_state_dict() so they read and write the IPU's state,
-        # for poptorch.optim optimizers only: a torch.optim one's state stays on the device.
-        if not isinstance(opt, _optim.Optimizer):
-            return
-        cls_state_dict, cls_load = type(opt).state_dict, type(opt).load_state_dict
-
-        def state_dict():
-            if self._device_optimizer is not None and self._attached:
-                return self._device_state_dict()
-            return cls_state_dict(opt)
-
-        def load_state_dict(sd):
-            cls_load(opt, sd)
-            self._optimizer_dirty = True
-
-        opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
-
-    @staticmethod
-    def _unpatch_optimizer(opt: torch.optim.Optimizer) -> None:
-        opt.__dict__.pop("state_dict", None)
-        opt.__dict__.pop("load_state_dict", None)
-
-    def _upload_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        memo = {id(h): h for h in self._host_params}  # runs on them, swapped in
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if id(p) not in memo:
-                    raise ValueError("The optimizer holds a parameter that the optimizer given "
-                                     "when wrapping did not hold and the model does not have: "
-                                     "wrap the model again with this optimizer.")
-        patched = {k: opt.__dict__.pop(k) for k in ("state_dict", "load_state_dict")
-                   if k in opt.__dict__}
-        try:
-            dev = copy.deepcopy(opt, memo)
-        finally:
-            opt.__dict__.update(patched)
-        # Instance-level wrappers (an LR scheduler's step counter) would call the host optimizer.
-        for name in ("step", "zero_grad", "_opt_called"):
-            dev.__dict__.pop(name, None)
-        if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
-            dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
-        self._device_optimizer = dev
-        self._optimizer_snapshot = _optim.hyperparameters(opt)
-        self._optimizer_constants = _optim.constant_attributes(opt)
-        self._loss_scaling = _optim.loss_scaling(opt)
-        self._optimizer_dirty = False
-
-    def _device_state_dict(self) -> dict:
-        # The device's state (moments, step counts) with the host's hyper-parameters: as in
-        # PopTorch, reading the state back must not undo host LR scheduling.
-        sd = self._device_optimizer.state_dict()
-        sd["param_groups"] = type(self._optimizer).state_dict(self._optimizer)["param_groups"]
-        return sd
-
-    def _download_optimizer(self) -> None:
-        if self._device_optimizer is not None and isinstance(self._optimizer, _optim.Optimizer):
-            type(self._optimizer).load_state_dict(self._optimizer, self._device_state_dict())
-
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Push the optimizer's hyper-parameters (and loaded state) to the device."""
         if not self._training:
             raise Error("setOptimizer() is only available on a poptorch.trainingModel.")
-        _optim.check_supported(optimizer)
-        self._attribute_tracker.check(optimizer)
-        self._set_reduction_strategy(optimizer)
-        if optimizer is not self._optimizer:
-            self._unpatch_optimizer(self._optimizer)
-            self._optimizer = optimizer
-            self._patch_optimizer(optimizer)
-            if optimizer.state and isinstance(optimizer, _optim.Optimizer):
-                # only a poptorch.optim optimizer carrying state resets the device's
-                self._optimizer_dirty = True
-        if self._device_optimizer is None:
-            return  # not compiled yet: used as is at compile time
-        new = _optim.hyperparameters(optimizer)
-        changed = _optim.changed_constants(self._optimizer_snapshot, new, self._optimizer_constants)
-        if changed:
-            raise ValueError(f"Optimizer attribute(s) {changed} are constant in the compiled "
-                             "graph and cannot change: pass them explicitly to the optimizer's "
-                             "constructor to make them variable, or re-wrap the model.")
-        if self._optimizer_dirty:
-            self._upload_optimizer(optimizer)
-        else:
-            _optim.apply_hyperparameters(self._device_optimizer, new)
-            self._optimizer_snapshot = new
-            self._loss_scaling = _optim.loss_scaling(optimizer)
-
-    def _set_reduction_strategy(self, optimizer: torch.optim.Optimizer) -> None:
-        # PopTorch: a float16 accumulator (non-combined) needs the Running mean strategy; it is
-        # switched before compilation and cannot be switched after. Numerics here are exact
-        # means either way: only the option and the error are reproduced.
-        if not _optim.needs_running_mean(optimizer):
-            return
-        training = self._options.Training
-        if not self._compiled:
-            self._options._unfreeze()
-            training.setMeanAccumulationAndReplicationReductionStrategy(
-                MeanReductionStrategy.Running)
-            self._options._freeze()
-        elif training.meanAccumulationAndReplicationReductionStrategy != \
-                MeanReductionStrategy.Running:
-            raise ValueError("Invalid optimizer: the new optimizer would require changing "
-                             "options.Training.meanAccumulationAndReplicationReductionStrategy to "
-                             "poptorch.MeanReductionStrategy.Running but the executable is "
-                             "already compiled.")
+        self._opt.set(optimizer, self._weights.host_params)
 
     # -- running -----------------------------------------------------------------------------
-    _warned: set[str] = set()
-
     def _prepare(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.requires_grad:
-            if "grad" not in self._warned:
-                self._warned.add("grad")
-                logger.warning("Input tensor has requires_grad=True set. This tensor will be "
-                               "detached.")
-            x = x.detach()
-        if x.dtype in _SENT_AS_FLOAT32:
-            x = x.float()  # sent to the IPU as float32
-        if not x.is_contiguous():
-            if "contig" not in self._warned:
-                self._warned.add("contig")
-                logger.warning("At least one input tensor is not contiguous: non-contiguous "
-                               "tensors will be converted.")
-            x = x.contiguous()
-        if x.is_cpu if self._on_cpu else x.device == self._device:
-            return x
-        return x.to(self._device, non_blocking=True)
-
-    def _as_ready(self, args: tuple) -> list | None:
-        """``args`` as they are, when they are what the model compiled for and ``_prepare``
-        would leave them as they are: plain tensors of the compiled shapes and dtypes (none it
-        converts), contiguous, not requiring grad, on the CPU. Else None: the general path
-        (``Signature.check``, then ``_prepare``) checks, converts and raises."""
-        ready = self._ready
-        if len(args) != len(ready):
-            return None
-        for x, (shape, dtype) in zip(args, ready):
-            if not (type(x) is torch.Tensor and x.dtype == dtype and x.shape == shape
-                    and x.is_cpu and not x.requires_grad and x.is_contiguous()):
-                return None
-        return list(args)
+        return _inputs.prepare(x, self._device, self._on_cpu)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._offline:
@@ -832,15 +434,15 @@ class PoplarExecutor:
             leaves = self._signature.flatten(args, kwargs)
         else:
             if self._ready is not None and not kwargs:
-                ready = self._as_ready(args)
+                ready = _inputs.as_ready(args, self._ready)
             if ready is None:
                 leaves = self._signature.check(args, kwargs)
             if not self._attached:
                 self._attach()  # a call re-attaches a detached model
         spec = self._signature.spec
         if self._training:
-            if self._optimizer_dirty:
-                self._upload_optimizer(self._optimizer)
+            if self._opt.dirty:
+                self._opt.upload(self._weights.host_params)
         elif self._source is not None and self._source._trained_version != self._source_version:
             # PopTorch: an inference model made from the trained module re-uploads fresh weights.
             self._source.copyWeightsToHostIfNeeded()
@@ -868,7 +470,7 @@ class PoplarExecutor:
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
         try:
-            buffers = self._swap_in()
+            buffers = self._weights.swap_in(self._training)
             with self._loss_capture, (MixedFloat() if self._mixed else _NO_CAPTURE):
                 out = self._run_single(leaves, spec) if single else \
                     self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
@@ -876,13 +478,10 @@ class PoplarExecutor:
                 self._host_dirty = True
                 self._trained_version += 1
             if edited:
-                with torch.no_grad():
-                    for x, y, version in edited:
-                        if y._version != version:
-                            x.copy_(y)
+                _inputs.write_back(edited)
         finally:
-            if self._swapped:
-                self._swap_out()
+            if self._weights.swapped:
+                self._weights.swap_out()
             torch._C._set_grad_enabled(grad_was)
             _running_on_ipu = False
             if draws_random:
@@ -890,24 +489,7 @@ class PoplarExecutor:
         return _checks.forbid_backward(out)
 
     def _swap_rng(self, state: torch.Tensor) -> torch.Tensor:
-        """Install ``state`` as the generator the device's random ops use; return the old one."""
-        if not self._on_cpu:
-            old = torch.cuda.get_rng_state(self._device)
-            torch.cuda.set_rng_state(state, self._device)
-        else:  # torch.get_rng_state / set_rng_state, without their Python wrappers
-            gen = torch.default_generator
-            old = gen.get_state()
-            gen.set_state(state)
-        return old
-
-    def _replica_buffer_sets(self, rf: int) -> list[list[torch.Tensor]] | None:
-        # Each replica keeps its own BatchNorm statistics; replica 0's are the module's own.
-        if rf == 1 or not self._dev_buffers:
-            return None
-        if self._replica_buffers is None:
-            own = self._dev_buffers
-            self._replica_buffers = [own] + [[b.clone() for b in own] for _ in range(rf - 1)]
-        return self._replica_buffers
+        return swap_rng(state, self._device)
 
     def _run_constants(self, di: int, ga: int, rf: int, rfg: int, mode: OutputMode) -> tuple:
         o = self._options
@@ -925,7 +507,7 @@ class PoplarExecutor:
         if training:
             opt = self._device_optimizer
             scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
-        replica_buffers = self._replica_buffer_sets(rf) if rf > 1 else None
+        replica_buffers = self._weights.replica_sets(rf) if rf > 1 else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)  # rows: one per micro-batch
         returned = self._returned  # of these device iterations
         is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
@@ -943,7 +525,7 @@ class PoplarExecutor:
                         for b, own in zip(buffers, replica_buffers[r]):
                             b.data = own
                     out = model(*margs, **mkwargs)
-                    outs, _ = _out_leaves(out)
+                    outs, _ = _anchors.out_leaves(out)
                     if training:
                         self._backward(outs, scale)
                     outs = [t.detach() if isinstance(t, torch.Tensor) else t for t in outs]
@@ -959,7 +541,7 @@ class PoplarExecutor:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         rows = kept if keep_all else final
-        return self._assemble(rows)
+        return _anchors.assemble(rows, self._tensor_out, self._out_spec)
 
     def _backward(self, outs: list, scale: float) -> None:
         """Backward of one micro-batch's loss (an output leaf, or taken by ``_loss_capture``
@@ -979,7 +561,7 @@ class PoplarExecutor:
         else:
             margs, mkwargs = _unflatten(leaves, spec)
             out = self._user_model(*margs, **mkwargs)
-        outs, _ = _out_leaves(out)
+        outs, _ = _anchors.out_leaves(out)
         if self._training:
             self._backward(outs, self._loss_scaling)
             opt = self._device_optimizer
@@ -989,142 +571,21 @@ class PoplarExecutor:
         for t in outs:
             if isinstance(t, torch.Tensor):
                 t = t.detach()
-                if t.dtype in _NARROWED or not t.is_cpu:
-                    t = _to_host(t)
+                if t.dtype in _anchors.NARROWED or not t.is_cpu:
+                    t = _anchors.to_host(t)
             host.append(t)
-        return _out_unflatten(host, self._out_spec)
-
-    def _assemble(self, rows: list[list[Any]]) -> Any:
-        if len(rows) == 1:
-            leaves = [_to_host(t) if isinstance(t, torch.Tensor) else t for t in rows[0]]
-        else:
-            leaves = []
-            for i, is_tensor in enumerate(self._tensor_out):
-                col = [row[i] for row in rows]
-                if not is_tensor:
-                    leaves.append(col[0])
-                elif col[0].dim() == 0:
-                    leaves.append(_to_host(torch.stack(col)))
-                else:
-                    leaves.append(_to_host(torch.cat(col)))
-        return _out_unflatten(leaves, self._out_spec)
-
-    # -- what the emulator cannot measure ----------------------------------------------------
-    def cycleCount(self) -> int:
-        raise Error("cycleCount() needs IPU hardware cycle counters, which the ipuloop emulator "
-                    "does not have: time host calls instead (ipuloop.callbacks.ProfileCapture).")
-
-    def _no_timestamps(self, name: str) -> Any:
-        raise Error(f"{name}() reads the IPU's host-transfer timestamps, which the ipuloop "
-                    "emulator does not have: time host calls instead (time.perf_counter() "
-                    "around the call, or ipuloop.callbacks.ProfileCapture).")
-
-    def getPerfCounters(self) -> dict:
-        return self._no_timestamps("getPerfCounters")
-
-    def getLatency(self) -> tuple[float, float, float]:
-        return self._no_timestamps("getLatency")
-
-    def getHostIpuLatency(self) -> tuple[float, float, float]:
-        return self._no_timestamps("getHostIpuLatency")
-
-    def getComputeLatency(self) -> tuple[float, float, float]:
-        return self._no_timestamps("getComputeLatency")
-
-    def getIpuHostLatency(self) -> tuple[float, float, float]:
-        return self._no_timestamps("getIpuHostLatency")
+        return _anchors.out_unflatten(host, self._out_spec)
 
     # -- anchored tensors (Options.anchorTensor) ---------------------------------------------
-    # The emulator can anchor what exists outside the model's forward: each parameter (its
-    # device value), "Gradient___<name>" (its per-micro-batch gradient, times loss_scaling) and
-    # "UpdatedVar___<name>" (its value after the call's last update). "model." may prefix <name>.
-    _anchors: dict[str, tuple[str, int, OutputMode, int]] = {}
-    _anchor_hooks: list[Any] = []
-
-    def _anchor_names(self) -> dict[str, tuple[str, int]]:
-        names = {}
-        index = {id(p): i for i, p in enumerate(self._host_params)}
-        for name, p in self._user_model.named_parameters():
-            i = index[id(p)]
-            for kind in ("", "Gradient___", "UpdatedVar___") if self._training else ("",):
-                names[kind + name] = (kind, i)
-        return names
-
     def getTensorNames(self) -> list[str]:
         """The tensor names ``Options.anchorTensor`` accepts on the emulator (needs a compile)."""
         assert self._compiled, "Model must be compiled before calling getTensorNames"
-        return list(self._anchor_names())
-
-    def _setup_anchors(self) -> None:
-        for handle in self._anchor_hooks:
-            handle.remove()
-        self._anchor_hooks, self._anchors, self._anchor_grads = [], {}, {}
-        o = self._options
-        if not o.anchored_tensors:
-            return
-        names = self._anchor_names()
-        model_mode = OutputMode(o.output_mode)
-        for short, (long_name, inherit, mode, period) in o.anchored_tensors.items():
-            kind_name = long_name
-            for kind in ("Gradient___", "UpdatedVar___", ""):
-                if long_name.startswith(kind + "model.") and long_name not in names:
-                    kind_name = kind + long_name[len(kind) + len("model."):]
-                    break
-            if kind_name not in names:
-                raise Error(f"Options.anchorTensor({short!r}, {long_name!r}): the ipuloop emulator "
-                            "can anchor a parameter, its gradient or its updated value. Valid "
-                            f"names: {', '.join(names)} (see getTensorNames()).")
-            kind, i = names[kind_name]
-            mode = model_mode if inherit else OutputMode(mode)
-            period = o.output_return_period if inherit else period
-            if kind != "Gradient___" and mode != OutputMode.Final:
-                raise Error(f"Options.anchorTensor({short!r}, {long_name!r}) with output mode "
-                            f"{mode.name}: the ipuloop emulator anchors weights and updated "
-                            "weights with OutputMode.Final only. Pass output_mode="
-                            "poptorch.OutputMode.Final to anchorTensor.")
-            if mode == OutputMode.EveryN:
-                rules.check_return_period(period, self._consts[0], Error,
-                                          f"anchorTensor({short!r}, ..., EveryN, {period})")
-            self._anchors[short] = (kind, i, mode, period)
-            if kind == "Gradient___" and i not in self._anchor_grads:
-                self._anchor_grads[i] = [-1, []]
-                self._anchor_hooks.append(self._host_params[i].register_hook(
-                    functools.partial(self._record_gradient, self._anchor_grads[i])))
-
-    def _record_gradient(self, record: list, grad: torch.Tensor) -> None:
-        # One call per micro-batch backward, in [DI, GA, RF] order. The executor scaled the loss
-        # by loss_scaling / (GA*RF) under Mean: undo the 1 / (GA*RF) to report the micro-batch's.
-        if record[0] != self._trained_version:
-            record[0], record[1] = self._trained_version, []
-        ga, rf, mean = self._consts[1], self._consts[2], self._consts[8]
-        grad = grad.detach()
-        record[1].append(grad * (ga * rf) if mean and ga * rf > 1 else grad.clone())
+        return list(self._anchors.names())
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The value of the tensor anchored as ``short_name`` in the last call."""
-        assert short_name in self._anchors, "No tensor with name " + short_name + " found."
-        kind, i, mode, period = self._anchors[short_name]
-        di, ga, rf = self._consts[:3]
-        if kind != "Gradient___":  # Final: one copy per replica (replicas hold equal weights)
-            w = self._dev_params[i].detach()
-            return _to_host(w.clone() if rf == 1 else torch.cat([w] * rf) if w.dim()
-                            else w.repeat(rf))
-        version, grads = self._anchor_grads[i]
-        assert version == self._trained_version - 1 and len(grads) == di * ga * rf, (
-            "No tensor with name " + short_name + " found: run the model first.")
-        rows = [sum((grads[j] for j in row[1:]), grads[row[0]])
-                for row in rules.returned_rows(mode, di, ga, rf, period)]
-        if len(rows) == 1:
-            return _to_host(rows[0])
-        return _to_host(torch.stack(rows) if rows[0].dim() == 0 else torch.cat(rows))
-
-    def compileAndExport(self, filename: str, *args: Any, **kwargs: Any) -> None:
-        raise Error("compileAndExport() writes a Poplar executable, which the ipuloop emulator "
-                    "cannot produce: use compile() and torch.save(model.state_dict()).")
-
-    def loadExecutable(self, filename: str) -> None:
-        raise Error("loadExecutable() needs a Poplar executable, which the ipuloop emulator "
-                    "cannot load.")
+        assert self._anchors is not None, "No tensor with name " + short_name + " found."
+        return self._anchors.get(short_name)
 
 
 def _register_hook(hooks: dict[int, Callable[[], Any]], hook: Callable[[], Any], what: str

@@ -1,0 +1,165 @@
+"""A training model's optimizer on the device: the host's optimizer, its device copy, and the
+uploads (compile, ``setOptimizer``, a loaded state) and downloads (detach, destroy) between.
+
+As on hardware, host-side changes to the optimizer reach the device only through
+``setOptimizer`` (hyper-parameters, checked against what the executable fixed as constants) or
+a re-upload (a ``poptorch.optim`` optimizer whose state was loaded); the device's moments stay
+on the device until read through the patched ``state_dict()``.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from . import optim as _optim
+from .enums import MeanReductionStrategy
+
+__all__ = ["OptimizerSync"]
+
+
+class OptimizerSync:
+    """The optimizer of training executor ``owner`` (which has ``_attached``, ``_compiled``
+    and ``_options``); ``optimizer`` is the user's, or None for PopTorch's default SGD over
+    ``model``'s parameters."""
+
+    def __init__(self, owner: Any, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self._owner = owner
+        if optimizer is None:
+            optimizer = _optim.default_optimizer(model.parameters())
+        _optim.check_supported(optimizer)
+        self.tracker = _optim.AttributeTracker(owner._options._relax_optimizer_checks)
+        self.tracker.check(optimizer)
+        self.optimizer = optimizer  # the host's
+        self.device: torch.optim.Optimizer | None = None  # its copy on the device
+        self.snapshot: dict | None = None  # the hyper-parameters the device has
+        self.constants: set[str] = set()  # those the executable fixed
+        self.dirty = False  # the host's state must be uploaded before the next run
+        self.loss_scaling = 1.0
+        self.set_reduction_strategy(optimizer)
+        self.patch(optimizer)
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the host optimizer trains, in its groups' order."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # -- state_dict() reads the device's state ---------------------------------------------
+    def patch(self, opt: torch.optim.Optimizer) -> None:
+        """PopTorch rebinds ``state_dict()``/``load_state_dict()`` so they read and write the
+        IPU's state, for ``poptorch.optim`` optimizers only: a torch.optim one's stays on the
+        device."""
+        if not isinstance(opt, _optim.Optimizer):
+            return
+        cls_state_dict, cls_load = type(opt).state_dict, type(opt).load_state_dict
+
+        def state_dict():
+            if self.device is not None and self._owner._attached:
+                return self.device_state_dict()
+            return cls_state_dict(opt)
+
+        def load_state_dict(sd):
+            cls_load(opt, sd)
+            self.dirty = True
+
+        opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
+
+    @staticmethod
+    def unpatch(opt: torch.optim.Optimizer) -> None:
+        opt.__dict__.pop("state_dict", None)
+        opt.__dict__.pop("load_state_dict", None)
+
+    def device_state_dict(self) -> dict:
+        """The device's state (moments, step counts) with the host's hyper-parameters: as in
+        PopTorch, reading the state back must not undo host LR scheduling."""
+        sd = self.device.state_dict()
+        sd["param_groups"] = type(self.optimizer).state_dict(self.optimizer)["param_groups"]
+        return sd
+
+    # -- uploads and downloads ---------------------------------------------------------------
+    def upload(self, host_params: list[torch.Tensor]) -> None:
+        """Copy the host optimizer to the device: its copy runs on ``host_params`` (the tensors
+        the device's weights are swapped into for a run)."""
+        opt = self.optimizer
+        memo = {id(h): h for h in host_params}  # runs on them, swapped in
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in memo:
+                    raise ValueError("The optimizer holds a parameter that the optimizer given "
+                                     "when wrapping did not hold and the model does not have: "
+                                     "wrap the model again with this optimizer.")
+        patched = {k: opt.__dict__.pop(k) for k in ("state_dict", "load_state_dict")
+                   if k in opt.__dict__}
+        try:
+            dev = copy.deepcopy(opt, memo)
+        finally:
+            opt.__dict__.update(patched)
+        # Instance-level wrappers (an LR scheduler's step counter) would call the host optimizer.
+        for name in ("step", "zero_grad", "_opt_called"):
+            dev.__dict__.pop(name, None)
+        if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
+            dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
+        self.device = dev
+        self.snapshot = _optim.hyperparameters(opt)
+        self.constants = _optim.constant_attributes(opt)
+        self.loss_scaling = _optim.loss_scaling(opt)
+        self.dirty = False
+
+    def download(self) -> None:
+        """Copy the device's state into a ``poptorch.optim`` host optimizer."""
+        if self.device is not None and isinstance(self.optimizer, _optim.Optimizer):
+            type(self.optimizer).load_state_dict(self.optimizer, self.device_state_dict())
+
+    def release(self) -> None:
+        """The model is unwrapped: the host optimizer's own state_dict() again."""
+        self.unpatch(self.optimizer)
+        self.device = None
+
+    def set(self, optimizer: torch.optim.Optimizer, host_params: list[torch.Tensor]) -> None:
+        """``setOptimizer``: push ``optimizer``'s hyper-parameters (and loaded state) to the
+        device, refusing a change of one the executable holds constant."""
+        _optim.check_supported(optimizer)
+        self.tracker.check(optimizer)
+        self.set_reduction_strategy(optimizer)
+        if optimizer is not self.optimizer:
+            self.unpatch(self.optimizer)
+            self.optimizer = optimizer
+            self.patch(optimizer)
+            if optimizer.state and isinstance(optimizer, _optim.Optimizer):
+                # only a poptorch.optim optimizer carrying state resets the device's
+                self.dirty = True
+        if self.device is None:
+            return  # not compiled yet: used as is at compile time
+        new = _optim.hyperparameters(optimizer)
+        changed = _optim.changed_constants(self.snapshot, new, self.constants)
+        if changed:
+            raise ValueError(f"Optimizer attribute(s) {changed} are constant in the compiled "
+                             "graph and cannot change: pass them explicitly to the optimizer's "
+                             "constructor to make them variable, or re-wrap the model.")
+        if self.dirty:
+            self.upload(host_params)
+        else:
+            _optim.apply_hyperparameters(self.device, new)
+            self.snapshot = new
+            self.loss_scaling = _optim.loss_scaling(optimizer)
+
+    def set_reduction_strategy(self, optimizer: torch.optim.Optimizer) -> None:
+        """PopTorch: a float16 accumulator (non-combined) needs the Running mean strategy; it
+        is switched before compilation and cannot be switched after. Numerics here are exact
+        means either way: only the option and the error are reproduced."""
+        if not _optim.needs_running_mean(optimizer):
+            return
+        options = self._owner._options
+        training = options.Training
+        if not self._owner._compiled:
+            options._unfreeze()
+            training.setMeanAccumulationAndReplicationReductionStrategy(
+                MeanReductionStrategy.Running)
+            options._freeze()
+        elif training.meanAccumulationAndReplicationReductionStrategy != \
+                MeanReductionStrategy.Running:
+            raise ValueError("Invalid optimizer: the new optimizer would require changing "
+                             "options.Training.meanAccumulationAndReplicationReductionStrategy to "
+                             "poptorch.MeanReductionStrategy.Running but the executable is "
+                             "already compiled.")
