@@ -148,7 +148,8 @@ class DeviceWeights:
     """The device's copy of a module's parameters and buffers, and their swap into the module.
 
     ``owner`` is the executor (``_host_dirty``, ``copyWeightsToHost``); ``wrap`` says whether
-    the host parameters get PopTorch's syncing class (a training model's do).
+    the host parameters get PopTorch's syncing class while the module is wrapped by ``owner``
+    (a training model's do).
     """
 
     def __init__(self, owner: Any, model: torch.nn.Module, device: torch.device,
@@ -186,8 +187,8 @@ class DeviceWeights:
         _unwrap([p for p in self.host_params if id(p) not in known])
         self.param_names = [name for name, _ in named]
         self.host_params = params
-        if self._wrap:
-            owner = self._owner()
+        owner = self._owner()
+        if self._wrap and self.model.__dict__.get("_poptorch_executor") is owner:
             for p in params:
                 base = type(p)
                 if getattr(base, "_poptorch_base", None) is None:

@@ -123,9 +123,9 @@ class PoplarExecutor(HardwareOnly):
                                    "Call model.destroy() on the model to unwrap before "
                                    "wrapping again.")
             self._opt = OptimizerSync(self, model, optimizer)
-            self._weights.bind(self._opt.params())
             model.__class__ = wrapped_class(type(model))
             model.__dict__["_poptorch_executor"] = self
+            self._weights.bind(self._opt.params())
         else:
             self._source = model.__dict__.get("_poptorch_executor")
             self._weights.bind()
@@ -236,6 +236,9 @@ class PoplarExecutor(HardwareOnly):
         if mode == OutputMode.EveryN:
             rules.check_return_period(o.output_return_period, di, Error)
         _checks.check_updatable_buffers(o, self._user_model)
+        # PopTorch traces the module as it is now: a layer, parameter or buffer replaced since
+        # wrapping is what the device holds (and the optimizer's parameters what it trains).
+        self._weights.bind(self._opt.params() if self._opt is not None else ())
         self._signature = Signature(self._user_model.forward, args, kwargs)
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
