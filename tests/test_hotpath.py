@@ -4,6 +4,8 @@
 * ``inputs.as_ready`` (inputs taken as they are) against ``Signature.check`` and
   ``_prepare``: every input it cannot take goes the general way (checks, warnings, conversions);
 * the device generator, swapped in and out only for models whose trace drew random numbers;
+* the loss's backward run by the autograd engine directly, and gradients cleared after each
+  update without ``zero_grad()`` where it is torch's own and no profiler records it;
 * ``Loop``'s per-step test of the optimizer's hyper-parameters against ``_hyper``;
 * ``Layout.align`` / ``Layout.step_loss`` computed once per layout.
 """
@@ -162,6 +164,71 @@ def test_model_without_random_ops_leaves_the_device_generator_as_it_was():
     model.rng_state = state  # still settable and readable
     model(*_inputs(model))
     assert torch.equal(model.rng_state, state)
+
+
+class ScalarLoss(nn.Module):
+    """The loss is a 0-dim parameter summed (its gradient a view of backward's seed) plus a
+    regular loss: autograd may keep the seed's storage as that parameter's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(IN, OUT)
+        self.w = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, y):
+        loss = self.w.sum() + nn.functional.cross_entropy(self.fc(x), y)
+        return poptorch.identity_loss(loss, "sum") if poptorch.isRunningOnIpu() else loss
+
+
+@pytest.mark.parametrize("ga,loss_scaling", [(1, 1.0), (3, 1.0), (3, 4.0)])
+def test_engine_backward_equals_torch_backward(ga, loss_scaling):
+    model = ScalarLoss()
+    ref = ScalarLoss()
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(ga)
+    ex = poptorch.trainingModel(model, opts, poptorch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, loss_scaling=loss_scaling))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _data(4):
+        xs, ys = torch.cat([x] * ga), torch.cat([y] * ga)
+        ex(xs, ys)
+        for a in range(ga):
+            (ref(xs[a * B:(a + 1) * B], ys[a * B:(a + 1) * B]) / ga).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+
+
+class CountingSGD(poptorch.optim.SGD):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.cleared = getattr(self, "cleared", 0) + 1
+        super().zero_grad(set_to_none)
+
+
+def test_an_optimizer_with_its_own_zero_grad_has_it_called_each_update():
+    model = Outputs()
+    ex = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
+                                CountingSGD(model.parameters(), lr=0.1))
+    for x, y in _data(2):
+        ex(torch.cat([x, x]), torch.cat([y, y]))
+    assert ex._device_optimizer.cleared == 4  # DI = 2 updates per call
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_zero_grad_is_recorded_when_profiling():
+    model = Outputs()
+    ex = poptorch.trainingModel(model, poptorch.Options(),
+                                poptorch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    ex(x, y)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ex(x, y)
+    names = {e.key for e in prof.key_averages()}
+    assert any(n.startswith("Optimizer.zero_grad#") for n in names), sorted(names)
+    assert any(n.startswith("Optimizer.step#") for n in names), sorted(names)
+
 
 
 # ---------------------------------------------------------------------------------------------

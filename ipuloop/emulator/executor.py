@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from torch.autograd.variable import Variable
 
 from .. import rules
 from . import anchors as _anchors
@@ -49,6 +50,7 @@ __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss",
 
 logger = logging.getLogger("poptorch")
 
+_run_backward = Variable._execution_engine.run_backward
 _NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
 _NO_CAPTURE = contextlib.nullcontext()
 _running_on_ipu = False  # True while a wrapped model's forward runs "on the device"
@@ -508,7 +510,7 @@ class PoplarExecutor(HardwareOnly):
         model = self._user_model
         training = self._training
         if training:
-            opt = self._device_optimizer
+            step = self._opt.step
             scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
         replica_buffers = self._weights.replica_sets(rf) if rf > 1 else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)  # rows: one per micro-batch
@@ -541,8 +543,7 @@ class PoplarExecutor(HardwareOnly):
                     elif last_d and a == ga - 1:
                         final[r] = outs
             if training:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                step()  # the device iteration's gradients are complete: one update
         rows = kept if keep_all else final
         return _anchors.assemble(rows, self._tensor_out, self._out_spec)
 
@@ -553,7 +554,15 @@ class PoplarExecutor(HardwareOnly):
         loss = outs[index] if index is not None else self._loss_capture.take()
         if loss.dim():
             loss = loss.sum()  # identity_loss(reduction="none")
-        (loss * scale if scale != 1.0 else loss).backward()
+        if scale != 1.0:
+            loss = loss * scale
+        if type(loss) is torch.Tensor and loss.grad_fn is not None:
+            # loss.backward() without its Python layers: the engine, seeded as backward()
+            # seeds it (a fresh seed: autograd may keep it as a gradient and add to it)
+            _run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                          allow_unreachable=True, accumulate_grad=True)
+        else:
+            loss.backward()
 
     def _run_single(self, leaves: list, spec: Any) -> Any:
         """``_run`` for DI = GA = RF = 1, with its loops unrolled: the host batch is the one
@@ -566,10 +575,8 @@ class PoplarExecutor(HardwareOnly):
             out = self._user_model(*margs, **mkwargs)
         outs, _ = _anchors.out_leaves(out)
         if self._training:
-            self._backward(outs, self._loss_scaling)
-            opt = self._device_optimizer
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            self._backward(outs, self._opt.loss_scaling)
+            self._opt.step()  # the call's gradients are complete: one update
         host = []  # _to_host(t.detach()) of each tensor; a loop, not a comprehension: per call
         for t in outs:
             if isinstance(t, torch.Tensor):

@@ -126,16 +126,27 @@ class Optimizer:
 
     def _update(self) -> None:
         # torch's step, minus the profiling/hook wrapper torch may have put on the base class:
-        # our own step() already carries it, and hooks must run once per step.
-        fn = _BASE_STEP.get(type(self))
-        if fn is None:
+        # our own step() already carries it, and hooks must run once per step. Called from
+        # step() only, with grad mode off: torch's own grad-mode wrapper (``_use_grad``, which
+        # turns it on for a differentiable optimizer) is skipped where it would turn it off.
+        fns = _BASE_STEP.get(type(self))
+        if fns is None:
             base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim"))
             fn = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
-            _BASE_STEP[type(self)] = fn  # the same function whether or not torch hooks it later
-        fn(self)
+            inner = getattr(fn, "__wrapped__", None) \
+                if getattr(fn, "__code__", None) is not None \
+                and fn.__code__.co_name == "_use_grad" else None
+            # the same functions whether or not torch hooks the step later
+            fns = _BASE_STEP[type(self)] = (fn, inner)
+        fn, inner = fns
+        if inner is not None and not self.defaults.get("differentiable", False):
+            inner(self)
+        else:
+            fn(self)
 
 
-_BASE_STEP: dict[type, Callable[..., Any]] = {}  # class -> torch's unwrapped step function
+# class -> torch's step without the hook wrapper, and without its grad-mode wrapper too (or None)
+_BASE_STEP: dict[type, tuple[Callable[..., Any], Callable[..., Any] | None]] = {}
 _16BIT = (torch.float16, torch.bfloat16)
 
 

@@ -18,6 +18,8 @@ from .enums import MeanReductionStrategy
 
 __all__ = ["OptimizerSync"]
 
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
 
 class OptimizerSync:
     """The optimizer of training executor ``owner`` (which has ``_attached``, ``_compiled``
@@ -38,6 +40,8 @@ class OptimizerSync:
         self.constants: set[str] = set()  # those the executable fixed
         self.dirty = False  # the host's state must be uploaded before the next run
         self.loss_scaling = 1.0
+        self._device_params: list[torch.Tensor] = []  # the device optimizer's, in group order
+        self._plain_zero_grad = False  # its zero_grad() is torch's: ``step`` clears grads itself
         self.set_reduction_strategy(optimizer)
         self.patch(optimizer)
 
@@ -101,10 +105,25 @@ class OptimizerSync:
         if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
             dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
         self.device = dev
+        self._device_params = [p for group in dev.param_groups for p in group["params"]]
+        self._plain_zero_grad = type(dev).zero_grad is torch.optim.Optimizer.zero_grad \
+            and "zero_grad" not in dev.__dict__
         self.snapshot = _optim.hyperparameters(opt)
         self.constants = _optim.constant_attributes(opt)
         self.loss_scaling = _optim.loss_scaling(opt)
         self.dirty = False
+
+    def step(self) -> None:
+        """One update of the device's weights from the gradients the call's micro-batches left
+        (complete here), then the gradients cleared: ``zero_grad(set_to_none=True)``, done
+        directly when it is torch's own and no profiler records its scope."""
+        dev = self.device
+        dev.step()
+        if self._plain_zero_grad and not _profiler_enabled():
+            for p in self._device_params:
+                p.grad = None
+        else:
+            dev.zero_grad(set_to_none=True)
 
     def download(self) -> None:
         """Copy the device's state into a ``poptorch.optim`` host optimizer."""
