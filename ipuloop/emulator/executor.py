@@ -139,11 +139,6 @@ class PoplarExecutor(HardwareOnly):
         return self._weights.named()
 
     @property
-    def _optimizer(self) -> torch.optim.Optimizer | None:
-        """The host optimizer of a training model."""
-        return self._opt.optimizer if self._opt is not None else None
-
-    @property
     def _device_optimizer(self) -> torch.optim.Optimizer | None:
         """Its copy on the device (once compiled)."""
         return self._opt.device if self._opt is not None else None
@@ -476,9 +471,13 @@ class PoplarExecutor(HardwareOnly):
         torch._C._set_grad_enabled(self._training)
         try:
             buffers = self._weights.swap_in(self._training)
-            with self._loss_capture, (MixedFloat() if self._mixed else _NO_CAPTURE):
+            if self._loss_capture is _NO_CAPTURE and not self._mixed:  # no modes to enter
                 out = self._run_single(leaves, spec) if single else \
                     self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
+            else:
+                with self._loss_capture, (MixedFloat() if self._mixed else _NO_CAPTURE):
+                    out = self._run_single(leaves, spec) if single else \
+                        self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
@@ -511,7 +510,7 @@ class PoplarExecutor(HardwareOnly):
         training = self._training
         if training:
             step = self._opt.step
-            scale = self._loss_scaling / (ga * rf) if mean else self._loss_scaling
+            scale = self._opt.loss_scaling / (ga * rf) if mean else self._opt.loss_scaling
         replica_buffers = self._weights.replica_sets(rf) if rf > 1 else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)  # rows: one per micro-batch
         returned = self._returned  # of these device iterations
