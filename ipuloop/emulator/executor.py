@@ -140,7 +140,7 @@ class PoplarExecutor(HardwareOnly):
 
     @property
     def _device_optimizer(self) -> torch.optim.Optimizer | None:
-        """Its copy on the device (once compiled)."""
+        """A training model's optimizer on the device (once compiled)."""
         return self._opt.device if self._opt is not None else None
 
     @property
