@@ -4,11 +4,13 @@ all-reduced across every process's replicas before each optimizer update.
 With ``opts.Distributed.numProcesses`` N > 1 a training model, at compile, joins the default
 ``torch.distributed`` process group, or creates it from the launcher's environment
 (``python -m torch.distributed.run`` / torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
-gloo on the CPU, NCCL when the emulator runs on CUDA). The group's rank and size must be
-``Distributed.processId`` and ``numProcesses``. Joining, and every collective on a group this
-module created, gives up after ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an instance
-that died or stopped calling makes the others raise ``poptorch.Error`` instead of hanging.
-Inference models need no reduction and join nothing.
+gloo on the CPU, NCCL when the emulator runs on CUDA: give each process its own GPU, e.g.
+``IPULOOP_EMULATOR_DEVICE=cuda:$LOCAL_RANK``). The group's rank and size must be
+``Distributed.processId`` and ``numProcesses``. Joining, and every gloo collective on a group
+this module created, gives up after ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an
+instance that died or stopped calling makes the others raise ``poptorch.Error`` instead of
+hanging. A group this module created is destroyed at exit. Inference models need no reduction
+and join nothing.
 
 Replicas (as PopTorch sets PopART's ``globalReplicationFactor`` = N*R and
 ``globalReplicaOffset`` = processId*R): process p's local replica r is global replica
@@ -35,16 +37,16 @@ per update, i.e. DI times per training call, after the GA*R local micro-batches)
 so gradient clipping sees the global norm over all replicas of all processes, and every
 process applies the same update. A parameter with no gradient on one process gets the others'
 reduced gradient. Outputs are those of the local replicas, as on PopTorch. BatchNorm running
-statistics are not reduced: each replica keeps its own (as on the IPU), and a process's host
-module reads its replica 0, i.e. global replica p*R. Random ops draw from each process's own
-generator, so dropout masks differ from a one-process run's.
+statistics are not reduced: each replica keeps its own (as PopTorch's replicas do), and a
+process's host module reads its replica 0, i.e. global replica p*R. Random ops draw from each
+process's own generator, so dropout masks differ from a one-process run's.
 
 At compile every instance shares one small record (one all_gather_object): randomSeed,
 deviceIterations, replicationFactor, gradientAccumulation, input grouping, output mode,
 reduction type and strategy, the optimizer's type and hyper-parameters, and the model's
 parameter names, shapes and dtypes. A difference is a ``poptorch.Error``, on every instance,
 naming the first instance that differs from instance 0 and the two values. Differing initial
-weights only warn (PopTorch does not compare them; replicas would start apart).
+weights only warn: each instance's replicas then start from that instance's weights.
 
 Refused with ``poptorch.Error``: sparse gradients; a group whose rank or size is not
 processId / numProcesses; N > 1 with neither a process group nor a launcher's environment.
@@ -101,10 +103,10 @@ def _where(pid: int, n: int) -> str:
     return f"instance {pid} of {n}"
 
 
-def _group(pid: int, n: int, device: torch.device) -> tuple[Any, bool]:
-    """The default process group, joined or created; whether this module created it."""
+def _group(pid: int, n: int, device: torch.device) -> Any:
+    """``torch.distributed`` with its default process group joined, or created (and then
+    destroyed at exit)."""
     dist = _dist()
-    created = False
     if not dist.is_initialized():
         missing = [k for k in _LAUNCHER_ENV if not os.environ.get(k)]
         if missing:
@@ -127,7 +129,6 @@ def _group(pid: int, n: int, device: torch.device) -> tuple[Any, bool]:
                 f"({backend} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
                 f"): an instance died or was never started. {TIMEOUT_ENV} sets the timeout. "
                 f"Cause: {type(e).__name__}: {e}") from e
-        created = True
         atexit.register(_destroy, dist)
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (pid, n):
@@ -136,10 +137,12 @@ def _group(pid: int, n: int, device: torch.device) -> tuple[Any, bool]:
             f"says rank {rank} of {size}. Set opts.Distributed.configureProcessId(rank, "
             "world_size) from the launcher (torchrun: "
             'opts.Distributed.setEnvVarNames("WORLD_SIZE", "RANK")).')
-    return dist, created
+    return dist
 
 
 def _destroy(dist: Any) -> None:
+    # A gloo group left to the interpreter's teardown can abort the process ("terminate
+    # called without an active exception") when another instance exits first.
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -302,7 +305,7 @@ def join(options: Any, device: torch.device, optimizer: torch.optim.Optimizer | 
     if not 0 <= pid < n:
         raise Error(f"Options.Distributed.processId is {pid} but numProcesses is {n}: the id "
                     f"must be in 0..{n - 1}.")
-    dist, _ = _group(pid, n, device)
+    dist = _group(pid, n, device)
     _check_agreement(dist, pid, n, _record(options, optimizer, model), _fingerprint(params))
     mean = ReductionType(options.Training.accumulation_and_replication_reduction_type) \
         == ReductionType.Mean
