@@ -9,8 +9,9 @@ gloo on the CPU, NCCL when the emulator runs on CUDA: give each process its own 
 ``Distributed.processId`` and ``numProcesses``. Joining, and every gloo collective on a group
 this module created, gives up after ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an
 instance that died or stopped calling makes the others raise ``poptorch.Error`` instead of
-hanging. A group this module created is destroyed at exit. Inference models need no reduction
-and join nothing.
+hanging. A group this module created is destroyed at exit (left to the interpreter, gloo's
+teardown can abort the process; either way it can, now and then, hang in torch's own code).
+Inference models need no reduction and join nothing.
 
 Replicas (as PopTorch sets PopART's ``globalReplicationFactor`` = N*R and
 ``globalReplicaOffset`` = processId*R): process p's local replica r is global replica
