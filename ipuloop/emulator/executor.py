@@ -8,7 +8,7 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
             for r in range(RF):              # replica r reads input group r // g (or r % (RF/g))
                 out = model(micro_batch[d, a, r])     # BatchNorm and the loss see B samples
                 (loss * loss_scaling / (GA*RF if Mean else 1)).backward()
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step(); optimizer.zero_grad()  # N processes: all-reduce first (distributed.py)
     return what the output mode anchors (All / Final / Sum / EveryN)
 
 The "device" is a tensor per parameter and buffer (``device_state``), its own optimizer
@@ -36,6 +36,7 @@ from .. import rules
 from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
+from . import distributed as _distributed
 from . import inputs as _inputs
 from .anchors import Anchors
 from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
@@ -240,6 +241,9 @@ class PoplarExecutor(HardwareOnly):
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         _inputs.check_batch(leaves, di, ga, rf, o.input_group_size)
+        if self._opt is not None:  # Distributed.numProcesses > 1: join the other instances
+            self._opt.reducer = _distributed.join(o, self._device, self._opt.optimizer,
+                                                  self._user_model, self._weights.host_params)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._returned = frozenset(rules.returned_iterations(mode, di, self._consts[5]))
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``

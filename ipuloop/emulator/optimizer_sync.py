@@ -42,6 +42,7 @@ class OptimizerSync:
         self.loss_scaling = 1.0
         self._device_params: list[torch.Tensor] = []  # the device optimizer's, in group order
         self._plain_zero_grad = False  # its zero_grad() is torch's: ``step`` clears grads itself
+        self.reducer: Any = None  # several processes: all-reduces before each update
         self.set_reduction_strategy(optimizer)
         self.patch(optimizer)
 
@@ -104,6 +105,8 @@ class OptimizerSync:
             dev.__dict__.pop(name, None)
         if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
             dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
+        if self.reducer is not None:  # each update first all-reduces across the instances
+            self.reducer.wrap(dev)
         self.device = dev
         self._device_params = [p for group in dev.param_groups for p in group["params"]]
         self._plain_zero_grad = type(dev).zero_grad is torch.optim.Optimizer.zero_grad \
