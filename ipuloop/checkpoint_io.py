@@ -120,7 +120,7 @@ def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]
     try:
         m = json.loads(raw)
         body = dict(m)
-        claimed = body.pop("manifestsha256")
+        claimed = body.pop("manifest_sha256")
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(mpath, f"not an ipuloop manifest (truncated, altered or foreign): "
                               f"{e!r}") from None

@@ -9,6 +9,7 @@ that a resumed epoch starts after the samples already seen without reading them 
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -21,7 +22,8 @@ from .outputs import Layout, map_tensors
 from .rules import describe_factors, host_call_factor
 
 __all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
-           "first_micro_batch", "predict_inputs", "flagged_plan", "concat"]
+           "first_micro_batch", "predict_inputs", "flagged_plan", "concat", "kill_workers", "close",
+           "Predictions", "check_not_empty", "count_updates", "no_host_call"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
@@ -267,6 +269,20 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     return plan
 
 
+def kill_workers(batches: Any) -> None:
+    """A second Ctrl-C: the process exits at once, so its loader workers must go first."""
+    for w in getattr(batches, "_workers", ()):
+        with contextlib.suppress(Exception):
+            w.kill()
+
+
+def close(batches: Any) -> None:
+    """Stop loader worker processes now rather than when the iterator is collected."""
+    shutdown = getattr(batches, "_shutdown_workers", None) or getattr(batches, "terminate", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def split_batch(batch: Any, name: str) -> tuple[tuple, Any]:
     """``(inputs..., labels)``: a batch's inputs and its labels (the last element)."""
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
@@ -366,3 +382,60 @@ def concat(parts: list, keep: Any, rows: Any) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(concat(list(col), keep, rows) for col in zip(*parts))
     return parts  # not a tensor: one value per call, as returned
+
+
+class Predictions:
+    """A predict run over ``plan``: its batches (an IterableDataset's flagged and padded as it
+    streams), each call's outputs collected, then joined in sample order without padding."""
+
+    def __init__(self, poptorch: Any, plan: Plan) -> None:
+        self.flagged = isinstance(plan.loader.dataset, IterableDataset)
+        self.plan = flagged_plan(poptorch, plan) if self.flagged else plan
+        self.outputs: list[Any] = []
+        self.flags: list[torch.Tensor] = []
+
+    def batches(self) -> Iterator[Any]:
+        for batch in self.plan.epoch():
+            if self.flagged:  # length unknown: the flags say which rows are samples
+                flag, batch = batch
+                self.flags.append(flag)
+            yield batch
+
+    def result(self) -> Any:
+        plan = self.plan
+        if not self.outputs:
+            raise ValueError(f"loader yielded no samples: {type(plan.loader.dataset).__name__} "
+                             "was empty. predict needs at least one sample.")
+        keep = torch.cat(self.flags) if self.flagged else slice(None, plan.samples)
+        return concat(self.outputs, keep, plan.layout.input_rows)
+
+
+def check_not_empty(loader: Any, name: str) -> None:
+    try:
+        empty = len(loader.dataset) == 0
+    except TypeError:  # an IterableDataset: its length is unknown
+        empty = False
+    if empty:
+        raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
+                         "to run. Pass a loader over a dataset with at least one sample.")
+
+
+def count_updates(poptorch: Any, loader: Any, opts: Any, layout: Layout, epochs: int) -> int:
+    """``Loop.num_updates``: epochs x steps per epoch x DI."""
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
+    plan = build_plan(poptorch, loader, opts, layout, training=True, name="loader")
+    if plan.steps is None:
+        raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
+                         "length is unknown, so neither is its number of updates. Count "
+                         "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI.")
+    return epochs * plan.steps * opts.device_iterations
+
+
+def no_host_call(plan: Plan, epoch: int) -> ValueError:
+    """An IterableDataset that yielded less than one host call in an epoch."""
+    return ValueError(
+        f"{plan.name} yielded no complete host call in epoch {epoch}: one host call takes "
+        f"{describe_factors(plan.loader.options, plan.micro, True)}. An IterableDataset must "
+        "yield at least that many samples each time it is iterated (a generator can be "
+        "iterated only once).")

@@ -7,7 +7,6 @@ step boundaries (``_step_boundary``).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import warnings
 from typing import Any, Callable, Iterable, Iterator
@@ -15,20 +14,17 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .backend import backend_name, poptorch_module
-from .callbacks.base import (EVENTS, Callback, CancelEpoch, CancelFit, CancelStep,
-                             default_callbacks, overridden)
+from .callbacks.base import (EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, arrange,
+                             resume_path)
 from .checkpoint_io import load_checkpoint
-from .data import (Plan, build_plan, concat, first_micro_batch, flagged_plan, predict_inputs,
-                   split_batch)
+from .data import (Plan, Predictions, build_plan, check_not_empty, close, count_updates,
+                   first_micro_batch, kill_workers, no_host_call, predict_inputs, split_batch)
 from .device import Executors, WithLoss
 from .errors import NonFiniteLossError, add_note
-from .metrics import ValLoss, has_loss, metric_logs, metric_state, probe, resolve_metrics
-from .options import (check_optimizer_arg, inference_options, layout, resolve_options,
-                      resolve_output_mode, resolve_precision, seed_options, set_clipping,
-                      set_replicas)
-from .outputs import SUM, Layout, map_tensors
-from .resume import Resume, check_optimizer, check_resumable, optimizer_extras, rng_state
-from .rules import describe_factors
+from .metrics import Validation, metric_logs, probe, resolve_metrics
+from .options import inference_options, layout, resolve, resolve_options
+from .outputs import non_finite_error
+from .resume import Resume, check_resumable, rng_state
 from .signals import Preempted, handle_signals
 from .state import State
 
@@ -59,22 +55,15 @@ class Loop:
             most the system has room for; 1 on the emulator). Checked before compiling as
             PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
             the IPU Model), at most 64 IPUs, and no more than the system has.
-        inference_opts: options for validation and predict; default: a clone of the
-            training options without their training-only settings (gradientAccumulation 1,
-            no automatic loss scaling, no anchored tensors) and, of the device-iteration counts
-            from DI*GA down to half of it (fewer only for a short loader), the one that
-            needs the least padding to make whole host calls of the loader's samples.
+        inference_opts: options for validation and predict; default: the training options
+            without their training-only settings (``ipuloop.options.inference_options``).
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
         precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
-            are accepted: 16 means mixed, as in Lightning's IPU docs), the same on the
-            emulator and on an IPU. Both send float inputs as float16. True: the model's
-            weights are float16 too. Mixed: they stay float32, and an op with a float16 input
-            and float32 weights (Linear, Conv) computes in float16, while an op mixing float16
-            and float32 activations computes in float32: PopTorch's user guide, "16-bit float
-            support" (overview.rst), item 2 and its note, as PopTorch's half_float_test.py
-            checks. The host check before compiling runs in float32. Loss scaling is static:
-            set ``loss_scaling`` on a ``poptorch.optim`` optimizer.
+            are accepted: 16 means mixed), the same on the emulator and on an IPU: float
+            inputs are sent as float16; "16-true" also makes the weights float16 (the README's
+            "precision" item says how mixed ops compute). Loss scaling is static: set
+            ``loss_scaling`` on a ``poptorch.optim`` optimizer.
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
             can clip on the IPU) and rejects any other optimizer.
@@ -105,46 +94,17 @@ class Loop:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
         self.model = WithLoss(model, loss_fn) if loss_fn is not None else model
-        self.precision = resolve_precision(precision)
-        # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
-        # also makes the weights float16, "16-mixed" keeps them float32 (see ``Loop``).
-        if self.precision == "16-true":
-            self.model.half()
-        self._input_dtype = None if self.precision == "32" else torch.float16
-        self.train_opts, self._user_inference_opts, per_replica = \
-            resolve_options(pt, opts, inference_opts)
-        if replicas is not None:
-            set_replicas(pt, self.train_opts, replicas, per_replica)
-        if seed is not None:
-            seed_options(self.train_opts, seed)
-        check_optimizer_arg(optimizer)
-        if max_grad_norm is not None:
-            set_clipping(pt, optimizer, max_grad_norm)
-        # PopTorch's default, made here rather than inside trainingModel, so that it exists
-        # (and its state loads) before the first compilation.
-        self.optimizer = optimizer if optimizer is not None else \
-            pt.optim.SGD(self.model.parameters(), lr=0.01)
-        self.metrics = resolve_metrics(metrics)  # validation's; training uses clones
-        if metric_output is not None and not callable(metric_output):
-            raise TypeError(f"metric_output must be a function of the model's output. "
-                            f"Received: metric_output={metric_output!r}.")
+        self.metrics = resolve_metrics(metrics, metric_output)  # validation's; training: clones
+        r = resolve(pt, self.model, opts, inference_opts, replicas=replicas, seed=seed,
+                    optimizer=optimizer, max_grad_norm=max_grad_norm, precision=precision,
+                    metrics=self.metrics)
+        self.train_opts, self.optimizer, self.precision = r.train, r.optimizer, r.precision
+        self._user_inference_opts, self._input_dtype = r.inference, r.input_dtype
         self._metric_output = metric_output
         self._train_metrics = {k: m.clone() for k, m in self.metrics.items()}
         self.check_finite = check_finite
         self.state = State()
-        resolve_output_mode(pt, self.train_opts, self.metrics)
-        cbs = list(callbacks)
-        for cb in cbs:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks must be ipuloop.Callback instances. Received: "
-                                f"{type(cb).__name__}.")
-        self.callbacks = sorted(cbs + default_callbacks(cbs, progress), key=lambda cb: cb.order)
-        keys = [cb.state_key for cb in self.callbacks]
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"Two callbacks share a state_key ({keys}): give each a unique "
-                             "state_key so checkpoints can tell them apart.")
-        self._hooks = {e: [(cb, getattr(cb, e)) for cb in self.callbacks if overridden(cb, e)]
-                       for e in EVENTS}
+        self.callbacks, self._hooks = arrange(callbacks, progress)
         self.executors = Executors(pt, self.model, self.optimizer)
         self._resume = Resume()
         self._batches: Any = None  # the running epoch's batch iterator
@@ -228,7 +188,8 @@ class Loop:
             raise
         finally:
             if fit:
-                self._close_batches()
+                batches, self._batches = self._batches, None
+                close(batches)
 
     def describe(self) -> str:
         """The loop's events, with the callbacks attached to each."""
@@ -264,15 +225,11 @@ class Loop:
         """Train for ``epochs`` epochs in total; returns the per-epoch logs.
 
         ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback: the
-        newest checkpoint written in its folder) continues an interrupted fit exactly. With
-        other factors than the saved run (micro-batch size, deviceIterations,
-        gradientAccumulation, replicas, dataset length), a checkpoint taken at an epoch
-        boundary resumes with a warning; one taken mid-epoch continues at the same sample
-        when the samples already read make whole host calls of the new factors (same dataset
-        length), and is a ``ValueError`` naming each changed factor otherwise, raised before
-        any step. ``max_steps`` ends the fit after that many
-        training steps in total (for smoke runs), like ``stop()``: an epoch it cuts short is
-        not counted as complete. A fit asked for no more epochs than ``state.epoch`` already
+        newest checkpoint written in its folder) continues an interrupted fit exactly; with
+        other factors than the saved run, as ``ipuloop.resume`` says (a warning, or a
+        ``ValueError`` naming each changed factor before any step). ``max_steps`` ends the
+        fit after that many training steps in total (for smoke runs), like ``stop()``: an
+        epoch it cuts short is not counted as complete. A fit asked for no more epochs than ``state.epoch`` already
         holds runs none, with a warning.
 
         An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B the loader's
@@ -335,7 +292,7 @@ class Loop:
             st.logs["train_loss_exact"] = float(exact)
             st.logs.update(metric_logs("train_", self._train_metrics))  # host-side: no sync
         else:  # no step ran (cancelled): no train values, rather than the last epoch's
-            self._drop_logs("train_", ("loss", "loss_exact", *self.metrics))
+            self.state.drop_logs("train_", ("loss", "loss_exact", *self.metrics))
         if self._should_stop() and plan.steps and st.epoch_step < plan.steps:
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         if val_plan is not None:
@@ -345,7 +302,7 @@ class Loop:
             try:
                 self._run_validation(val_plan)
             except CancelEpoch:  # raised in a validation hook: skip to on_epoch_end
-                self._drop_logs("val_", ("loss", *self.metrics))
+                self.state.drop_logs("val_", ("loss", *self.metrics))
             self._resume.val_rng = None  # not in a finally: a preemption save must still see it
         st.epoch += 1
         st.epoch_step = 0
@@ -378,8 +335,8 @@ class Loop:
             output, loss = model(*inputs, labels)
             step_loss = layout.step_loss(loss)  # host tensor: reading it syncs nothing
             if check_finite and not math.isfinite(step_loss.total):
-                self._raise_non_finite(loss, layout)
-            st.step += 1
+                raise non_finite_error(loss, layout, st.epoch, st.step)
+            st.step += 1  # (attribute updates, not a method: this runs every step)
             st.epoch_step += 1
             st.update += per_step_updates
             st.micro_batch += per_step_micro_batches
@@ -399,26 +356,7 @@ class Loop:
             if self._step_boundary():
                 break
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
-            raise ValueError(
-                f"{plan.name} yielded no complete host call in epoch {st.epoch}: one host call "
-                f"takes {describe_factors(plan.loader.options, plan.micro, True)}. An "
-                "IterableDataset must yield at least that many samples each time it is iterated "
-                "(a generator can be iterated only once).")
-
-    def _raise_non_finite(self, loss: torch.Tensor, layout: Layout) -> None:
-        flat = loss.reshape(-1)
-        i = int(torch.nonzero(~torch.isfinite(flat))[0])
-        m = layout.micro_batch_index(i)
-        d, rest = divmod(m, layout.ga * layout.rf)
-        a, r = divmod(rest, layout.rf)
-        what = "replica" if layout.mode == SUM else "micro-batch"
-        raise NonFiniteLossError(
-            f"Non-finite loss {float(flat[i])} at epoch {self.state.epoch}, step "
-            f"{self.state.step} (0-based host call), {what} {m} of the step "
-            + (f"(device iteration {d}, accumulation step {a}, replica {r})."
-               if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
-               "names the micro-batch).")
-            + " Lower the learning rate, check the data, or pass check_finite=False.")
+            raise no_host_call(plan, st.epoch)
 
     def _compile_train(self, inputs: tuple, labels: Any) -> Any:
         executors = self.executors
@@ -431,26 +369,8 @@ class Loop:
         self._fire("on_compile_end")
         return model
 
-    def _drop_logs(self, prefix: str, names: Iterable[str]) -> None:
-        """Remove the loop's logs ``<prefix><name>`` (and ``<prefix><name>_<part>``)."""
-        logs = self.state.logs
-        for name in names:
-            key = prefix + name
-            for k in [k for k in logs if k == key or k.startswith(key + "_")]:
-                del logs[k]
-
     def _kill_workers(self) -> None:
-        # A second Ctrl-C: the process exits at once, so its loader workers must go first.
-        for w in getattr(self._batches, "_workers", ()):
-            with contextlib.suppress(Exception):
-                w.kill()
-
-    def _close_batches(self) -> None:
-        # Stop loader worker processes now rather than when the iterator is collected.
-        it, self._batches = self._batches, None
-        shutdown = getattr(it, "_shutdown_workers", None) or getattr(it, "terminate", None)
-        if shutdown is not None:
-            shutdown()
+        kill_workers(self._batches)
 
     @staticmethod
     def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
@@ -463,16 +383,9 @@ class Loop:
         as ``OneCycleLR``. A static method, so it can size the scheduler the ``Loop`` takes.
         (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
         """
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
         pt = poptorch_module()
         opts = resolve_options(pt, opts, None)[0]
-        plan = build_plan(pt, loader, opts, layout(opts, True), training=True, name="loader")
-        if plan.steps is None:
-            raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
-                             "length is unknown, so neither is its number of updates. Count "
-                             "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI.")
-        return epochs * plan.steps * opts.device_iterations
+        return count_updates(pt, loader, opts, layout(opts, True), epochs)
 
     # -- batches --------------------------------------------------------------------------------
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
@@ -509,13 +422,7 @@ class Loop:
     def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader") -> Plan:
         opts = inference_options(self.poptorch, self.train_opts, self._user_inference_opts,
                                  loader)
-        try:
-            empty = len(loader.dataset) == 0
-        except TypeError:  # an IterableDataset: its length is unknown
-            empty = False
-        if empty:
-            raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
-                             "to run. Pass a loader over a dataset with at least one sample.")
+        check_not_empty(loader, name)
         return self._plan(loader, training=False, name=name, opts=opts, pad=pad)
 
     def _inference_model(self, plan: Plan, kind: str, sample: tuple) -> Any:
@@ -550,64 +457,26 @@ class Loop:
             try:
                 return self._run_validation(plan)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
-                self._drop_logs("val_", ("loss", *self.metrics))
+                self.state.drop_logs("val_", ("loss", *self.metrics))
                 return {}
 
     def _run_validation(self, plan: Plan) -> dict[str, float]:
         st = self.state
         self._fire("on_validation_start")
-        for m in self.metrics.values():
-            m.reset()
+        run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
+                         if issubclass(type(self.model), WithLoss) else None, self._warned)
         model = None
-        layout, combined, micro = plan.layout, plan.combined, plan.micro
-        val_loss = ValLoss(layout, micro, self.model.loss_fn
-                           if issubclass(type(self.model), WithLoss) else None)
-        # The loader is padded to whole host calls (copies of the last sample): count only the
-        # samples.
-        left = plan.samples if plan.sampler is not None and plan.samples else None
         for batch in plan.epoch():
             inputs, labels = self._split(batch, plan.name)
             if model is None:
                 model = self._inference_model(plan, "validate", (*inputs, labels))
             self.executors.activate(model)
-            output = model(*inputs, labels)
-            valid = combined if left is None else min(combined, left)
-            if left is not None:
-                left -= valid
-            if has_loss(output, layout.micro_batches):
-                output, loss = output
-                val_loss.add(loss, output, labels, valid, combined)
-            elif "no_val_loss" not in self._warned:
-                # e.g. ``if self.training: return x, loss`` / ``return x``: no loss in eval mode
-                self._warned.add("no_val_loss")
-                warnings.warn("In eval mode the model returns its output without a loss, so "
-                              "validation logs no val_loss (metrics are still computed). "
-                              "Return (output, loss) whenever labels are given to get one.",
-                              stacklevel=2)
-            if self.metrics:  # All mode, [DI, RF, B]: the host batch's order, per input group
-                output = map_tensors(output, lambda t: t if t.dim() == 0
-                                     else layout.input_rows(t)[:valid])
-                if valid < combined:
-                    labels = map_tensors(labels, lambda t: t[:valid])
-                if self._metric_output is not None:
-                    output = self._metric_output(output)
-                for m in self.metrics.values():
-                    m.update(output, labels)
+            run.add(model(*inputs, labels), labels)
             self._fire("on_validation_step_end")
             self._check_preempted()
-        count, uncovered = val_loss.count, val_loss.uncovered
-        if uncovered and "partial_val_loss" not in self._warned:
-            self._warned.add("partial_val_loss")
-            warnings.warn(
-                f"val_loss covers {count} of the {count + uncovered} validation samples: the "
-                f"last {uncovered} share a micro-batch of {micro} with padding, whose loss the "
-                "device computes over both. Pass loss_fn= to Loop (then the loop computes the "
-                "loss of those samples on the host), or use a micro-batch size that divides "
-                "the sample count.", stacklevel=3)
-        logs = {"val_loss": val_loss.total / count} if count else {}
-        logs.update(metric_logs("val_", self.metrics))
-        if not count:
-            self._drop_logs("val_", ("loss",))  # none this time, rather than a stale one
+        logs = run.logs()
+        if "val_loss" not in logs:
+            st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)
         self._fire("on_validation_end")
         return logs
@@ -627,31 +496,19 @@ class Loop:
         Float64 inputs run, and come back, as float32 (as on the device).
         """
         self.state.exception = self.state.exception_source = None
-        plan = self._val_plan(loader, pad=True, name="loader")
-        flagged = isinstance(plan.loader.dataset, torch.utils.data.IterableDataset)
-        if flagged:  # length unknown: pad the stream, and flag which rows are samples
-            plan = flagged_plan(self.poptorch, plan)
-        outputs: list[Any] = []
-        flags: list[torch.Tensor] = []
+        run = Predictions(self.poptorch, self._val_plan(loader, pad=True, name="loader"))
         model = None
         with self._reporting():
-            for batch in plan.epoch():
-                if flagged:
-                    flag, batch = batch
-                    flags.append(flag)
-                inputs = predict_inputs(batch, self._num_inputs, plan.name)
+            for batch in run.batches():
+                inputs = predict_inputs(batch, self._num_inputs, run.plan.name)
                 if model is None and isinstance(self.model, WithLoss):
                     self.model.num_inputs = len(inputs)
                 inputs = tuple(self._cast(x) for x in inputs)
                 if model is None:
-                    model = self._inference_model(plan, "predict", inputs)
+                    model = self._inference_model(run.plan, "predict", inputs)
                 self.executors.activate(model)
-                outputs.append(model(*inputs))
-        if not outputs:
-            raise ValueError(f"loader yielded no samples: {type(plan.loader.dataset).__name__} "
-                             "was empty. predict needs at least one sample.")
-        keep = torch.cat(flags) if flagged else slice(None, plan.samples)
-        return concat(outputs, keep, plan.layout.input_rows)
+                run.outputs.append(model(*inputs))
+        return run.result()
 
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
@@ -667,33 +524,8 @@ class Loop:
         A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
         self.check_resumable()
         self._fire("on_save_checkpoint")
-        train, st = self.train_model, self.state
-        if train is not None and train.isAttachedToDevice():
-            # the device holds the current weights (a detached model copied them back when it
-            # detached, and reading from a device it no longer holds is undefined in PopTorch)
-            train.copyWeightsToHostIfNeeded()
-        resume = self._resume.state_dict()
-        sd: dict[str, Any] = {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_type": type(self.optimizer).__name__,
-            "data": resume["data"],  # the factors the counters refer to
-            "counters": st.counters(),
-            "history": [dict(h) for h in st.history],
-            "logs": dict(st.logs),  # an epoch ending right after a resume logs these
-            "epoch_loss": list(st.epoch_loss),
-            "rng": resume["rng"],
-            "optimizer_extras": optimizer_extras(self.optimizer),
-            "sampler_rng": resume["sampler_rng"],
-            "epoch_rng": resume["epoch_rng"],
-            "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
-                            for n, v in metric_state(m).items()}
-                        for k, m in self._train_metrics.items()},
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-        }
-        if train is not None and train.isCompiled():
-            sd["device_rng"] = train.rng_state
-        return copy.deepcopy(sd)
+        return self._resume.capture(self.model, self.optimizer, self.state, self._train_metrics,
+                                    self.callbacks, self.train_model)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore a ``state_dict()``: the next ``fit`` continues where it was taken.
@@ -702,33 +534,13 @@ class Loop:
         (checked before anything is restored). The next ``fit`` compares its loader's factors
         with the saved ones: see ``fit``.
         """
-        check_optimizer(sd, self.optimizer)
-        (self.train_model or self.model).load_state_dict(sd["model"])
-        if sd.get("optimizer") is not None:
-            self.optimizer.load_state_dict(sd["optimizer"])
-            for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
-                setattr(self.optimizer, k, v)
-        st = self.state
-        st.load_counters(sd["counters"])
-        st.history = [dict(h) for h in sd["history"]]
-        st.logs = dict(sd.get("logs", {}))
-        st.epoch_loss = list(sd["epoch_loss"])
-        for k, m in self._train_metrics.items():
-            for n, v in sd.get("metrics", {}).get(k, {}).items():
-                setattr(m, n, v)
-        for cb in self.callbacks:
-            if cb.state_key in sd["callbacks"]:
-                cb.load_state_dict(sd["callbacks"][cb.state_key])
-        self._resume.load_state_dict(sd, st.epoch_step, self.train_model)
+        self._resume.restore(sd, self.model, self.optimizer, self.state, self._train_metrics,
+                             self.callbacks, self.train_model)
         self._fire("on_load_checkpoint")
 
     def _load(self, source: str) -> None:
         if source == "last":  # the callbacks that know where checkpoints are say which
-            finders = [cb for cb in self.callbacks if overridden(cb, "resume_path")]
-            if not finders:
-                raise ValueError('resume_from="last" needs a ModelCheckpoint callback to know '
-                                 "the folder; pass a checkpoint path instead.")
-            source = finders[0].resume_path()
+            source = resume_path(self.callbacks)
             if source is None:
                 return
         self.load_state_dict(load_checkpoint(source, backend=backend_name()))

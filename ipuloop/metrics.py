@@ -11,13 +11,17 @@ from typing import Any, Callable
 
 import torch
 
-from .outputs import Layout, map_tensors
+from .outputs import map_tensors
 
 __all__ = ["resolve_metrics", "metric_logs", "metric_state", "shape", "probe",
-           "ValLoss"]
+           "Validation", "has_loss"]
 
 
-def resolve_metrics(metrics: Any) -> dict[str, Any]:
+def resolve_metrics(metrics: Any, metric_output: Any = None) -> dict[str, Any]:
+    """``Loop``'s ``metrics`` as a dict, checked with its ``metric_output``."""
+    if metric_output is not None and not callable(metric_output):
+        raise TypeError(f"metric_output must be a function of the model's output. "
+                        f"Received: metric_output={metric_output!r}.")
     if metrics is None:
         return {}
     if not hasattr(metrics, "items"):
@@ -162,34 +166,77 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
 
-class ValLoss:
-    """val_loss over a padded validation: the mean loss per sample, padding left out.
+class Validation:
+    """One validation run's numbers: val_loss (the mean loss per sample) and the metrics.
 
-    The device's loss covers the micro-batches without padding; the samples of the one with
-    padding get ``loss_fn`` on the host (their outputs are here), when there is one, and are
-    ``uncovered`` otherwise.
+    The loader is padded to whole host calls with copies of the last sample: only the samples
+    count. The device's loss covers the micro-batches without padding; the samples of the one
+    with padding get ``loss_fn`` on the host (their outputs are here) when there is one, and
+    are left out of val_loss otherwise (with a warning). ``warned`` holds the one-time
+    warnings already given by this loop.
     """
 
-    def __init__(self, layout: Layout, micro: int, loss_fn: Callable | None) -> None:
-        self.layout, self.micro, self.loss_fn = layout, micro, loss_fn
+    def __init__(self, plan: Any, metrics: dict[str, Any], metric_output: Callable | None,
+                 loss_fn: Callable | None, warned: set) -> None:
+        self.layout, self.micro, self.combined = plan.layout, plan.micro, plan.combined
+        self.left = plan.samples if plan.sampler is not None and plan.samples else None
+        self.metrics, self.metric_output, self.loss_fn = metrics, metric_output, loss_fn
+        self.warned = warned
         self.total, self.count, self.uncovered = 0.0, 0, 0
+        for m in metrics.values():
+            m.reset()
 
-    def add(self, loss: torch.Tensor, output: Any, labels: Any, valid: int,
-            combined: int) -> None:
-        """One call's losses, ``valid`` of its ``combined`` samples real."""
-        layout, micro = self.layout, self.micro
-        loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
-        whole = valid // micro * micro  # samples in micro-batches without padding
-        if valid < combined:  # the padded call: its whole micro-batches of samples
-            loss = loss[:valid // micro]
-        self.total += float(loss.double().sum()) * micro  # host tensor: no device sync
-        self.count += whole
-        if valid > whole and self.loss_fn is not None:  # the rest: exactly, on the host
-            part = map_tensors(output, lambda t: t if t.dim() == 0 else
-                               _float32(layout.input_rows(t)[whole:valid]))
-            with torch.no_grad():
-                rest = self.loss_fn(part, map_tensors(labels, lambda t: t[whole:valid]))
-            self.total += float(rest) * (valid - whole)
-            self.count += valid - whole
-        else:
-            self.uncovered += valid - whole
+    def add(self, output: Any, labels: Any) -> None:
+        """One inference call's output (``(output, loss)`` when the model returns a loss)."""
+        layout, micro, combined = self.layout, self.micro, self.combined
+        valid = combined if self.left is None else min(combined, self.left)
+        if self.left is not None:
+            self.left -= valid
+        if has_loss(output, layout.micro_batches):
+            output, loss = output
+            loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
+            whole = valid // micro * micro  # samples in micro-batches without padding
+            if valid < combined:  # the padded call: its whole micro-batches of samples
+                loss = loss[:valid // micro]
+            self.total += float(loss.double().sum()) * micro  # host tensor: no device sync
+            self.count += whole
+            if valid > whole and self.loss_fn is not None:  # the rest: exactly, on the host
+                part = map_tensors(output, lambda t: t if t.dim() == 0 else
+                                   _float32(layout.input_rows(t)[whole:valid]))
+                with torch.no_grad():
+                    rest = self.loss_fn(part, map_tensors(labels, lambda t: t[whole:valid]))
+                self.total += float(rest) * (valid - whole)
+                self.count += valid - whole
+            else:
+                self.uncovered += valid - whole
+        elif "no_val_loss" not in self.warned:
+            # e.g. ``if self.training: return x, loss`` / ``return x``: no loss in eval mode
+            self.warned.add("no_val_loss")
+            warnings.warn("In eval mode the model returns its output without a loss, so "
+                          "validation logs no val_loss (metrics are still computed). "
+                          "Return (output, loss) whenever labels are given to get one.",
+                          stacklevel=3)
+        if self.metrics:  # All mode, [DI, RF, B]: the host batch's order, per input group
+            output = map_tensors(output, lambda t: t if t.dim() == 0
+                                 else layout.input_rows(t)[:valid])
+            if valid < combined:
+                labels = map_tensors(labels, lambda t: t[:valid])
+            if self.metric_output is not None:
+                output = self.metric_output(output)
+            for m in self.metrics.values():
+                m.update(output, labels)
+
+    def logs(self) -> dict[str, float]:
+        """val_loss (when any sample has a loss) and ``val_<metric>``."""
+        count, uncovered = self.count, self.uncovered
+        if uncovered and "partial_val_loss" not in self.warned:
+            self.warned.add("partial_val_loss")
+            warnings.warn(
+                f"val_loss covers {count} of the {count + uncovered} validation samples: the "
+                f"last {uncovered} share a micro-batch of {self.micro} with padding, whose loss "
+                "the device computes over both. Pass loss_fn= to Loop (then the loop computes "
+                "the loss of those samples on the host), or use a micro-batch size that divides "
+                "the sample count.", stacklevel=4)
+        logs = {"val_loss": self.total / count} if count else {}
+        logs.update(metric_logs("val_", self.metrics))
+        return logs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from .outputs import MODE_NAMES, Layout
 from .rules import (ALL, DEFAULT, EVERY_N, MAX_IPUS, SUM, check_return_period, input_groups,
                     ipu_count_error, reserved_ipus, uses_ipu_model)
 
-__all__ = ["PRECISIONS", "resolve_options", "resolve_precision", "set_replicas", "seed_options",
+__all__ = ["Resolved", "resolve", "PRECISIONS", "resolve_options", "resolve_precision", "set_replicas", "seed_options",
            "check_optimizer_arg", "set_clipping", "resolve_output_mode", "layout",
            "inference_options"]
 
@@ -25,6 +26,41 @@ PRECISIONS = ("32", "16-mixed", "16-true")
 # Lightning's spellings: PL 1.x took 16/32 (16 = mixed), lightning-graphcore "32-true"/"16-mixed".
 _PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", 16: "16-mixed", "16": "16-mixed",
                       "16-mixed": "16-mixed", "16-true": "16-true"}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What ``Loop``'s arguments resolve to, once."""
+
+    train: Any  # the training options (a clone; frozen when the first fit starts)
+    inference: Any  # the inference_opts given (a clone), or None: derived per loader
+    precision: str  # one of PRECISIONS
+    input_dtype: torch.dtype | None  # float inputs are sent as this (16-bit precisions)
+    optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
+
+
+def resolve(pt: Any, model: torch.nn.Module, opts: Any, inference_opts: Any, *, replicas: Any,
+            seed: int | None, optimizer: Any, max_grad_norm: float | None, precision: Any,
+            metrics: dict[str, Any]) -> Resolved:
+    """``Loop``'s options and option-like arguments, checked before anything compiles."""
+    precision = resolve_precision(precision)
+    # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
+    # also makes the weights float16, "16-mixed" keeps them float32 (see ``Loop``).
+    if precision == "16-true":
+        model.half()
+    train, inference, per_replica = resolve_options(pt, opts, inference_opts)
+    if replicas is not None:
+        set_replicas(pt, train, replicas, per_replica)
+    if seed is not None:
+        seed_options(train, seed)
+    check_optimizer_arg(optimizer)
+    if max_grad_norm is not None:
+        set_clipping(pt, optimizer, max_grad_norm)
+    if optimizer is None:  # PopTorch's default, made here rather than inside trainingModel,
+        optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
+    resolve_output_mode(pt, train, metrics)
+    return Resolved(train, inference, precision,
+                    None if precision == "32" else torch.float16, optimizer)
 
 
 def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, int]:

@@ -13,9 +13,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .errors import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors"]
+__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error"]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
@@ -126,3 +127,21 @@ class Layout:
         elif self.mode == EVERY_N and self.period > 1:
             x = x[self.period - 1::self.period]
         return x.reshape(-1, *labels.shape[1:])
+
+
+def non_finite_error(loss: torch.Tensor, layout: Layout, epoch: int,
+                     step: int) -> NonFiniteLossError:
+    """The error for a returned ``loss`` with a NaN or infinity, naming where it came from."""
+    flat = loss.reshape(-1)
+    i = int(torch.nonzero(~torch.isfinite(flat))[0])
+    m = layout.micro_batch_index(i)
+    d, rest = divmod(m, layout.ga * layout.rf)
+    a, r = divmod(rest, layout.rf)
+    what = "replica" if layout.mode == SUM else "micro-batch"
+    return NonFiniteLossError(
+        f"Non-finite loss {float(flat[i])} at epoch {epoch}, step {step} (0-based host call), "
+        f"{what} {m} of the step "
+        + (f"(device iteration {d}, accumulation step {a}, replica {r})."
+           if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
+           "names the micro-batch).")
+        + " Lower the learning rate, check the data, or pass check_finite=False.")

@@ -5,16 +5,24 @@ order (with the loader's own generator, if any), ``val_rng`` as a validation ins
 begins (a checkpoint taken during it resumes before it), and the state at the checkpointed
 step itself. A resumed mid-epoch fit replays the epoch's order from ``epoch_rng``, then goes
 on from the step's state. The device's random state is set once the training model compiles.
+
+With other factors than the saved run (micro-batch size, deviceIterations,
+gradientAccumulation, replicas, dataset length), a checkpoint taken at an epoch boundary
+resumes with a warning; one taken mid-epoch continues at the same sample when the samples
+already read make whole host calls of the new factors (same dataset length), and is a
+``ValueError`` naming each changed factor otherwise, raised before any step.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import warnings
 from typing import Any
 
 import torch
 
+from .metrics import metric_state
 from .rules import describe_factors
 
 __all__ = ["rng_state", "set_rng_state", "Resume", "check_resumable", "check_optimizer",
@@ -150,22 +158,61 @@ class Resume:
         rng, self._device_rng = self._device_rng, None
         return rng
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"data": self._train_data,  # the factors the counters refer to
-                "rng": self.val_rng if self.val_rng is not None else rng_state(),
-                "sampler_rng": self.sampler.generator_state() if self.sampler is not None
-                else None,
-                "epoch_rng": self.epoch_rng}
+    def capture(self, model: torch.nn.Module, optimizer: Any, st: Any,
+                metrics: dict[str, Any], callbacks: list, executor: Any) -> dict[str, Any]:
+        """A loop's ``state_dict``: its model, optimizer, counters, logs, train metrics,
+        callbacks and RNG points; ``executor`` is the training model (or None)."""
+        if executor is not None and executor.isAttachedToDevice():
+            # the device holds the current weights (a detached model copied them back when it
+            # detached, and reading from a device it no longer holds is undefined in PopTorch)
+            executor.copyWeightsToHostIfNeeded()
+        sd: dict[str, Any] = {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "optimizer_type": type(optimizer).__name__,
+            "data": self._train_data,  # the factors the counters refer to
+            "counters": st.counters(),
+            "history": [dict(h) for h in st.history],
+            "logs": dict(st.logs),  # an epoch ending right after a resume logs these
+            "epoch_loss": list(st.epoch_loss),
+            "rng": self.val_rng if self.val_rng is not None else rng_state(),
+            "optimizer_extras": optimizer_extras(optimizer),
+            "sampler_rng": self.sampler.generator_state() if self.sampler is not None else None,
+            "epoch_rng": self.epoch_rng,
+            "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
+                            for n, v in metric_state(m).items()} for k, m in metrics.items()},
+            "callbacks": {cb.state_key: cb.state_dict() for cb in callbacks},
+        }
+        if executor is not None and executor.isCompiled():
+            sd["device_rng"] = executor.rng_state
+        return copy.deepcopy(sd)
 
-    def load_state_dict(self, sd: dict[str, Any], epoch_step: int, executor: Any) -> None:
-        """Restore the RNG points of ``sd``; ``executor`` is the training model (or None)."""
+    def restore(self, sd: dict[str, Any], model: torch.nn.Module, optimizer: Any, st: Any,
+                metrics: dict[str, Any], callbacks: list, executor: Any) -> None:
+        """Put back what ``capture`` took (the optimizer checked first: ``check_optimizer``)."""
+        check_optimizer(sd, optimizer)
+        (executor or model).load_state_dict(sd["model"])
+        if sd.get("optimizer") is not None:
+            optimizer.load_state_dict(sd["optimizer"])
+            for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
+                setattr(optimizer, k, v)
+        st.load_counters(sd["counters"])
+        st.history = [dict(h) for h in sd["history"]]
+        st.logs = dict(sd.get("logs", {}))
+        st.epoch_loss = list(sd["epoch_loss"])
+        for k, m in metrics.items():
+            for n, v in sd.get("metrics", {}).get(k, {}).items():
+                setattr(m, n, v)
+        for cb in callbacks:
+            if cb.state_key in sd["callbacks"]:
+                cb.load_state_dict(sd["callbacks"][cb.state_key])
         self._loaded_data = sd.get("data")  # checked against the next fit's loader
         if sd.get("device_rng") is not None:
             if executor is not None and executor.isCompiled():
                 executor.rng_state = sd["device_rng"]
             else:
                 self._device_rng = sd["device_rng"]
-        if epoch_step:
+        if st.epoch_step:
             self.epoch_rng, self._step_rng = sd["epoch_rng"], sd["rng"]
         else:
             set_rng_state(sd["rng"])

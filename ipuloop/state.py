@@ -37,6 +37,13 @@ class State:
     exception: BaseException | None = None
     exception_source: Any = None
 
+    def drop_logs(self, prefix: str, names: Any) -> None:
+        """Remove the logs ``<prefix><name>`` (and ``<prefix><name>_<part>``) of ``names``."""
+        for name in names:
+            key = prefix + name
+            for k in [k for k in self.logs if k == key or k.startswith(key + "_")]:
+                del self.logs[k]
+
     def counters(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in
                 ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")}

@@ -60,7 +60,7 @@ from typing import Any, Callable, Protocol
 from ..state import State
 
 __all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS", "Loop",
-           "register_default", "default_callbacks", "check_mode", "monitored", "overridden"]
+           "register_default", "arrange", "resume_path", "check_mode", "monitored", "overridden"]
 
 EVENTS = (
     "on_configure", "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
@@ -183,9 +183,32 @@ def register_default(factory: Callable[[list, Any], Callback | None]) -> None:
     _DEFAULTS.append(factory)
 
 
-def default_callbacks(callbacks: list[Callback], progress: Any) -> list[Callback]:
-    """The registered defaults that ``callbacks`` lack, for a loop built with ``progress``."""
-    return [cb for cb in (f(callbacks, progress) for f in _DEFAULTS) if cb is not None]
+def arrange(callbacks: Any, progress: Any) -> tuple[list[Callback], dict[str, list]]:
+    """A loop's callbacks, checked, with the registered defaults they lack (for a loop built
+    with ``progress``), sorted by ``order`` once; and per event, the (callback, hook) pairs
+    of the callbacks that override it."""
+    cbs = list(callbacks)
+    for cb in cbs:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks must be ipuloop.Callback instances. Received: "
+                            f"{type(cb).__name__}.")
+    cbs += [cb for cb in (f(cbs, progress) for f in _DEFAULTS) if cb is not None]
+    cbs.sort(key=lambda cb: cb.order)
+    keys = [cb.state_key for cb in cbs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"Two callbacks share a state_key ({keys}): give each a unique "
+                         "state_key so checkpoints can tell them apart.")
+    return cbs, {e: [(cb, getattr(cb, e)) for cb in cbs if overridden(cb, e)] for e in EVENTS}
+
+
+def resume_path(callbacks: list[Callback]) -> Any:
+    """``fit(resume_from="last")``: the checkpoint the first callback that overrides
+    ``resume_path`` names (None: none yet)."""
+    finders = [cb for cb in callbacks if overridden(cb, "resume_path")]
+    if not finders:
+        raise ValueError('resume_from="last" needs a ModelCheckpoint callback to know '
+                         "the folder; pass a checkpoint path instead.")
+    return finders[0].resume_path()
 
 
 def check_mode(mode: str) -> float:
