@@ -10,8 +10,7 @@ from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
 from .config import IPUConfig
 from .loop import Loop, NonFiniteLossError, WithLoss
 from .state import State
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["Callback", "CancelEpoch", "CancelFit", "CancelStep", "IPUConfig", "Loop",
            "NonFiniteLossError", "ProgressBar", "State", "WithLoss", "backend_name", "poptorch",

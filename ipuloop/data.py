@@ -9,6 +9,7 @@ that a resumed epoch starts after the samples already seen without reading them 
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -17,29 +18,15 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
                               Sampler, SequentialSampler)
 
-from .outputs import Layout
+from .outputs import Layout, map_tensors
+from .rules import describe_factors, host_call_factor
 
-__all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "combined_factor",
-           "describe_factors"]
+__all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
+           "first_micro_batch", "predict_inputs", "flagged_plan", "concat", "kill_workers", "close",
+           "Predictions", "check_not_empty", "count_updates", "no_host_call"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
-
-
-def combined_factor(opts: Any, training: bool) -> int:
-    """Micro-batches in one host batch: DI * (RF / input group size) * GA."""
-    ga = opts.Training.gradient_accumulation if training else 1
-    return opts.device_iterations * max(opts.replication_factor // opts.input_group_size, 1) * ga
-
-
-def describe_factors(opts: Any, micro: int, training: bool) -> str:
-    ga = opts.Training.gradient_accumulation if training else 1
-    text = (f"micro-batch {micro} x deviceIterations {opts.device_iterations} x "
-            f"replicationFactor {opts.replication_factor}")
-    if opts.input_group_size != 1:
-        text += f" / input_group_size {opts.input_group_size}"
-    text += f" x gradientAccumulation {ga}"
-    return f"{text} = {micro * combined_factor(opts, training)} samples per host call"
 
 
 class ResumableSampler(Sampler):
@@ -204,7 +191,7 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     if not isinstance(loader, torch.utils.data.DataLoader):
         raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
                         f"Received: {name}={type(loader).__name__}.")
-    factor = combined_factor(opts, training)
+    factor = host_call_factor(opts, training)
     dataset = loader.dataset
     batch_sampler = loader.batch_sampler
     # A batch sampler the user chose (a subclass, or a plain BatchSampler passed as
@@ -214,7 +201,7 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
         or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None))
     if isinstance(loader, poptorch.DataLoader):
         combined = loader.combinedBatchSize
-        theirs = combined_factor(loader.options, training)
+        theirs = host_call_factor(loader.options, training)
         micro = combined // theirs if combined else None
         if combined is not None and combined != (micro or 0) * factor:
             raise ValueError(
@@ -280,3 +267,175 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
         raise ValueError(f"{name} is empty: {samples} samples make no host call of "
                          f"{describe_factors(opts, micro, training)}.")
     return plan
+
+
+def kill_workers(batches: Any) -> None:
+    """A second Ctrl-C: the process exits at once, so its loader workers must go first."""
+    for w in getattr(batches, "_workers", ()):
+        with contextlib.suppress(Exception):
+            w.kill()
+
+
+def close(batches: Any) -> None:
+    """Stop loader worker processes now rather than when the iterator is collected."""
+    shutdown = getattr(batches, "_shutdown_workers", None) or getattr(batches, "terminate", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def split_batch(batch: Any, name: str) -> tuple[tuple, Any]:
+    """``(inputs..., labels)``: a batch's inputs and its labels (the last element)."""
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return tuple(batch[:-1]), batch[-1]
+    if isinstance(batch, dict):
+        raise ValueError(
+            f"{name} yields dict batches (keys {list(batch)}), but the loop takes "
+            "(inputs..., labels) tuples, the labels last. Return a tuple from the dataset's "
+            "__getitem__, e.g. (d['image'], d['label']), or convert in the collate_fn.")
+    raise ValueError(f"{name} must yield (inputs..., labels) tuples: the last element "
+                     f"is the labels. Received a {type(batch).__name__}"
+                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                     + ". Return (x, y) from the dataset's __getitem__.")
+
+
+def first_micro_batch(plan: Plan) -> Any:
+    """The first micro-batch of ``plan``'s dataset, as the device receives it (float64 as
+    float32), for the host probe; None when the dataset cannot be indexed."""
+    if plan.samples is None or plan.sampler is None:
+        return None
+    ds = plan.loader.dataset
+    batch = plan.loader.collate_fn([ds[i] for i in range(min(plan.micro, plan.samples))])
+    return map_tensors(batch, lambda x: x.float() if x.dtype == torch.float64 else x)
+
+
+def predict_inputs(batch: Any, num_inputs: int | None, name: str) -> tuple:
+    """The model's inputs in a predict batch: all of its elements, or all but the labels.
+
+    After a fit or validate with N inputs, a batch of N elements is N inputs and one of
+    N + 1 is N inputs and the labels; before, a batch of two or more elements is taken
+    as (inputs..., labels).
+    """
+    if not isinstance(batch, (tuple, list)):
+        return (batch,)
+    n = num_inputs
+    if n is None:
+        return tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)
+    if len(batch) in (n, n + 1):
+        return tuple(batch[:n])
+    raise ValueError(f"{name} yields batches of {len(batch)} elements, but the model "
+                     f"was fit with {n} input(s): predict takes (inputs...) or "
+                     "(inputs..., labels) batches of those inputs.")
+
+
+class _Flagged(torch.utils.data.IterableDataset):
+    """(True, sample) per sample, then (False, last sample) up to a multiple of ``multiple``."""
+
+    def __init__(self, dataset: Any, multiple: int) -> None:
+        self.dataset, self.multiple = dataset, multiple
+
+    def __iter__(self) -> Any:
+        n, last = 0, None
+        for last in self.dataset:
+            n += 1
+            yield True, last
+        while n % self.multiple:
+            n += 1
+            yield False, last
+
+
+class _FlagCollate:
+    """Collates ``_Flagged`` samples: (the flags as a bool tensor, the samples collated)."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, batch: list) -> tuple[torch.Tensor, Any]:
+        return torch.tensor([f for f, _ in batch]), self.collate([s for _, s in batch])
+
+
+def flagged_plan(poptorch: Any, plan: Plan) -> Plan:
+    """``plan`` over an IterableDataset, each sample flagged True and the stream padded
+    (per worker) to whole host calls with False-flagged copies of its last sample."""
+    src = plan.loader
+    kwargs = {k: getattr(src, k) for k in ("num_workers", "worker_init_fn",
+                                           "multiprocessing_context")}
+    if kwargs["num_workers"] == 0:
+        kwargs.pop("multiprocessing_context")
+    loader = poptorch.DataLoader(
+        src.options, _Flagged(src.dataset, plan.combined), batch_size=plan.micro,
+        drop_last=True, collate_fn=_FlagCollate(src.collate_fn), **kwargs)
+    return Plan(loader, None, plan.micro, plan.combined, plan.layout, None, plan.name)
+
+
+def concat(parts: list, keep: Any, rows: Any) -> Any:
+    """Per-call outputs (tensors, or tuples, lists, namedtuples and dicts of them) joined
+    along the samples, each call's rows put in host-batch order by ``rows``, then indexed
+    by ``keep`` (a slice, or a boolean mask over the rows)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([rows(p).reshape(-1) if p.dim() == 0 else rows(p)
+                          for p in parts])[keep]
+    if isinstance(first, dict):
+        return type(first)((k, concat([p[k] for p in parts], keep, rows)) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple
+        return type(first)(*(concat(list(col), keep, rows) for col in zip(*parts)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat(list(col), keep, rows) for col in zip(*parts))
+    return parts  # not a tensor: one value per call, as returned
+
+
+class Predictions:
+    """A predict run over ``plan``: its batches (an IterableDataset's flagged and padded as it
+    streams), each call's outputs collected, then joined in sample order without padding."""
+
+    def __init__(self, poptorch: Any, plan: Plan) -> None:
+        self.flagged = isinstance(plan.loader.dataset, IterableDataset)
+        self.plan = flagged_plan(poptorch, plan) if self.flagged else plan
+        self.outputs: list[Any] = []
+        self.flags: list[torch.Tensor] = []
+
+    def batches(self) -> Iterator[Any]:
+        for batch in self.plan.epoch():
+            if self.flagged:  # length unknown: the flags say which rows are samples
+                flag, batch = batch
+                self.flags.append(flag)
+            yield batch
+
+    def result(self) -> Any:
+        plan = self.plan
+        if not self.outputs:
+            raise ValueError(f"loader yielded no samples: {type(plan.loader.dataset).__name__} "
+                             "was empty. predict needs at least one sample.")
+        keep = torch.cat(self.flags) if self.flagged else slice(None, plan.samples)
+        return concat(self.outputs, keep, plan.layout.input_rows)
+
+
+def check_not_empty(loader: Any, name: str) -> None:
+    try:
+        empty = len(loader.dataset) == 0
+    except TypeError:  # an IterableDataset: its length is unknown
+        empty = False
+    if empty:
+        raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
+                         "to run. Pass a loader over a dataset with at least one sample.")
+
+
+def count_updates(poptorch: Any, loader: Any, opts: Any, layout: Layout, epochs: int) -> int:
+    """``Loop.num_updates``: epochs x steps per epoch x DI."""
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
+    plan = build_plan(poptorch, loader, opts, layout, training=True, name="loader")
+    if plan.steps is None:
+        raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
+                         "length is unknown, so neither is its number of updates. Count "
+                         "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI.")
+    return epochs * plan.steps * opts.device_iterations
+
+
+def no_host_call(plan: Plan, epoch: int) -> ValueError:
+    """An IterableDataset that yielded less than one host call in an epoch."""
+    return ValueError(
+        f"{plan.name} yielded no complete host call in epoch {epoch}: one host call takes "
+        f"{describe_factors(plan.loader.options, plan.micro, True)}. An IterableDataset must "
+        "yield at least that many samples each time it is iterated (a generator can be "
+        "iterated only once).")

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["Layout", "StepLoss"]
+from .errors import NonFiniteLossError
+from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-# OutputMode values (PopTorch's enum values; shared by the real poptorch and the emulator).
-FINAL, EVERY_N, ALL, SUM, DEFAULT = 0, 1, 2, 3, 4
+__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error"]
+
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
+
+
+def map_tensors(x: Any, fn: Callable) -> Any:
+    """``fn`` applied to every tensor of ``x`` (a tensor, or tuples, lists, dicts of them)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(map_tensors(v, fn) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(map_tensors(v, fn) for v in x)
+    return x
 
 
 class StepLoss(NamedTuple):  # a tuple: made once per training step, at a tuple's cost
@@ -52,11 +66,7 @@ class Layout:
         return self.di * self.ga * self.rf
 
     def returned_iterations(self) -> list[int]:
-        if self.mode in (ALL, SUM):
-            return list(range(self.di))
-        if self.mode == EVERY_N:
-            return [d for d in range(self.di) if (d + 1) % self.period == 0]
-        return [self.di - 1]
+        return returned_iterations(self.mode, self.di, self.period)
 
     def step_loss(self, loss: torch.Tensor) -> StepLoss:
         """Reduce the returned loss tensor (already on the host) to a step loss."""
@@ -66,24 +76,22 @@ class Layout:
         return StepLoss(total, *self._loss_count)
 
     @cached_property  # fields are frozen: computed once, not every step
+    def rows(self) -> list[list[int]]:
+        """The micro-batches behind each returned row (``rules.returned_rows``)."""
+        return returned_rows(self.mode, self.di, self.ga, self.rf, self.period)
+
+    @cached_property
     def _loss_count(self) -> tuple[int, bool]:
         """How many micro-batch losses a returned loss sums, and whether that is all of them."""
-        if self.mode == SUM:  # per replica: sum over DI*GA micro-batches
-            return self.micro_batches, True
-        if self.mode == FINAL:
-            return self.rf, self.micro_batches == self.rf
-        n = len(self.returned_iterations()) * self.ga * self.rf
+        n = sum(map(len, self.rows))
         return n, n == self.micro_batches
 
     def micro_batch_index(self, returned_index: int) -> int:
-        """Index (in ``[DI, GA, RF]`` order) of the micro-batch behind a returned loss."""
+        """Index (in ``[DI, GA, RF]`` order) of the micro-batch behind a returned loss; under
+        Sum, the replica whose sum it is."""
         if self.mode == SUM:
             return returned_index  # a replica's sum: name the replica
-        per_iter = self.ga * self.rf
-        iters = self.returned_iterations()
-        if self.mode == FINAL:
-            return (self.di - 1) * per_iter + (self.ga - 1) * self.rf + returned_index
-        return iters[returned_index // per_iter] * per_iter + returned_index % per_iter
+        return self.rows[returned_index][0]
 
     def input_rows(self, output: torch.Tensor) -> torch.Tensor:
         """An All-mode per-sample output in the host batch's order: one copy per input group.
@@ -119,3 +127,21 @@ class Layout:
         elif self.mode == EVERY_N and self.period > 1:
             x = x[self.period - 1::self.period]
         return x.reshape(-1, *labels.shape[1:])
+
+
+def non_finite_error(loss: torch.Tensor, layout: Layout, epoch: int,
+                     step: int) -> NonFiniteLossError:
+    """The error for a returned ``loss`` with a NaN or infinity, naming where it came from."""
+    flat = loss.reshape(-1)
+    i = int(torch.nonzero(~torch.isfinite(flat))[0])
+    m = layout.micro_batch_index(i)
+    d, rest = divmod(m, layout.ga * layout.rf)
+    a, r = divmod(rest, layout.rf)
+    what = "replica" if layout.mode == SUM else "micro-batch"
+    return NonFiniteLossError(
+        f"Non-finite loss {float(flat[i])} at epoch {epoch}, step {step} (0-based host call), "
+        f"{what} {m} of the step "
+        + (f"(device iteration {d}, accumulation step {a}, replica {r})."
+           if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
+           "names the micro-batch).")
+        + " Lower the learning rate, check the data, or pass check_finite=False.")

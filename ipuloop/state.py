@@ -25,7 +25,24 @@ class State:
     logs: dict[str, float] = field(default_factory=dict)  # latest step and epoch values
     history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch
     compile_time: dict[str, float] = field(default_factory=dict)  # seconds, per executor
+    # The running fit (set when it starts; read by callbacks):
+    steps_per_epoch: int | None = None  # training host calls in an epoch; None: length unknown
+    max_steps: int | None = None  # fit(max_steps=): the fit ends when ``step`` reaches it
+    epoch_loss: list = field(default_factory=lambda: [0.0, 0, True])  # the running epoch's
+    # [sum of micro-batch losses, how many, whether every micro-batch's loss was returned]
+    # Flags, read at step boundaries:
     stop_requested: bool = False  # set by Loop.stop(); the fit ends after the current step
+    preempted: bool = False  # set by SIGTERM; the fit ends after the current step, exit 143
+    # The error being handled (on_exception), and the callback whose hook raised it, if any:
+    exception: BaseException | None = None
+    exception_source: Any = None
+
+    def drop_logs(self, prefix: str, names: Any) -> None:
+        """Remove the logs ``<prefix><name>`` (and ``<prefix><name>_<part>``) of ``names``."""
+        for name in names:
+            key = prefix + name
+            for k in [k for k in self.logs if k == key or k.startswith(key + "_")]:
+                del self.logs[k]
 
     def counters(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import ipuloop
 from ipuloop import Callback, Loop
-from ipuloop.callbacks import checkpoint as ckpt_mod
+from ipuloop import checkpoint_io as ckpt_mod
 from ipuloop.callbacks.checkpoint import ModelCheckpoint
 
 MICRO, FEATURES, CLASSES, STEPS_PER_EPOCH = 2, 6, 3, 4
@@ -151,7 +151,7 @@ class _Markers(Callback):
 
 
 def _kill_mode(cfg: dict[str, Any]) -> None:
-    ckpt_mod._CHUNK = cfg["chunk"]
+    ckpt_mod.CHUNK = cfg["chunk"]
 
     def slow_disk(path: Path, offset: int) -> None:
         # A slow disk; the manifest (one chunk) slowly too, so that kills also land in the commit.
@@ -160,7 +160,7 @@ def _kill_mode(cfg: dict[str, Any]) -> None:
             print(f"commit-start {step} {time.monotonic()}", flush=True)
         time.sleep(cfg["delay"] if path.name == ckpt_mod.STATE else cfg["commit_delay"])
 
-    ckpt_mod._write_hook = slow_disk
+    ckpt_mod.write_hook = slow_disk
     cb = ModelCheckpoint(cfg["dirpath"], every_n_steps=1, every_n_epochs=None, save_top_k=2)
     loop, loader, _ = make_loop(cfg["di"], cfg["ga"], callbacks=[cb, _Markers()])
     loop.fit(loader, epochs=cfg["epochs"])
@@ -188,8 +188,8 @@ class _SignalMarkers(Callback):
 
 def _signal_mode(cfg: dict[str, Any]) -> None:
     """Trains with slow host calls and slow saves (one per step), a user SIGTERM handler."""
-    ckpt_mod._CHUNK = cfg["chunk"]
-    ckpt_mod._write_hook = lambda path, offset: time.sleep(cfg["delay"])
+    ckpt_mod.CHUNK = cfg["chunk"]
+    ckpt_mod.write_hook = lambda path, offset: time.sleep(cfg["delay"])
     calls: list[int] = []
 
     def user_handler(signum: int, frame: Any) -> None:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 import helpers_train as H
 import ipuloop
 from ipuloop import Callback, NonFiniteLossError, backend_name
-from ipuloop.callbacks import checkpoint as ck
+from ipuloop import checkpoint_io as ck
 from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
                                           read_manifest)
 from ipuloop.data import ResumableSampler
@@ -145,7 +145,7 @@ def resumed_elsewhere(tmp_path_factory):
 
 
 def _forget_rng(sd):
-    from ipuloop.loop import _rng_state
+    from ipuloop.resume import rng_state as _rng_state
     sd.pop("device_rng")
     sd["rng"] = _rng_state()
     sd["epoch_rng"] = {**_rng_state(), "sampler": None}
@@ -407,10 +407,10 @@ def _write_checkpoint(folder: Path, state_bytes: bytes, **fields) -> None:
     (folder / ck.STATE).write_bytes(state_bytes)
     m = {"format": "ipuloop-checkpoint", "format_version": ck.FORMAT_VERSION, "step": 0,
          "epoch": 0, "tainted": False,
-         "files": {ck.STATE: {"bytes": len(state_bytes), "sha256": ck._sha256(state_bytes)}},
+         "files": {ck.STATE: {"bytes": len(state_bytes), "sha256": ck.sha256(state_bytes)}},
          **fields}
-    m["manifest_sha256"] = ck._sha256(ck._dump(m))
-    (folder / ck.MANIFEST).write_bytes(ck._dump(m))
+    m["manifest_sha256"] = ck.sha256(ck.dump(m))
+    (folder / ck.MANIFEST).write_bytes(ck.dump(m))
 
 
 def test_foreign_and_newer_checkpoints_are_rejected(tmp_path, two_checkpoints):
@@ -434,7 +434,7 @@ def test_foreign_and_newer_checkpoints_are_rejected(tmp_path, two_checkpoints):
     with pytest.raises(CheckpointError, match=r"format version 2\.0 .*\(1\.0\)"):
         load_checkpoint(tmp_path / "future")
     _write_checkpoint(tmp_path / "escape", buf, files={
-        ck.STATE: {"bytes": len(buf), "sha256": ck._sha256(buf)}, "../x": {"bytes": 1}})
+        ck.STATE: {"bytes": len(buf), "sha256": ck.sha256(buf)}, "../x": {"bytes": 1}})
     with pytest.raises(CheckpointError, match="outside its folder"):
         load_checkpoint(tmp_path / "escape")
 
@@ -724,7 +724,7 @@ def test_write_order_fsync_replace_then_rotate(tmp_path, monkeypatch):
     """reliability.md §7.1, §7.4: each file goes to a temporary file next to it, fsync,
     os.replace, fsync of its folder; the manifest last (the commit); then the rotation."""
     calls: list[tuple] = []
-    fsync, replace, remove = os.fsync, os.replace, ck._remove
+    fsync, replace, remove = os.fsync, os.replace, ck.remove
 
     def spy_fsync(fd):
         calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -741,7 +741,7 @@ def test_write_order_fsync_replace_then_rotate(tmp_path, monkeypatch):
             if loop.state.step == 2:
                 monkeypatch.setattr(os, "fsync", spy_fsync)
                 monkeypatch.setattr(os, "replace", spy_replace)
-                monkeypatch.setattr(ck, "_remove", lambda p: calls.append(("remove", str(p)))
+                monkeypatch.setattr(ck, "remove", lambda p: calls.append(("remove", str(p)))
                                     or remove(p))
 
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, every_n_epochs=None, save_top_k=1)
@@ -764,7 +764,7 @@ def test_missing_monitor_lists_the_logs(tmp_path):
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, monitor="val_acc")
     loop, loader, _ = H.make_loop(callbacks=[ckpt])
     with pytest.warns(UserWarning, match="no such log yet at step 1"), \
-            pytest.raises(ValueError, match=r"val_acc.*epoch 1, step 4.*Available logs: "
+            pytest.raises(ValueError, match=r"val_acc.*epoch 1, step 4.*Available: "
                                             r"\['loss', 'train_loss', 'train_loss_exact'\]"):
         loop.fit(loader, EPOCHS)
 
@@ -820,8 +820,8 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_previous(tmp_path, monke
         if path.name == ck.STATE and offset >= 4096:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ck, "_CHUNK", 4096)
-    monkeypatch.setattr(ck, "_write_hook", full)
+    monkeypatch.setattr(ck, "CHUNK", 4096)
+    monkeypatch.setattr(ck, "write_hook", full)
     loop, loader, _ = H.make_loop(callbacks=[ckpt])
     with pytest.raises(CheckpointError, match=r"epoch0-step2/state.pt: cannot be written"):
         loop.fit(loader, EPOCHS, resume_from="last")

@@ -24,7 +24,7 @@ def test_ipu_config_drives_training_and_inference_options(tmp_path):
     t = loop.train_model._options
     assert (t.device_iterations, t.Training.gradient_accumulation, t.replication_factor) == (2, 3, 2)
     assert t.output_mode == poptorch.OutputMode.All and t.random_seed == 0
-    (inf,) = loop._inference.values()
+    (inf,) = loop.executors.inference.values()
     i = inf._options
     assert (i.device_iterations, i.Training.gradient_accumulation, i.replication_factor) == (4, 1, 1)
     assert i.output_mode == poptorch.OutputMode.All
@@ -55,6 +55,6 @@ def test_placed_layers_and_a_config_drive_a_pipelined_fit():
     hist = loop.fit(DataLoader(ds, batch_size=4), epochs=2, val_loader=DataLoader(ds, batch_size=4))
     assert loop.state.step == 2 * 144 // (4 * 2 * 3)
     assert hist[1]["train_loss"] < hist[0]["train_loss"]
-    (inf,) = loop._inference.values()
+    (inf,) = loop.executors.inference.values()
     assert inf._options.device_iterations == 3
     assert isinstance(inf._options._execution_strategy, poptorch.ShardedExecution)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ipuloop.backend
-from ipuloop.callbacks import checkpoint as ck
+from ipuloop import checkpoint_io as ck
 from ipuloop.callbacks.checkpoint import CheckpointError, load_checkpoint, read_manifest
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -56,8 +56,8 @@ def rewrite_manifest(folder: Path, **fields) -> None:
     m = json.loads((folder / ck.MANIFEST).read_bytes())
     m.pop("manifest_sha256")
     m.update(fields)
-    m["manifest_sha256"] = ck._sha256(ck._dump(m))
-    (folder / ck.MANIFEST).write_bytes(ck._dump(m))
+    m["manifest_sha256"] = ck.sha256(ck.dump(m))
+    (folder / ck.MANIFEST).write_bytes(ck.dump(m))
 
 
 def assert_same(a, b, where="expected") -> None:

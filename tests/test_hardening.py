@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import helpers_train as H
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.callbacks import LRScheduler, ProfileCapture
-from ipuloop.callbacks import checkpoint as ck
+from ipuloop import checkpoint_io as ck
 from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
                                           read_manifest)
 from test_checkpoint import EPOCHS, assert_same, reference
@@ -323,7 +323,7 @@ def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, 
 
     def disk(path: Path, at: int) -> None:
         # The write of ``file`` reaching ``offset`` fills the disk (or fails); it stays so.
-        if state["armed"] and path.name == file and at + ck._CHUNK > offset:
+        if state["armed"] and path.name == file and at + ck.CHUNK > offset:
             state["full"] = True
         if state["full"]:
             raise OSError(err, os.strerror(err))
@@ -331,7 +331,7 @@ def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, 
     ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=top_k)
     arm = _ArmAt(step, ckpt, lambda: state.update(armed=True))
     loop, loader, _ = H.make_loop(callbacks=[arm, ckpt])
-    with patched(ck, "_CHUNK", 256), patched(ck, "_write_hook", disk), \
+    with patched(ck, "CHUNK", 256), patched(ck, "write_hook", disk), \
             pytest.warns(UserWarning, match="ModelCheckpoint.on_exception failed"), \
             pytest.raises(CheckpointError) as e:
         loop.fit(loader, EPOCHS)
@@ -390,7 +390,7 @@ def test_io_error_at_each_call_of_a_save(tmp_path, monkeypatch, op, nth, err):
         monkeypatch.setattr(ck.tempfile, "mkstemp", wrap(op, ck.tempfile.mkstemp,
                                                          lambda **k: Path(k["dir"])))
     elif op == "write":
-        monkeypatch.setattr(ck, "_write_hook", lambda path, offset: fault(path))
+        monkeypatch.setattr(ck, "write_hook", lambda path, offset: fault(path))
     elif op == "replace":
         monkeypatch.setattr(os, "replace", wrap(op, os.replace, lambda src, dst: dst))
     else:

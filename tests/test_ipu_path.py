@@ -75,7 +75,7 @@ class _After(Callback):
 
 
 def _sigterm(loop):
-    loop._on_sigterm()  # what the SIGTERM handler does
+    loop.state.preempted = True  # what the SIGTERM handler does
 
 
 def _fail(loop):
@@ -298,7 +298,7 @@ def test_a_custom_batch_sampler_counts_host_calls(max_steps):
     loop = make_loop(opts=poptorch.Options().deviceIterations(2), callbacks=[workers])
     loader = DataLoader(data(32), batch_sampler=_Pairs(32), num_workers=1)
     hist = loop.fit(loader, epochs=2, max_steps=max_steps)
-    assert loop._steps_hint == 8
+    assert loop.state.steps_per_epoch == 8
     if max_steps is None:
         assert loop.state.step == 16 and len(hist) == 2 and loop.state.samples == 64
     else:  # stopped in the first epoch: not complete

@@ -257,7 +257,7 @@ def test_inference_options_cloned_with_ga_1():
     loop = Loop(Net(), options(2, 4, 1), progress=False)
     loop.fit(DataLoader(data(64), batch_size=2), epochs=1,
              val_loader=DataLoader(data(64), batch_size=2))
-    (inf,) = loop._inference.values()
+    (inf,) = loop.executors.inference.values()
     o = inf._options
     assert o.Training.gradient_accumulation == 1 and o.device_iterations == 8
     assert o.output_mode == poptorch.OutputMode.All

@@ -234,7 +234,7 @@ def test_validation_device_iterations_need_no_padding_when_they_can(recwarn):
                 metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
     logs = loop.validate(DataLoader(ds, batch_size=4))
     assert not [w for w in recwarn if "dropped" in str(w.message)]
-    (inference,) = loop._inference.values()
+    (inference,) = loop.executors.inference.values()
     assert inference.options.device_iterations == 3
     x, y = ds.tensors
     out = plain_eval(net, x)

@@ -63,7 +63,7 @@ def test_only_the_running_executor_is_attached():
 
     class Check(Callback):
         def attached(self, loop):
-            return [m.isAttachedToDevice() for m in (loop.train_model, *loop._inference.values())]
+            return [m.isAttachedToDevice() for m in (loop.train_model, *loop.executors.inference.values())]
 
         def on_train_step_end(self, loop):
             seen.append(("train", self.attached(loop)))

@@ -22,7 +22,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import helpers_train as H
 from ipuloop import Callback
-from ipuloop.callbacks import checkpoint as ck
+from ipuloop import checkpoint_io as ck
 from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
                                           read_manifest)
 
@@ -71,7 +71,7 @@ class Disk:
 
 
 DISK: Disk | None = None
-_real_remove = ck._remove
+_real_remove = ck.remove
 
 
 def _write_hook(path: Path, offset: int) -> None:
@@ -263,9 +263,9 @@ class Retention(RuleBasedStateMachine):
 @pytest.mark.slow
 def test_retention_state_machine(monkeypatch):
     torch.set_num_threads(1)
-    monkeypatch.setattr(ck, "_CHUNK", 4096)  # ~11 writes a state file: many crash points
-    monkeypatch.setattr(ck, "_write_hook", _write_hook)
-    monkeypatch.setattr(ck, "_remove", _remove)
+    monkeypatch.setattr(ck, "CHUNK", 4096)  # ~11 writes a state file: many crash points
+    monkeypatch.setattr(ck, "write_hook", _write_hook)
+    monkeypatch.setattr(ck, "remove", _remove)
     run_state_machine_as_test(Retention, settings=settings(
         max_examples=MAX_EXAMPLES, stateful_step_count=12, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -55,12 +55,12 @@ from __future__ import annotations
 import difflib
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:  # the loop imports this module; annotations only
-    from ..loop import Loop
+from ..state import State
 
-__all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS"]
+__all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS", "Loop",
+           "register_default", "arrange", "resume_path", "check_mode", "monitored", "overridden"]
 
 EVENTS = (
     "on_configure", "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
@@ -68,6 +68,24 @@ EVENTS = (
     "on_validation_step_end", "on_validation_end", "on_epoch_end", "on_fit_end",
     "on_save_checkpoint", "on_load_checkpoint", "on_preempt", "on_exception",
 )
+
+
+class Loop(Protocol):
+    """What a callback may use of the loop it is given (``ipuloop.Loop`` provides it).
+
+    Callbacks read ``state`` (counters, logs, steps per epoch, the exception being handled)
+    and end the fit with ``stop()`` or a Cancel* exception; nothing else of the loop.
+    """
+
+    state: State
+    train_opts: Any  # poptorch.Options: settable in on_configure, frozen from fit on
+    optimizer: Any  # the host optimizer (changes reach the device before the next step)
+    callbacks: list[Callback]
+    exception: BaseException | None  # the same as state.exception
+
+    def stop(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...  # fires on_save_checkpoint first
+    def check_resumable(self) -> None: ...
 
 
 class CancelStep(Exception):
@@ -131,6 +149,11 @@ class Callback:
     def on_preempt(self, loop: Loop) -> None: ...
     def on_exception(self, loop: Loop) -> None: ...
 
+    def resume_path(self) -> Any:
+        """Not an event: override it to answer ``fit(resume_from="last")`` with the checkpoint
+        to load (a path), or None when there is none yet (the fit starts from scratch)."""
+        return None
+
 
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # Callback classes already checked
 _SYNONYMS = (("begin", "start"), ("batch", "step"))  # other loops' words for the same events
@@ -149,6 +172,61 @@ def _warn_misnamed_hooks(cls: type) -> None:
             warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never calls "
                           f"it. Did you mean {close[0]}? (All events: "
                           "ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
+
+
+# Factories of the callbacks a loop adds unless given one: f(callbacks, progress) -> Callback
+# or None. Registered by the module of each such callback (the progress display).
+_DEFAULTS: list[Callable[[list, Any], Callback | None]] = []
+
+
+def register_default(factory: Callable[[list, Any], Callback | None]) -> None:
+    _DEFAULTS.append(factory)
+
+
+def arrange(callbacks: Any, progress: Any) -> tuple[list[Callback], dict[str, list]]:
+    """A loop's callbacks, checked, with the registered defaults they lack (for a loop built
+    with ``progress``), sorted by ``order`` once; and per event, the (callback, hook) pairs
+    of the callbacks that override it."""
+    cbs = list(callbacks)
+    for cb in cbs:
+        if not isinstance(cb, Callback):
+            raise TypeError(f"callbacks must be ipuloop.Callback instances. Received: "
+                            f"{type(cb).__name__}.")
+    cbs += [cb for cb in (f(cbs, progress) for f in _DEFAULTS) if cb is not None]
+    cbs.sort(key=lambda cb: cb.order)
+    keys = [cb.state_key for cb in cbs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"Two callbacks share a state_key ({keys}): give each a unique "
+                         "state_key so checkpoints can tell them apart.")
+    return cbs, {e: [(cb, getattr(cb, e)) for cb in cbs if overridden(cb, e)] for e in EVENTS}
+
+
+def resume_path(callbacks: list[Callback]) -> Any:
+    """``fit(resume_from="last")``: the checkpoint the first callback that overrides
+    ``resume_path`` names (None: none yet)."""
+    finders = [cb for cb in callbacks if overridden(cb, "resume_path")]
+    if not finders:
+        raise ValueError('resume_from="last" needs a ModelCheckpoint callback to know '
+                         "the folder; pass a checkpoint path instead.")
+    return finders[0].resume_path()
+
+
+def check_mode(mode: str) -> float:
+    """A monitoring callback's ``mode``, checked: the sign that makes lower better (1.0 for
+    "min", -1.0 for "max")."""
+    if mode not in ("min", "max"):
+        raise ValueError(f'mode must be "min" or "max". Received: mode={mode!r}.')
+    return 1.0 if mode == "min" else -1.0
+
+
+def monitored(state: Any, monitor: str, who: str) -> float:
+    """The value of the log ``monitor`` in ``state.logs``; a ``ValueError`` naming ``who``,
+    the epoch and step, and the logs there are when it is missing."""
+    logs = state.logs
+    if monitor not in logs:
+        raise ValueError(f"{who}: monitor={monitor!r} is not in the logs at epoch "
+                         f"{state.epoch}, step {state.step}. Available: {sorted(logs)}.")
+    return float(logs[monitor])
 
 
 def overridden(callback: Callback, event: str) -> bool:

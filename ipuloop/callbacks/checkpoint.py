@@ -1,198 +1,34 @@
-"""``ModelCheckpoint``: atomic, verified checkpoints of the whole loop, and exact resume.
+"""``ModelCheckpoint``: when to save the loop, which checkpoints to keep, and exact resume.
 
-A checkpoint is a folder ``<dirpath>/<name>/`` holding ``state.pt`` (``torch.save`` of
-``Loop.state_dict()``: tensors, numbers, strings, lists and dicts only) and ``manifest.json``,
-written last as the commit; a folder without a manifest is an interrupted save. Each file is
-written by ``_atomic_write`` (a temporary file next to it, fsync, ``os.replace``, fsync of the
-folder), so a crash at any moment leaves every committed checkpoint whole. Save order: write,
-commit, then rotate the old ones out. A save that fails (disk full, Ctrl-C) removes its own
+How bytes reach the disk (atomic writes, the manifest as the commit, verification, finding
+the newest) is ``ipuloop.checkpoint_io``'s. Save order: write, commit, then rotate the old
+ones out. A save that fails (disk full, Ctrl-C) removes its own
 uncommitted folder; what a killed save leaves (temporary files, a folder without a manifest,
 old checkpoints its rotation did not reach, which each checkpoint lists) goes at the next start.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import io
-import json
+import io as _bytes
 import math
 import os
-import shutil
 import string
-import tempfile
-import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .base import Callback, overridden
+from .. import checkpoint_io as cio
+from ..checkpoint_io import (FORMAT_VERSION, MANIFEST, STATE, TMP_PREFIX, CheckpointError,
+                             load_checkpoint, read_manifest)
+from ..errors import NonFiniteLossError
+from .base import Callback, check_mode, monitored, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
            "FORMAT_VERSION"]
 
-FORMAT_VERSION = "1.0"  # major.minor: readers reject a newer major version
-MANIFEST, STATE = "manifest.json", "state.pt"
-TMP_PREFIX = ".ipuloop-tmp-"  # every temporary file starts with this
-_CHUNK = 1 << 20  # bytes per write call
-_write_hook: Callable[[Path, int], None] | None = None  # tests: runs before each chunk
 COUNTERS = ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
 _GROWING = ("step", "update", "micro_batch", "samples")  # larger at every training step
-
-
-class CheckpointError(Exception):
-    """A checkpoint file cannot be written or trusted: ``path`` names it, ``reason`` says why."""
-
-    def __init__(self, path: str | os.PathLike, reason: str) -> None:
-        self.path, self.reason = str(path), reason
-        super().__init__(f"{self.path}: {reason}")
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # makes renames and new entries in the folder durable
-        finally:
-            os.close(fd)
-    except OSError as e:  # an I/O error: what was renamed into it may not be on disk
-        raise CheckpointError(folder, f"cannot be synced to disk: {e}") from e
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """The one write primitive: ``path`` ends with its old content or ``data``, never a mix."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # same filesystem
-    except OSError as e:  # no inode left, no permission...
-        raise CheckpointError(path, f"cannot be written: {e}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide checkpoints from others
-            for offset in range(0, len(data), _CHUNK):
-                if _write_hook is not None:
-                    _write_hook(path, offset)
-                f.write(data[offset:offset + _CHUNK])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):  # disk full, permissions...: name the file
-            raise CheckpointError(path, f"cannot be written: {e}") from e
-        raise
-    _fsync_dir(path.parent)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _dump(manifest: dict[str, Any]) -> bytes:
-    # The only serialization: a reader re-dumps what it parsed and requires the same bytes.
-    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-
-
-def _folder(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    return p.parent if p.name in (MANIFEST, STATE) and not p.is_dir() else p
-
-
-def _plain(name: str) -> bool:
-    """A bare, visible file or folder name: nothing outside its folder, no temporary file."""
-    return bool(name) and Path(name).name == name and not name.startswith(".")
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path`` (its folder or a file in it), verified:
-    its own checksum and format version, then each file's size and SHA-256."""
-    return _verified(path)[0]
-
-
-def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]]:
-    folder = _folder(path)
-    if folder.is_file():
-        raise CheckpointError(folder, f"is a file, not a checkpoint folder ({MANIFEST} + {STATE})")
-    mpath = folder / MANIFEST
-    try:
-        raw = mpath.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(mpath, "missing: not a committed ipuloop checkpoint (an "
-                              "interrupted save, or a folder ipuloop did not write)") from None
-    except OSError as e:
-        raise CheckpointError(mpath, f"cannot be read: {e}") from None
-    try:
-        m = json.loads(raw)
-        body = dict(m)
-        claimed = body.pop("manifest_sha256")
-    except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(mpath, f"not an ipuloop manifest (truncated, altered or foreign): "
-                              f"{e!r}") from None
-    if body.get("format") != "ipuloop-checkpoint":
-        raise CheckpointError(mpath, "not an ipuloop manifest: no ipuloop format marker")
-    major = str(body.get("format_version")).split(".")[0]
-    if not major.isdigit() or int(major) > int(FORMAT_VERSION.split(".")[0]):
-        raise CheckpointError(mpath, f"format version {body.get('format_version')} is newer "
-                              f"than this ipuloop reads ({FORMAT_VERSION}): upgrade ipuloop")
-    if raw != _dump(m) or claimed != _sha256(_dump(body)):
-        raise CheckpointError(mpath, "checksum mismatch: the manifest was altered or corrupted")
-    files = body.get("files") or {}
-    if STATE not in files:
-        raise CheckpointError(mpath, f"lists no {STATE}")
-    contents = {}
-    for name, meta in files.items():
-        fpath = folder / name
-        if not _plain(name):
-            raise CheckpointError(mpath, f"lists a file outside its folder: {name!r}")
-        try:
-            data = contents[name] = fpath.read_bytes()
-            size, digest = int(meta["bytes"]), str(meta["sha256"])
-        except (OSError, TypeError, KeyError, ValueError) as e:
-            raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e!r}") from None
-        if len(data) != size:
-            raise CheckpointError(fpath, f"is {len(data)} bytes, the manifest says {size}: "
-                                  "truncated or altered")
-        if _sha256(data) != digest:
-            raise CheckpointError(fpath, "SHA-256 differs from the manifest: altered or corrupted")
-    return body, contents
-
-
-def load_checkpoint(path: str | os.PathLike, *, backend: str | None = None) -> dict[str, Any]:
-    """Verify the checkpoint at ``path`` and return its ``Loop.state_dict()``, on the CPU.
-
-    Unpickling is ``torch.load(weights_only=True)``: a file that would run code is rejected.
-    ``backend`` ("emulator" or "poptorch"): reject a checkpoint another backend wrote (what a
-    resume does: optimizer and device random states do not carry over between backends).
-    Without it, any backend's checkpoint loads, e.g. to take only its ``["model"]`` weights.
-    """
-    manifest, contents = _verified(path)
-    data = contents[STATE]  # loads the bytes it verified, not a second read
-    saved = manifest.get("backend")
-    if backend is not None and saved is not None and saved != backend:
-        raise CheckpointError(
-            _folder(path) / MANIFEST,
-            f"backend mismatch: written by the {saved!r} backend, and this process runs "
-            f"{backend!r}. The optimizer and device random states of one do not carry over to "
-            f"the other, so it cannot resume exactly: resume with IPULOOP_BACKEND={saved}, or "
-            "start a new fit from its weights: model.load_state_dict(load_checkpoint(path)"
-            '["model"]).')
-    spath = _folder(path) / STATE
-    try:
-        sd = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:  # UnpicklingError, RuntimeError, EOFError...: all mean "untrusted"
-        raise CheckpointError(spath, f"rejected by torch.load(weights_only=True): {e}") from None
-    if not isinstance(sd, dict) or not {"model", "counters", "rng"} <= sd.keys():
-        raise CheckpointError(spath, "not an ipuloop loop state (no model, counters or rng)")
-    return sd
-
-
-def _provenance() -> dict[str, Any]:
-    from .. import __version__
-    from ..backend import backend_name, poptorch_module
-    return {"backend": backend_name(), "versions": {
-        "ipuloop": __version__, "torch": torch.__version__,
-        "poptorch": getattr(poptorch_module(), "__version__", None)}}
 
 
 def _check_filename(filename: str, monitor: str | None, every_n_steps: int | None) -> None:
@@ -232,15 +68,6 @@ def _check_filename(filename: str, monitor: str | None, every_n_steps: int | Non
         filename.format(**{k: 0 if k in COUNTERS else 0.0 for k in keys})
     except (ValueError, TypeError) as e:
         raise bad(f"cannot be formatted: {e}") from None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        _remove(path / MANIFEST)  # un-commit first: a crash mid-delete leaves no broken commit
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 class ModelCheckpoint(Callback):
@@ -284,8 +111,7 @@ class ModelCheckpoint(Callback):
                  mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  save_on_exception: bool = True,
                  filename: str = "epoch{epoch}-step{step}") -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f'mode must be "min" or "max". Received: mode={mode!r}.')
+        self._sign = check_mode(mode)
         for k, v in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{k} must be an int >= 0 or None. Received: {k}={v!r}.")
@@ -317,11 +143,13 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Names come from a file: keep only plain names, so rotation stays inside dirpath.
-        self.kept = [dict(e) for e in state.get("kept", []) if _plain(str(e.get("name", "")))]
+        self.kept = [dict(e) for e in state.get("kept", [])
+                     if cio.plain_name(str(e.get("name", "")))]
         name = state.get("name")
-        self.resumed_from = name if isinstance(name, str) and _plain(name) else None
+        self.resumed_from = name if isinstance(name, str) and cio.plain_name(name) else None
         # A crash between a commit and its rotation left these behind: delete them at start.
-        self._pending = [n for n in state.get("rotating", []) if isinstance(n, str) and _plain(n)]
+        self._pending = [n for n in state.get("rotating", [])
+                         if isinstance(n, str) and cio.plain_name(n)]
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
@@ -345,15 +173,15 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(self.dirpath, f"cannot be used as the checkpoint folder: "
                                   f"{e}") from e
         for p in [*self.dirpath.glob(TMP_PREFIX + "*"), *self.dirpath.glob(f"*/{TMP_PREFIX}*")]:
-            _remove(p)  # left by a save that was killed
+            cio.remove(p)  # left by a save that was killed
         for p in self.dirpath.iterdir():  # interrupted saves: a state.pt and no manifest
             if p.is_dir() and {c.name for c in p.iterdir()} <= {STATE}:
-                _remove(p)
+                cio.remove(p)
         kept = {e["name"] for e in self.kept}
         resumed_here = self.resumed_from is not None and (self.dirpath / self.resumed_from).is_dir()
         for name in self._pending if resumed_here else ():  # same folder: same run's rotation
             if name not in kept and name != self.resumed_from:
-                _remove(self.dirpath / name)  # a crash between commit and rotation left it
+                cio.remove(self.dirpath / name)  # a crash between commit and rotation left it
         self._pending = []
 
     def on_train_step_end(self, loop: Any) -> None:
@@ -372,7 +200,7 @@ class ModelCheckpoint(Callback):
         self._in_fit = False
         for name in self._deferred:  # the fit succeeded: the resumed-from one may go now
             try:
-                _remove(self.dirpath / name)
+                cio.remove(self.dirpath / name)
             except OSError as err:
                 warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
                               f"({err}); a fit resumed from {self.latest()} deletes it.")
@@ -382,15 +210,15 @@ class ModelCheckpoint(Callback):
         if not (self.save_on_exception and self._in_fit):
             return
         self._in_fit = False
-        if isinstance(loop.exception, KeyboardInterrupt):
+        if isinstance(loop.state.exception, KeyboardInterrupt):
             return  # reliability §7.8: no new checkpoint after Ctrl-C
-        from ..loop import NonFiniteLossError
         # Tainted: a non-finite loss, or a callback whose state the checkpoint holds failed
         # inside a hook (e.g. LRScheduler mid-update), so that state may be half-updated.
-        source = getattr(loop, "exception_source", None)  # (a failed save restored its own)
+        source = loop.state.exception_source  # (a failed save restored its own)
         stateful = source not in (None, self) and overridden(source, "state_dict")
-        self.save(loop, exception=loop.exception,
-                  tainted=isinstance(loop.exception, NonFiniteLossError) or stateful)
+        error = loop.state.exception
+        self.save(loop, exception=error,
+                  tainted=isinstance(error, NonFiniteLossError) or stateful)
 
     # -- saving --------------------------------------------------------------------------------
     def _score(self, loop: Any, at_step: bool) -> float | None:
@@ -405,17 +233,13 @@ class ModelCheckpoint(Callback):
                               "kept unranked (as the last, never among the best) until it "
                               "exists.", stacklevel=3)
             return math.nan
-        if self.monitor not in st.logs:
-            raise ValueError(f"ModelCheckpoint(monitor={self.monitor!r}): no such log at epoch "
-                             f"{loop.state.epoch}, step {loop.state.step}. Available logs: "
-                             f"{sorted(loop.state.logs)}.")
-        return float(loop.state.logs[self.monitor])
+        return monitored(st, self.monitor, "ModelCheckpoint")
 
     def _keep(self, entries: list[dict[str, Any]], newest: str) -> set[str]:
         """Names to keep: the best ``save_top_k`` (NaN scores last) or newest, plus the last."""
         ranked = entries[::-1]  # newest first; the sort is stable, so ties go to the newest
         if self.monitor is not None:
-            sign = 1.0 if self.mode == "min" else -1.0
+            sign = self._sign
             ranked.sort(key=lambda e: (math.isnan(e["score"]), 0.0 if math.isnan(e["score"])
                                        else sign * e["score"]))
         keep = {e["name"] for e in (ranked if self.save_top_k < 0 else ranked[:self.save_top_k])}
@@ -435,7 +259,7 @@ class ModelCheckpoint(Callback):
                              f"{st.epoch}, step {st.step}. Available logs: {sorted(st.logs)}."
                              ) from None
         name += "-exception" if exception else ""
-        if not _plain(name):
+        if not cio.plain_name(name):
             raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
                              f"plain folder name inside {self.dirpath}.")
         if name == self.resumed_from:
@@ -462,34 +286,18 @@ class ModelCheckpoint(Callback):
         self._rotating = self._deferred + [e["name"] for e in old if e["name"] not in kept]
         touched = False
         try:
-            loop._fire("on_save_checkpoint")  # callbacks stash what their state_dict needs
-            buf = io.BytesIO()
-            torch.save(loop.state_dict(), buf)  # Loop.state_dict reads the device's weights
+            buf = _bytes.BytesIO()
+            torch.save(loop.state_dict(), buf)  # fires on_save_checkpoint; reads the device's weights
             data = buf.getvalue()
             touched = True  # from here on, the folder holds no committed checkpoint
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                recommit = (folder / MANIFEST).exists()
-                if recommit:  # re-saving a name: un-commit it first
-                    (folder / MANIFEST).unlink()
-            except OSError as e:
-                raise CheckpointError(folder, f"cannot be created: {e}") from e
-            if recommit:
-                _fsync_dir(folder)
-            _atomic_write(folder / STATE, data)
-            manifest = {
-                "format": "ipuloop-checkpoint", "format_version": FORMAT_VERSION,
-                **_provenance(), **st.counters(),
-                "tainted": tainted, "exception": type(exception).__name__ if exception else None,
-                "monitor": self.monitor, "score": entry["score"], "wall_time": time.time(),
-                "files": {STATE: {"bytes": len(data), "sha256": _sha256(data)}}}
-            manifest["manifest_sha256"] = _sha256(_dump(manifest))
-            _atomic_write(folder / MANIFEST, _dump(manifest))  # the commit
-            _fsync_dir(self.dirpath)  # the new folder's own entry
+            cio.write_checkpoint(folder, data, {
+                **st.counters(), "tainted": tainted,
+                "exception": type(exception).__name__ if exception else None,
+                "monitor": self.monitor, "score": entry["score"]})
         except BaseException:
             self.kept = old
             if touched:  # no partial checkpoint stays behind (the old ones are untouched)
-                _remove(folder)
+                cio.remove(folder)
             raise
         finally:
             self._saving, self._rotating = None, []
@@ -500,7 +308,7 @@ class ModelCheckpoint(Callback):
                     self._deferred.append(e["name"])
                     continue
                 try:
-                    _remove(self.dirpath / e["name"])
+                    cio.remove(self.dirpath / e["name"])
                 except OSError as err:  # the new checkpoint is committed: keep training
                     self._deferred.append(e["name"])  # retried at fit end, recorded in saves
                     warnings.warn(f"ModelCheckpoint: could not rotate out "
@@ -510,37 +318,12 @@ class ModelCheckpoint(Callback):
 
     # -- finding -------------------------------------------------------------------------------
     def latest(self, include_tainted: bool = False) -> Path | None:
-        """The newest valid checkpoint written in ``dirpath`` (by the time its manifest
-        records), or None: this run's last save, never an older run's with a higher step.
+        """The newest valid checkpoint written in ``dirpath`` (``checkpoint_io.find_latest``)."""
+        return cio.find_latest(self.dirpath, include_tainted)
 
-        Found by scanning the manifests (no pointer file). A newer one that fails verification
-        is skipped with a warning naming it and the one used instead.
-        """
-        if self.dirpath.is_file():
-            raise CheckpointError(self.dirpath, "is a file, not a folder of checkpoints")
-        if not self.dirpath.is_dir():
-            return None
-        found = []
-        for mpath in self.dirpath.glob(f"*/{MANIFEST}"):
-            try:
-                m = json.loads(mpath.read_bytes())
-                key = (float(m["wall_time"]), int(m["step"]), mpath.stat().st_mtime_ns)
-            except (ValueError, TypeError, KeyError, OSError):
-                key = (math.inf, math.inf, 0)  # unreadable: possibly the newest, so suspect it
-            found.append((key, mpath.parent))
-        bad: list[str] = []
-        for _, folder in sorted(found, key=lambda kf: kf[0], reverse=True):
-            try:
-                if read_manifest(folder).get("tainted") and not include_tainted:
-                    continue
-            except CheckpointError as e:
-                bad.append(str(e))
-                continue
-            if bad:
-                warnings.warn(f"Skipped newer checkpoint(s) that failed verification "
-                              f"({'; '.join(bad)}); using {folder}.")
-            return folder
-        if bad:
-            warnings.warn(f"No valid checkpoint in {self.dirpath}: {'; '.join(bad)}.")
-        return None
-
+    def resume_path(self) -> Path | None:
+        """What ``fit(resume_from="last")`` loads: the newest checkpoint in ``dirpath``."""
+        path = self.latest()
+        if path is None:
+            warnings.warn(f"No checkpoint in {self.dirpath}: starting from scratch.")
+        return path

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Callback
+from .base import Callback, check_mode, monitored
 
 __all__ = ["EarlyStopping"]
 
@@ -32,8 +32,7 @@ class EarlyStopping(Callback):
 
     def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0,
                  mode: str = "min", check_finite: bool = True) -> None:
-        if mode not in ("min", "max"):
-            raise ValueError(f'mode must be "min" or "max". Received: mode={mode!r}.')
+        self._sign = check_mode(mode)
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
             raise ValueError(f"patience must be an int >= 1. Received: patience={patience!r}.")
         if not (min_delta >= 0):  # also rejects NaN
@@ -46,12 +45,8 @@ class EarlyStopping(Callback):
         self.reason = ""
 
     def on_epoch_end(self, loop: Any) -> None:
-        logs = loop.state.logs
-        if self.monitor not in logs:
-            raise ValueError(f"EarlyStopping: monitor={self.monitor!r} is not in the logs. "
-                             f"Available: {sorted(logs)}.")
-        value = float(logs[self.monitor])
-        sign = 1.0 if self.mode == "min" else -1.0
+        value = monitored(loop.state, self.monitor, "EarlyStopping")
+        sign = self._sign
         if self.check_finite and not math.isfinite(value):
             self.reason = f"{self.monitor} = {value} is not finite"
         elif sign * (self.best - value) > self.min_delta:

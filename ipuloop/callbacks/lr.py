@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Callback
+from .base import Callback, monitored
 
 __all__ = ["LRScheduler"]
 
@@ -132,14 +132,10 @@ class LRScheduler(Callback):
     def on_epoch_end(self, loop: Any) -> None:
         if self.interval != "epoch":
             return
-        logs = loop.state.logs
         if not self.plateau:
             self._step()
-        elif self.monitor not in logs:
-            raise ValueError(f"LRScheduler: monitor={self.monitor!r} is not in the logs. "
-                             f"Available: {sorted(logs)}.")
         else:
-            self._step(float(logs[self.monitor]))
+            self._step(monitored(loop.state, self.monitor, "LRScheduler"))
 
     def state_dict(self) -> dict[str, Any]:
         # A method of the scheduler itself (torch 2.0's OneCycleLR keeps ``anneal_func``) is

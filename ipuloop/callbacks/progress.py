@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .base import Callback
+from .base import Callback, register_default
 
 __all__ = ["ProgressBar"]
 
@@ -35,7 +35,7 @@ class ProgressBar(Callback):
         return hasattr(s, "isatty") and s.isatty()
 
     def on_epoch_start(self, loop: Any) -> None:
-        self._steps = getattr(loop, "_steps_hint", None)
+        self._steps = loop.state.steps_per_epoch
         self._start = time.perf_counter()
         self._t0_step = loop.state.step
         if self._tty():
@@ -77,3 +77,14 @@ class ProgressBar(Callback):
             self._bar = None
 
     on_exception = on_fit_end
+
+
+def _default(callbacks: list, progress: Any) -> ProgressBar | None:
+    """``Loop(progress=...)``: a ProgressBar unless one is given or progress is False (an int
+    is its ``every``)."""
+    if not progress or any(isinstance(cb, ProgressBar) for cb in callbacks):
+        return None
+    return ProgressBar(every=progress if progress is not True else None)
+
+
+register_default(_default)

@@ -1,0 +1,196 @@
+"""The loop's PopTorch executors: build and compile them, one attached at a time, push the optimizer.
+
+Also ``WithLoss``, which makes a model and a loss function one model-with-loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .backend import poptorch_module
+from .rules import OPTIMIZER_GLOBALS, optimizer_hyperparameters
+
+__all__ = ["WithLoss", "Executors"]
+
+
+class WithLoss(torch.nn.Module):
+    """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs[, labels])``.
+
+    Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
+    labels, it returns ``(output, loss_fn(output, labels))``. The loss runs after the model's
+    last layer, so it joins the block started last (``BeginBlock``/``Stage`` placement; after a
+    ``with poptorch.Block(...)`` has ended no op may run, so such a model computes its loss
+    itself, inside its last block). On the device the loss is marked
+    with ``identity_loss`` (reduction "none": the value unchanged), so that PopTorch finds it
+    whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+
+    def forward(self, *args: Any) -> Any:
+        if len(args) == self.num_inputs:
+            return self.model(*args)
+        if len(args) != self.num_inputs + 1:
+            raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
+                            f"Received {len(args)} arguments.")
+        output = self.model(*args[:-1])
+        loss = self.loss_fn(output, args[-1])
+        pt = poptorch_module()
+        if pt.isRunningOnIpu():  # in the device graph, a loss PopTorch finds whatever loss_fn does
+            loss = pt.identity_loss(loss, reduction="none")
+        return output, loss
+
+
+@contextlib.contextmanager
+def _plain_numbers(opt: torch.optim.Optimizer | None) -> Any:
+    """While PopTorch reads ``opt`` (``trainingModel``, ``setOptimizer``), its tensor
+    hyper-parameters (an lr a scheduler updates in place) are their floats: PopTorch asserts
+    numbers. The tensors are put back after, so in-place updates keep working."""
+    swapped = []
+    for group in (opt.defaults, *opt.param_groups) if opt is not None else ():
+        for k, v in group.items():
+            if k != "params" and isinstance(v, torch.Tensor):
+                swapped.append((group, k, v))
+                group[k] = float(v)  # a host tensor: no device sync
+    try:
+        yield
+    finally:
+        for group, k, v in swapped:
+            group[k] = v
+
+
+def _globals(opt: torch.optim.Optimizer) -> tuple:
+    return tuple(getattr(opt, k, None) for k in OPTIMIZER_GLOBALS)
+
+
+class _Seen:
+    """An optimizer as the last push read it: ``unchanged(opt)`` is the per-step test.
+
+    True only when ``opt`` is that optimizer with the same group keys, the very same value
+    objects (a value set anew, even an equal one, counts as a change), tensor values (an lr a
+    scheduler updates in place) at the float they had, and equal optimizer-wide attributes.
+    False sends the step to the full comparison of ``optimizer_hyperparameters`` snapshots.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.keys = [tuple(g) for g in opt.param_groups]
+        self.values = [tuple(g.values()) for g in opt.param_groups]
+        self.tensors = [(v, float(v)) for g in opt.param_groups for k, v in g.items()
+                        if k != "params" and isinstance(v, torch.Tensor)]
+        self.extras = _globals(opt)
+
+    def unchanged(self, opt: torch.optim.Optimizer) -> bool:
+        if opt is not self.opt:
+            return False
+        groups = opt.param_groups
+        if len(groups) != len(self.keys):
+            return False
+        try:
+            for g, keys, values in zip(groups, self.keys, self.values):
+                if tuple(g) != keys or not all(map(operator.is_, g.values(), values)):
+                    return False
+            for t, v in self.tensors:
+                if float(t) != v:
+                    return False
+            return _globals(opt) == self.extras
+        except (RuntimeError, TypeError, ValueError):  # an exotic value: compare in full
+            return False
+
+
+class Executors:
+    """The training model and the inference models (one per host-call shape) of one loop.
+
+    One executor holds the device at a time (``activate`` detaches the others). The device
+    never re-reads the host optimizer, so ``push_optimizer`` calls ``setOptimizer`` only when
+    a hyper-parameter changed (``pushes`` counts those calls).
+    """
+
+    def __init__(self, poptorch: Any, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        self.poptorch, self.model, self.optimizer = poptorch, model, optimizer
+        self.train: Any = None
+        self.inference: dict[tuple, Any] = {}
+        self.pushes = 0
+        self._pushed: dict | None = None  # the snapshot the device holds
+        self._seen: _Seen | None = None  # what the last push looked at
+
+    def all(self) -> tuple:
+        return (self.train, *self.inference.values())
+
+    def training_model(self, opts: Any) -> Any:
+        """The training executor, built (not compiled) on first use."""
+        if self.train is None:
+            self.model.train()
+            with _plain_numbers(self.optimizer):
+                self.train = self.poptorch.trainingModel(self.model, opts,
+                                                         optimizer=self.optimizer)
+        return self.train
+
+    def compile(self, executor: Any, sample: tuple) -> float:
+        """Compile ``executor`` for ``sample``; returns the seconds it took."""
+        start = time.perf_counter()
+        self.activate(executor)
+        executor.compile(*sample)
+        if executor is self.train:
+            self._pushed, self._seen = optimizer_hyperparameters(self.optimizer), None
+        return time.perf_counter() - start
+
+    def inference_model(self, key: tuple, opts: Any) -> Any:
+        """The inference executor for ``key`` (kind, samples per call, DI), built on first use.
+
+        PopTorch's inference wrapper is a shallow copy that shares the submodules and traces
+        them in the mode they are in: the caller keeps them in eval mode until it compiles.
+        """
+        model = self.inference.get(key)
+        if model is None:
+            model = self.inference[key] = self.poptorch.inferenceModel(self.model, opts)
+        return model
+
+    def push_optimizer(self) -> None:
+        """Before a training step: ``setOptimizer`` when a hyper-parameter changed."""
+        opt = self.optimizer
+        seen = self._seen  # the cheap test first, then the full comparison
+        if seen is not None and seen.unchanged(opt):
+            return
+        current = optimizer_hyperparameters(opt)
+        if current != self._pushed:
+            with _plain_numbers(opt):
+                self.train.setOptimizer(opt)
+            self.pushes += 1
+            self._pushed = current
+        self._seen = _Seen(opt)
+
+    def activate(self, executor: Any) -> None:
+        """Detach every other executor before ``executor`` runs (one set of IPUs at a time)."""
+        for other in self.all():
+            if other is not None and other is not executor and other.isAttachedToDevice():
+                other.detachFromDevice()
+
+    @staticmethod
+    def detach(executor: Any, quiet: bool = False) -> None:
+        """Detach ``executor`` (weights and optimizer state to the host) if it is attached;
+        ``quiet``: while tearing down after an error, warn instead of raising."""
+        if executor is None or not executor.isAttachedToDevice():
+            return
+        try:
+            executor.detachFromDevice()
+        except Exception as e:
+            if not quiet:
+                raise
+            # tearing down after an error: that error is the one to report
+            warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}")
+
+    def release(self) -> None:
+        """After an error: every executor off the device, quietly."""
+        for executor in self.all():
+            self.detach(executor, quiet=True)

@@ -1,0 +1,242 @@
+"""Host-side numbers: metrics and their logs, validation loss, and the host probe before compiling.
+
+The probe runs one micro-batch through the model on the host, so that wrong labels, a loss
+that is not a scalar or a metric that rejects the output fail before anything compiles.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from .outputs import map_tensors
+
+__all__ = ["resolve_metrics", "metric_logs", "metric_state", "shape", "probe",
+           "Validation", "has_loss"]
+
+
+def resolve_metrics(metrics: Any, metric_output: Any = None) -> dict[str, Any]:
+    """``Loop``'s ``metrics`` as a dict, checked with its ``metric_output``."""
+    if metric_output is not None and not callable(metric_output):
+        raise TypeError(f"metric_output must be a function of the model's output. "
+                        f"Received: metric_output={metric_output!r}.")
+    if metrics is None:
+        return {}
+    if not hasattr(metrics, "items"):
+        raise TypeError("metrics must be a dict of torchmetrics metrics or a "
+                        f"MetricCollection. Received: {type(metrics).__name__}.")
+    out = dict(metrics.items())
+    for name, m in out.items():
+        if not (hasattr(m, "update") and hasattr(m, "compute") and hasattr(m, "reset")):
+            raise TypeError(f"metrics[{name!r}] must be a torchmetrics Metric. Received: "
+                            f"{type(m).__name__}.")
+    return out
+
+
+def metric_logs(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """Each metric's ``compute()`` as log entries: ``<prefix><name>``, and for a metric that
+    returns several values (per class, a dict) ``<prefix><name>_<index or key>``."""
+    logs: dict[str, float] = {}
+
+    def put(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                put(f"{key}_{k}", v)
+        elif isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor)
+                                                  and value.numel() != 1):
+            for i, v in enumerate(value.reshape(-1) if isinstance(value, torch.Tensor)
+                                  else value):
+                put(f"{key}_{i}", v)
+        else:
+            logs[key] = float(value)
+
+    for name, m in metrics.items():
+        put(prefix + name, m.compute())
+    return logs
+
+
+def metric_state(metric: Any) -> dict[str, Any]:
+    """A torchmetrics metric's state by name (``metric_state``, which torchmetrics 1.0 lacks)."""
+    return {name: getattr(metric, name) for name in metric._defaults}
+
+
+def shape(x: Any) -> str:
+    """A value's dtype and shape for messages, e.g. "float32 [4, 6]"."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')} {list(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} ({', '.join(shape(v) for v in x)})"
+    return type(x).__name__
+
+
+def _describe(inputs: tuple, labels: Any) -> str:
+    """The batch as the model sees it, e.g. "inputs (float32 [4, 6]) and labels int64 [4]"."""
+    return (f"input{'s' if len(inputs) != 1 else ''} ({', '.join(shape(x) for x in inputs)}) "
+            f"and labels {shape(labels)}")
+
+
+def probe(model: torch.nn.Module, inputs: tuple, labels: Any, name: str, *, copy_float: bool,
+          metrics: dict[str, Any], metric_output: Callable | None) -> None:
+    """Check one micro-batch on the host before anything is compiled (float32; buffers and
+    the host RNG as they were). ``copy_float``: run a float32 copy (16-bit weights)."""
+    n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor) and x.dim() and n is not None and x.shape[0] != n:
+            raise ValueError(f"{name}: input {i} has batch size {x.shape[0]} but the "
+                             f"labels have {n}. Every tensor in a batch must have the "
+                             "samples on dimension 0.")
+    if copy_float:  # a float32 copy: the host may have no float16 kernels
+        model = copy.deepcopy(model).float()  # (torch 2.0.1's CPU has no float16 matmul)
+    saved = [b.clone() for b in model.buffers()]
+    was_training = model.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.train()
+            out = model(*inputs, labels)
+    except Exception as e:  # name what the model was given: usually the labels are wrong
+        raise ValueError(
+            f"{name}: the model failed on the first micro-batch, run on the host before "
+            f"compilation, with {_describe(inputs, labels)}: {type(e).__name__}: {e}") from e
+    finally:
+        with torch.no_grad():
+            for b, s in zip(model.buffers(), saved):
+                b.copy_(s)
+        model.train(was_training)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and isinstance(out[1], torch.Tensor)):
+        raise ValueError(
+            "With labels, the model must return (output, loss). Received: "
+            f"{type(out).__name__}" + (f" of length {len(out)}"
+                                       if isinstance(out, (tuple, list)) else "")
+            + ". Write forward(self, *inputs, labels=None) returning (output, loss) when "
+            "labels are given, or pass a plain model with loss_fn=.")
+    output, loss = out
+    if loss.numel() != 1:
+        raise ValueError(f"The loss must be a scalar per micro-batch. Received a loss of "
+                         f"shape {list(loss.shape)}: reduce it (mean or sum).")
+    if (isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
+            and labels.is_floating_point() and output.dim() == labels.dim() + 1
+            and output.shape[-1] == 1 and output.shape[:-1] == labels.shape):
+        raise ValueError(
+            f"{name}: outputs of shape {list(output.shape)} and labels of shape "
+            f"{list(labels.shape)} would broadcast to {list(output.shape[:-1]) * 2} in the "
+            "loss. Give the labels shape [N, 1] (e.g. y.unsqueeze(-1)) or squeeze the "
+            "output.")
+    for w in caught:  # torch's losses only warn when the labels broadcast: that is an error
+        if "different to the input size" in str(w.message):
+            raise ValueError(
+                f"{name}: the loss would broadcast the labels against the output "
+                f"({w.message}), with {_describe(inputs, labels)} and an output of shape "
+                f"{shape(output)}. Give the labels the output's shape.")
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    _probe_metrics(output, labels, metrics, metric_output)
+
+
+def _probe_metrics(output: Any, labels: Any, metrics: dict[str, Any],
+                   metric_output: Callable | None) -> None:
+    """Update a copy of each metric with the probe's output, so a metric that rejects it
+    (another task, shape or class count; a tuple output) fails before compiling."""
+    given_output = output if metric_output is None else metric_output(output)
+    for name, metric in metrics.items():
+        try:
+            copy.deepcopy(metric).update(given_output, labels)
+        except Exception as e:
+            given = (shape(output) if metric_output is None
+                     else f"{shape(output)}, given as {shape(given_output)} by metric_output")
+            raise ValueError(
+                f"metrics[{name!r}] ({type(metric).__name__}) rejects the model's output: "
+                f"update(output, labels) with output {given} and labels {shape(labels)} "
+                f"raised {type(e).__name__} ({e}). Metrics receive the output the model "
+                "returns with its loss; pass metric_output= (e.g. lambda out: out[0]) to "
+                "give them another, or build the metric for this output.") from e
+
+
+def has_loss(result: Any, losses: int) -> bool:
+    """Whether an inference call returned ``(output, loss)``: a loss per micro-batch."""
+    return (isinstance(result, (tuple, list)) and len(result) == 2
+            and isinstance(result[1], torch.Tensor) and result[1].numel() == losses
+            and result[1].is_floating_point())
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+class Validation:
+    """One validation run's numbers: val_loss (the mean loss per sample) and the metrics.
+
+    The loader is padded to whole host calls with copies of the last sample: only the samples
+    count. The device's loss covers the micro-batches without padding; the samples of the one
+    with padding get ``loss_fn`` on the host (their outputs are here) when there is one, and
+    are left out of val_loss otherwise (with a warning). ``warned`` holds the one-time
+    warnings already given by this loop.
+    """
+
+    def __init__(self, plan: Any, metrics: dict[str, Any], metric_output: Callable | None,
+                 loss_fn: Callable | None, warned: set) -> None:
+        self.layout, self.micro, self.combined = plan.layout, plan.micro, plan.combined
+        self.left = plan.samples if plan.sampler is not None and plan.samples else None
+        self.metrics, self.metric_output, self.loss_fn = metrics, metric_output, loss_fn
+        self.warned = warned
+        self.total, self.count, self.uncovered = 0.0, 0, 0
+        for m in metrics.values():
+            m.reset()
+
+    def add(self, output: Any, labels: Any) -> None:
+        """One inference call's output (``(output, loss)`` when the model returns a loss)."""
+        layout, micro, combined = self.layout, self.micro, self.combined
+        valid = combined if self.left is None else min(combined, self.left)
+        if self.left is not None:
+            self.left -= valid
+        if has_loss(output, layout.micro_batches):
+            output, loss = output
+            loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
+            whole = valid // micro * micro  # samples in micro-batches without padding
+            if valid < combined:  # the padded call: its whole micro-batches of samples
+                loss = loss[:valid // micro]
+            self.total += float(loss.double().sum()) * micro  # host tensor: no device sync
+            self.count += whole
+            if valid > whole and self.loss_fn is not None:  # the rest: exactly, on the host
+                part = map_tensors(output, lambda t: t if t.dim() == 0 else
+                                   _float32(layout.input_rows(t)[whole:valid]))
+                with torch.no_grad():
+                    rest = self.loss_fn(part, map_tensors(labels, lambda t: t[whole:valid]))
+                self.total += float(rest) * (valid - whole)
+                self.count += valid - whole
+            else:
+                self.uncovered += valid - whole
+        elif "no_val_loss" not in self.warned:
+            # e.g. ``if self.training: return x, loss`` / ``return x``: no loss in eval mode
+            self.warned.add("no_val_loss")
+            warnings.warn("In eval mode the model returns its output without a loss, so "
+                          "validation logs no val_loss (metrics are still computed). "
+                          "Return (output, loss) whenever labels are given to get one.",
+                          stacklevel=3)
+        if self.metrics:  # All mode, [DI, RF, B]: the host batch's order, per input group
+            output = map_tensors(output, lambda t: t if t.dim() == 0
+                                 else layout.input_rows(t)[:valid])
+            if valid < combined:
+                labels = map_tensors(labels, lambda t: t[:valid])
+            if self.metric_output is not None:
+                output = self.metric_output(output)
+            for m in self.metrics.values():
+                m.update(output, labels)
+
+    def logs(self) -> dict[str, float]:
+        """val_loss (when any sample has a loss) and ``val_<metric>``."""
+        count, uncovered = self.count, self.uncovered
+        if uncovered and "partial_val_loss" not in self.warned:
+            self.warned.add("partial_val_loss")
+            warnings.warn(
+                f"val_loss covers {count} of the {count + uncovered} validation samples: the "
+                f"last {uncovered} share a micro-batch of {self.micro} with padding, whose loss "
+                "the device computes over both. Pass loss_fn= to Loop (then the loop computes "
+                "the loss of those samples on the host), or use a micro-batch size that divides "
+                "the sample count.", stacklevel=4)
+        logs = {"val_loss": self.total / count} if count else {}
+        logs.update(metric_logs("val_", self.metrics))
+        return logs

@@ -1,0 +1,231 @@
+"""The loop's options, resolved once: training and inference ``poptorch.Options`` and their layouts.
+
+``Loop`` resolves here what its arguments ask of the options (replicas, seed, precision,
+clipping, the output mode). The training options freeze when the first ``fit`` starts, after
+the ``on_configure`` hooks; from then on the loader, the output layout, the logs and the
+executor all read that one object.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .outputs import MODE_NAMES, Layout
+from .rules import (ALL, DEFAULT, EVERY_N, MAX_IPUS, SUM, check_return_period, input_groups,
+                    ipu_count_error, reserved_ipus, uses_ipu_model)
+
+__all__ = ["Resolved", "resolve", "PRECISIONS", "resolve_options", "resolve_precision", "set_replicas", "seed_options",
+           "check_optimizer_arg", "set_clipping", "resolve_output_mode", "layout",
+           "inference_options"]
+
+PRECISIONS = ("32", "16-mixed", "16-true")
+# Lightning's spellings: PL 1.x took 16/32 (16 = mixed), lightning-graphcore "32-true"/"16-mixed".
+_PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", 16: "16-mixed", "16": "16-mixed",
+                      "16-mixed": "16-mixed", "16-true": "16-true"}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What ``Loop``'s arguments resolve to, once."""
+
+    train: Any  # the training options (a clone; frozen when the first fit starts)
+    inference: Any  # the inference_opts given (a clone), or None: derived per loader
+    precision: str  # one of PRECISIONS
+    input_dtype: torch.dtype | None  # float inputs are sent as this (16-bit precisions)
+    optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
+
+
+def resolve(pt: Any, model: torch.nn.Module, opts: Any, inference_opts: Any, *, replicas: Any,
+            seed: int | None, optimizer: Any, max_grad_norm: float | None, precision: Any,
+            metrics: dict[str, Any]) -> Resolved:
+    """``Loop``'s options and option-like arguments, checked before anything compiles."""
+    precision = resolve_precision(precision)
+    # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
+    # also makes the weights float16, "16-mixed" keeps them float32 (see ``Loop``).
+    if precision == "16-true":
+        model.half()
+    train, inference, per_replica = resolve_options(pt, opts, inference_opts)
+    if replicas is not None:
+        set_replicas(pt, train, replicas, per_replica)
+    if seed is not None:
+        seed_options(train, seed)
+    check_optimizer_arg(optimizer)
+    if max_grad_norm is not None:
+        set_clipping(pt, optimizer, max_grad_norm)
+    if optimizer is None:  # PopTorch's default, made here rather than inside trainingModel,
+        optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
+    resolve_output_mode(pt, train, metrics)
+    return Resolved(train, inference, precision,
+                    None if precision == "32" else torch.float16, optimizer)
+
+
+def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, int]:
+    """Clones of the training and (if given) inference options, and the IPUs per replica
+    (known from an ``IPUConfig``; else 1)."""
+    from .config import IPUConfig
+    per_replica = 1
+    if isinstance(opts, IPUConfig):
+        per_replica = opts.ipus_used()
+        if inference_opts is None:
+            inference_opts = opts.to_options(for_inference=True)
+        opts = opts.to_options()
+    if opts is None:
+        opts = pt.Options()
+    if not isinstance(opts, pt.Options):
+        raise TypeError(f"opts must be poptorch.Options, an ipuloop.IPUConfig or None. "
+                        f"Received: opts={type(opts).__name__}.")
+    if inference_opts is not None and not isinstance(inference_opts, pt.Options):
+        raise TypeError(f"inference_opts must be poptorch.Options or None. Received: "
+                        f"inference_opts={type(inference_opts).__name__}.")
+    return (opts.clone(), inference_opts.clone() if inference_opts is not None else None,
+            per_replica)
+
+
+def resolve_precision(precision: str | int) -> str:
+    if (isinstance(precision, bool) or not isinstance(precision, (str, int))
+            or precision not in _PRECISION_ALIASES):
+        raise ValueError(f"precision must be one of {PRECISIONS} (or Lightning's 32, 16, "
+                         f"'32-true'). Received: precision={precision!r}.")
+    return _PRECISION_ALIASES[precision]
+
+
+def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int = 1) -> None:
+    """``replicas=``, checked as PopTorch checks the IPUs it reserves, before compiling.
+
+    ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed (a
+    pipelined model's IPUs are only known once it is traced).
+    """
+    hardware = pt.ipuHardwareIsAvailable()
+    if replicas == "auto":
+        # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
+        n = 1
+        while hardware and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS \
+                and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica)):
+            n *= 2
+        replicas = n
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1 or 'auto'. Received: "
+                         f"replicas={replicas!r}.")
+    current = opts.replication_factor
+    if current not in (1, replicas):
+        raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
+                         "set one of them.")
+    error = ipu_count_error(opts, replicas, ipus_per_replica)
+    if error is not None:
+        if not ipus_per_replica & (ipus_per_replica - 1) and "power of 2" in error:
+            below = 1 << (replicas.bit_length() - 1)
+            error += f" Or use replicas={below} or {2 * below}."
+        raise ValueError(f"replicas={replicas}: {error}")
+    ipus = reserved_ipus(opts, replicas * ipus_per_replica)
+    if hardware and not uses_ipu_model(opts) and not pt.ipuHardwareIsAvailable(ipus):
+        raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
+                         f"needs {ipus} IPUs, more than this system has. Use "
+                         "fewer replicas, or replicas='auto'.")
+    opts.replicationFactor(replicas)
+
+
+def seed_options(opts: Any, value: int) -> None:
+    """Seed python, numpy and (through ``Options.randomSeed``) torch and the device."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"seed must be an int. Received: seed={value!r}.")
+    random.seed(value)
+    with contextlib.suppress(ImportError):
+        import numpy as np
+        np.random.seed(value % 2**32)
+    opts.randomSeed(value)  # seeds torch on the host and the device
+
+
+def check_optimizer_arg(optimizer: Any) -> None:
+    if isinstance(optimizer, (list, tuple)):
+        raise ValueError(f"IPUs currently only support one optimizer. Received "
+                         f"{len(optimizer)} optimizers: combine their parameter groups "
+                         "into one optimizer.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer. Received: "
+                        f"optimizer={type(optimizer).__name__}.")
+
+
+def set_clipping(pt: Any, optimizer: Any, max_grad_norm: float) -> None:
+    if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a number > 0. Received: "
+                         f"max_grad_norm={max_grad_norm!r}.")
+    if not isinstance(optimizer, (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW)):
+        name = "None" if optimizer is None else type(optimizer).__module__ + "." + \
+            type(optimizer).__qualname__
+        raise ValueError(
+            f"Gradient clipping runs on the device only with poptorch.optim.SGD, Adam or "
+            f"AdamW (their max_grad_norm). Received: optimizer={name}. Build the optimizer "
+            f"as poptorch.optim.AdamW(params, ..., max_grad_norm={max_grad_norm})"
+            + (" (LAMB clamps weight norms instead: max_weight_norm)."
+               if isinstance(optimizer, pt.optim.LAMB) else "."))
+    optimizer.max_grad_norm = float(max_grad_norm)
+
+
+def resolve_output_mode(pt: Any, opts: Any, metrics: dict[str, Any]) -> None:
+    """Default: what logging and metrics need at the least transfer; Sum with metrics and an
+    EveryN period that does not divide DI are rejected here, before compiling."""
+    mode = opts.output_mode
+    if mode == DEFAULT:
+        opts.outputMode(pt.OutputMode.All if metrics else pt.OutputMode.Sum)
+    elif mode == SUM and metrics:
+        raise ValueError("OutputMode.Sum returns per-replica sums, not per-sample outputs, so "
+                         f"the metrics {sorted(metrics)} cannot be computed. Use "
+                         "OutputMode.All (exact) or Final (last micro-batch), or leave the "
+                         "output mode at Default and the loop picks All.")
+    elif mode == EVERY_N:  # PopART's rule, checked here rather than at compile time
+        check_return_period(opts.output_return_period, opts.device_iterations)
+
+
+def layout(opts: Any, training: bool) -> Layout:
+    """The shape of one host call under ``opts``."""
+    return Layout(opts.device_iterations,
+                  opts.Training.gradient_accumulation if training else 1,
+                  opts.replication_factor, opts.output_mode,
+                  max(opts.output_return_period, 1), opts.input_group_size,
+                  int(opts.input_cgt) == 2)
+
+
+def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:
+    """Options for validating or predicting over ``loader``: a clone of ``user`` (the
+    ``inference_opts``), else of the training options without their training-only settings,
+    with the device-iteration count from DI*GA down to half of it that pads the fewest
+    samples (fewer only for a short loader)."""
+    if user is not None:
+        opts = user.clone()
+        if opts.Training.gradient_accumulation != 1:
+            raise ValueError("inference_opts must have Training.gradientAccumulation(1). "
+                             f"Received: {opts.Training.gradient_accumulation}.")
+        if opts.output_mode not in (ALL, DEFAULT):
+            raise ValueError("inference_opts must use OutputMode.All (or Default): validation "
+                             f"and predict need every output. Received: "
+                             f"{MODE_NAMES.get(opts.output_mode, opts.output_mode)}.")
+        opts.outputMode(pt.OutputMode.All)
+        return opts
+    opts = train.clone()
+    # training-only settings PopTorch or PopART reject for inference: accumulation,
+    # automatic loss scaling, anchors (of gradients and updated weights, or anything else
+    # the training step returns)
+    opts.Training.gradientAccumulation(1)
+    opts.Training.setAutomaticLossScaling(False)
+    opts.anchored_tensors.clear()
+    opts.outputMode(pt.OutputMode.All)
+    if isinstance(loader, pt.DataLoader):
+        lo = loader.options
+        opts.deviceIterations(lo.device_iterations)
+        opts.replicationFactor(lo.replication_factor)
+        return opts
+    di = target = train.device_iterations * train.Training.gradient_accumulation
+    per_iteration = (loader.batch_size or 1) * input_groups(train)
+    with contextlib.suppress(TypeError):
+        n = len(loader.dataset)
+        if n < per_iteration * target:
+            di = max(1, n // per_iteration)
+        else:  # from DI*GA down to half of it: the count that pads the fewest samples
+            di = min(range(target, (target - 1) // 2, -1),
+                     key=lambda d: -n % (per_iteration * d))
+    opts.deviceIterations(di)
+    return opts

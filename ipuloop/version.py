@@ -1,0 +1,2 @@
+"""The package version, a leaf every module may read."""
+__version__ = "0.1.0"
