@@ -20,6 +20,7 @@ from .backend import poptorch_module, uses_ipu_model
 from .callbacks.base import EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, overridden
 from .data import Plan, build_plan, describe_factors
 from .signals import Preempted, handle_signals
+from . import distributed
 from .outputs import ALL, DEFAULT, EVERY_N, MODE_NAMES, SUM, Layout
 from .state import State
 
@@ -464,6 +465,8 @@ class Loop:
         self._train_data: dict[str, Any] | None = None  # the running fit's data factors
         self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
         self._num_inputs: int | None = None  # inputs per batch in the last fit or validate
+        # several processes (torchrun, mpirun, poprun): this loop is one instance of the run
+        self._dist = distributed.attach(self, replicas_given=replicas is not None)
 
     # -- configuration ------------------------------------------------------------------------
     def _resolve_options(self, opts: Any, inference_opts: Any) -> tuple[Any, Any]:
@@ -647,6 +650,8 @@ class Loop:
         plan = self._plan(train_loader, training=True, name="train_loader")
         val_plan = self._val_plan(val_loader) if val_loader is not None else None
         self._probe(plan)
+        if self._dist is not None:  # several processes: the same settings on each
+            self._dist.check_agreement(self, plan, val_plan, epochs, max_steps)
         if resume_from is not None:
             self.check_resumable()
             self._resume(resume_from)
@@ -666,8 +671,10 @@ class Loop:
             try:
                 try:
                     self._fire("on_fit_start")
-                    while st.epoch < epochs and not self._should_stop():
+                    while st.epoch < epochs:
                         self._check_preempted()  # SIGTERM during epoch-end hooks: stop here
+                        if self._should_stop():
+                            break
                         self._fit_epoch(plan, val_plan)
                     self._check_preempted()
                 except CancelFit:
@@ -708,7 +715,7 @@ class Loop:
         if not isinstance(opts, pt.Options):
             raise TypeError(f"opts must be poptorch.Options, an ipuloop.IPUConfig or None. "
                             f"Received: opts={type(opts).__name__}.")
-        opts = opts.clone()
+        opts = distributed.configured(opts.clone())  # under a launcher: N processes
         layout = Layout(opts.device_iterations, opts.Training.gradient_accumulation,
                         opts.replication_factor, opts.output_mode)
         plan = build_plan(pt, loader, opts, layout, training=True, name="loader")
@@ -731,9 +738,14 @@ class Loop:
             warnings.warn(f"Could not detach {type(model).__name__} from the device: {e!r}")
 
     def _on_sigterm(self) -> None:
+        if self._dist is not None:  # several processes: all stop at the next agreed boundary
+            self._dist.on_sigterm(self)
+            return
         self._preempted = True
 
     def _check_preempted(self) -> None:
+        if self._dist is not None:  # several processes: SIGTERM or stop() on any stops all
+            self._dist.agree_on_stop(self)
         if self._preempted:
             raise Preempted
 
@@ -766,6 +778,8 @@ class Loop:
         except CancelEpoch:
             pass
         total, count, exact = self._epoch_loss
+        if self._dist is not None:  # several processes: the run's loss, summed over them
+            total, count, exact = self._dist.epoch_loss(self._epoch_loss)
         if count:
             st.logs["train_loss"] = total / count
             st.logs["train_loss_exact"] = float(exact)
@@ -824,6 +838,9 @@ class Loop:
         metrics = self._train_metrics()
         per_step_samples = plan.combined
         per_step_updates, per_step_micro_batches = layout.di, layout.micro_batches
+        if self._dist is not None:  # several processes: the counters count the whole run
+            per_step_samples, per_step_micro_batches = \
+                per_step_samples * self._dist.size, per_step_micro_batches * self._dist.size
         hooks = self._hooks
         fresh, seen = st.epoch_step == 0, False
         for batch in batches:
@@ -856,7 +873,8 @@ class Loop:
             el[0] += step_loss.total
             el[1] += step_loss.count
             el[2] = el[2] and step_loss.exact
-            st.logs["loss"] = step_loss.mean
+            st.logs["loss"] = step_loss.mean if self._dist is None else \
+                self._dist.step_loss(step_loss.total, step_loss.count)  # over the processes
             if metrics:
                 aligned, output = layout.align(labels), self._metric_output(output)
                 for m in metrics.values():
@@ -866,8 +884,7 @@ class Loop:
                     self._fire("on_train_step_end")
                 except CancelStep:  # the step has run: nothing left to skip
                     pass
-            if self._preempted:
-                raise Preempted
+            self._check_preempted()
             if self._should_stop():
                 break
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
@@ -933,11 +950,12 @@ class Loop:
 
     # -- batches --------------------------------------------------------------------------------
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
-              pad: bool = False) -> Plan:
+              pad: bool = False, partition: bool = True) -> Plan:
         # The loader's own copy of the (frozen) training options.
         opts = self.train_opts.clone() if opts is None else opts
         return build_plan(self.poptorch, loader, opts, self._layout(opts, training),
-                          training=training, name=name, pad=pad, sequential=pad)
+                          training=training, name=name, pad=pad, sequential=pad,
+                          partition=partition)
 
     def _cast(self, x: Any) -> Any:
         if self._input_dtype is not None and isinstance(x, torch.Tensor) \
@@ -1076,7 +1094,8 @@ class Loop:
         inf.deviceIterations(di)
         return inf
 
-    def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader") -> Plan:
+    def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader",
+                  partition: bool = True) -> Plan:
         micro = loader.batch_size if not isinstance(loader, self.poptorch.DataLoader) else None
         opts = self._inference_options(loader, micro)
         if opts.Training.gradient_accumulation != 1:
@@ -1094,7 +1113,8 @@ class Loop:
         if empty:
             raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
                              "to run. Pass a loader over a dataset with at least one sample.")
-        return self._plan(loader, training=False, name=name, opts=opts, pad=pad)
+        return self._plan(loader, training=False, name=name, opts=opts, pad=pad,
+                          partition=partition)
 
     def _inference_model(self, plan: Plan, kind: str, sample: tuple) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
@@ -1186,7 +1206,8 @@ class Loop:
                               "validation logs no val_loss (metrics are still computed). "
                               "Return (output, loss) whenever labels are given to get one.",
                               stacklevel=2)
-            if self.metrics:  # All mode, [DI, RF, B]: the host batch's order, per input group
+            if self.metrics and valid:  # All mode, [DI, RF, B]: the host batch's order, per
+                # input group (several processes: a call may be all padding, and skipped)
                 output = _map_tensors(output, lambda t: t if t.dim() == 0
                                       else layout.input_rows(t)[:valid])
                 if valid < combined:
@@ -1196,6 +1217,8 @@ class Loop:
                     m.update(output, labels)
             self._fire("on_validation_step_end")
             self._check_preempted()
+        if self._dist is not None:  # several processes: each validated a slice
+            total, count, uncovered = self._dist.val_sums(total, count, uncovered)
         if uncovered and not self._warned_partial_val_loss:
             self._warned_partial_val_loss = True
             warnings.warn(
@@ -1228,7 +1251,7 @@ class Loop:
         Float64 inputs run, and come back, as float32 (as on the device).
         """
         self.exception = self.exception_source = None
-        plan = self._val_plan(loader, pad=True, name="loader")
+        plan = self._val_plan(loader, pad=True, name="loader", partition=False)
         flagged = isinstance(plan.loader.dataset, torch.utils.data.IterableDataset)
         if flagged:  # length unknown: pad the stream, and flag which rows are samples
             plan = self._flagged_plan(plan)
@@ -1359,6 +1382,8 @@ class Loop:
         }
         if self.train_model is not None and self.train_model.isCompiled():
             sd["device_rng"] = self.train_model.rng_state
+        if self._dist is not None:  # several processes: the run's sums, each one's RNG
+            sd = self._dist.checkpoint_state(self, sd)
         return copy.deepcopy(sd)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -1369,6 +1394,8 @@ class Loop:
         with the saved ones: see ``fit``.
         """
         self._check_optimizer(sd)
+        if self._dist is not None:  # several processes: this one's share and RNG
+            sd = self._dist.own_state(self, sd)
         if self.train_model is not None:
             self.train_model.load_state_dict(sd["model"])
         else:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..distributed import writes_checkpoints
 from .base import Callback, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
@@ -327,7 +328,10 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, loop: Any) -> None:
         loop.check_resumable()  # before training, rather than at the first save
         self._in_fit, self._last = True, None
-        self._clean_up()
+        if writes_checkpoints(loop):  # several processes: instance 0 owns the folder
+            self._clean_up()
+        else:
+            self._cleaned = True
         st = loop.state
         if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
             warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
@@ -428,6 +432,8 @@ class ModelCheckpoint(Callback):
         ``at_step``: a save between epoch ends, where the monitored log may not exist yet.
         """
         st = loop.state
+        if exception is not None and not writes_checkpoints(loop):
+            return None  # several processes: instance 0 saves what it has, alone
         try:
             name = self.filename.format(**st.logs, **st.counters())
         except KeyError as e:
@@ -466,6 +472,9 @@ class ModelCheckpoint(Callback):
             buf = io.BytesIO()
             torch.save(loop.state_dict(), buf)  # Loop.state_dict reads the device's weights
             data = buf.getvalue()
+            if not writes_checkpoints(loop):  # several processes: instance 0 writes
+                self._last = tuple(st.counters().values())
+                return folder
             touched = True  # from here on, the folder holds no committed checkpoint
             try:
                 folder.mkdir(parents=True, exist_ok=True)
