@@ -459,7 +459,17 @@ def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -
 def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
                name: str, pad: bool = False, sequential: bool = False,
                partition: bool = True) -> Plan:
-    """``data.build_plan`` for one of N instances (``opts.Distributed.numProcesses`` N)."""
+    """``data.build_plan`` for one of N instances (``opts.Distributed.numProcesses`` N);
+    its warnings (dropped samples...) are given on instance 0 only."""
+    with warnings.catch_warnings():
+        if opts.Distributed.processId != 0:
+            warnings.simplefilter("ignore")
+        return _process_plan(poptorch, loader, opts, layout, training=training, name=name,
+                             pad=pad, sequential=sequential, partition=partition)
+
+
+def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
+                  name: str, pad: bool, sequential: bool, partition: bool) -> Plan:
     size, rank = opts.Distributed.numProcesses, opts.Distributed.processId
     alone = opts.clone()
     alone.Distributed.disable()

@@ -257,3 +257,19 @@ def test_instances_with_different_seeds_are_an_error_naming_the_instance(tmp_pat
     assert proc.returncode != 0
     assert "Instance 1 of 2 differs from instance 0: randomSeed 1 on instance 0 but 2 on " \
            "instance 1" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_benchmark_writes_its_json(tmp_path):
+    """A tiny run of benchmarks/distributed.py (random images): keys only, no timing."""
+    out = tmp_path / "d.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--samples", "512",
+         "--micro", "4", "--di", "2", "--ga", "8", "--steps", "1", "--repeats", "1",
+         "--out", str(out)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    _check(proc)
+    res = json.loads(out.read_text())
+    assert set(res["configs"]) == {"1x1", "1x2", "2x1"}
+    assert res["configs"]["2x1"]["samples_per_step"] == res["configs"]["1x2"]["samples_per_step"]
+    assert set(res["scaling"]["2"]) == {"speedup_over_1x1", "scaling_efficiency",
+                                        "speedup_over_1x2"}
+    assert set(res["meta"]) >= {"loadavg_start", "loadavg_end", "torch", "command"}
