@@ -248,18 +248,22 @@ class Processes:
         term, stop = self.sum([float(self.term_pending or loop._preempted),
                                float(st.stop_requested)], f"ending step {st.step}")
         if term:
-            loop._preempted = True
+            loop._preempted, self.term_pending = True, False
         if stop:
             st.stop_requested = True
 
-    def step_loss(self, total: float, count: int) -> float:
-        total, count = self.sum([total, count], "summing the step loss")
-        return total / count
-
-    def epoch_loss(self, el: list) -> tuple[float, int, bool]:
-        total, count, inexact = self.sum([el[0], el[1], float(not el[2])],
-                                         "summing the epoch loss")
-        return total, int(count), not inexact
+    def step_loss(self, loop: Any, mine: Any) -> Any:
+        """The step's loss over every instance (a ``StepLoss``); a non-finite one elsewhere
+        stops this instance too."""
+        total, count = self.sum([mine.total, mine.count], f"summing step {loop.state.step}'s loss")
+        if loop.check_finite and not math.isfinite(total) and math.isfinite(mine.total):
+            from .loop import NonFiniteLossError
+            raise NonFiniteLossError(
+                f"Non-finite loss {total} at epoch {loop.state.epoch}, step {loop.state.step} "
+                "(0-based host call) on another instance (this one's was finite): that "
+                "instance names the micro-batch. Lower the learning rate, check the data, or "
+                "pass check_finite=False.")
+        return type(mine)(total, int(count), mine.exact)
 
     def val_sums(self, total: float, count: int, uncovered: int) -> tuple[float, int, int]:
         total, count, uncovered = self.sum([total, count, uncovered], "summing val_loss")
@@ -295,12 +299,11 @@ class Processes:
                     "environment may differ.")
 
     def checkpoint_state(self, loop: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        """The run's state for a checkpoint: sums over the instances where each holds a
-        share (epoch loss, train metrics), and every instance's own random streams."""
+        """The run's state for a checkpoint: the train metrics of every instance together,
+        and every instance's own random streams (the losses are the run's already)."""
         if loop.exception is not None:  # failing: the others may not be here to answer
             sd["processes"] = None
             return sd
-        sd["epoch_loss"] = list(self.epoch_loss(sd["epoch_loss"]))
         for name, metric in loop._train_metrics().items():
             metric.sync(should_sync=True, distributed_available=lambda: True)
             try:
@@ -315,8 +318,8 @@ class Processes:
         return sd
 
     def own_state(self, loop: Any, sd: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint's state for this instance: instance 0 holds the sums, the others
-        start their shares from zero; each takes its own random streams."""
+        """A checkpoint's state for this instance: instance 0 holds the metrics' states of
+        all, the others start theirs from zero; each takes its own random streams."""
         sd = dict(sd)
         every = sd.get("processes")
         if every is not None and len(every) == self.size:
@@ -326,7 +329,6 @@ class Processes:
                           f"has {self.size}: every instance continues instance 0's random "
                           "streams.", stacklevel=3)
         if self.rank != 0:
-            sd["epoch_loss"] = [0.0, 0, sd["epoch_loss"][2]]
             sd["metrics"] = {}  # reset below, as at an epoch start
             for m in loop._train_metrics().values():
                 m.reset()
@@ -487,13 +489,11 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
                                plan.sampler if plan.sampler is not None else None)
         return plan
     if training:
-        if opts.input_group_size != 1 and (int(opts.input_cgt) == 2 or
-                                           opts.replication_factor % opts.input_group_size):
+        if opts.replication_factor % opts.input_group_size:
             raise ValueError(
                 f"{name}: input replica groups of {opts.input_group_size} with "
                 f"{opts.replication_factor} replicas per instance cannot be shared out "
-                "between instances: use consecutive groups that divide the replicas of an "
-                "instance.")
+                "between instances: use groups that divide the replicas of an instance.")
         every = alone.clone()
         every.replicationFactor(opts.replication_factor * size)
         try:

@@ -778,8 +778,6 @@ class Loop:
         except CancelEpoch:
             pass
         total, count, exact = self._epoch_loss
-        if self._dist is not None:  # several processes: the run's loss, summed over them
-            total, count, exact = self._dist.epoch_loss(self._epoch_loss)
         if count:
             st.logs["train_loss"] = total / count
             st.logs["train_loss_exact"] = float(exact)
@@ -862,6 +860,8 @@ class Loop:
                 self._push_optimizer()
             output, loss = self.train_model(*inputs, labels)
             step_loss = layout.step_loss(loss)  # host tensor: reading it syncs nothing
+            if self._dist is not None:  # several processes: the run's loss, summed over them
+                step_loss = self._dist.step_loss(self, step_loss)
             if self.check_finite and not math.isfinite(step_loss.total):
                 self._raise_non_finite(loss, layout)
             st.step += 1
@@ -873,8 +873,7 @@ class Loop:
             el[0] += step_loss.total
             el[1] += step_loss.count
             el[2] = el[2] and step_loss.exact
-            st.logs["loss"] = step_loss.mean if self._dist is None else \
-                self._dist.step_loss(step_loss.total, step_loss.count)  # over the processes
+            st.logs["loss"] = step_loss.mean
             if metrics:
                 aligned, output = layout.align(labels), self._metric_output(output)
                 for m in metrics.values():

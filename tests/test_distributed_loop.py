@@ -114,8 +114,8 @@ def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
     if processes == 1:
         cmd = [sys.executable, str(script), json.dumps(cfg)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-               f"--master-port={_free_port()}", str(script), json.dumps(cfg)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+               f"--master_port={_free_port()}", str(script), json.dumps(cfg)]
     proc = subprocess.run(cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     return proc, out
@@ -177,12 +177,22 @@ def test_two_processes_train_as_one_process_with_twice_the_replicas(tmp_path):
     assert len(rows) == len((out1 / "log.csv").read_text().splitlines())
 
 
-def test_an_interrupted_two_process_run_resumes_exactly(tmp_path):
+RESUMED = {"replicas": 1, "dropout": True, "epochs": 2}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """Two processes training RESUMED's 2 epochs (6 steps) without a stop."""
+    tmp = tmp_path_factory.mktemp("whole")
+    whole, out = _run(tmp, "whole", RESUMED)
+    _check(whole)
+    return out
+
+
+def test_an_interrupted_two_process_run_resumes_exactly(tmp_path, uninterrupted):
     """Stopped by max_steps mid-epoch with a checkpoint every 2 steps (written by instance 0),
     resumed by both instances from it: the weights equal an uninterrupted run's, bitwise."""
-    cfg = {"replicas": 1, "dropout": True, "epochs": 2}
-    whole, out_w = _run(tmp_path, "whole", cfg)
-    _check(whole)
+    cfg, out_w = RESUMED, uninterrupted
     ckpt = tmp_path / "ckpt"
     part, _ = _run(tmp_path, "part", dict(cfg, ckpt=str(ckpt), every=2, max_steps=4))
     _check(part)
@@ -198,10 +208,10 @@ def test_an_interrupted_two_process_run_resumes_exactly(tmp_path):
     assert [h["train_acc"] for h in r["history"]] == [h["train_acc"] for h in w["history"]]
 
 
-def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path):
+def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path, uninterrupted):
     """SIGTERM to instance 1 at step 3: both stop after step 3, instance 0 saves once, both
     exit 143; a resumed run ends as an uninterrupted one."""
-    cfg = {"replicas": 1, "epochs": 2}
+    cfg = RESUMED
     ckpt = tmp_path / "ckpt"
     proc, out = _run(tmp_path, "term", dict(cfg, ckpt=str(ckpt),
                                             act={"step": 3, "rank": 1, "what": "term"}))
@@ -210,10 +220,9 @@ def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path):
     assert [p.name for p in ckpt.iterdir()] == ["epoch0-step3"]
     rest, out_r = _run(tmp_path, "rest", dict(cfg, ckpt=str(ckpt), resume="last"))
     _check(rest)
-    whole, out_w = _run(tmp_path, "whole", cfg)
-    _check(whole)
-    for k, v in _result(out_w)["weights"].items():
-        assert torch.equal(v, _result(out_r)["weights"][k]), k
+    for rank in (0, 1):
+        for k, v in _result(uninterrupted, rank)["weights"].items():
+            assert torch.equal(v, _result(out_r, rank)["weights"][k]), (rank, k)
 
 
 def test_stop_on_one_instance_stops_both(tmp_path):
