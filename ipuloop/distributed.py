@@ -369,6 +369,8 @@ def attach(loop: Any, replicas_given: bool) -> Processes | None:
                 f"poprun gives each instance {launch.local_replicas} replica(s), but the loop "
                 f"has replicationFactor {opts.replication_factor}. Leave replicas= unset under "
                 "poprun (its --num-replicas / --num-instances decide), or pass the same number.")
+    if launch is not None and launch.launcher == "poprun":
+        _check_popdist_options(opts)
     inf = loop._user_inference_opts
     if inf is not None and inf.Distributed.numProcesses == 1:
         inf.Distributed.configureProcessId(rank, size)
@@ -376,6 +378,22 @@ def attach(loop: Any, replicas_given: bool) -> Processes | None:
     dist = Processes(rank, size, launcher)
     dist.silence(loop)
     return dist
+
+
+def _check_popdist_options(opts: Any) -> None:
+    """On an IPU system, PopDist's options also pick the instance's IPUs: say so when the
+    program built plain ones (the loop has set their process id and replicas)."""
+    try:
+        import popdist.poptorch
+    except ImportError:  # no Poplar SDK: nothing but the environment to go by
+        return
+    popdist_options = getattr(popdist.poptorch, "Options", None)
+    if isinstance(popdist_options, type) and not isinstance(opts, popdist_options):
+        warnings.warn("Running under poprun with options that are not popdist.poptorch.Options: "
+                      "the loop set their process id and local replicas from PopDist, but "
+                      "PopDist's own options also select this instance's IPUs. Build them with "
+                      "popdist.poptorch.Options(ipus_per_replica=...) and pass those to Loop.",
+                      stacklevel=4)
 
 
 def configured(opts: Any) -> Any:
