@@ -8,7 +8,7 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
             for r in range(RF):              # replica r reads input group r // g (or r % (RF/g))
                 out = model(micro_batch[d, a, r])     # BatchNorm and the loss see B samples
                 (loss * loss_scaling / (GA*RF if Mean else 1)).backward()
-        optimizer.step(); optimizer.zero_grad()
+        optimizer.step(); optimizer.zero_grad()  # N processes: all-reduce first (distributed.py)
     return what the output mode anchors (All / Final / Sum / EveryN)
 
 The "device" is a tensor per parameter and buffer, its own optimizer and RNG. A run swaps the
@@ -37,6 +37,7 @@ from . import _pytree as pytree
 
 from . import blocks as _blocks
 from . import checks as _checks
+from . import distributed as _distributed
 from . import optim as _optim
 from .enums import ConnectionType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
@@ -469,6 +470,9 @@ class PoplarExecutor:
                     "calculate the batch size which will be executed on the device in any given "
                     "iteration. For a full explanation see the batching semantics page of the "
                     "documentation.")
+        # Distributed.numProcesses > 1: join the other instances, check they agree (distributed.py)
+        self._dist = _distributed.join(o, self._device, self._optimizer if self._training else None,
+                                       self._user_model, self._host_params)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
         fast = self._signature.fast  # inputs that ``_prepare`` leaves as they are: ``_as_ready``
@@ -725,6 +729,8 @@ class PoplarExecutor:
             dev.__dict__.pop(name, None)
         if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
             dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
+        if self._dist is not None:  # each update first all-reduces across the instances
+            self._dist.wrap(dev)
         self._device_optimizer = dev
         self._optimizer_snapshot = _optim.hyperparameters(opt)
         self._optimizer_constants = _optim.constant_attributes(opt)
