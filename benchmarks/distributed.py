@@ -92,7 +92,8 @@ def _run(config: str, cfg: dict, timeout: float) -> dict:
         cmd = [sys.executable, __file__, "--_child", job]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
-               f"--master_port={_free_port()}", __file__, "--_child", job]
+               f"--master_port={_free_port()}", "--monitor_interval=0.5", __file__,
+               "--_child", job]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
                PYTHONWARNINGS="ignore")

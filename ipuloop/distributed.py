@@ -173,9 +173,12 @@ def _init_group(rank: int, size: int) -> None:
         return
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT", "29500")
+    # env:// where the launcher set MASTER_*: under torchrun it joins the launcher's own store
+    method = "env://" if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ \
+        else f"tcp://{addr}:{port}"
     seconds = timeout_seconds()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=method, rank=rank,
                                 world_size=size,
                                 timeout=datetime.timedelta(seconds=seconds))
     except Exception as e:

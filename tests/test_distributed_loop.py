@@ -115,7 +115,8 @@ def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
         cmd = [sys.executable, str(script), json.dumps(cfg)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-               f"--master_port={_free_port()}", str(script), json.dumps(cfg)]
+               f"--master_port={_free_port()}", "--monitor_interval=0.5", str(script),
+               json.dumps(cfg)]
     proc = subprocess.run(cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     return proc, out
