@@ -23,7 +23,8 @@ from ipuloop import distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r'''
-import json, os, signal, sys, time
+import faulthandler, json, os, signal, sys, time
+faulthandler.dump_traceback_later(140, exit=True)  # a hang shows where, then ends
 import torch, torch.nn as nn, torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 from ipuloop import Callback, Loop, poptorch
@@ -118,7 +119,7 @@ def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
                f"--master_port={_free_port()}", "--monitor_interval=0.5", str(script),
                json.dumps(cfg)]
     proc = subprocess.run(cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=170)
     return proc, out
 
 
