@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
-                              Sampler, SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
 from .outputs import Layout, map_tensors
 from .rules import describe_factors, host_call_factor
@@ -172,22 +171,10 @@ class Plan:
         return it
 
 
-def _on_slice(inner: Sampler, part: Dataset, name: str) -> Sampler:
-    """``inner`` (shuffled or in order) over ``part``, this process's slice of the dataset."""
-    if isinstance(inner, RandomSampler):
-        return RandomSampler(part, replacement=inner.replacement, generator=inner.generator)
-    if isinstance(inner, SequentialSampler):
-        return SequentialSampler(part)
-    raise ValueError(
-        f"{name} has a {type(inner).__name__} over the whole dataset, but with "
-        "Distributed.numProcesses > 1 PopTorch gives each process a contiguous slice of it, "
-        "which the sampler's indices do not address. Use shuffle=True or False instead: the "
-        "loop then orders this process's slice.")
-
-
 def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
                name: str, pad: bool = False, sequential: bool = False) -> Plan:
-    """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader``."""
+    """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader``
+    (one process: ``ipuloop.distributed.build_plan`` shares a loader out between several)."""
     if not isinstance(loader, torch.utils.data.DataLoader):
         raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
                         f"Received: {name}={type(loader).__name__}.")
@@ -258,10 +245,6 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     if custom_batches:
         kwargs.pop("generator", None)
     built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
-    if sampler is not None and opts.Distributed.numProcesses > 1:
-        # PopTorch gave this process a slice of the dataset: the loop's order covers the slice
-        sampler.inner = _on_slice(sampler.inner, built.dataset, name)
-        samples = len(built.dataset)
     plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches)
     if samples is not None and plan.steps == 0:
         raise ValueError(f"{name} is empty: {samples} samples make no host call of "
@@ -420,11 +403,8 @@ def check_not_empty(loader: Any, name: str) -> None:
                          "to run. Pass a loader over a dataset with at least one sample.")
 
 
-def count_updates(poptorch: Any, loader: Any, opts: Any, layout: Layout, epochs: int) -> int:
-    """``Loop.num_updates``: epochs x steps per epoch x DI."""
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
-    plan = build_plan(poptorch, loader, opts, layout, training=True, name="loader")
+def count_updates(plan: Plan, opts: Any, epochs: int) -> int:
+    """``Loop.num_updates``: epochs x steps per epoch x DI, ``plan`` the training loader."""
     if plan.steps is None:
         raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
                          "length is unknown, so neither is its number of updates. Count "

@@ -17,6 +17,7 @@ from .backend import backend_name, poptorch_module
 from .callbacks.base import (EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, arrange,
                              resume_path)
 from .checkpoint_io import load_checkpoint
+from . import distributed
 from .data import (Plan, Predictions, build_plan, check_not_empty, close, count_updates,
                    first_micro_batch, kill_workers, no_host_call, predict_inputs, split_batch)
 from .device import Executors, WithLoss
@@ -111,6 +112,8 @@ class Loop:
         self._warned: set[str] = set()  # one-time warnings given
         self._frozen = False  # train_opts: settable in on_configure, then frozen
         self._num_inputs: int | None = None  # inputs per batch in the last fit or validate
+        # several processes (torchrun, mpirun, poprun): this loop is one instance of the run
+        self._dist = distributed.attach(self, replicas_given=replicas is not None)
 
     @property
     def train_model(self) -> Any:
@@ -204,9 +207,14 @@ class Loop:
         self.state.stop_requested = True
 
     def _on_sigterm(self) -> None:
-        self.state.preempted = True
+        if self._dist is not None:  # several processes: all stop at the next agreed boundary
+            self._dist.term_pending = True
+        else:
+            self.state.preempted = True
 
     def _check_preempted(self) -> None:
+        if self._dist is not None:  # several processes: SIGTERM or stop() on any stops all
+            self._dist.agree_on_stop(self.state)
         if self.state.preempted:
             raise Preempted
 
@@ -249,6 +257,8 @@ class Loop:
         plan = self._plan(train_loader, training=True, name="train_loader")
         val_plan = self._val_plan(val_loader) if val_loader is not None else None
         self._probe(plan)
+        if self._dist is not None:  # several processes: the same settings on each
+            self._dist.check_agreement(self, plan, val_plan, epochs, max_steps)
         st = self.state
         if resume_from is not None:
             self.check_resumable()
@@ -316,6 +326,10 @@ class Loop:
             self.check_finite
         per_step_samples = plan.combined
         per_step_updates, per_step_micro_batches = layout.di, layout.micro_batches
+        dist = self._dist
+        if dist is not None:  # several processes: the counters count the whole run
+            per_step_samples *= dist.size
+            per_step_micro_batches *= dist.size
         step_start, step_end = self._hooks["on_train_step_start"], self._hooks["on_train_step_end"]
         epoch_loss = st.epoch_loss
         fresh, seen = st.epoch_step == 0, False
@@ -334,6 +348,8 @@ class Loop:
             executors.push_optimizer()
             output, loss = model(*inputs, labels)
             step_loss = layout.step_loss(loss)  # host tensor: reading it syncs nothing
+            if dist is not None:  # several processes: the run's loss, summed over them
+                step_loss = dist.step_loss(st, step_loss, check_finite)
             if check_finite and not math.isfinite(step_loss.total):
                 raise non_finite_error(loss, layout, st.epoch, st.step)
             st.step += 1  # (attribute updates, not a method: this runs every step)
@@ -383,16 +399,17 @@ class Loop:
         as ``OneCycleLR``. A static method, so it can size the scheduler the ``Loop`` takes.
         (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
         """
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
         pt = poptorch_module()
-        opts = resolve_options(pt, opts, None)[0]
-        return count_updates(pt, loader, opts, layout(opts, True), epochs)
+        opts = distributed.configured(resolve_options(pt, opts, None)[0])
+        return count_updates(_build(pt, loader, opts, True, "loader"), opts, epochs)
 
     # -- batches --------------------------------------------------------------------------------
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
-              pad: bool = False) -> Plan:
+              pad: bool = False, partition: bool = True) -> Plan:
         opts = self.train_opts if opts is None else opts  # the one (frozen) options object
-        return build_plan(self.poptorch, loader, opts, layout(opts, training),
-                          training=training, name=name, pad=pad, sequential=pad)
+        return _build(self.poptorch, loader, opts, training, name, pad, partition)
 
     def _cast(self, x: Any) -> Any:
         if self._input_dtype is not None and isinstance(x, torch.Tensor) \
@@ -419,11 +436,13 @@ class Loop:
                   metrics=self.metrics, metric_output=self._metric_output)
 
     # -- validation and predict -----------------------------------------------------------------
-    def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader") -> Plan:
+    def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader",
+                  partition: bool = True) -> Plan:
         opts = inference_options(self.poptorch, self.train_opts, self._user_inference_opts,
                                  loader)
         check_not_empty(loader, name)
-        return self._plan(loader, training=False, name=name, opts=opts, pad=pad)
+        return self._plan(loader, training=False, name=name, opts=opts, pad=pad,
+                          partition=partition)
 
     def _inference_model(self, plan: Plan, kind: str, sample: tuple) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
@@ -474,7 +493,7 @@ class Loop:
             run.add(model(*inputs, labels), labels)
             self._fire("on_validation_step_end")
             self._check_preempted()
-        logs = run.logs()
+        logs = run.logs(self._dist.val_sums if self._dist is not None else None)
         if "val_loss" not in logs:
             st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)
@@ -496,7 +515,8 @@ class Loop:
         Float64 inputs run, and come back, as float32 (as on the device).
         """
         self.state.exception = self.state.exception_source = None
-        run = Predictions(self.poptorch, self._val_plan(loader, pad=True, name="loader"))
+        run = Predictions(self.poptorch, self._val_plan(loader, pad=True, name="loader",
+                                                        partition=False))
         model = None
         with self._reporting():
             for batch in run.batches():
@@ -524,8 +544,11 @@ class Loop:
         A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
         self.check_resumable()
         self._fire("on_save_checkpoint")
-        return self._resume.capture(self.model, self.optimizer, self.state, self._train_metrics,
-                                    self.callbacks, self.train_model)
+        sd = self._resume.capture(self.model, self.optimizer, self.state, self._train_metrics,
+                                  self.callbacks, self.train_model)
+        if self._dist is not None:  # several processes: the run's metrics, each one's RNG
+            sd = self._dist.checkpoint_state(self.state, self._train_metrics, sd)
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore a ``state_dict()``: the next ``fit`` continues where it was taken.
@@ -534,6 +557,8 @@ class Loop:
         (checked before anything is restored). The next ``fit`` compares its loader's factors
         with the saved ones: see ``fit``.
         """
+        if self._dist is not None:  # several processes: this one's share and RNG
+            sd = self._dist.own_state(sd, self._train_metrics)
         self._resume.restore(sd, self.model, self.optimizer, self.state, self._train_metrics,
                              self.callbacks, self.train_model)
         self._fire("on_load_checkpoint")
@@ -545,3 +570,11 @@ class Loop:
                 return
         self.load_state_dict(load_checkpoint(source, backend=backend_name()))
 
+
+def _build(pt: Any, loader: Any, opts: Any, training: bool, name: str, pad: bool = False,
+           partition: bool = True) -> Plan:
+    """``loader`` as this process runs it: alone, or its share of several processes'."""
+    build = distributed.build_plan if opts.Distributed.numProcesses > 1 else build_plan
+    kwargs = {"partition": partition} if build is not build_plan else {}
+    return build(pt, loader, opts, layout(opts, training), training=training, name=name,
+                 pad=pad, sequential=pad, **kwargs)

@@ -216,7 +216,8 @@ class Validation:
                           "validation logs no val_loss (metrics are still computed). "
                           "Return (output, loss) whenever labels are given to get one.",
                           stacklevel=3)
-        if self.metrics:  # All mode, [DI, RF, B]: the host batch's order, per input group
+        if self.metrics and valid:  # All mode, [DI, RF, B]: the host batch's order, per input
+            # group (several processes: a call may be all padding)
             output = map_tensors(output, lambda t: t if t.dim() == 0
                                  else layout.input_rows(t)[:valid])
             if valid < combined:
@@ -226,9 +227,12 @@ class Validation:
             for m in self.metrics.values():
                 m.update(output, labels)
 
-    def logs(self) -> dict[str, float]:
-        """val_loss (when any sample has a loss) and ``val_<metric>``."""
-        count, uncovered = self.count, self.uncovered
+    def logs(self, sums: Callable | None = None) -> dict[str, float]:
+        """val_loss (when any sample has a loss) and ``val_<metric>``; ``sums`` adds up
+        (total, count, uncovered) over the instances of a multi-process run."""
+        total, count, uncovered = self.total, self.count, self.uncovered
+        if sums is not None:
+            total, count, uncovered = sums(total, count, uncovered)
         if uncovered and "partial_val_loss" not in self.warned:
             self.warned.add("partial_val_loss")
             warnings.warn(
@@ -237,6 +241,6 @@ class Validation:
                 "the device computes over both. Pass loss_fn= to Loop (then the loop computes "
                 "the loss of those samples on the host), or use a micro-batch size that divides "
                 "the sample count.", stacklevel=4)
-        logs = {"val_loss": self.total / count} if count else {}
+        logs = {"val_loss": total / count} if count else {}
         logs.update(metric_logs("val_", self.metrics))
         return logs

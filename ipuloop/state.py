@@ -25,6 +25,10 @@ class State:
     logs: dict[str, float] = field(default_factory=dict)  # latest step and epoch values
     history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch
     compile_time: dict[str, float] = field(default_factory=dict)  # seconds, per executor
+    # Several processes (torchrun, mpirun, poprun): this instance's index and their count.
+    # Instance 0 alone shows progress, writes logs and checkpoints.
+    instance: int = 0
+    instances: int = 1
     # The running fit (set when it starts; read by callbacks):
     steps_per_epoch: int | None = None  # training host calls in an epoch; None: length unknown
     max_steps: int | None = None  # fit(max_steps=): the fit ends when ``step`` reaches it

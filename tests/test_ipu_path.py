@@ -319,29 +319,44 @@ class _Seen(TensorDataset):
         return super().__getitem__(i)
 
 
+def _process_plan(rank: int, loader: DataLoader, replicas: int = 1):
+    from ipuloop.data import build_plan
+    from ipuloop.outputs import Layout
+    opts = poptorch.Options().replicationFactor(replicas).randomSeed(0)
+    opts.Distributed.configureProcessId(rank, 2)
+    layout = Layout(1, 1, replicas, poptorch.OutputMode.All)
+    return build_plan(poptorch, loader, opts, layout, training=True, name="train_loader")
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_the_loop_orders_this_process_slice(shuffle):
-    """With ``Distributed.numProcesses > 1`` PopTorch's DataLoader replaces the dataset by
-    ``_SubDataset(dataset, options, self._combined_batch_size, drop_last)``, this process's
-    contiguous slice (``python/__init__.py``): rank 1 of 2 with 4-sample host calls and 32
-    samples reads samples 16..31, each once an epoch."""
-    opts = poptorch.Options()
-    opts.Distributed.configureProcessId(1, 2)
-    ds = _Seen(32)
-    loop = make_loop(opts=opts)
-    loop.fit(DataLoader(ds, batch_size=4, shuffle=shuffle), epochs=2)
-    assert loop.state.step == 8
-    first, second = ds.read[len(ds.read) - 32:len(ds.read) - 16], ds.read[-16:]
-    assert sorted(first) == sorted(second) == list(range(16, 32))
-    assert (first != second) is shuffle and (first == sorted(first)) is not shuffle
+def test_each_process_reads_its_replicas_share_of_every_host_call(shuffle):
+    """With ``Distributed.numProcesses`` 2 the loop does not take PopTorch's contiguous
+    per-process slice (``_SubDataset``): each process reads, of every host call of the run
+    (2 processes x 2 replicas x micro-batches of 4: 16 samples), the micro-batches its own
+    replicas read in one process with 4 replicas; together they read each sample once."""
+    reads = []
+    for rank in (0, 1):
+        plan = _process_plan(rank, DataLoader(_Seen(32), batch_size=4, shuffle=shuffle), 2)
+        assert plan.combined == 8 and plan.steps == 2
+        torch.manual_seed(3)  # the same global order on both
+        reads.append([int(i) for i in iter(plan.sampler)])
+    torch.manual_seed(3)
+    order = list(iter(torch.utils.data.RandomSampler(range(32)))) if shuffle else list(range(32))
+    assert reads[0] == order[0:8] + order[16:24] and reads[1] == order[8:16] + order[24:32]
+    assert sorted(reads[0] + reads[1]) == list(range(32))
 
 
-def test_a_sampler_over_the_whole_dataset_is_refused_with_distributed_slices():
-    opts = poptorch.Options()
-    opts.Distributed.configureProcessId(0, 2)
-    sampler = torch.utils.data.SubsetRandomSampler(range(32))
-    with pytest.raises(ValueError, match="SubsetRandomSampler over the whole dataset"):
-        make_loop(opts=opts).fit(DataLoader(data(32), batch_size=4, sampler=sampler))
+def test_a_sampler_over_the_whole_dataset_gives_the_global_order():
+    sampler = torch.utils.data.SubsetRandomSampler(range(32), generator=torch.Generator())
+    reads = []
+    for rank in (0, 1):
+        sampler.generator.manual_seed(5)
+        plan = _process_plan(rank, DataLoader(data(32), batch_size=4, sampler=sampler))
+        reads.append([int(i) for i in iter(plan.sampler)])
+    sampler.generator.manual_seed(5)
+    order = [int(i) for i in sampler]
+    assert reads[0] == [i for k in range(4) for i in order[8 * k:8 * k + 4]]
+    assert reads[1] == [i for k in range(4) for i in order[8 * k + 4:8 * k + 8]]
 
 
 # -- 2. one precision path ---------------------------------------------------------------------

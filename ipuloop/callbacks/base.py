@@ -111,9 +111,13 @@ class Callback:
 
     A method named like a hook but not one (``on_train_batch_end``) is never called: the
     first construction of such a class warns, naming the closest event.
+
+    With several processes (``state.instances`` > 1) a callback with ``main_instance_only``
+    True runs on instance 0 only (progress displays and loggers); the others run everywhere.
     """
 
     order: int = 0
+    main_instance_only: bool = False
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Callback:
         if cls not in _CHECKED:

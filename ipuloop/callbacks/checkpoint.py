@@ -155,7 +155,10 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, loop: Any) -> None:
         loop.check_resumable()  # before training, rather than at the first save
         self._in_fit, self._last = True, None
-        self._clean_up()
+        if loop.state.instance == 0:  # several processes: instance 0 owns the folder
+            self._clean_up()
+        else:
+            self._cleaned = True
         st = loop.state
         if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
             warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
@@ -252,6 +255,8 @@ class ModelCheckpoint(Callback):
         ``at_step``: a save between epoch ends, where the monitored log may not exist yet.
         """
         st = loop.state
+        if exception is not None and loop.state.instance != 0:
+            return None  # several processes: instance 0 saves what it has, alone
         try:
             name = self.filename.format(**st.logs, **st.counters())
         except KeyError as e:
@@ -289,6 +294,9 @@ class ModelCheckpoint(Callback):
             buf = _bytes.BytesIO()
             torch.save(loop.state_dict(), buf)  # fires on_save_checkpoint; reads the device's weights
             data = buf.getvalue()
+            if loop.state.instance != 0:  # several processes: instance 0 writes
+                self._last = tuple(st.counters().values())
+                return folder
             touched = True  # from here on, the folder holds no committed checkpoint
             cio.write_checkpoint(folder, data, {
                 **st.counters(), "tainted": tainted,

@@ -33,6 +33,7 @@ class CSVLogger(Callback):
     """
 
     order = 50  # after callbacks that add logs, before the progress display
+    main_instance_only = True
 
     def __init__(self, path: str | os.PathLike, every_n_steps: int | None = None) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int)

@@ -24,6 +24,7 @@ class ProgressBar(Callback):
     """
 
     order = 100  # after the callbacks that add logs
+    main_instance_only = True
 
     def __init__(self, every: int | None = None, stream: TextIO | None = None) -> None:
         self.every = every

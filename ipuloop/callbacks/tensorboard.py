@@ -40,6 +40,7 @@ class TensorBoardLogger(Callback):
     """
 
     order = 50  # after callbacks that add logs or step the LR at the same event
+    main_instance_only = True
 
     def __init__(self, log_dir: str | os.PathLike = "runs") -> None:
         try:

@@ -343,9 +343,13 @@ def main(argv: list[str] | None = None) -> int:
                 metrics={"accuracy": accuracy}, callbacks=callbacks, seed=args.seed)
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
                                                shuffle=True, num_workers=args.workers)
-    print(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
-          f"{args.batch_size} x {factors[0]} device iterations x {factors[1]} accumulation x "
-          f"{factors[2]} replica(s); {torch.get_num_threads()} torch thread(s)", flush=True)
+    from ipuloop.distributed import is_main_process, num_processes
+    say = print if is_main_process() else (lambda *a, **k: None)  # instance 0 speaks
+    procs = num_processes()
+    say(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
+        f"{args.batch_size} x {factors[0]} device iterations x {factors[1]} accumulation x "
+        f"{factors[2]} replica(s)" + (f" x {procs} processes" if procs > 1 else "")
+        + f"; {torch.get_num_threads()} torch thread(s)", flush=True)
     start = time.perf_counter()
     loop.fit(train_loader, epochs=args.epochs, max_steps=args.max_steps,
              resume_from="last" if args.resume else None)
@@ -355,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     logits = loop.predict(test_loader)  # every test sample, in order
     acc = (logits.argmax(dim=1) == test_set.tensors[1]).double().mean().item() * 100
     st = loop.state
-    print(f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in "
-          f"{train_time:.1f}s; compile {sum(st.compile_time.values()):.1f}s")
-    print(f"Accuracy on test set: {acc:0.2f}%")
+    say(f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in "
+        f"{train_time:.1f}s; compile {sum(st.compile_time.values()):.1f}s")
+    say(f"Accuracy on test set: {acc:0.2f}%")
     return 0
 
 

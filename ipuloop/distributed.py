@@ -1,0 +1,541 @@
+"""Several processes as one run: a ``Loop`` per process under torchrun, mpirun or poprun.
+
+Started by a launcher (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, mpirun's
+``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, poprun's ``POPDIST_*``), each process's
+``Loop`` is one instance of a run with N instances of R replicas each (``replicas=`` stays per
+process, as PopDist's local replicas), and needs no change to the program:
+
+- the options get the process id and count (``Distributed.configureProcessId``), and a
+  torch.distributed process group (gloo, host tensors) is joined or created, its timeout
+  ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an instance that dies or hangs makes the
+  others fail with an error within that time;
+- a training loader is read in the order one process with N*R replicas would read it: every
+  instance draws the same global order, and of each global host call ``[DI, GA, N*R, B]``
+  instance p reads ``[:, :, p*R:(p+1)*R, :]``, the micro-batches of its replicas (the loop
+  builds its ``poptorch.DataLoader`` with ``auto_distributed_partitioning=False``); a
+  ``poptorch.DataLoader`` used outside the loop keeps PopTorch's per-process slices;
+- validation gives each instance a contiguous slice of the samples, padded so that every
+  instance runs the same number of host calls, and counts each sample once; predict runs
+  every sample on every instance;
+- the step loss, the epoch loss and val_loss are summed over the instances; torchmetrics
+  metrics sync themselves over the process group in ``compute()``; only instance 0 shows
+  progress and writes logs (``ProgressBar``, ``CSVLogger``, ``TensorBoardLogger``) and
+  checkpoints, which every instance can resume from;
+- SIGTERM to any instance, ``Loop.stop()`` on any instance, and ``max_steps`` stop every
+  instance at the same step boundary (a sum of flags over the instances after each step);
+- before the first step the instances compare their settings (seed, factors, dataset
+  length, epochs...) and an instance that differs is an error naming it.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .data import _KEEP, Plan, ResumableSampler, _Padded, build_plan as _build_plan
+from .errors import NonFiniteLossError
+from .rules import describe_factors, host_call_factor
+
+__all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
+           "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV"]
+
+TIMEOUT_ENV = "IPULOOP_DIST_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher says about this process."""
+
+    rank: int  # instance index, 0 .. size - 1
+    size: int  # instances
+    local_rank: int  # index on this host
+    launcher: str  # "torchrun", "mpirun" or "poprun"
+    local_replicas: int | None = None  # poprun: replicas per instance
+
+
+def _int(env: Any, name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: the launcher's environment must hold an integer "
+                         "there.") from None
+
+
+def detect(env: Any = None) -> Launch | None:
+    """The launcher's view of this process, or None when it runs alone."""
+    env = os.environ if env is None else env
+    launch = None
+    if "POPDIST_NUM_TOTAL_REPLICAS" in env or "POPDIST_NUM_INSTANCES" in env:
+        launch = _popdist(env)
+    elif "RANK" in env and "WORLD_SIZE" in env:
+        launch = Launch(_int(env, "RANK"), _int(env, "WORLD_SIZE"),
+                        int(env.get("LOCAL_RANK", "0")), "torchrun")
+    elif "OMPI_COMM_WORLD_SIZE" in env and "OMPI_COMM_WORLD_RANK" in env:
+        launch = Launch(_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
+                        int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")), "mpirun")
+    if launch is None or launch.size <= 1:
+        return None
+    if not 0 <= launch.rank < launch.size:
+        raise ValueError(f"The {launch.launcher} environment gives instance index {launch.rank} "
+                         f"of {launch.size} instances: the index must be in [0, {launch.size}).")
+    return launch
+
+
+def _popdist(env: Any) -> Launch:
+    try:  # on an IPU system: PopDist's own reading of poprun's environment
+        import popdist
+        if popdist.isPopdistEnvSet():
+            return Launch(int(popdist.getInstanceIndex()), int(popdist.getNumInstances()),
+                          int(popdist.getLocalInstanceIndex()), "poprun",
+                          int(popdist.getNumLocalReplicas()))
+    except ImportError:
+        pass
+    local = int(env.get("POPDIST_NUM_LOCAL_REPLICAS", "1"))
+    if "POPDIST_NUM_INSTANCES" in env:
+        size = _int(env, "POPDIST_NUM_INSTANCES")
+    else:
+        size = _int(env, "POPDIST_NUM_TOTAL_REPLICAS") // max(local, 1)
+    if "POPDIST_INSTANCE_INDEX" in env:
+        rank = _int(env, "POPDIST_INSTANCE_INDEX")
+    else:
+        rank = int(env.get("POPDIST_REPLICA_INDEX_OFFSET", "0")) // max(local, 1)
+    return Launch(rank, size, int(env.get("POPDIST_LOCAL_INSTANCE_INDEX", "0")), "poprun", local)
+
+
+def timeout_seconds(env: Any = None) -> float:
+    """``IPULOOP_DIST_TIMEOUT``: seconds a collective waits for the other instances."""
+    env = os.environ if env is None else env
+    text = env.get(TIMEOUT_ENV)
+    if text is None or text == "":
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0.")
+    return value
+
+
+def _group_ready() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+def process_index() -> int:
+    """This instance's index (0 when the process runs alone)."""
+    if _group_ready():
+        import torch.distributed as dist
+        return dist.get_rank()
+    launch = detect()
+    return launch.rank if launch else 0
+
+
+def num_processes() -> int:
+    """The number of instances (1 when the process runs alone)."""
+    if _group_ready():
+        import torch.distributed as dist
+        return dist.get_world_size()
+    launch = detect()
+    return launch.size if launch else 1
+
+
+def is_main_process() -> bool:
+    """True on instance 0: the one that prints, logs and writes checkpoints."""
+    return process_index() == 0
+
+
+def _init_group(rank: int, size: int) -> None:
+    """Join the default process group, creating it (gloo) when nobody has."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise RuntimeError("Several processes need torch.distributed, which this torch build "
+                           "lacks.")
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, size):
+            raise ValueError(
+                f"The torch.distributed process group has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the options say process {rank} of {size}: "
+                "initialise the group with the launcher's rank and world size.")
+        return
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT", "29500")
+    # env:// where the launcher set MASTER_*: under torchrun it joins the launcher's own store
+    method = "env://" if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ \
+        else f"tcp://{addr}:{port}"
+    seconds = timeout_seconds()
+    try:
+        dist.init_process_group("gloo", init_method=method, rank=rank,
+                                world_size=size,
+                                timeout=datetime.timedelta(seconds=seconds))
+    except Exception as e:
+        raise RuntimeError(
+            f"Instance {rank} of {size} could not join the other instances at "
+            f"{addr}:{port} within {seconds:g} s ({type(e).__name__}: {e}). Set MASTER_ADDR and "
+            f"MASTER_PORT to the same address on every instance (torchrun does), and "
+            f"{TIMEOUT_ENV} to wait longer.") from e
+    atexit.register(_leave_group)
+
+
+def _leave_group() -> None:
+    """Close the group this module created before the interpreter's teardown, which could
+    otherwise abort in gloo's threads when another instance has already gone."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # leaving anyway
+            pass
+
+
+class Processes:
+    """The instances of a run, as one ``Loop`` sees them (``loop._dist``)."""
+
+    def __init__(self, rank: int, size: int, launcher: str) -> None:
+        self.rank, self.size, self.launcher = rank, size, launcher
+        self.term_pending = False  # SIGTERM seen here, not yet agreed on
+
+    # -- collectives ---------------------------------------------------------------------------
+    def _fail(self, what: str, e: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"Instance {self.rank} of {self.size} lost the other instances while {what}: an "
+            f"instance died or stopped answering within {timeout_seconds():g} s "
+            f"({TIMEOUT_ENV}). ({type(e).__name__}: {e})")
+
+    def sum(self, values: list[float], what: str) -> list[float]:
+        """``values`` summed over the instances (float64)."""
+        import torch.distributed as dist
+        t = torch.tensor(values, dtype=torch.float64)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        except RuntimeError as e:
+            raise self._fail(what, e) from e
+        return t.tolist()
+
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj)
+        except RuntimeError as e:
+            raise self._fail(what, e) from e
+        return out
+
+    # -- the loop's hooks ----------------------------------------------------------------------
+    def on_sigterm(self, loop: Any) -> None:
+        self.term_pending = True  # every instance acts on it at the next agreed boundary
+
+    def agree_on_stop(self, st: Any) -> None:
+        """SIGTERM or ``stop()`` on any instance stops them all here (``st``: the loop's
+        ``State``)."""
+        term, stop = self.sum([float(self.term_pending or st.preempted),
+                               float(st.stop_requested)], f"ending step {st.step}")
+        if term:
+            st.preempted, self.term_pending = True, False
+        if stop:
+            st.stop_requested = True
+
+    def step_loss(self, st: Any, mine: Any, check_finite: bool) -> Any:
+        """The step's loss over every instance (a ``StepLoss``); a non-finite one elsewhere
+        stops this instance too."""
+        total, count = self.sum([mine.total, mine.count], f"summing step {st.step}'s loss")
+        if check_finite and not math.isfinite(total) and math.isfinite(mine.total):
+            raise NonFiniteLossError(
+                f"Non-finite loss {total} at epoch {st.epoch}, step {st.step} "
+                "(0-based host call) on another instance (this one's was finite): that "
+                "instance names the micro-batch. Lower the learning rate, check the data, or "
+                "pass check_finite=False.")
+        return type(mine)(total, int(count), mine.exact)
+
+    def val_sums(self, total: float, count: int, uncovered: int) -> tuple[float, int, int]:
+        total, count, uncovered = self.sum([total, count, uncovered], "summing val_loss")
+        return total, int(count), int(uncovered)
+
+    def check_agreement(self, loop: Any, plan: Plan, val_plan: Plan | None, epochs: int,
+                        max_steps: int | None) -> None:
+        """Compare what every instance must share; an instance that differs is named."""
+        o = loop.train_opts
+        mine = {
+            "randomSeed": o.random_seed if o.exists("random_seed") else None,
+            "deviceIterations": o.device_iterations,
+            "gradientAccumulation": o.Training.gradient_accumulation,
+            "replicationFactor": o.replication_factor,
+            "micro-batch size": plan.micro,
+            "training samples": plan.samples,
+            "training steps per epoch": plan.steps,
+            "validation steps": val_plan.steps if val_plan is not None else None,
+            "epochs": epochs, "max_steps": max_steps,
+            "optimizer": type(loop.optimizer).__name__,
+            "parameters": sum(p.numel() for p in loop.model.parameters()),
+            "step counter": loop.state.step,
+        }
+        every = self.gather(mine, "comparing the instances' settings")
+        for index, theirs in enumerate(every):
+            diff = [f"{k} {every[0][k]!r} on instance 0 but {theirs[k]!r} on instance {index}"
+                    for k in mine if theirs.get(k) != every[0].get(k)]
+            if diff:
+                raise ValueError(
+                    f"Instance {index} of {self.size} differs from instance 0: "
+                    + "; ".join(diff) + ". Every instance must run the same program with "
+                    "the same settings (seed, factors, data, epochs); only the launcher's "
+                    "environment may differ.")
+
+    def checkpoint_state(self, st: Any, train_metrics: dict[str, Any],
+                         sd: dict[str, Any]) -> dict[str, Any]:
+        """The run's state for a checkpoint: the train metrics of every instance together,
+        and every instance's own random streams (the losses are the run's already)."""
+        if st.exception is not None:  # failing: the others may not be here to answer
+            sd["processes"] = None
+            return sd
+        for name, metric in train_metrics.items():
+            metric.sync(should_sync=True, distributed_available=lambda: True)
+            try:
+                sd["metrics"][name] = {n: v.clone() if isinstance(v, torch.Tensor) else
+                                       list(v) if isinstance(v, list) else v
+                                       for n, v in ((n, getattr(metric, n))
+                                                    for n in metric._defaults)}
+            finally:
+                metric.unsync()
+        own = {k: sd.get(k) for k in ("rng", "device_rng", "epoch_rng", "sampler_rng")}
+        sd["processes"] = self.gather(own, "gathering the checkpoint's random states")
+        return sd
+
+    def own_state(self, sd: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's state for this instance: instance 0 holds the metrics' states of
+        all, the others start theirs from zero; each takes its own random streams."""
+        sd = dict(sd)
+        every = sd.get("processes")
+        if every is not None and len(every) == self.size:
+            sd.update(every[self.rank])
+        elif every is not None:
+            warnings.warn(f"The checkpoint was written by {len(every)} instances and this run "
+                          f"has {self.size}: every instance continues instance 0's random "
+                          "streams.", stacklevel=3)
+        if self.rank != 0:
+            sd["metrics"] = {}  # reset below, as at an epoch start
+            for m in train_metrics.values():
+                m.reset()
+        return sd
+
+    def silence(self, loop: Any) -> None:
+        """Instances other than 0 show no progress and write no logs."""
+        if self.rank == 0:
+            return
+        loop._hooks = {e: [(cb, h) for cb, h in hooks
+                           if not getattr(cb, "main_instance_only", False)]
+                       for e, hooks in loop._hooks.items()}
+
+
+def attach(loop: Any, replicas_given: bool) -> Processes | None:
+    """Make ``loop`` one instance of a run started by a launcher; None when alone."""
+    opts = loop.train_opts
+    launch = detect()
+    procs = opts.Distributed.numProcesses
+    if procs > 1:  # set by the program (configureProcessId) or read by Options (mpirun)
+        rank, size, launcher = opts.Distributed.processId, procs, \
+            launch.launcher if launch else "the options"
+        if launch is not None and (launch.rank, launch.size) != (rank, size):
+            raise ValueError(
+                f"The options say process {rank} of {size}, but {launch.launcher} started "
+                f"instance {launch.rank} of {launch.size}. Leave opts.Distributed unset: the "
+                "loop reads the launcher's environment.")
+    elif launch is None:
+        return None
+    else:
+        rank, size, launcher = launch.rank, launch.size, launch.launcher
+        opts.Distributed.configureProcessId(rank, size)
+    if launch is not None and launch.local_replicas is not None:  # poprun: replicas per instance
+        if opts.replication_factor == 1 and not replicas_given:
+            opts.replicationFactor(launch.local_replicas)
+        elif opts.replication_factor != launch.local_replicas:
+            raise ValueError(
+                f"poprun gives each instance {launch.local_replicas} replica(s), but the loop "
+                f"has replicationFactor {opts.replication_factor}. Leave replicas= unset under "
+                "poprun (its --num-replicas / --num-instances decide), or pass the same number.")
+    if launch is not None and launch.launcher == "poprun":
+        _check_popdist_options(opts)
+    inf = loop._user_inference_opts
+    if inf is not None and inf.Distributed.numProcesses == 1:
+        inf.Distributed.configureProcessId(rank, size)
+    _init_group(rank, size)
+    dist = Processes(rank, size, launcher)
+    loop.state.instance, loop.state.instances = rank, size
+    dist.silence(loop)
+    return dist
+
+
+def _check_popdist_options(opts: Any) -> None:
+    """On an IPU system, PopDist's options also pick the instance's IPUs: say so when the
+    program built plain ones (the loop has set their process id and replicas)."""
+    try:
+        import popdist.poptorch
+    except ImportError:  # no Poplar SDK: nothing but the environment to go by
+        return
+    popdist_options = getattr(popdist.poptorch, "Options", None)
+    if isinstance(popdist_options, type) and not isinstance(opts, popdist_options):
+        warnings.warn("Running under poprun with options that are not popdist.poptorch.Options: "
+                      "the loop set their process id and local replicas from PopDist, but "
+                      "PopDist's own options also select this instance's IPUs. Build them with "
+                      "popdist.poptorch.Options(ipus_per_replica=...) and pass those to Loop.",
+                      stacklevel=4)
+
+
+def configured(opts: Any) -> Any:
+    """``opts`` with the launcher's process id and count, when a launcher started us."""
+    launch = detect()
+    if launch is None or opts.Distributed.numProcesses > 1:
+        return opts
+    opts = opts.clone()
+    opts.Distributed.configureProcessId(launch.rank, launch.size)
+    return opts
+
+
+# -- data -------------------------------------------------------------------------------------
+class ProcessSampler(ResumableSampler):
+    """This instance's share of a global order: of each global host call laid out
+    ``[DI*GA, N, share]``, the ``share`` samples (its replicas' micro-batches) at index
+    ``rank``; the remainder of the epoch that makes no whole global call is dropped."""
+
+    def __init__(self, inner: Any, rank: int, size: int, iterations: int, share: int) -> None:
+        super().__init__(inner)
+        self.rank, self.size, self.iterations, self.share = rank, size, iterations, share
+        self.local_call = iterations * share
+        self.global_call = self.local_call * size
+
+    def set_epoch(self, skip: int = 0) -> None:
+        order = list(iter(self.inner))
+        steps = len(order) // self.global_call
+        skip_steps = skip // self.local_call
+        if steps <= skip_steps:
+            self._order = []
+            return
+        t = torch.tensor(order[:steps * self.global_call], dtype=torch.int64)
+        t = t.view(steps, self.iterations, self.size, self.share)[skip_steps:, :, self.rank]
+        self._order = t.reshape(-1).tolist()
+
+    def __len__(self) -> int:
+        if self._order is not None:
+            return len(self._order)
+        return len(self.inner) // self.global_call * self.local_call
+
+    def __iter__(self) -> Iterator[int]:
+        return super().__iter__()
+
+
+def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str) -> tuple:
+    """The whole dataset behind ``loader`` and its micro-batch size."""
+    dataset = loader.dataset
+    if isinstance(loader, poptorch.DataLoader):
+        combined = loader.combinedBatchSize
+        theirs = host_call_factor(loader.options, training)
+        micro = combined // theirs if combined else None
+        if combined is not None and combined != (micro or 0) * host_call_factor(opts, training):
+            raise ValueError(
+                f"{name} was built for {describe_factors(loader.options, micro, training)}, "
+                f"but the loop runs {describe_factors(opts, micro, training)} per instance. "
+                "Build the loader with the same options as the loop, or pass a torch "
+                "DataLoader with the micro-batch size and let the loop build it.")
+        dataset = getattr(dataset, "_dataset", dataset)  # PopTorch's per-process slice
+        shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler) or \
+            bool(getattr(loader, "_shuffle_distributed", False))
+        view = torch.utils.data.DataLoader(dataset, batch_size=micro, shuffle=shuffle,
+                                           collate_fn=loader.collate_fn,
+                                           num_workers=loader.num_workers)
+        return view, micro
+    return loader, loader.batch_size
+
+
+def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -> Any:
+    """``plan``'s loader again, with this instance's options and order, unpartitioned."""
+    src = plan.loader
+    kwargs = {k: getattr(src, k) for k in _KEEP if hasattr(src, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("persistent_workers", None)
+        kwargs.pop("timeout", None)
+    else:
+        kwargs["prefetch_factor"] = src.prefetch_factor
+    if sampler is not None:
+        kwargs["sampler"] = sampler
+    return poptorch.DataLoader(opts, dataset, batch_size=plan.micro, drop_last=True,
+                               auto_distributed_partitioning=False, **kwargs)
+
+
+def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
+               name: str, pad: bool = False, sequential: bool = False,
+               partition: bool = True) -> Plan:
+    """``data.build_plan`` for one of N instances (``opts.Distributed.numProcesses`` N);
+    its warnings (dropped samples...) are given on instance 0 only."""
+    with warnings.catch_warnings():
+        if opts.Distributed.processId != 0:
+            warnings.simplefilter("ignore")
+        return _process_plan(poptorch, loader, opts, layout, training=training, name=name,
+                             pad=pad, sequential=sequential, partition=partition)
+
+
+def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
+                  name: str, pad: bool, sequential: bool, partition: bool) -> Plan:
+    size, rank = opts.Distributed.numProcesses, opts.Distributed.processId
+    alone = opts.clone()
+    alone.Distributed.disable()
+    if not isinstance(loader, torch.utils.data.DataLoader):  # the usual error
+        return _build_plan(poptorch, loader, alone, layout, training=training, name=name,
+                           pad=pad, sequential=sequential)
+    view, micro = _dataset_of(poptorch, loader, opts, training, name)
+    dataset = view.dataset
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not partition:
+        # a stream has no order to share out: each instance reads its own (shard it in
+        # __iter__, e.g. by ipuloop.distributed.process_index()); predict reads everything
+        plan = _build_plan(poptorch, view, alone, layout, training=training, name=name,
+                           pad=pad, sequential=sequential)
+        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset,
+                               plan.sampler if plan.sampler is not None else None)
+        return plan
+    if training:
+        if opts.replication_factor % opts.input_group_size:
+            raise ValueError(
+                f"{name}: input replica groups of {opts.input_group_size} with "
+                f"{opts.replication_factor} replicas per instance cannot be shared out "
+                "between instances: use groups that divide the replicas of an instance.")
+        every = alone.clone()
+        every.replicationFactor(opts.replication_factor * size)
+        try:
+            whole = _build_plan(poptorch, view, every, layout, training=True, name=name,
+                                sequential=sequential)
+        except ValueError as e:
+            raise ValueError(f"{e} (replicationFactor {opts.replication_factor * size}: "
+                             f"{opts.replication_factor} replica(s) on each of {size} "
+                             "instances)") from None
+        if whole.sampler is None:  # a custom batch sampler: refused above with replicas
+            raise ValueError(f"{name}: a batch sampler cannot be shared out between instances.")
+        groups = max(opts.replication_factor // opts.input_group_size, 1)
+        sampler = ProcessSampler(whole.sampler.inner, rank, size,
+                                 opts.device_iterations * opts.Training.gradient_accumulation,
+                                 groups * whole.micro)
+        built = _rebuilt(poptorch, opts, whole, view.dataset, sampler)
+        return Plan(built, sampler, whole.micro, whole.micro * host_call_factor(opts, True),
+                    layout, whole.samples, name)
+    # validation: a contiguous slice each, padded to the same number of host calls
+    n = len(dataset)
+    if n < size:
+        raise ValueError(f"{name} has {n} samples, fewer than the {size} instances: every "
+                         "instance needs at least one.")
+    cuts = [n * p // size for p in range(size + 1)]
+    combined = micro * host_call_factor(opts, training)
+    longest = max(b - a for a, b in zip(cuts, cuts[1:]))
+    total = -(-longest // combined) * combined
+    mine = torch.utils.data.Subset(dataset, range(cuts[rank], cuts[rank + 1]))
+    view = torch.utils.data.DataLoader(_Padded(mine, total), batch_size=micro,
+                                       collate_fn=view.collate_fn, num_workers=view.num_workers)
+    plan = _build_plan(poptorch, view, alone, layout, training=False, name=name,
+                       sequential=True)
+    plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
+    plan.samples = cuts[rank + 1] - cuts[rank]
+    return plan
