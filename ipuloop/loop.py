@@ -1,29 +1,26 @@
 """``Loop``: wires options, data, executors and callbacks, and is the only place events are ordered.
 
-The event order is written once, in ``ipuloop.callbacks.base``. Each scope runs start event,
-body, end event (``_with_events``); ``stop()``, ``max_steps`` and SIGTERM are flags read at
-step boundaries (``_step_boundary``).
+How an event fires, a scope is bracketed and a stop flag is read: ``ipuloop.events``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
 from .backend import backend_name, poptorch_module
-from .callbacks.base import (EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, arrange,
-                             resume_path)
+from . import distributed, plans
+from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
-from . import distributed
-from .data import (Plan, Predictions, build_plan, check_not_empty, close, count_updates,
-                   first_micro_batch, kill_workers, no_host_call, predict_inputs, split_batch)
+from .data import (Plan, Predictions, check_not_empty, first_micro_batch, no_host_call,
+                   predict_inputs, split_batch)
 from .device import Executors, WithLoss
-from .errors import NonFiniteLossError, add_note
+from .errors import NonFiniteLossError
+from .events import Events
 from .metrics import Validation, metric_logs, probe, resolve_metrics
-from .options import inference_options, layout, resolve, resolve_options
+from .options import inference_options, resolve
 from .outputs import non_finite_error
 from .resume import Resume, check_resumable, rng_state
 from .signals import Preempted, handle_signals
@@ -32,7 +29,7 @@ from .state import State
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
 
 
-class Loop:
+class Loop(Events):
     """Train, validate and predict with a PopTorch model.
 
     Args:
@@ -124,108 +121,6 @@ class Loop:
     def optimizer_pushes(self) -> int:
         """``setOptimizer`` calls made (only when a hyper-parameter changed)."""
         return self.executors.pushes
-
-    @property
-    def exception(self) -> BaseException | None:
-        """The error ``on_exception`` hooks are told of (``state.exception``)."""
-        return self.state.exception
-
-    @property
-    def exception_source(self) -> Callback | None:
-        """The callback whose hook raised ``exception``, if one did."""
-        return self.state.exception_source
-
-    # -- events ---------------------------------------------------------------------------------
-    def _fire(self, event: str) -> None:
-        for cb, hook in self._hooks[event]:
-            try:
-                hook(self)
-            except (CancelStep, CancelEpoch, CancelFit):
-                raise
-            except BaseException as e:
-                if self.state.exception_source is None:  # the innermost hook: the one that failed
-                    self.state.exception_source = cb
-                add_note(e, f"raised in callback {type(cb).__name__}.{event}")
-                if isinstance(e, AttributeError) and "frozen Options" in str(e):
-                    add_note(e, "The loop's options freeze when fit starts: change "
-                                "loop.train_opts in a callback's on_configure.")
-                raise
-
-    def _event(self, event: str, cancel: type) -> bool:
-        """Fire ``event``; False when a hook raised ``cancel`` (the later hooks skipped)."""
-        try:
-            self._fire(event)
-            return True
-        except cancel:
-            return False
-
-    def _with_events(self, start: str, body: Callable[[], Any], cancel: type,
-                     end: str | None = None) -> None:
-        """``start``, ``body``, ``end``: ``cancel`` from the first two skips to ``end`` (from
-        ``end`` itself, it has nothing left to skip)."""
-        try:
-            self._fire(start)
-            body()
-        except cancel:
-            pass
-        if end is not None:
-            self._event(end, cancel)
-
-    @contextlib.contextmanager
-    def _reporting(self, fit: bool = False) -> Iterator[None]:
-        """Any error fires ``on_exception`` once and propagates; a fit's also releases the
-        device. A fit's loader workers stop when it ends, however it ends."""
-        try:
-            yield
-        except BaseException as error:
-            st = self.state
-            if error is not st.exception:  # a nested call reported it already
-                st.exception = error
-                for cb, hook in self._hooks["on_exception"]:
-                    try:
-                        hook(self)
-                    except Exception as e:  # the original exception is the one to report
-                        warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}")
-            if fit:
-                self.executors.release()
-            raise
-        finally:
-            if fit:
-                batches, self._batches = self._batches, None
-                close(batches)
-
-    def describe(self) -> str:
-        """The loop's events, with the callbacks attached to each."""
-        lines = []
-        for e in EVENTS:
-            names = [type(cb).__name__ for cb, _ in self._hooks[e]]
-            lines.append(f"{e:24s} {', '.join(names) if names else '-'}")
-        return "\n".join(lines)
-
-    def stop(self) -> None:
-        """End the fit after the current step."""
-        self.state.stop_requested = True
-
-    def _on_sigterm(self) -> None:
-        if self._dist is not None:  # several processes: all stop at the next agreed boundary
-            self._dist.term_pending = True
-        else:
-            self.state.preempted = True
-
-    def _check_preempted(self) -> None:
-        if self._dist is not None:  # several processes: SIGTERM or stop() on any stops all
-            self._dist.agree_on_stop(self.state)
-        if self.state.preempted:
-            raise Preempted
-
-    def _should_stop(self) -> bool:
-        st = self.state
-        return st.stop_requested or (st.max_steps is not None and st.step >= st.max_steps)
-
-    def _step_boundary(self) -> bool:
-        """Between two steps: a SIGTERM preempts the fit here; True when it should stop."""
-        self._check_preempted()
-        return self._should_stop()
 
     # -- fit ------------------------------------------------------------------------------------
     def fit(self, train_loader: Any, epochs: int = 1, val_loader: Any = None, *,
@@ -385,31 +280,13 @@ class Loop:
         self._fire("on_compile_end")
         return model
 
-    def _kill_workers(self) -> None:
-        kill_workers(self._batches)
-
-    @staticmethod
-    def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
-        """Optimizer updates that ``fit(loader, epochs)`` runs from the first epoch, with the
-        training options ``opts`` (``poptorch.Options``, an ``IPUConfig`` or None, as given to
-        ``Loop``; a ``replicas=`` given to ``Loop`` instead must be set in them too).
-
-        ``epochs`` x the steps of an epoch (``len(dataset) // (B * DI * GA * RF)``) x DI: the
-        ``total_steps`` of a scheduler stepped per update (``LRScheduler``'s default), such
-        as ``OneCycleLR``. A static method, so it can size the scheduler the ``Loop`` takes.
-        (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
-        """
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
-        pt = poptorch_module()
-        opts = distributed.configured(resolve_options(pt, opts, None)[0])
-        return count_updates(_build(pt, loader, opts, True, "loader"), opts, epochs)
+    num_updates = staticmethod(plans.num_updates)
 
     # -- batches --------------------------------------------------------------------------------
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
               pad: bool = False, partition: bool = True) -> Plan:
         opts = self.train_opts if opts is None else opts  # the one (frozen) options object
-        return _build(self.poptorch, loader, opts, training, name, pad, partition)
+        return plans.build(self.poptorch, loader, opts, training, name, pad, partition)
 
     def _cast(self, x: Any) -> Any:
         if self._input_dtype is not None and isinstance(x, torch.Tensor) \
@@ -569,12 +446,3 @@ class Loop:
             if source is None:
                 return
         self.load_state_dict(load_checkpoint(source, backend=backend_name()))
-
-
-def _build(pt: Any, loader: Any, opts: Any, training: bool, name: str, pad: bool = False,
-           partition: bool = True) -> Plan:
-    """``loader`` as this process runs it: alone, or its share of several processes'."""
-    build = distributed.build_plan if opts.Distributed.numProcesses > 1 else build_plan
-    kwargs = {"partition": partition} if build is not build_plan else {}
-    return build(pt, loader, opts, layout(opts, training), training=training, name=name,
-                 pad=pad, sequential=pad, **kwargs)
