@@ -3,8 +3,9 @@
 Every import of every module is read with ``ast``, relative and function-local ones included.
 The layers (docs: architecture): leaves (``rules``, ``errors``, ``state``, ``signals``,
 ``version``) < ``emulator`` (imports nothing of ipuloop but ``rules``), ``outputs``,
-``checkpoint_io``, ``callbacks.base`` < ``backend``, ``data``, ``metrics``, the callbacks <
-``options``, ``device``, ``resume`` < ``loop`` < ``config``, ``__init__``, ``emulate``.
+``checkpoint_io``, ``callbacks.base`` < ``backend``, ``data``, ``metrics``, ``distributed``,
+the callbacks < ``options``, ``device``, ``resume``, ``plans``, ``events`` < ``loop`` <
+``config``, ``__init__``, ``emulate`` (docs/layout.md).
 """
 from __future__ import annotations
 

@@ -36,7 +36,6 @@ from .. import rules
 from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
-from . import distributed as _distributed
 from . import inputs as _inputs
 from .anchors import Anchors
 from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
@@ -241,9 +240,8 @@ class PoplarExecutor(HardwareOnly):
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         _inputs.check_batch(leaves, di, ga, rf, o.input_group_size)
-        if self._opt is not None:  # Distributed.numProcesses > 1: join the other instances
-            self._opt.reducer = _distributed.join(o, self._device, self._opt.optimizer,
-                                                  self._user_model, self._weights.host_params)
+        if self._opt is not None:  # numProcesses > 1: join the others (distributed.py)
+            self._opt.join(o, self._device, self._user_model, self._weights.host_params)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._returned = frozenset(rules.returned_iterations(mode, di, self._consts[5]))
         self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``

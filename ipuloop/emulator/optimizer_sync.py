@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import distributed as _distributed
 from . import optim as _optim
 from .enums import MeanReductionStrategy
 
@@ -45,6 +46,12 @@ class OptimizerSync:
         self.reducer: Any = None  # several processes: all-reduces before each update
         self.set_reduction_strategy(optimizer)
         self.patch(optimizer)
+
+    def join(self, options: Any, device: torch.device, model: torch.nn.Module,
+             host_params: list[torch.Tensor]) -> None:
+        """At compile, with ``Distributed.numProcesses`` > 1: join the other instances, check
+        that they agree, and all-reduce gradients before each update (``distributed``)."""
+        self.reducer = _distributed.join(options, device, self.optimizer, model, host_params)
 
     def params(self) -> list[torch.Tensor]:
         """The parameters the host optimizer trains, in its groups' order."""
