@@ -28,6 +28,18 @@ _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
 
 
+def loader_kwargs(loader: Any) -> dict[str, Any]:
+    """The settings of ``loader`` that a rebuilt loader over the same data keeps (workers,
+    collation, memory pinning, generator), less those its worker count makes invalid."""
+    kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("persistent_workers", None)
+        kwargs.pop("timeout", None)
+    else:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
 class ResumableSampler(Sampler):
     """Wraps a sampler: the epoch's order is drawn in ``set_epoch``, then skipped into."""
 
@@ -209,12 +221,7 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
                              "which cannot be used with more than one replica: the host batch "
                              "is split between replicas. Use batch_size= and a sampler instead.")
         micro = getattr(batch_sampler, "batch_size", micro or 1)
-    kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("persistent_workers", None)
-        kwargs.pop("timeout", None)
-    else:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+    kwargs = loader_kwargs(loader)
     iterable = isinstance(dataset, IterableDataset)
     samples = None if iterable else len(dataset)
     sampler = None

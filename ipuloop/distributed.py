@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .data import _KEEP, Plan, ResumableSampler, _Padded, build_plan as _build_plan
+from .data import Plan, ResumableSampler, _Padded, build_plan as _build_plan, loader_kwargs
 from .errors import NonFiniteLossError
 from .rules import describe_factors, host_call_factor
 
@@ -455,13 +455,7 @@ def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str
 
 def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -> Any:
     """``plan``'s loader again, with this instance's options and order, unpartitioned."""
-    src = plan.loader
-    kwargs = {k: getattr(src, k) for k in _KEEP if hasattr(src, k)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("persistent_workers", None)
-        kwargs.pop("timeout", None)
-    else:
-        kwargs["prefetch_factor"] = src.prefetch_factor
+    kwargs = loader_kwargs(plan.loader)
     if sampler is not None:
         kwargs["sampler"] = sampler
     return poptorch.DataLoader(opts, dataset, batch_size=plan.micro, drop_last=True,

@@ -320,12 +320,11 @@ class _Seen(TensorDataset):
 
 
 def _process_plan(rank: int, loader: DataLoader, replicas: int = 1):
-    from ipuloop.data import build_plan
-    from ipuloop.outputs import Layout
+    from ipuloop.plans import build
     opts = poptorch.Options().replicationFactor(replicas).randomSeed(0)
     opts.Distributed.configureProcessId(rank, 2)
-    layout = Layout(1, 1, replicas, poptorch.OutputMode.All)
-    return build_plan(poptorch, loader, opts, layout, training=True, name="train_loader")
+    opts.outputMode(poptorch.OutputMode.All)
+    return build(poptorch, loader, opts, training=True, name="train_loader")
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
