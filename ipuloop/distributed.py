@@ -187,13 +187,20 @@ def _init_group(rank: int, size: int) -> None:
 
 def _leave_group() -> None:
     """Close the group this module created before the interpreter's teardown, which could
-    otherwise abort in gloo's threads when another instance has already gone."""
+    otherwise abort in gloo's threads when another instance has already gone. The instances
+    first meet (10 s at most): torch 2.0's gloo can hang in ``destroy_process_group`` on the
+    instance that gets there after the others have left."""
     import torch.distributed as dist
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # leaving anyway
-            pass
+    if not dist.is_initialized():
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+    except Exception:  # an instance has gone or hangs: leaving anyway
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 class Processes:

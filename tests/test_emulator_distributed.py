@@ -58,11 +58,8 @@ def options(rf, ga=1, di=1, mean=True, procs=True):
 
 
 def finish():
-    # gloo's process-group teardown at interpreter exit can hang now and then on a loaded
-    # machine (torch 2.0 and later, destroyed or not): the scripts leave without teardown.
+    # the script ends as programs do: the emulator's group is destroyed at exit
     sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 '''
 
 EQUIVALENCE = COMMON + '''

@@ -9,9 +9,8 @@ gloo on the CPU, NCCL when the emulator runs on CUDA: give each process its own 
 ``Distributed.processId`` and ``numProcesses``. Joining, and every gloo collective on a group
 this module created, gives up after ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an
 instance that died or stopped calling makes the others raise ``poptorch.Error`` instead of
-hanging. A group this module created is destroyed at exit (left to the interpreter, gloo's
-teardown can abort the process; either way it can, now and then, hang in torch's own code).
-Inference models need no reduction and join nothing.
+hanging. A group this module created is destroyed at exit, the instances meeting first (left
+to the interpreter, gloo's teardown can abort the process). Inference models need no reduction and join nothing.
 
 Replicas (as PopTorch sets PopART's ``globalReplicationFactor`` = N*R and
 ``globalReplicaOffset`` = processId*R): process p's local replica r is global replica
@@ -143,9 +142,17 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
 
 def _destroy(dist: Any) -> None:
     # A gloo group left to the interpreter's teardown can abort the process ("terminate
-    # called without an active exception") when another instance exits first.
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # called without an active exception") when another instance exits first; and torch
+    # 2.0's gloo can hang in destroy_process_group on the instance that gets there after the
+    # others have left: the instances meet first (10 s at most; gloo only).
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+        except Exception:  # noqa: BLE001 - an instance has gone or hangs: leaving anyway
+            pass
+    dist.destroy_process_group()
 
 
 def _collective_error(pid: int, n: int, what: str, e: BaseException) -> Error:
