@@ -627,7 +627,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                       "value_cpu": None if cpu is None else round(cpu, 4)})
 
     ratio("cnn", "loop/hand", 1.05, "Loop.fit (no callbacks) / hand-written, MNIST CNN")
-    ratio("mlp", "loop/hand", 1.15, "Loop.fit (no callbacks) / hand-written, tiny MLP")
+    ratio("mlp", "loop/hand", 1.05, "Loop.fit (no callbacks) / hand-written, tiny MLP")
     ratio("cnn", "loop_callbacks/hand", 1.10, "Loop.fit (usual callbacks) / hand-written, MNIST CNN")
     ratio("mlp", "loop/pl_barebones", 0.6, "Loop.fit / Lightning barebones, tiny MLP")
     ratio("mlp", "raw/hand", 1.05, "emulator step (raw trainingModel) / hand-written, tiny MLP")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .config import IPUConfig
 from .outputs import MODE_NAMES, Layout
 from .rules import (ALL, DEFAULT, EVERY_N, MAX_IPUS, SUM, check_return_period, input_groups,
                     ipu_count_error, reserved_ipus, uses_ipu_model)
@@ -66,7 +67,6 @@ def resolve(pt: Any, model: torch.nn.Module, opts: Any, inference_opts: Any, *, 
 def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, int]:
     """Clones of the training and (if given) inference options, and the IPUs per replica
     (known from an ``IPUConfig``; else 1)."""
-    from .config import IPUConfig
     per_replica = 1
     if isinstance(opts, IPUConfig):
         per_replica = opts.ipus_used()
