@@ -17,7 +17,7 @@ torch threads (``--threads``, passed as OMP_NUM_THREADS).
 Then one more run of the example, in this process with a timing callback added, splits its
 training time into data (from the end of one step to the start of the next: reading and
 collating the next host batch) and compute (the training model's call and the loop's
-per-step work), as issue 5 asks.
+per-step work).
 """
 from __future__ import annotations
 
