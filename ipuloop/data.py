@@ -22,10 +22,27 @@ from .rules import describe_factors, host_call_factor
 
 __all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
            "first_micro_batch", "predict_inputs", "flagged_plan", "concat", "kill_workers", "close",
-           "Predictions", "check_not_empty", "count_updates", "no_host_call"]
+           "Predictions", "check_not_empty", "count_updates", "no_host_call", "built_micro_batch",
+           "loader_kwargs"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
+
+
+def built_micro_batch(loader: Any, opts: Any, training: bool, name: str,
+                      where: str = "") -> int | None:
+    """The micro-batch size a ``poptorch.DataLoader`` was built for (None if it has no batch
+    size); a ``ValueError`` when its host call is not the one the loop runs with ``opts``
+    (``where``: " per instance" under several processes)."""
+    combined = loader.combinedBatchSize
+    micro = combined // host_call_factor(loader.options, training) if combined else None
+    if combined is not None and combined != (micro or 0) * host_call_factor(opts, training):
+        raise ValueError(
+            f"{name} was built for {describe_factors(loader.options, micro, training)}, "
+            f"but the loop runs {describe_factors(opts, micro, training)}{where}. Build the "
+            "loader with the same options as the loop, or pass a torch DataLoader with the "
+            "micro-batch size and let the loop build it.")
+    return micro
 
 
 def loader_kwargs(loader: Any) -> dict[str, Any]:
@@ -199,15 +216,7 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
         type(batch_sampler) is not BatchSampler
         or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None))
     if isinstance(loader, poptorch.DataLoader):
-        combined = loader.combinedBatchSize
-        theirs = host_call_factor(loader.options, training)
-        micro = combined // theirs if combined else None
-        if combined is not None and combined != (micro or 0) * factor:
-            raise ValueError(
-                f"{name} was built for {describe_factors(loader.options, micro, training)}, "
-                f"but the loop runs {describe_factors(opts, micro, training)}. Build the loader "
-                "with the same options as the loop, or pass a torch DataLoader with the "
-                "micro-batch size and let the loop build it.")
+        micro = built_micro_batch(loader, opts, training, name)
         if custom_batches:
             batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)
     else:

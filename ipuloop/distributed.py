@@ -34,19 +34,20 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from .data import Plan, ResumableSampler, _Padded, build_plan as _build_plan, loader_kwargs
+from .data import (Plan, ResumableSampler, _Padded, build_plan as _build_plan, built_micro_batch,
+                   loader_kwargs)
 from .errors import NonFiniteLossError
-from .rules import describe_factors, host_call_factor
+from .rules import (DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, host_call_factor,
+                    leave_process_group)
 
 __all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
            "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV"]
 
-TIMEOUT_ENV = "IPULOOP_DIST_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0
+TIMEOUT_ENV, DEFAULT_TIMEOUT = DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,7 @@ def _popdist(env: Any) -> Launch:
 
 def timeout_seconds(env: Any = None) -> float:
     """``IPULOOP_DIST_TIMEOUT``: seconds a collective waits for the other instances."""
-    env = os.environ if env is None else env
-    text = env.get(TIMEOUT_ENV)
-    if text is None or text == "":
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0.")
-    return value
+    return dist_timeout(env)
 
 
 def _group_ready() -> bool:
@@ -182,25 +173,7 @@ def _init_group(rank: int, size: int) -> None:
             f"{addr}:{port} within {seconds:g} s ({type(e).__name__}: {e}). Set MASTER_ADDR and "
             f"MASTER_PORT to the same address on every instance (torchrun does), and "
             f"{TIMEOUT_ENV} to wait longer.") from e
-    atexit.register(_leave_group)
-
-
-def _leave_group() -> None:
-    """Close the group this module created before the interpreter's teardown, which could
-    otherwise abort in gloo's threads when another instance has already gone. The instances
-    first meet (10 s at most): torch 2.0's gloo can hang in ``destroy_process_group`` on the
-    instance that gets there after the others have left."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return
-    try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
-    except Exception:  # an instance has gone or hangs: leaving anyway
-        pass
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    atexit.register(leave_process_group)
 
 
 class Processes:
@@ -237,9 +210,6 @@ class Processes:
         return out
 
     # -- the loop's hooks ----------------------------------------------------------------------
-    def on_sigterm(self, loop: Any) -> None:
-        self.term_pending = True  # every instance acts on it at the next agreed boundary
-
     def agree_on_stop(self, st: Any) -> None:
         """SIGTERM or ``stop()`` on any instance stops them all here (``st``: the loop's
         ``State``)."""
@@ -433,23 +403,12 @@ class ProcessSampler(ResumableSampler):
             return len(self._order)
         return len(self.inner) // self.global_call * self.local_call
 
-    def __iter__(self) -> Iterator[int]:
-        return super().__iter__()
-
 
 def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str) -> tuple:
     """The whole dataset behind ``loader`` and its micro-batch size."""
     dataset = loader.dataset
     if isinstance(loader, poptorch.DataLoader):
-        combined = loader.combinedBatchSize
-        theirs = host_call_factor(loader.options, training)
-        micro = combined // theirs if combined else None
-        if combined is not None and combined != (micro or 0) * host_call_factor(opts, training):
-            raise ValueError(
-                f"{name} was built for {describe_factors(loader.options, micro, training)}, "
-                f"but the loop runs {describe_factors(opts, micro, training)} per instance. "
-                "Build the loader with the same options as the loop, or pass a torch "
-                "DataLoader with the micro-batch size and let the loop build it.")
+        micro = built_micro_batch(loader, opts, training, name, " per instance")
         dataset = getattr(dataset, "_dataset", dataset)  # PopTorch's per-process slice
         shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler) or \
             bool(getattr(loader, "_shuffle_distributed", False))
@@ -496,8 +455,7 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
         # __iter__, e.g. by ipuloop.distributed.process_index()); predict reads everything
         plan = _build_plan(poptorch, view, alone, layout, training=training, name=name,
                            pad=pad, sequential=sequential)
-        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset,
-                               plan.sampler if plan.sampler is not None else None)
+        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
         return plan
     if training:
         if opts.replication_factor % opts.input_group_size:

@@ -1,11 +1,16 @@
 """PopTorch rules that both the emulator and the loop need, each written down once.
 
+Also the two rules of a multi-process run that both keep: how long a wait on the other
+instances may last (``IPULOOP_DIST_TIMEOUT``), and how a process group is left at exit.
+
 A leaf: it imports only the standard library and torch, so the emulator (which imports nothing
 else of ipuloop) and the loop read the same rule. ``opts`` is a ``poptorch.Options`` of either
 backend (the real one or ``ipuloop.emulator``): only their documented attributes are read.
 """
 from __future__ import annotations
 
+import datetime
+import math
 import os
 from typing import Any
 
@@ -14,7 +19,8 @@ import torch
 __all__ = ["FINAL", "EVERY_N", "ALL", "SUM", "DEFAULT", "MAX_IPUS", "OPTIMIZER_GLOBALS",
            "uses_ipu_model", "input_groups", "host_call_factor", "describe_factors", "reserved_ipus",
            "ipu_count_error", "return_periods", "check_return_period", "returned_iterations",
-           "returned_rows", "plain_hyperparameter", "optimizer_hyperparameters"]
+           "returned_rows", "plain_hyperparameter", "optimizer_hyperparameters",
+           "DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "dist_timeout", "leave_process_group"]
 
 # OutputMode values (PopTorch's enum values; the real poptorch's and the emulator's alike).
 FINAL, EVERY_N, ALL, SUM, DEFAULT = 0, 1, 2, 3, 4
@@ -181,3 +187,44 @@ def optimizer_hyperparameters(opt: torch.optim.Optimizer) -> dict:
         if v is not _ABSENT:
             extras[k] = v
     return {"groups": groups, "global": extras}
+
+
+# -- several processes -------------------------------------------------------------------------
+DIST_TIMEOUT_ENV = "IPULOOP_DIST_TIMEOUT"
+DEFAULT_DIST_TIMEOUT = 300.0
+
+
+def dist_timeout(env: Any = None, error: type = ValueError) -> float:
+    """``IPULOOP_DIST_TIMEOUT``: the seconds any wait on the other instances may last (joining,
+    a collective), 300 when unset; anything but a finite number > 0 is ``error``."""
+    env = os.environ if env is None else env
+    text = env.get(DIST_TIMEOUT_ENV)
+    if text is None or text == "":
+        return DEFAULT_DIST_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise error(f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0.")
+    return value
+
+
+def leave_process_group() -> None:
+    """At exit, destroy the default process group a module of ipuloop created. Left to the
+    interpreter's teardown, gloo can abort the process ("terminate called without an active
+    exception") when another instance has gone first; and torch 2.0's gloo can hang in
+    ``destroy_process_group`` on the instance that gets there after the others have left, so
+    gloo instances first meet (10 s at most)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+        except Exception:  # an instance has gone or hangs: leaving anyway
+            pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # leaving anyway
+        pass

@@ -68,3 +68,18 @@ def test_optimizer_hyperparameters():
     opt.param_groups[0]["lr"].fill_(0.25)  # in place, as a scheduler may
     assert snap != rules.optimizer_hyperparameters(opt)
     assert rules.optimizer_hyperparameters(torch.optim.SGD([w], lr=0.1))["global"] == {}
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "-1", "nan", "inf"])
+def test_dist_timeout_is_a_finite_number_of_seconds_on_both_sides(text, monkeypatch):
+    """One reading of IPULOOP_DIST_TIMEOUT: the loop raises ValueError, the emulator
+    poptorch.Error, for the same texts."""
+    env = {rules.DIST_TIMEOUT_ENV: text}
+    with pytest.raises(ValueError, match="expected a number of seconds > 0"):
+        rules.dist_timeout(env)
+    monkeypatch.setenv(rules.DIST_TIMEOUT_ENV, text)
+    from ipuloop.emulator.distributed import timeout_seconds
+    with pytest.raises(poptorch.Error, match="expected a number of seconds > 0"):
+        timeout_seconds()
+    assert rules.dist_timeout({}) == rules.DEFAULT_DIST_TIMEOUT == 300.0
+    assert rules.dist_timeout({rules.DIST_TIMEOUT_ENV: "2.5"}) == 2.5

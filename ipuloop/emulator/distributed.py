@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from .. import rules
 from . import optim as _optim
 from .enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
@@ -70,24 +71,14 @@ __all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "GradientReducer", "join", "timeo
 
 logger = logging.getLogger("poptorch")
 
-TIMEOUT_ENV = "IPULOOP_DIST_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV, DEFAULT_TIMEOUT_S = rules.DIST_TIMEOUT_ENV, rules.DEFAULT_DIST_TIMEOUT
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 _16BIT = (torch.float16, torch.bfloat16)
 
 
 def timeout_seconds() -> float:
     """``IPULOOP_DIST_TIMEOUT`` (seconds, > 0), or 300."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise Error(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0.")
-    return value
+    return rules.dist_timeout(error=Error)
 
 
 def _dist() -> Any:
@@ -129,7 +120,7 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
                 f"({backend} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
                 f"): an instance died or was never started. {TIMEOUT_ENV} sets the timeout. "
                 f"Cause: {type(e).__name__}: {e}") from e
-        atexit.register(_destroy, dist)
+        atexit.register(rules.leave_process_group)
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (pid, n):
         raise Error(
@@ -138,21 +129,6 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
             "world_size) from the launcher (torchrun: "
             'opts.Distributed.setEnvVarNames("WORLD_SIZE", "RANK")).')
     return dist
-
-
-def _destroy(dist: Any) -> None:
-    # A gloo group left to the interpreter's teardown can abort the process ("terminate
-    # called without an active exception") when another instance exits first; and torch
-    # 2.0's gloo can hang in destroy_process_group on the instance that gets there after the
-    # others have left: the instances meet first (10 s at most; gloo only).
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "gloo":
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
-        except Exception:  # noqa: BLE001 - an instance has gone or hangs: leaving anyway
-            pass
-    dist.destroy_process_group()
 
 
 def _collective_error(pid: int, n: int, what: str, e: BaseException) -> Error:
