@@ -27,7 +27,8 @@ from .backend import backend_name, poptorch_module
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "STATE", "TMP_PREFIX", "CheckpointError",
            "atomic_write", "fsync_dir", "sha256", "dump", "plain_name", "read_manifest",
-           "load_checkpoint", "write_checkpoint", "remove", "find_latest"]
+           "load_checkpoint", "write_checkpoint", "check_writable", "remove", "newest",
+           "find_latest"]
 
 FORMAT_VERSION = "1.0"  # major.minor: readers reject a newer major version
 MANIFEST, STATE = "manifest.json", "state.pt"
@@ -212,6 +213,25 @@ def write_checkpoint(folder: Path, data: bytes, fields: dict[str, Any]) -> None:
     fsync_dir(folder.parent)  # the new folder's own entry
 
 
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` and write, sync, rename and delete a small file in it, as a save
+    does: a folder that cannot hold checkpoints is a ``CheckpointError`` naming it and the
+    system's reason, before any step rather than at the first save."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only file system...
+        raise CheckpointError(folder, f"cannot be created as the checkpoint folder: {e}") from e
+    probe = folder / f"{TMP_PREFIX}probe"  # a killed process's one goes at the next start
+    try:
+        atomic_write(probe, b"ipuloop")
+    except CheckpointError as e:
+        raise CheckpointError(folder, f"is not writable, so no checkpoint could be saved: "
+                              f"{e.reason}") from e
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
 def remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         remove(path / MANIFEST)  # un-commit first: a crash mid-delete leaves no broken commit
@@ -220,6 +240,20 @@ def remove(path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
+
+
+def _written(mpath: Path) -> tuple:
+    """When the checkpoint of manifest ``mpath`` was written, as a sort key."""
+    try:
+        m = json.loads(mpath.read_bytes())
+        return (float(m["wall_time"]), int(m["step"]), mpath.stat().st_mtime_ns)
+    except (ValueError, TypeError, KeyError, OSError):
+        return (math.inf, math.inf, 0)  # unreadable: possibly the newest, so suspect it
+
+
+def newest(paths: list[str | os.PathLike]) -> Path:
+    """The checkpoint of ``paths`` written last (by the time its manifest records)."""
+    return max((Path(p) for p in paths), key=lambda p: _written(_folder(p) / MANIFEST))
 
 
 def find_latest(dirpath: Path, include_tainted: bool = False) -> Path | None:
@@ -233,14 +267,7 @@ def find_latest(dirpath: Path, include_tainted: bool = False) -> Path | None:
         raise CheckpointError(dirpath, "is a file, not a folder of checkpoints")
     if not dirpath.is_dir():
         return None
-    found = []
-    for mpath in dirpath.glob(f"*/{MANIFEST}"):
-        try:
-            m = json.loads(mpath.read_bytes())
-            key = (float(m["wall_time"]), int(m["step"]), mpath.stat().st_mtime_ns)
-        except (ValueError, TypeError, KeyError, OSError):
-            key = (math.inf, math.inf, 0)  # unreadable: possibly the newest, so suspect it
-        found.append((key, mpath.parent))
+    found = [(_written(mpath), mpath.parent) for mpath in dirpath.glob(f"*/{MANIFEST}")]
     bad: list[str] = []
     for _, folder in sorted(found, key=lambda kf: kf[0], reverse=True):
         try:

@@ -190,6 +190,19 @@ class Executors:
             # tearing down after an error: that error is the one to report
             warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}")
 
+    def detach_inference(self) -> None:
+        """Before the host's weights change: an attached inference executor would go on
+        running its own copy; detached, it uploads the host's when it next attaches."""
+        for executor in self.inference.values():
+            self.detach(executor)
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        """Load ``weights`` (a ``state_dict()`` of the model) into the model and the training
+        executor (pushed to the device if attached); the inference executors upload them when
+        they next attach."""
+        self.detach_inference()
+        (self.train if self.train is not None else self.model).load_state_dict(weights)
+
     def release(self) -> None:
         """After an error: every executor off the device, quietly."""
         for executor in self.all():

@@ -237,6 +237,7 @@ class Loop(Events):
             if model is None or not model.isCompiled():
                 model = self._compile_train(inputs, labels)
             if step_start and not self._event("on_train_step_start", CancelStep):
+                st.epoch_step += 1  # its batch is read: the resume position counts it
                 continue
             if executors.inference:  # validation or predict ran: their executors hold the device
                 executors.activate(model)
@@ -436,9 +437,15 @@ class Loop(Events):
         """
         if self._dist is not None:  # several processes: this one's share and RNG
             sd = self._dist.own_state(sd, self._train_metrics)
+        self.executors.detach_inference()  # (validate, predict: to run the loaded weights)
         self._resume.restore(sd, self.model, self.optimizer, self.state, self._train_metrics,
                              self.callbacks, self.train_model)
         self._fire("on_load_checkpoint")
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        """Load model weights only (``load_checkpoint(path)["model"]``), between fits: the
+        next step, validation or predict runs them; optimizer state and counters stay."""
+        self.executors.load_weights(weights)
 
     def _load(self, source: str) -> None:
         if source == "last":  # the callbacks that know where checkpoints are say which

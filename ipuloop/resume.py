@@ -26,7 +26,7 @@ from .metrics import metric_state
 from .rules import describe_factors
 
 __all__ = ["rng_state", "set_rng_state", "Resume", "check_resumable", "check_optimizer",
-           "optimizer_extras"]
+           "group_shapes", "optimizer_extras"]
 
 # poptorch.optim attributes outside optimizer.state_dict() that a fit may change (the others
 # are fixed when the optimizer is built): checkpointed, and set again before the next push
@@ -91,11 +91,21 @@ def optimizer_extras(opt: torch.optim.Optimizer) -> dict[str, float]:
     return {k: float(getattr(opt, k)) for k in OPTIMIZER_EXTRAS if hasattr(opt, k)}
 
 
+def group_shapes(opt: torch.optim.Optimizer) -> list[list[list[int]]]:
+    """The shape of each parameter of each group, in order: the layout a checkpoint records."""
+    return [[list(p.shape) for p in g["params"]] for g in opt.param_groups]
+
+
 def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
-    """Raise ``ValueError`` unless ``ours`` has the saved optimizer's type and group layout."""
+    """Raise ``ValueError`` unless ``ours`` has the saved optimizer's type and group layout:
+    the parameters' shapes, group by group, in order (a checkpoint without them, written
+    before they were recorded: the number of parameters per group)."""
     saved = sd.get("optimizer")
     if saved is None:
         return
+    fix = ("Build the loop with the optimizer type and parameter groups of the saved run, in "
+           "the same order, or start a new fit from its weights: "
+           'model.load_state_dict(load_checkpoint(path)["model"]).')
     theirs_type = sd.get("optimizer_type", type(ours).__name__)  # older checkpoints: unnamed
     layout = [len(g["params"]) for g in saved["param_groups"]]
     our_layout = [len(g["params"]) for g in ours.param_groups]
@@ -103,9 +113,17 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
         raise ValueError(
             f"Cannot resume: the checkpoint's optimizer is {theirs_type} with "
             f"{len(layout)} parameter group(s) of {layout} parameters, but the loop's is "
-            f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. Build the loop "
-            "with the optimizer type and parameter groups of the saved run, or start a new "
-            'fit from its weights: model.load_state_dict(load_checkpoint(path)["model"]).')
+            f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. {fix}")
+    shapes, our_shapes = sd.get("optimizer_shapes"), group_shapes(ours)
+    if shapes is not None and [[list(s) for s in g] for g in shapes] != our_shapes:
+        differ = [i for i, (a, b) in enumerate(zip(shapes, our_shapes))
+                  if [list(s) for s in a] != b]
+        raise ValueError(
+            "Cannot resume: the optimizer's parameter groups hold other parameters than the "
+            "checkpoint's (parameter shapes per group: "
+            + "; ".join(f"group {i}: saved {[list(s) for s in shapes[i]]}, now {our_shapes[i]}"
+                        for i in differ)
+            + "): the saved momentum and moments would go to the wrong parameters. " + fix)
 
 
 def _data_factors(plan: Any) -> dict[str, Any]:
@@ -170,6 +188,7 @@ class Resume:
             "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "optimizer_type": type(optimizer).__name__,
+            "optimizer_shapes": group_shapes(optimizer),  # checked by the resume
             "data": self._train_data,  # the factors the counters refer to
             "counters": st.counters(),
             "history": [dict(h) for h in st.history],

@@ -21,7 +21,8 @@ class State:
     micro_batch: int = 0  # training micro-batches completed, all replicas together
     samples: int = 0  # training samples read from the loader (micro_batch * micro-batch
     # size; with input replica grouping, the replicas of a group share theirs)
-    epoch_step: int = 0  # training host calls completed in the running epoch
+    epoch_step: int = 0  # host batches the running epoch has read: its steps, and those a
+    # hook cancelled (CancelStep: read, never run); where a resume continues the epoch
     logs: dict[str, float] = field(default_factory=dict)  # latest step and epoch values
     history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch
     compile_time: dict[str, float] = field(default_factory=dict)  # seconds, per executor

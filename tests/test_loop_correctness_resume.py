@@ -257,11 +257,12 @@ def test_monitored_step_saves_before_the_first_validation(tmp_path):
     loop, loader, ds = H.make_loop(1, 2, callbacks=[ckpt], n=N)
     with pytest.warns(UserWarning, match="val_loss.*no such log yet at step 2"):
         loop.fit(loader, 3, val_loader=DataLoader(ds, batch_size=2))
-    v0, v1 = (h["val_loss"] for h in loop.state.history[:2])
-    # Steps 2, 4: unranked; 6, 8 carry epoch 0's val_loss, 10, 12 epoch 1's. Kept: the best
-    # (ties go to the newer) and the last; the unranked ones rotated out.
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["step12", "step8"] if v0 < v1
-                                                          else ["step12"])
+    # Every save is a step save: before the first validation, or with an earlier step's
+    # val_loss (the validation at step 4 scored the weights of step 4, saved before it ran).
+    # None is ranked: only the last is kept, and there is no best.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step12"]
+    assert ckpt.best_path is None and ckpt.best_k == {}
+    assert all(e["score"] != e["score"] for e in ckpt.kept)  # NaN: unranked
 
 
 def test_a_file_as_the_checkpoint_folder_is_a_checkpoint_error(tmp_path):

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ipuloop.callbacks.base as base
 from ipuloop import Loop, WithLoss, poptorch
+from ipuloop.checkpoint_io import load_checkpoint
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 DOCS = (README, README.parent / "examples" / "README.md")
@@ -121,7 +122,12 @@ def _check_callbacks(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None
     assert sched.last_epoch == sched.total_steps  # the whole cycle, no step past its end
     assert opt.param_groups[0]["betas"][0] == pytest.approx(0.95)  # cycled back to the max
     assert (tmp_path / "logs.csv").exists() and (tmp_path / "profile").is_dir()
-    assert list((tmp_path / "ckpt").iterdir())
+    assert list((tmp_path / "ckpt" / "steps").iterdir())
+    best = ns["best"].best_path  # epoch-end saves only: a step save is never the best
+    assert best.parent == pathlib.Path("ckpt", "best")
+    assert best.name in ("epoch1-step600", "epoch2-step1200")
+    weights = load_checkpoint(best)["model"]
+    assert all(torch.equal(v, weights[k]) for k, v in loop.model.state_dict().items())
 
 
 CHECKS = {
@@ -155,8 +161,9 @@ def _flat(text: str) -> str:
 
 def test_readme_says_what_cancel_step_skips_and_it_does():
     assert ("`CancelStep` from `on_train_step_start` skips the training step itself: its host "
-            "batch is read but never runs on the device (no update, no loss, not counted in "
-            "`state`)") in _flat(README.read_text())
+            "batch is read but never runs on the device (no update, no loss; counted only in "
+            "`epoch_step`, the batches the epoch has read, so a resume does not read it "
+            "again)") in _flat(README.read_text())
     from ipuloop import Callback, CancelStep
 
     class Skip(Callback):

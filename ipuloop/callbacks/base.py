@@ -85,12 +85,14 @@ class Loop(Protocol):
 
     def stop(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...  # fires on_save_checkpoint first
+    def load_weights(self, weights: dict[str, Any]) -> None: ...  # between fits (on_fit_end)
     def check_resumable(self) -> None: ...
 
 
 class CancelStep(Exception):
     """Raised in ``on_train_step_start``: skip this training step itself (its host batch is
-    read but never run: no update, no loss) and its remaining hooks. Raised in
+    read but never run: no update, no loss; ``state.epoch_step`` counts it as read, so a
+    resume does not read it again) and its remaining hooks. Raised in
     ``on_train_step_end``: skip the later callbacks' ``on_train_step_end`` only."""
 
 
@@ -127,7 +129,8 @@ class Callback:
 
     @property
     def state_key(self) -> str:
-        """Key of this callback's state in a checkpoint (unique per loop)."""
+        """Key of this callback's state in a checkpoint (unique per loop): the class name. A
+        class of which a loop may hold several overrides it (``ModelCheckpoint``: ``name=``)."""
         return type(self).__qualname__
 
     def state_dict(self) -> dict[str, Any]:
@@ -199,20 +202,37 @@ def arrange(callbacks: Any, progress: Any) -> tuple[list[Callback], dict[str, li
     cbs += [cb for cb in (f(cbs, progress) for f in _DEFAULTS) if cb is not None]
     cbs.sort(key=lambda cb: cb.order)
     keys = [cb.state_key for cb in cbs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"Two callbacks share a state_key ({keys}): give each a unique "
-                         "state_key so checkpoints can tell them apart.")
+    shared = sorted({k for k in keys if keys.count(k) > 1})
+    if shared:
+        same = [_describe(cb) for cb in cbs if cb.state_key in shared]
+        raise ValueError(f"Several callbacks have the state_key {', '.join(map(repr, shared))} "
+                         f"({', '.join(same)}), so a checkpoint could not tell their states "
+                         "apart. Give each its own: ModelCheckpoint(..., name='best') sets it; "
+                         "another Callback class overrides its state_key property.")
     return cbs, {e: [(cb, getattr(cb, e)) for cb in cbs if overridden(cb, e)] for e in EVENTS}
 
 
+def _describe(cb: Callback) -> str:
+    return repr(cb) if type(cb).__repr__ is not object.__repr__ else type(cb).__name__
+
+
 def resume_path(callbacks: list[Callback]) -> Any:
-    """``fit(resume_from="last")``: the checkpoint the first callback that overrides
-    ``resume_path`` names (None: none yet)."""
+    """``fit(resume_from="last")``: the checkpoint that the callbacks overriding
+    ``resume_path`` name; of several, the one written last (None, with a warning: none yet)."""
     finders = [cb for cb in callbacks if overridden(cb, "resume_path")]
     if not finders:
         raise ValueError('resume_from="last" needs a ModelCheckpoint callback to know '
                          "the folder; pass a checkpoint path instead.")
-    return finders[0].resume_path()
+    paths = [p for p in (cb.resume_path() for cb in finders) if p is not None]
+    if not paths:
+        warnings.warn(f'resume_from="last": no checkpoint yet '
+                      f'({", ".join(map(_describe, finders))})'
+                      ": starting from scratch.", stacklevel=4)
+        return None
+    if len(paths) == 1:
+        return paths[0]
+    from ..checkpoint_io import newest  # (the manifests say when each was written)
+    return newest(paths)
 
 
 def check_mode(mode: str) -> float:

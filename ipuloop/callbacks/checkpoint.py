@@ -70,6 +70,25 @@ def _check_filename(filename: str, monitor: str | None, every_n_steps: int | Non
         raise bad(f"cannot be formatted: {e}") from None
 
 
+def _fields(template: str) -> list[str]:
+    return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+
+
+def _without(template: str, fields: set[str]) -> str:
+    """``template`` less each field of ``fields`` and the text just before it (its
+    separator): "epoch{epoch}-step{step}-{val_loss:.3f}" less val_loss is
+    "epoch{epoch}-step{step}"."""
+    out = []
+    for text, field, spec, conversion in string.Formatter().parse(template):
+        if field in fields:
+            continue
+        out.append(text.replace("{", "{{").replace("}", "}}"))
+        if field is not None:
+            out.append("{" + field + (f"!{conversion}" if conversion else "")
+                       + (f":{spec}" if spec else "") + "}")
+    return "".join(out)
+
+
 class ModelCheckpoint(Callback):
     """Saves the loop every N epochs and/or steps, keeps the best k, and enables resume.
 
@@ -90,12 +109,38 @@ class ModelCheckpoint(Callback):
             one, e.g. ``"epoch{epoch}-step{step}-{val_loss:.3f}"``. Checked here: it must hold
             ``{step}`` (or ``{update}``, ``{micro_batch}``, ``{samples}``) so that every save
             has its own name, no path separator, and with ``every_n_steps`` no epoch log
-            (``train_``/``val_``), which does not exist at the first step saves.
+            (``train_``/``val_``), which does not exist at the first step saves. A SIGTERM or
+            exception save is always written: a log its filename names that does not exist
+            yet (or, an epoch log, belongs to an earlier step's weights) is left out of its
+            name, with the text just before it, and a warning says so.
+        name: tells this checkpointer from others on the same loop (e.g. "best" beside
+            "every100"): its ``state_key`` is ``ModelCheckpoint[<name>]``, so each one resumes
+            its own kept list and best score. None (one checkpointer): ``ModelCheckpoint``.
+        load_best_at_end: when the fit ends (not on SIGTERM or an exception), load the
+            weights of ``best_path`` into the model. Needs ``monitor``. Weights only: the
+            optimizer state, counters and logs stay the last step's, and ``resume_from``
+            still continues from the checkpoints. On several processes each instance loads
+            them (from memory when this fit saved the best, else from its file).
 
-    With ``monitor``, a step save before the monitored log first exists (before the first
-    validation) is kept unranked: as the last, never among the best. A save at a step that
-    already has a checkpoint (the epoch-end save after the step save of the epoch's last
-    step) replaces it, so one state is never kept under two names.
+    Ranking. With ``monitor``, a save is ranked by the monitored value only when that value
+    was computed from the weights it holds: an epoch log (``train_``/``val_``) at the step
+    where it was written (the epoch end, or a validation), any other log (such as
+    ``loss``, written every step) at every step. Other saves, e.g. a mid-epoch step save
+    beside ``monitor="val_loss"`` (the last validation scored earlier weights), are kept
+    *unranked*: never among the best ``save_top_k``, kept as the last (``save_last``) until
+    the next save, and all kept with ``save_top_k=-1``. To keep the best by a validation
+    log, save at epoch ends (``every_n_epochs``). ``best_path``, ``best_score`` and
+    ``best_k`` give the ranked ones; ``last_path`` the newest regular save.
+
+    A save at a step that already has a checkpoint (the epoch-end save after the step save of
+    the epoch's last step) replaces it, so one state is never kept under two names. The folder
+    must be writable: checked when the fit starts (``CheckpointError`` naming it and the
+    system's reason).
+
+    Several checkpointers (e.g. the best by val_loss beside a frequent step save) each need
+    a ``name`` (two with the same one fail when the ``Loop`` is built), and those sharing a
+    ``dirpath`` distinct filenames. ``fit(resume_from="last")`` loads the newest checkpoint
+    any of them wrote; each restores its own state from it.
 
     Also saves on SIGTERM (``on_preempt``). Example::
 
@@ -110,8 +155,15 @@ class ModelCheckpoint(Callback):
                  every_n_steps: int | None = None, monitor: str | None = None,
                  mode: str = "min", save_top_k: int = 1, save_last: bool = True,
                  save_on_exception: bool = True,
-                 filename: str = "epoch{epoch}-step{step}") -> None:
+                 filename: str = "epoch{epoch}-step{step}", name: str | None = None,
+                 load_best_at_end: bool = False) -> None:
         self._sign = check_mode(mode)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty str or None. Received: name={name!r}.")
+        if load_best_at_end and monitor is None:
+            raise ValueError("ModelCheckpoint(load_best_at_end=True) needs monitor=, the log "
+                             "that says which checkpoint is best (e.g. monitor='val_loss'). "
+                             "Received: monitor=None.")
         for k, v in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{k} must be an int >= 0 or None. Received: {k}={v!r}.")
@@ -125,7 +177,7 @@ class ModelCheckpoint(Callback):
         self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.save_last, self.save_on_exception = save_last, save_on_exception
-        self.filename = filename
+        self.filename, self.name, self.load_best_at_end = filename, name, load_best_at_end
         self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of regular saves
         self.resumed_from: str | None = None  # never deleted while this fit runs
         self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
@@ -136,6 +188,54 @@ class ModelCheckpoint(Callback):
         self._in_fit = False
         self._cleaned = False  # _clean_up ran in this process (at fit start, or a first save)
         self._warned_unranked = False
+        # Steps whose weights the epoch logs belong to: the last validation's, the last epoch
+        # end's (a monitored epoch log ranks only a save at its step)
+        self._val_at: int | None = None
+        self._epoch_end_at: int | None = None
+        self._best_weights: tuple[str, dict] | None = None  # load_best_at_end: (name, weights)
+
+    @property
+    def state_key(self) -> str:
+        """``ModelCheckpoint``, or ``ModelCheckpoint[<name>]`` with ``name`` (a subclass:
+        its own class name)."""
+        key = type(self).__qualname__
+        return key if self.name is None else f"{key}[{self.name}]"
+
+    def __repr__(self) -> str:
+        name = "" if self.name is None else f", name={self.name!r}"
+        return f"{type(self).__name__}({str(self.dirpath)!r}{name})"
+
+    # -- what is kept ------------------------------------------------------------------------
+    def _ranked(self) -> list[dict[str, Any]]:
+        """The best ``save_top_k`` kept entries that have a score, best first (ties: the
+        newer first); not the one kept only as the last."""
+        ranked = [e for e in self.kept[::-1] if _is_score(e.get("score"))]
+        ranked.sort(key=lambda e: self._sign * e["score"])
+        return ranked if self.save_top_k < 0 else ranked[:self.save_top_k]
+
+    @property
+    def best_k(self) -> dict[Path, float]:
+        """The best ``save_top_k`` ranked checkpoints, best first: folder -> monitored value
+        (not the one kept only as the last). Empty without ``monitor``, and before the first
+        ranked save."""
+        return {self.dirpath / e["name"]: float(e["score"]) for e in self._ranked()}
+
+    @property
+    def best_path(self) -> Path | None:
+        """The folder of the best ranked checkpoint kept (None: none, or no ``monitor``)."""
+        ranked = self._ranked()
+        return self.dirpath / ranked[0]["name"] if ranked else None
+
+    @property
+    def best_score(self) -> float | None:
+        """The monitored value of ``best_path``."""
+        ranked = self._ranked()
+        return float(ranked[0]["score"]) if ranked else None
+
+    @property
+    def last_path(self) -> Path | None:
+        """The folder of the newest regular save kept (exception saves are not listed)."""
+        return self.dirpath / self.kept[-1]["name"] if self.kept else None
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": [dict(e) for e in self.kept], "name": self._saving,
@@ -150,15 +250,26 @@ class ModelCheckpoint(Callback):
         # A crash between a commit and its rotation left these behind: delete them at start.
         self._pending = [n for n in state.get("rotating", [])
                          if isinstance(n, str) and cio.plain_name(n)]
+        self._val_at = self._epoch_end_at = None  # another run's steps
+        self._best_weights = None
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
         loop.check_resumable()  # before training, rather than at the first save
-        self._in_fit, self._last = True, None
+        for other in loop.callbacks:  # two writing the same folders would delete each other's
+            if other is not self and isinstance(other, ModelCheckpoint) \
+                    and other.filename == self.filename \
+                    and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath):
+                raise ValueError(
+                    f"{self!r} and {other!r} would write the same checkpoint folders "
+                    f"(dirpath={str(self.dirpath)!r}, filename={self.filename!r}), and each "
+                    "would rotate out the other's. Give them other dirpaths or filenames.")
         if loop.state.instance == 0:  # several processes: instance 0 owns the folder
+            cio.check_writable(self.dirpath)  # now, rather than at the first save
             self._clean_up()
         else:
             self._cleaned = True
+        self._in_fit, self._last = True, None
         st = loop.state
         if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
             warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
@@ -191,13 +302,17 @@ class ModelCheckpoint(Callback):
         if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
             self.save(loop, at_step=True)
 
+    def on_validation_end(self, loop: Any) -> None:
+        self._val_at = loop.state.step  # the val logs score the weights of this step
+
     def on_epoch_end(self, loop: Any) -> None:
+        self._epoch_end_at = loop.state.step  # the epoch logs belong to this step's weights
         if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
             self.save(loop)
 
     def on_preempt(self, loop: Any) -> None:
         if self._last != tuple(loop.state.counters().values()):  # not saved at this point yet
-            self.save(loop, at_step=True)
+            self.save(loop, at_step=True, always=True)
 
     def on_fit_end(self, loop: Any) -> None:
         self._in_fit = False
@@ -208,6 +323,22 @@ class ModelCheckpoint(Callback):
                 warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
                               f"({err}); a fit resumed from {self.latest()} deletes it.")
         self._deferred, self.resumed_from = [], None
+        if self.load_best_at_end and not loop.state.preempted:  # (preempted: the process exits)
+            self._load_best(loop)
+        self._best_weights = None
+
+    def _load_best(self, loop: Any) -> None:
+        best = self.best_path
+        if best is None:
+            warnings.warn(f"{self!r}: load_best_at_end, but no checkpoint is ranked by "
+                          f"monitor={self.monitor!r} (see the class docstring: ranking): the "
+                          "model keeps the last step's weights.")
+            return
+        if self._best_weights is not None and self._best_weights[0] == best.name:
+            weights = self._best_weights[1]  # saved by this fit: every instance holds it
+        else:  # saved before a resume: read back, verified
+            weights = load_checkpoint(best)["model"]
+        loop.load_weights(weights)
 
     def on_exception(self, loop: Any) -> None:
         if not (self.save_on_exception and self._in_fit):
@@ -221,48 +352,83 @@ class ModelCheckpoint(Callback):
         stateful = source not in (None, self) and overridden(source, "state_dict")
         error = loop.state.exception
         self.save(loop, exception=error,
-                  tainted=isinstance(error, NonFiniteLossError) or stateful)
+                  tainted=isinstance(error, NonFiniteLossError) or stateful, always=True)
 
     # -- saving --------------------------------------------------------------------------------
-    def _score(self, loop: Any, at_step: bool) -> float | None:
-        if self.monitor is None:
+    def _fresh(self, log: str, step: int) -> bool:
+        """Whether the log ``log`` was computed from the weights of ``step``: an epoch log
+        at the step where it was written, any other log (a step log) always."""
+        if log.startswith("val_"):
+            return step in (self._val_at, self._epoch_end_at)
+        if log.startswith("train_"):
+            return step == self._epoch_end_at
+        return True
+
+    def _score(self, loop: Any, at_step: bool, always: bool) -> float | None:
+        """The save's rank: None without monitor, NaN for an unranked save."""
+        monitor, st = self.monitor, loop.state
+        if monitor is None:
             return None
-        st = loop.state
-        if self.monitor not in st.logs and at_step and not st.history:
-            if not self._warned_unranked:  # e.g. val_loss, before the first validation
+        missing = monitor not in st.logs
+        if (at_step or always) and (missing or not self._fresh(monitor, st.step)):
+            if not self._warned_unranked:  # e.g. val_loss at a mid-epoch step save
                 self._warned_unranked = True
-                warnings.warn(f"ModelCheckpoint(monitor={self.monitor!r}): no such log yet at "
-                              f"step {st.step} (before the first epoch end): step saves are "
-                              "kept unranked (as the last, never among the best) until it "
-                              "exists.", stacklevel=3)
+                why = ("no such log yet" if missing else
+                       "its value was computed from the weights of an earlier step")
+                warnings.warn(f"ModelCheckpoint(monitor={monitor!r}): {why} at step {st.step}: "
+                              "saves between the steps that write it are kept unranked (as "
+                              "the last, never among the best). Save at epoch ends "
+                              "(every_n_epochs) to rank by a validation log.", stacklevel=3)
             return math.nan
-        return monitored(st, self.monitor, "ModelCheckpoint")
+        return monitored(st, monitor, "ModelCheckpoint")
 
     def _keep(self, entries: list[dict[str, Any]], newest: str) -> set[str]:
-        """Names to keep: the best ``save_top_k`` (NaN scores last) or newest, plus the last."""
+        """Names to keep: all (``save_top_k=-1``), or the best ``save_top_k`` ranked ones (the
+        newest without ``monitor``), plus the last."""
+        if self.save_top_k < 0:
+            return {e["name"] for e in entries}
         ranked = entries[::-1]  # newest first; the sort is stable, so ties go to the newest
         if self.monitor is not None:
-            sign = self._sign
-            ranked.sort(key=lambda e: (math.isnan(e["score"]), 0.0 if math.isnan(e["score"])
-                                       else sign * e["score"]))
-        keep = {e["name"] for e in (ranked if self.save_top_k < 0 else ranked[:self.save_top_k])}
+            ranked = [e for e in ranked if _is_score(e["score"])]  # unranked: no best slot
+            ranked.sort(key=lambda e: self._sign * e["score"])
+        keep = {e["name"] for e in ranked[:self.save_top_k]}
         return keep | {newest} if self.save_last else keep
 
+    def _name(self, st: Any, always: bool, exception: BaseException | None) -> str:
+        """The folder name. ``always``: without the logs that are missing or belong to an
+        earlier step's weights (a warning names them), rather than fail."""
+        values = {**st.logs, **st.counters()}
+        fields = _fields(self.filename)
+        gone = {f for f in fields if f not in values or (always and not self._fresh(f, st.step))}
+        if not gone:
+            return self.filename.format(**values)
+        if not always:
+            missing = sorted(f for f in gone if f not in values)[0]
+            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}): no log "
+                             f"{missing!r} at epoch {st.epoch}, step {st.step}. Available logs: "
+                             f"{sorted(st.logs)}.")
+        name = _without(self.filename, gone).format(**values)
+        kind = "exception" if exception is not None else "preemption"
+        warnings.warn(f"ModelCheckpoint: filename={self.filename!r} names "
+                      f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
+                      f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
+                      f"{'it' if len(gone) == 1 else 'them'}, as "
+                      f"{name + ('-exception' if exception is not None else '')!r}.")
+        return name
+
     def save(self, loop: Any, *, exception: BaseException | None = None,
-             tainted: bool = False, at_step: bool = False) -> Path | None:
+             tainted: bool = False, at_step: bool = False, always: bool = False
+             ) -> Path | None:
         """Write, commit, then rotate; returns the folder, or None when it is not kept.
 
-        ``at_step``: a save between epoch ends, where the monitored log may not exist yet.
+        ``at_step``: a save between epoch ends, where the monitored log may not exist yet or
+        belong to earlier weights (then the save is unranked). ``always`` (SIGTERM and
+        exception saves): never fail for the filename's logs (see ``filename``).
         """
         st = loop.state
         if exception is not None and loop.state.instance != 0:
             return None  # several processes: instance 0 saves what it has, alone
-        try:
-            name = self.filename.format(**st.logs, **st.counters())
-        except KeyError as e:
-            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}): no log {e} at epoch "
-                             f"{st.epoch}, step {st.step}. Available logs: {sorted(st.logs)}."
-                             ) from None
+        name = self._name(st, always, exception)
         name += "-exception" if exception else ""
         if not cio.plain_name(name):
             raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
@@ -279,7 +445,7 @@ class ModelCheckpoint(Callback):
         old = self.kept
         entry = {"name": name, "step": st.step, "score": None}
         if exception is None:  # regular saves rotate; exception saves sit apart
-            entry["score"] = self._score(loop, at_step)
+            entry["score"] = self._score(loop, at_step, always)
             # one checkpoint per step: this save replaces one at the same step (same weights)
             entries = [e for e in old if e["name"] != name and e["step"] != st.step] + [entry]
             keep = self._keep(entries, name)
@@ -292,10 +458,18 @@ class ModelCheckpoint(Callback):
         touched = False
         try:
             buf = _bytes.BytesIO()
-            torch.save(loop.state_dict(), buf)  # fires on_save_checkpoint; reads the device's weights
+            sd = loop.state_dict()  # fires on_save_checkpoint; reads the device's weights
+            torch.save(sd, buf)
             data = buf.getvalue()
+            best = self.best_path
+            if self.load_best_at_end and exception is None and best is not None \
+                    and best.name == name:  # for the fit's end (sd holds a copy already)
+                best_weights: tuple | None = (name, sd["model"])
+            else:
+                best_weights = None
             if loop.state.instance != 0:  # several processes: instance 0 writes
                 self._last = tuple(st.counters().values())
+                self._best_weights = best_weights or self._best_weights
                 return folder
             touched = True  # from here on, the folder holds no committed checkpoint
             cio.write_checkpoint(folder, data, {
@@ -310,6 +484,7 @@ class ModelCheckpoint(Callback):
         finally:
             self._saving, self._rotating = None, []
         self._last = tuple(st.counters().values())
+        self._best_weights = best_weights or self._best_weights
         for e in old:  # rotate only after the commit
             if e["name"] not in kept:
                 if e["name"] == self.resumed_from:
@@ -330,8 +505,11 @@ class ModelCheckpoint(Callback):
         return cio.find_latest(self.dirpath, include_tainted)
 
     def resume_path(self) -> Path | None:
-        """What ``fit(resume_from="last")`` loads: the newest checkpoint in ``dirpath``."""
-        path = self.latest()
-        if path is None:
-            warnings.warn(f"No checkpoint in {self.dirpath}: starting from scratch.")
-        return path
+        """What ``fit(resume_from="last")`` loads: the newest checkpoint in ``dirpath`` (with
+        several checkpointers, the newest any of them wrote: ``callbacks.base.resume_path``)."""
+        return self.latest()
+
+
+def _is_score(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and not math.isnan(value)

@@ -27,7 +27,10 @@ class TensorBoardLogger(Callback):
     - every epoch: the epoch logs (``train_*`` and ``val_*``; the flag ``train_loss_exact`` is
       left out).
 
-    The file is flushed at every epoch end and closed when the fit ends. View it with
+    The file is flushed at every epoch end and closed when the fit ends. A resumed fit
+    purges what the interrupted run wrote after its checkpoint (``SummaryWriter(purge_step=)``
+    at the checkpoint's update, then the scalars written at that update before the save
+    again), so TensorBoard shows every update once. View it with
     ``tensorboard --logdir <log_dir>``. Needs the ``tensorboard`` package
     (``pip install "ipuloop[tensorboard]"``).
 
@@ -53,15 +56,43 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
         self._since: float | None = None  # when the running step's time started
         self._samples = 0  # state.samples at that time
+        self._update = -1  # the update the last scalars were written at,
+        self._written: dict[str, float] = {}  # and those scalars (a checkpoint records them)
+        self._saved: dict[str, Any] = {}  # state_dict(): as the last checkpoint was taken
+        self._resumed: dict[str, Any] | None = None  # a loaded state, until the writer opens
 
     def _scalar(self, tag: str, value: Any, step: int) -> None:
-        self.writer.add_scalar(tag, float(value), global_step=step)
+        value = float(value)
+        self.writer.add_scalar(tag, value, global_step=step)
+        if step != self._update:
+            self._update, self._written = step, {}
+        self._written[tag] = value
+
+    def on_save_checkpoint(self, loop: Any) -> None:
+        update = loop.state.update
+        self._saved = {"update": update,
+                       "scalars": dict(self._written) if update == self._update else {}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._saved)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resumed = dict(state) if "update" in state else None
 
     def _restart_clock(self, loop: Any) -> None:
         self._since, self._samples = time.perf_counter(), loop.state.samples
 
     def on_fit_start(self, loop: Any) -> None:
-        if self.writer is None:
+        resumed, self._resumed = self._resumed, None
+        if self.writer is None and resumed is not None:
+            # TensorBoard hides what earlier files hold from purge_step on: the updates the
+            # interrupted run wrote after its checkpoint. Those at the checkpoint's own
+            # update written before it are written again.
+            update = int(resumed["update"])
+            self.writer = self._writer_type(log_dir=self.log_dir, purge_step=update)
+            for tag, value in resumed.get("scalars", {}).items():
+                self._scalar(tag, value, update)
+        elif self.writer is None:
             self.writer = self._writer_type(log_dir=self.log_dir)
 
     def on_epoch_start(self, loop: Any) -> None:

@@ -97,6 +97,21 @@ class Optimizer:
         state.update({k: self.__dict__[k] for k in (*self._extras, "variable_attrs")})
         return state
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, except that the state of a 16-bit parameter keeps the dtype it was saved
+        in: the IPU holds it in the accumulator type (float32 by default), where torch's
+        loader would cast it to the parameter's float16 (a small ``exp_avg_sq`` becomes 0)."""
+        super().load_state_dict(state_dict)
+        saved = state_dict.get("state", {})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):  # torch's own pairing: the groups' order
+            if p.dtype not in _16BIT or i not in saved:
+                continue
+            for k, v in saved[i].items():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    self.state[p][k] = v.detach().to(p.device, copy=True)
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
