@@ -341,7 +341,8 @@ class Loop(Events):
         """Run ``loader`` through the inference model; returns val_loss and val metrics.
 
         Every sample counts: the samples are read in order and the last host call is padded
-        with copies of the last one. The metrics see every sample, and so does val_loss, the
+        with copies of the last one (an IterableDataset as it ends, read in the order its
+        loader yields it, workers included). The metrics see every sample, and so does val_loss, the
         mean loss per sample: the device's loss for the micro-batches without padding and,
         with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
         (without ``loss_fn`` those are left out, and a warning says how many samples
@@ -362,12 +363,12 @@ class Loop(Events):
         run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
                          if issubclass(type(self.model), WithLoss) else None, self._warned)
         model = None
-        for batch in plan.epoch():
+        for batch, samples in plan.counted():
             inputs, labels = self._split(batch, plan.name)
             if model is None:
                 model = self._inference_model(plan, "validate", (*inputs, labels))
             self.executors.activate(model)
-            run.add(model(*inputs, labels), labels)
+            run.add(model(*inputs, labels), labels, samples)
             self._fire("on_validation_step_end")
             self._check_preempted()
         logs = run.logs(self._dist.val_sums if self._dist is not None else None)
@@ -383,7 +384,8 @@ class Loop(Events):
         Batches are read in order (shuffle and the sampler are ignored). The samples are
         padded with copies of the last one up to whole host calls and the padding's outputs
         are dropped, so no sample is lost to the combined batch size (an IterableDataset is
-        padded as it streams; with workers, its order is the loader's). With input replica
+        padded as it ends, and its outputs come in the order its loader yields its samples,
+        with workers too, so they line up with the labels the loader gives). With input replica
         grouping each sample's output is returned once. A model returning a tuple, list,
         namedtuple or dict of tensors gets the same structure back, each tensor joined over
         the samples. After a fit (or validate) with N inputs, every batch of N elements is
@@ -392,8 +394,7 @@ class Loop(Events):
         Float64 inputs run, and come back, as float32 (as on the device).
         """
         self.state.exception = self.state.exception_source = None
-        run = Predictions(self.poptorch, self._val_plan(loader, pad=True, name="loader",
-                                                        partition=False))
+        run = Predictions(self._val_plan(loader, pad=True, name="loader", partition=False))
         model = None
         with self._reporting():
             for batch in run.batches():

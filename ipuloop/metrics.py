@@ -169,29 +169,26 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
 class Validation:
     """One validation run's numbers: val_loss (the mean loss per sample) and the metrics.
 
-    The loader is padded to whole host calls with copies of the last sample: only the samples
-    count. The device's loss covers the micro-batches without padding; the samples of the one
-    with padding get ``loss_fn`` on the host (their outputs are here) when there is one, and
-    are left out of val_loss otherwise (with a warning). ``warned`` holds the one-time
-    warnings already given by this loop.
+    The loader is padded to whole host calls with copies of the last sample (a stream's as
+    it ends): only the samples count. The device's loss covers the micro-batches without
+    padding; the samples of the one with padding get ``loss_fn`` on the host (their outputs
+    are here) when there is one, and are left out of val_loss otherwise (with a warning).
+    ``warned`` holds the one-time warnings already given by this loop.
     """
 
     def __init__(self, plan: Any, metrics: dict[str, Any], metric_output: Callable | None,
                  loss_fn: Callable | None, warned: set) -> None:
         self.layout, self.micro, self.combined = plan.layout, plan.micro, plan.combined
-        self.left = plan.samples if plan.sampler is not None and plan.samples else None
         self.metrics, self.metric_output, self.loss_fn = metrics, metric_output, loss_fn
         self.warned = warned
         self.total, self.count, self.uncovered = 0.0, 0, 0
         for m in metrics.values():
             m.reset()
 
-    def add(self, output: Any, labels: Any) -> None:
-        """One inference call's output (``(output, loss)`` when the model returns a loss)."""
+    def add(self, output: Any, labels: Any, valid: int) -> None:
+        """One inference call's output (``(output, loss)`` when the model returns a loss), of
+        which the first ``valid`` samples are samples and the rest padding."""
         layout, micro, combined = self.layout, self.micro, self.combined
-        valid = combined if self.left is None else min(combined, self.left)
-        if self.left is not None:
-            self.left -= valid
         if has_loss(output, layout.micro_batches):
             output, loss = output
             loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
