@@ -69,8 +69,9 @@ class Loop(Events):
     Batches are ``(inputs..., labels)`` tuples, the labels last; a dict batch is rejected with
     its keys named (convert it in the dataset or the ``collate_fn``). Before compiling, the
     loop runs one micro-batch through the model on the host, so a label batch that differs
-    from the input batch, labels that would broadcast against the output, or a dtype the loss
-    rejects fail before the first step, naming the shapes and dtypes received.
+    from the input batch, labels that would broadcast against the output in the loss (torch
+    warns of it; with ``loss_fn``, float labels ``[N]`` against an output ``[N, 1]`` too), or
+    a dtype the loss rejects fail before the first step, naming the shapes and dtypes received.
 
     Example::
 
@@ -310,7 +311,8 @@ class Loop(Events):
         if batch is not None:
             inputs, labels = self._split(batch, plan.name, cast=False)  # float32 on the host
             probe(self.model, inputs, labels, plan.name, copy_float=self.precision == "16-true",
-                  metrics=self.metrics, metric_output=self._metric_output)
+                  metrics=self.metrics, metric_output=self._metric_output,
+                  loop_loss=issubclass(type(self.model), WithLoss))
 
     # -- validation and predict -----------------------------------------------------------------
     def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader",

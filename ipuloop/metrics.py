@@ -78,9 +78,15 @@ def _describe(inputs: tuple, labels: Any) -> str:
 
 
 def probe(model: torch.nn.Module, inputs: tuple, labels: Any, name: str, *, copy_float: bool,
-          metrics: dict[str, Any], metric_output: Callable | None) -> None:
+          metrics: dict[str, Any], metric_output: Callable | None,
+          loop_loss: bool = False) -> None:
     """Check one micro-batch on the host before anything is compiled (float32; buffers and
-    the host RNG as they were). ``copy_float``: run a float32 copy (16-bit weights)."""
+    the host RNG as they were). ``copy_float``: run a float32 copy (16-bit weights).
+
+    ``loop_loss``: the loop computes the loss (``loss_fn=``), so float labels ``[N]`` against
+    an output ``[N, 1]`` are refused: they would broadcast to ``[N, N]`` in it. A
+    model-with-loss computes its own and may reshape them (``out.squeeze(-1)``): only a loss
+    that torch reports as broadcasting is refused there."""
     n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
     for i, x in enumerate(inputs):
         if isinstance(x, torch.Tensor) and x.dim() and n is not None and x.shape[0] != n:
@@ -118,7 +124,7 @@ def probe(model: torch.nn.Module, inputs: tuple, labels: Any, name: str, *, copy
     if loss.numel() != 1:
         raise ValueError(f"The loss must be a scalar per micro-batch. Received a loss of "
                          f"shape {list(loss.shape)}: reduce it (mean or sum).")
-    if (isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
+    if (loop_loss and isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
             and labels.is_floating_point() and output.dim() == labels.dim() + 1
             and output.shape[-1] == 1 and output.shape[:-1] == labels.shape):
         raise ValueError(

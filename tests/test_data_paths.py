@@ -266,3 +266,48 @@ def test_async_settings_are_read_from_poptorchs_accessor_layout():
     with pytest.warns(UserWarning, match="cannot be read"):
         assert prefetch_of(poptorch, loader, "loader").options == {}
     loader._accessor = None
+
+
+# -- the host check refuses only what would broadcast ---------------------------------------------
+class Regression(nn.Module):
+    """A model-with-loss with a [N, 1] output and [N] labels; ``squeeze``: reshaped itself."""
+
+    def __init__(self, squeeze: bool) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.lin, self.squeeze = nn.Linear(IN, 1), squeeze
+
+    def forward(self, x, labels=None):
+        out = self.lin(x)
+        if labels is None:
+            return out
+        pred = out.squeeze(-1) if self.squeeze else out
+        return out, nn.functional.mse_loss(pred, labels)
+
+
+def test_a_model_with_loss_that_reshapes_its_labels_trains():
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(32, IN, generator=g), torch.randn(32, generator=g)
+    model = Regression(squeeze=True)
+    reference = copy.deepcopy(model)
+    loop = Loop(model, progress=False, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    history = loop.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)  # the same steps in plain torch
+    losses = []
+    for i in range(0, 32, 8):
+        opt.zero_grad()
+        _, loss = reference(x[i:i + 8], y[i:i + 8])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert history[0]["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-5)
+    torch.testing.assert_close(model.lin.weight, reference.lin.weight)
+
+
+def test_a_model_with_loss_that_broadcasts_is_still_refused():
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(32, IN, generator=g), torch.randn(32, generator=g)
+    loop = Loop(Regression(squeeze=False), progress=False)
+    with pytest.raises(ValueError, match=r"would broadcast the labels.*\[8\]"):
+        loop.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+    assert loop.train_model is None
