@@ -247,7 +247,9 @@ class Loop(Events):
             if dist is not None:  # several processes: the run's loss, summed over them
                 step_loss = dist.step_loss(st, step_loss, check_finite)
             if check_finite and not math.isfinite(step_loss.total):
-                raise non_finite_error(loss, layout, st.epoch, st.step)
+                raise non_finite_error(loss, layout, st.epoch, st.step, batch=batch,
+                                       precision=self.precision, last_loss=st.logs.get("loss"),
+                                       loss_scaling=getattr(self.optimizer, "loss_scaling", None))
             st.step += 1  # (attribute updates, not a method: this runs every step)
             st.epoch_step += 1
             st.update += per_step_updates

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torchmetrics
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from ipuloop import Callback, Loop, poptorch
+from ipuloop import Callback, Loop, NonFiniteLossError, poptorch
 
 IN, OUT = 6, 3
 
@@ -311,3 +311,51 @@ def test_a_model_with_loss_that_broadcasts_is_still_refused():
     with pytest.raises(ValueError, match=r"would broadcast the labels.*\[8\]"):
         loop.fit(DataLoader(TensorDataset(x, y), batch_size=8))
     assert loop.train_model is None
+
+
+# -- a non-finite loss says what likely happened --------------------------------------------------
+NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 1),
+    reason="torch < 2.1 has no float16 backward kernels on the CPU")
+
+
+def fit_error(x, y, precision="32", loss_scaling=None, epochs=1) -> str:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(IN, 16), nn.ReLU(), nn.Linear(16, 1))
+    extra = {} if loss_scaling is None else {"loss_scaling": loss_scaling}
+    loop = Loop(net, loss_fn=nn.MSELoss(), progress=False, precision=precision,
+                optimizer=poptorch.optim.SGD(net.parameters(), lr=0.01, **extra))
+    with pytest.raises(NonFiniteLossError) as e:
+        loop.fit(DataLoader(TensorDataset(x, y), batch_size=4), epochs=epochs)
+    return str(e.value)
+
+
+def regression_xy(n: int = 32):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, IN, generator=g), torch.randn(n, 1, generator=g)
+
+
+@NEEDS_CPU_HALF_BACKWARD
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_an_input_beyond_float16_is_named(precision):
+    x, y = regression_xy()
+    x[13, 2] = 1.0e5  # sample 13: step 3 of micro-batches of 4
+    msg = fit_error(x, y, precision)
+    assert "step 3" in msg and "input 0" in msg and "100000" in msg, msg
+    assert "float16" in msg and "65504" in msg and "Lower the learning rate" not in msg, msg
+
+
+@NEEDS_CPU_HALF_BACKWARD
+def test_a_loss_scale_that_overflows_is_named():
+    x, y = regression_xy()
+    msg = fit_error(x * 10, y * 100, "16-mixed", loss_scaling=1.0e4)
+    # the first step's loss times 1e4 is beyond 65504: its gradients overflowed
+    assert "step 1" in msg and "loss_scaling=10000" in msg and "beyond it" in msg, msg
+    assert "Lower loss_scaling" in msg and "input 0" not in msg, msg
+
+
+def test_non_finite_data_is_named():
+    x, y = regression_xy()
+    y[21, 0] = float("nan")
+    msg = fit_error(x, y)
+    assert "step 5" in msg and "the labels" in msg and "have NaN or infinite values" in msg, msg
