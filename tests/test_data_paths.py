@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,3 +365,56 @@ def test_non_finite_data_is_named():
     y[21, 0] = float("nan")
     msg = fit_error(x, y)
     assert "step 5" in msg and "the labels" in msg and "have NaN or infinite values" in msg, msg
+
+
+# -- python -m ipuloop.emulate: workers of every start method see the emulator --------------------
+SPAWNING = textwrap.dedent("""
+    import json, sys
+    import poptorch
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    from ipuloop import Loop
+
+
+    class Squares(Dataset):  # defined here: a spawned worker imports this script again
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return torch.tensor([float(i)]), torch.tensor([float(i * i)])
+
+
+    def check_binding(worker_id):  # runs in each worker
+        assert sys.modules["poptorch"].__name__ == "ipuloop.emulator", sys.modules["poptorch"]
+
+
+    if __name__ == "__main__":
+        opts = poptorch.Options().deviceIterations(2)
+        loader = poptorch.DataLoader(opts, Squares(), batch_size=2, num_workers=1,
+                                     multiprocessing_context="forkserver",
+                                     worker_init_fn=check_binding)
+        out = {"forkserver": [b[0].reshape(-1).tolist() for b in loader]}
+        torch.manual_seed(0)  # the loop's loader keeps the start method
+        loop = Loop(torch.nn.Linear(1, 1), loss_fn=torch.nn.MSELoss(), progress=False)
+        history = loop.fit(DataLoader(Squares(), batch_size=4, num_workers=1,
+                                      multiprocessing_context="spawn",
+                                      worker_init_fn=check_binding))
+        out["spawn"] = len(history)
+        print(json.dumps(out))
+""")
+
+
+def test_emulate_binds_poptorch_in_spawned_and_forkserver_workers(tmp_path):
+    (tmp_path / "train.py").write_text(SPAWNING)
+    fake = tmp_path / "fake"  # an importable poptorch that is not the emulator
+    fake.mkdir()
+    (fake / "poptorch.py").write_text("raise RuntimeError('the real poptorch was imported')\n")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("IPULOOP_BACKEND", "PYTHONPATH")}
+    env.update(PYTHONPATH=os.pathsep.join([str(fake), repo]), IPULOOP_BACKEND="auto")
+    r = subprocess.run([sys.executable, "-m", "ipuloop.emulate", "train.py"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    order = [[float(i) for i in range(j, j + 4)] for j in range(0, 16, 4)]
+    assert out == {"forkserver": order, "spawn": 1}
