@@ -167,6 +167,7 @@ class Loop(Events):
         st.stop_requested = st.preempted = False
         st.exception = st.exception_source = None
         st.max_steps, st.steps_per_epoch = max_steps, plan.steps
+        st.validates = val_plan is not None  # read by monitoring callbacks at on_fit_start
         self._resume.val_rng = None
         with handle_signals(self._on_sigterm, self._kill_workers), self._reporting(fit=True):
             try:

@@ -17,6 +17,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ipuloop import Callback, Loop, NonFiniteLossError, poptorch
+from ipuloop.callbacks import EarlyStopping, LRScheduler, ModelCheckpoint
 
 IN, OUT = 6, 3
 
@@ -418,3 +419,65 @@ def test_emulate_binds_poptorch_in_spawned_and_forkserver_workers(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     order = [[float(i) for i in range(j, j + 4)] for j in range(0, 16, 4)]
     assert out == {"forkserver": order, "spawn": 1}
+
+
+# -- misconfigured callbacks are found when the fit starts ----------------------------------------
+class Steps(Callback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_compile_start(self, loop) -> None:
+        self.events.append("compile")
+
+    def on_train_step_end(self, loop) -> None:
+        self.events.append("step")
+
+
+@pytest.mark.parametrize("make", [
+    lambda net, opt, tmp: EarlyStopping(monitor="val_loss"),
+    lambda net, opt, tmp: ModelCheckpoint(tmp / "ckpt", monitor="val_loss"),
+    lambda net, opt, tmp: LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                                      monitor="val_loss"),
+], ids=["EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau"])
+def test_a_validation_monitor_without_val_loader_fails_before_any_step(make, tmp_path):
+    net = regressor()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    steps, callback = Steps(), make(net, opt, tmp_path)
+    loop = Loop(net, options(), loss_fn=nn.MSELoss(), optimizer=opt, progress=False,
+                callbacks=[callback, steps])
+    with pytest.raises(ValueError, match=rf"{type(callback).__name__}: monitor='val_\w+' is "
+                                         "a validation log, but this fit has no val_loader"):
+        loop.fit(DataLoader(regression_data(), batch_size=4))
+    assert steps.events == [] and loop.state.step == 0
+    loop.fit(DataLoader(regression_data(), batch_size=4),  # with one: no error
+             val_loader=DataLoader(regression_data(8), batch_size=4))
+    assert loop.state.epoch == 1
+
+
+def test_lightning_hooks_warn_at_construction_with_the_nearest_event_or_none():
+    class FromLightning(Callback):
+        def transfer_batch_to_device(self, batch, device, dataloader_idx): ...
+        def on_before_batch_transfer(self, batch, dataloader_idx): ...
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx): ...
+        def training_step(self, batch, batch_idx): ...
+        def configure_optimizers(self): ...
+        def on_fit_start(self, trainer, pl_module): ...  # an event, with Lightning's arguments
+        def on_epoch_end(self, loop): ...  # an event as the loop calls it
+
+    with pytest.warns(UserWarning) as record:
+        FromLightning()
+    messages = {str(w.message).split(" ")[0]: str(w.message) for w in record}
+    assert sorted(messages) == [
+        f"FromLightning.{n}" for n in ("configure_optimizers", "on_before_batch_transfer",
+                                       "on_fit_start", "on_train_batch_start",
+                                       "training_step", "transfer_batch_to_device")]
+    assert all(w.filename == __file__ for w in record)  # at the construction
+    assert "nearest loop event is on_train_step_start" in \
+        messages["FromLightning.on_train_batch_start"]
+    for name in ("transfer_batch_to_device", "on_before_batch_transfer"):
+        assert "no such event" in messages[f"FromLightning.{name}"]
+        assert "collate_fn" in messages[f"FromLightning.{name}"]
+    assert "forward" in messages["FromLightning.training_step"]
+    assert "Loop(optimizer=)" in messages["FromLightning.configure_optimizers"]
+    assert "takes (trainer, pl_module)" in messages["FromLightning.on_fit_start"]
+    assert "on_fit_start(self, loop)" in messages["FromLightning.on_fit_start"]

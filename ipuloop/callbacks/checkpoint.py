@@ -22,7 +22,7 @@ from .. import checkpoint_io as cio
 from ..checkpoint_io import (FORMAT_VERSION, MANIFEST, STATE, TMP_PREFIX, CheckpointError,
                              load_checkpoint, read_manifest)
 from ..errors import NonFiniteLossError
-from .base import Callback, check_mode, monitored, overridden
+from .base import Callback, check_mode, check_monitor, monitored, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
            "FORMAT_VERSION"]
@@ -153,6 +153,7 @@ class ModelCheckpoint(Callback):
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
+        check_monitor(loop.state, self.monitor, "ModelCheckpoint")
         loop.check_resumable()  # before training, rather than at the first save
         self._in_fit, self._last = True, None
         if loop.state.instance == 0:  # several processes: instance 0 owns the folder
