@@ -6,6 +6,13 @@ loop's options. Its sampler (or custom batch sampler) is wrapped so that each ep
 drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
 that a resumed epoch starts after the samples already seen without reading them (an
 ``IterableDataset``, which has no order to skip into, is read up to there).
+
+Validation and predict count every sample: a map-style dataset is padded to whole host calls
+with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
+loader yields it, its workers' batches cut into host calls and the last one padded as it ends.
+A ``poptorch.DataLoader``'s mode (``Async``, ``AsyncRebatched``) and its ``async_options`` are
+kept: each epoch reads through a prefetching loader of its own, built once the epoch's order
+is drawn (``Prefetch``).
 """
 from __future__ import annotations
 
@@ -21,9 +28,9 @@ from .outputs import Layout, map_tensors
 from .rules import describe_factors, host_call_factor
 
 __all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
-           "first_micro_batch", "predict_inputs", "flagged_plan", "concat", "kill_workers", "close",
+           "first_micro_batch", "predict_inputs", "concat", "kill_workers", "close",
            "Predictions", "check_not_empty", "count_updates", "no_host_call", "built_micro_batch",
-           "loader_kwargs"]
+           "loader_kwargs", "Prefetch", "prefetch_of"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
@@ -110,17 +117,88 @@ class _Padded(Dataset):
         return self.dataset[min(i, self.n - 1)]
 
 
-def _cat(batches: list[Any]) -> Any:
-    """Batches (tensors, or tuples, lists and dicts of them) joined along dim 0."""
+def _cat(batches: list[Any], what: str = "a custom batch sampler's batches") -> Any:
+    """Batches (tensors, or tuples, namedtuples, lists and dicts of them) joined along dim 0."""
     first = batches[0]
+    if len(batches) == 1:
+        return first
     if isinstance(first, torch.Tensor):
         return torch.cat(batches)
     if isinstance(first, dict):
-        return type(first)((k, _cat([b[k] for b in batches])) for k in first)
+        return type(first)((k, _cat([b[k] for b in batches], what)) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple
+        return type(first)(*(_cat(list(parts), what) for parts in zip(*batches)))
     if isinstance(first, (tuple, list)):
-        return type(first)(_cat(list(parts)) for parts in zip(*batches))
-    raise TypeError(f"Cannot join batches of {type(first).__name__}: a custom batch sampler's "
-                    "batches must be tensors, or tuples, lists or dicts of tensors.")
+        return type(first)(_cat(list(parts), what) for parts in zip(*batches))
+    raise TypeError(f"Cannot join batches of {type(first).__name__}: {what} must be tensors, "
+                    "or tuples, lists or dicts of tensors.")
+
+
+def _rows(batch: Any) -> int:
+    """Samples in a collated batch: the length of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    parts = batch.values() if isinstance(batch, dict) else \
+        batch if isinstance(batch, (tuple, list)) else ()
+    for part in parts:
+        n = _rows(part)
+        if n >= 0:
+            return n
+    return -1
+
+
+class _StreamCalls:
+    """Host calls of ``combined`` samples cut from a stream's batches, in the order its loader
+    yields them (its workers' batches in turn); the last call is padded with copies of the
+    last sample. ``real``: the samples of the call last returned (the rest is padding).
+
+    The torch iterator's attributes (``_workers``, ``_shutdown_workers``) show through."""
+
+    def __init__(self, batches: Iterator[Any], combined: int) -> None:
+        self.batches, self.combined = batches, combined
+        self.pending: list[Any] = []
+        self.count = 0
+        self.real = 0
+        self.ended = False
+
+    def __iter__(self) -> _StreamCalls:
+        return self
+
+    def __next__(self) -> Any:
+        combined = self.combined
+        while self.count < combined and not self.ended:
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                self.ended = True
+                break
+            n = _rows(batch)
+            if n < 0:
+                raise TypeError(f"A stream's batches must hold tensors to be cut into host "
+                                f"calls. Received a {type(batch).__name__}.")
+            if n:
+                self.pending.append(batch)
+                self.count += n
+        if not self.count:
+            raise StopIteration
+        joined = _cat(self.pending, "a stream's batches")
+        self.real = min(self.count, combined)
+        if self.count > combined:
+            self.pending = [map_tensors(joined, lambda t: t[combined:] if t.dim() else t)]
+            joined = map_tensors(joined, lambda t: t[:combined] if t.dim() else t)
+        else:
+            self.pending = []
+        pad = combined - self.real
+        if pad:  # the stream ended: copies of its last sample fill the call
+            joined = map_tensors(joined, lambda t: torch.cat(
+                [t, t[-1:].expand(pad, *t.shape[1:])]) if t.dim() else t)
+        self.count -= self.real
+        return joined
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "batches":
+            raise AttributeError(name)
+        return getattr(self.batches, name)
 
 
 class _HostCalls:
@@ -147,6 +225,100 @@ class _HostCalls:
         return getattr(self.batches, name)
 
 
+_ASYNC_DEFAULTS = {"buffer_size": 3, "miss_sleep_time_in_ms": 0.1, "early_preload": False}
+
+
+def _async_options(accessor: Any, name: str) -> dict[str, Any]:
+    """The settings an ``AsynchronousDataAccessor`` was built with (``async_options``)."""
+    worker = getattr(getattr(accessor, "_worker", None), "_process", None)
+    if worker is not None:  # PopTorch: its worker process object holds them
+        out = {"buffer_size": worker._buffer_size,
+               "miss_sleep_time_in_ms": worker._miss_sleep_time_in_ms,
+               "early_preload": worker._early_preload,
+               "sharing_strategy": worker._sharing_strategy}
+    else:  # the emulator's accessor keeps them; PopTorch's drops them when terminated
+        out = dict(getattr(accessor, "_settings", None) or {})
+        if not out:
+            warnings.warn(f"{name}: the settings of its AsynchronousDataAccessor cannot be read "
+                          "(terminated?), so the loop's loader prefetches with PopTorch's "
+                          f"defaults {_ASYNC_DEFAULTS}. Pass a loader that was not terminated "
+                          "to keep them.", stacklevel=4)
+    out.pop("load_indefinitely", None)  # each epoch has its own accessor: see Prefetch
+    return out
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A ``poptorch.DataLoader``'s Async mode (``DataLoaderMode.Async`` or ``AsyncRebatched``,
+    its ``async_options`` and ``rebatched_worker_size``), kept by the loader the loop builds.
+
+    Each epoch reads through a loader of its own in that mode, built once the epoch's order is
+    drawn and stopped when the epoch ends: an accessor started earlier would read its first
+    batches (and, loading indefinitely, the next epoch's) in an order drawn before the one the
+    checkpoint records. So ``load_indefinitely`` is False; the other options are the user's.
+    """
+
+    factory: Any  # poptorch.DataLoader
+    mode: Any  # poptorch.DataLoaderMode
+    options: dict  # async_options
+    worker_size: int | None  # rebatched_worker_size; None: the combined batch size
+
+    def loader(self, plan: Plan, seed: int) -> Any:
+        """``plan``'s loader in this mode, its torch generator seeded with ``seed`` (so that
+        the workers' seeds come from the loop's random state, in a worker process too)."""
+        src = plan.loader
+        kwargs = loader_kwargs(src)
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+        if plan.batches is not None:
+            kwargs["batch_sampler"] = plan.batches
+        elif plan.sampler is not None:
+            kwargs["sampler"] = plan.sampler
+        return self.factory(
+            src.options, src.dataset, batch_size=1 if plan.batches is not None else plan.micro,
+            drop_last=True, auto_distributed_partitioning=False, mode=self.mode,
+            async_options={**self.options, "load_indefinitely": False},
+            rebatched_worker_size=self.worker_size, **kwargs)
+
+
+def prefetch_of(poptorch: Any, loader: Any, name: str) -> Prefetch | None:
+    """The Async mode of ``loader`` (a ``poptorch.DataLoader``), None for Sync or a torch one.
+
+    PopTorch keeps no record of the mode but the accessor it builds for it (its
+    ``rebatched_size`` set for ``AsyncRebatched``, which ``Async`` with ``drop_last=False``
+    becomes); the loader's torch batch size is then the workers' (``rebatched_worker_size``).
+    """
+    accessor = loader.__dict__.get("_accessor") if isinstance(loader, poptorch.DataLoader) \
+        else None
+    if accessor is None:
+        return None
+    modes = poptorch.DataLoaderMode
+    rebatched = getattr(accessor, "rebatched_size", None)
+    worker = loader.batch_size if rebatched and loader.batch_size != rebatched else None
+    return Prefetch(poptorch.DataLoader, modes.AsyncRebatched if rebatched else modes.Async,
+                    _async_options(accessor, name), worker)
+
+
+class _Prefetched:
+    """One epoch read through its own prefetching loader, stopped when the epoch ends."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.batches = iter(loader)
+
+    def __iter__(self) -> _Prefetched:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.terminate()
+            raise
+
+    def terminate(self) -> None:
+        self.loader.terminate()
+
+
 @dataclass
 class Plan:
     """A loader the loop can run, with what it needs to know about it."""
@@ -159,6 +331,9 @@ class Plan:
     samples: int | None  # dataset length, when known
     name: str
     batches: ResumableBatchSampler | None = None  # a custom batch sampler, wrapped
+    prefetch: Prefetch | None = None  # the user's Async mode, kept
+    stream: Any = None  # validation and predict over a stream: a torch loader yielding it in
+    # its own loader's order (drop_last=False), cut into host calls as it is read
 
     @property
     def steps(self) -> int | None:
@@ -170,24 +345,48 @@ class Plan:
         except TypeError:
             return None
 
-    def _iter(self) -> Iterator[Any]:
+    def _iter(self, loader: Any = None) -> Iterator[Any]:
         # A new torch iterator draws its workers' base seed from the RNG; a persistent-workers
         # loader reuses its iterator from the second epoch on and draws nothing. Draw exactly
         # once either way, so a run resumed in a new process consumes the RNG as the original.
-        g = self.loader.generator
+        loader = self.loader if loader is None else loader
+        g = loader.generator
         host, own = torch.get_rng_state(), g.get_state() if g is not None else None
-        if self.batches is not None:  # torch's iterator of micro-batches, joined here
-            it = _HostCalls(DataLoader.__iter__(self.loader), self.combined // self.micro)
+        if loader is self.stream:
+            it = iter(loader)
+        elif self.prefetch is not None:  # the draw seeds the epoch's own prefetching loader
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=g))
+            it = _Prefetched(self.prefetch.loader(self, seed))
+        elif self.batches is not None:  # torch's iterator of micro-batches, joined here
+            it = _HostCalls(DataLoader.__iter__(loader), self.combined // self.micro)
         else:
-            it = iter(self.loader)
+            it = iter(loader)
         torch.set_rng_state(host)
         if g is not None:
             g.set_state(own)
         torch.empty((), dtype=torch.int64).random_(generator=g)  # the same draw iter() makes
         return it
 
+    def counted(self) -> Iterator[tuple[Any, int]]:
+        """This epoch's host batches from its start, each with how many of its rows are
+        samples: the rest (of the last call, or of a call past the samples, as several
+        processes' validation runs) is padding."""
+        it = self.epoch()
+        left = self.samples if self.sampler is not None and self.samples else None
+        for batch in it:
+            if self.stream is not None:
+                real = it.real
+            elif left is not None:
+                real = min(self.combined, left)
+                left -= real
+            else:
+                real = self.combined
+            yield batch, real
+
     def epoch(self, skip_steps: int = 0) -> Iterator[Any]:
         """An iterator over this epoch's host batches, after ``skip_steps`` of them."""
+        if self.stream is not None:  # validation or predict: read from its start
+            return _StreamCalls(self._iter(self.stream), self.combined)
         if self.sampler is not None:
             self.sampler.set_epoch(skip_steps * self.combined)
             return self._iter()
@@ -261,7 +460,12 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     if custom_batches:
         kwargs.pop("generator", None)
     built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
-    plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches)
+    plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches,
+                prefetch_of(poptorch, loader, name))
+    if iterable and pad:  # the stream as its loader yields it: its batches, every sample
+        stream = loader_kwargs(loader)
+        plan.stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False,
+                                 **stream)
     if samples is not None and plan.steps == 0:
         raise ValueError(f"{name} is empty: {samples} samples make no host call of "
                          f"{describe_factors(opts, micro, training)}.")
@@ -273,6 +477,9 @@ def kill_workers(batches: Any) -> None:
     for w in getattr(batches, "_workers", ()):
         with contextlib.suppress(Exception):
             w.kill()
+    if isinstance(batches, _Prefetched):  # the accessor's worker process (or thread)
+        with contextlib.suppress(Exception):
+            batches.terminate()
 
 
 def close(batches: Any) -> None:
@@ -326,46 +533,6 @@ def predict_inputs(batch: Any, num_inputs: int | None, name: str) -> tuple:
                      "(inputs..., labels) batches of those inputs.")
 
 
-class _Flagged(torch.utils.data.IterableDataset):
-    """(True, sample) per sample, then (False, last sample) up to a multiple of ``multiple``."""
-
-    def __init__(self, dataset: Any, multiple: int) -> None:
-        self.dataset, self.multiple = dataset, multiple
-
-    def __iter__(self) -> Any:
-        n, last = 0, None
-        for last in self.dataset:
-            n += 1
-            yield True, last
-        while n % self.multiple:
-            n += 1
-            yield False, last
-
-
-class _FlagCollate:
-    """Collates ``_Flagged`` samples: (the flags as a bool tensor, the samples collated)."""
-
-    def __init__(self, collate: Any) -> None:
-        self.collate = collate
-
-    def __call__(self, batch: list) -> tuple[torch.Tensor, Any]:
-        return torch.tensor([f for f, _ in batch]), self.collate([s for _, s in batch])
-
-
-def flagged_plan(poptorch: Any, plan: Plan) -> Plan:
-    """``plan`` over an IterableDataset, each sample flagged True and the stream padded
-    (per worker) to whole host calls with False-flagged copies of its last sample."""
-    src = plan.loader
-    kwargs = {k: getattr(src, k) for k in ("num_workers", "worker_init_fn",
-                                           "multiprocessing_context")}
-    if kwargs["num_workers"] == 0:
-        kwargs.pop("multiprocessing_context")
-    loader = poptorch.DataLoader(
-        src.options, _Flagged(src.dataset, plan.combined), batch_size=plan.micro,
-        drop_last=True, collate_fn=_FlagCollate(src.collate_fn), **kwargs)
-    return Plan(loader, None, plan.micro, plan.combined, plan.layout, None, plan.name)
-
-
 def concat(parts: list, keep: Any, rows: Any) -> Any:
     """Per-call outputs (tensors, or tuples, lists, namedtuples and dicts of them) joined
     along the samples, each call's rows put in host-batch order by ``rows``, then indexed
@@ -384,20 +551,17 @@ def concat(parts: list, keep: Any, rows: Any) -> Any:
 
 
 class Predictions:
-    """A predict run over ``plan``: its batches (an IterableDataset's flagged and padded as it
-    streams), each call's outputs collected, then joined in sample order without padding."""
+    """A predict run over ``plan``: each call's outputs collected, then joined in sample order
+    without the padding (which only the last call holds: ``Plan.counted``)."""
 
-    def __init__(self, poptorch: Any, plan: Plan) -> None:
-        self.flagged = isinstance(plan.loader.dataset, IterableDataset)
-        self.plan = flagged_plan(poptorch, plan) if self.flagged else plan
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
         self.outputs: list[Any] = []
-        self.flags: list[torch.Tensor] = []
+        self.samples = 0
 
     def batches(self) -> Iterator[Any]:
-        for batch in self.plan.epoch():
-            if self.flagged:  # length unknown: the flags say which rows are samples
-                flag, batch = batch
-                self.flags.append(flag)
+        for batch, real in self.plan.counted():
+            self.samples += real
             yield batch
 
     def result(self) -> Any:
@@ -405,8 +569,7 @@ class Predictions:
         if not self.outputs:
             raise ValueError(f"loader yielded no samples: {type(plan.loader.dataset).__name__} "
                              "was empty. predict needs at least one sample.")
-        keep = torch.cat(self.flags) if self.flagged else slice(None, plan.samples)
-        return concat(self.outputs, keep, plan.layout.input_rows)
+        return concat(self.outputs, slice(None, self.samples), plan.layout.input_rows)
 
 
 def check_not_empty(loader: Any, name: str) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .data import (Plan, ResumableSampler, _Padded, build_plan as _build_plan, built_micro_batch,
-                   loader_kwargs)
+                   loader_kwargs, prefetch_of)
 from .errors import NonFiniteLossError
 from .rules import (DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, host_call_factor,
                     leave_process_group)
@@ -436,8 +436,10 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: 
     with warnings.catch_warnings():
         if opts.Distributed.processId != 0:
             warnings.simplefilter("ignore")
-        return _process_plan(poptorch, loader, opts, layout, training=training, name=name,
+        plan = _process_plan(poptorch, loader, opts, layout, training=training, name=name,
                              pad=pad, sequential=sequential, partition=partition)
+        plan.prefetch = prefetch_of(poptorch, loader, name)  # the user's Async mode, kept
+        return plan
 
 
 def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,

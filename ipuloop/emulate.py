@@ -1,6 +1,8 @@
 """``python -m ipuloop.emulate SCRIPT [ARGS...]``: run a PopTorch program on the emulator.
 
-``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``.
+``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``,
+and so it does in the Python processes SCRIPT starts: loader workers of any start method
+(``multiprocessing_context="spawn"``, the default on macOS, or "forkserver") and subprocesses.
 SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``; its exit status is ours.
 """
 from __future__ import annotations
@@ -9,19 +11,32 @@ import os
 import runpy
 import sys
 
-__all__ = ["install", "main"]
+__all__ = ["install", "main", "BINDING"]
 
 
 _SUBMODULES = ("optim", "enums", "options")  # also importable as ``poptorch.<name>``
+# A folder whose ``poptorch`` module binds the emulator when a new interpreter imports it.
+BINDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_binding")
 
 
 def install() -> None:
-    """Bind ``poptorch`` (and ``poptorch.optim/enums/options``) to the emulator for this process."""
+    """Bind ``poptorch`` (and ``poptorch.optim/enums/options``) to the emulator for this
+    process and the Python processes it starts.
+
+    A spawned or forkserver child takes the parent's ``sys.path``, and a subprocess reads
+    ``PYTHONPATH``: both get ``BINDING`` first, so ``import poptorch`` there (the script,
+    imported again as ``__mp_main__``, or anything unpickled) binds the emulator too.
+    """
     import ipuloop.emulator as emulator
     sys.modules["poptorch"] = emulator
     for name in _SUBMODULES:
         sys.modules[f"poptorch.{name}"] = getattr(emulator, name)
     os.environ["IPULOOP_BACKEND"] = "emulator"
+    if BINDING not in sys.path:
+        sys.path.insert(0, BINDING)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if BINDING not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([BINDING, *paths])
 
 
 def main(argv: list[str] | None = None) -> None:

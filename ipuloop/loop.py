@@ -69,8 +69,9 @@ class Loop(Events):
     Batches are ``(inputs..., labels)`` tuples, the labels last; a dict batch is rejected with
     its keys named (convert it in the dataset or the ``collate_fn``). Before compiling, the
     loop runs one micro-batch through the model on the host, so a label batch that differs
-    from the input batch, labels that would broadcast against the output, or a dtype the loss
-    rejects fail before the first step, naming the shapes and dtypes received.
+    from the input batch, labels that would broadcast against the output in the loss (torch
+    warns of it; with ``loss_fn``, float labels ``[N]`` against an output ``[N, 1]`` too), or
+    a dtype the loss rejects fail before the first step, naming the shapes and dtypes received.
 
     Example::
 
@@ -166,6 +167,7 @@ class Loop(Events):
         st.stop_requested = st.preempted = False
         st.exception = st.exception_source = None
         st.max_steps, st.steps_per_epoch = max_steps, plan.steps
+        st.validates = val_plan is not None  # read by monitoring callbacks at on_fit_start
         self._resume.val_rng = None
         with handle_signals(self._on_sigterm, self._kill_workers), self._reporting(fit=True):
             try:
@@ -247,7 +249,9 @@ class Loop(Events):
             if dist is not None:  # several processes: the run's loss, summed over them
                 step_loss = dist.step_loss(st, step_loss, check_finite)
             if check_finite and not math.isfinite(step_loss.total):
-                raise non_finite_error(loss, layout, st.epoch, st.step)
+                raise non_finite_error(loss, layout, st.epoch, st.step, batch=batch,
+                                       precision=self.precision, last_loss=st.logs.get("loss"),
+                                       loss_scaling=getattr(self.optimizer, "loss_scaling", None))
             st.step += 1  # (attribute updates, not a method: this runs every step)
             st.epoch_step += 1
             st.update += per_step_updates
@@ -311,7 +315,8 @@ class Loop(Events):
         if batch is not None:
             inputs, labels = self._split(batch, plan.name, cast=False)  # float32 on the host
             probe(self.model, inputs, labels, plan.name, copy_float=self.precision == "16-true",
-                  metrics=self.metrics, metric_output=self._metric_output)
+                  metrics=self.metrics, metric_output=self._metric_output,
+                  loop_loss=issubclass(type(self.model), WithLoss))
 
     # -- validation and predict -----------------------------------------------------------------
     def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader",
@@ -342,7 +347,8 @@ class Loop(Events):
         """Run ``loader`` through the inference model; returns val_loss and val metrics.
 
         Every sample counts: the samples are read in order and the last host call is padded
-        with copies of the last one. The metrics see every sample, and so does val_loss, the
+        with copies of the last one (an IterableDataset as it ends, read in the order its
+        loader yields it, workers included). The metrics see every sample, and so does val_loss, the
         mean loss per sample: the device's loss for the micro-batches without padding and,
         with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
         (without ``loss_fn`` those are left out, and a warning says how many samples
@@ -363,12 +369,12 @@ class Loop(Events):
         run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
                          if issubclass(type(self.model), WithLoss) else None, self._warned)
         model = None
-        for batch in plan.epoch():
+        for batch, samples in plan.counted():
             inputs, labels = self._split(batch, plan.name)
             if model is None:
                 model = self._inference_model(plan, "validate", (*inputs, labels))
             self.executors.activate(model)
-            run.add(model(*inputs, labels), labels)
+            run.add(model(*inputs, labels), labels, samples)
             self._fire("on_validation_step_end")
             self._check_preempted()
         logs = run.logs(self._dist.val_sums if self._dist is not None else None)
@@ -384,7 +390,8 @@ class Loop(Events):
         Batches are read in order (shuffle and the sampler are ignored). The samples are
         padded with copies of the last one up to whole host calls and the padding's outputs
         are dropped, so no sample is lost to the combined batch size (an IterableDataset is
-        padded as it streams; with workers, its order is the loader's). With input replica
+        padded as it ends, and its outputs come in the order its loader yields its samples,
+        with workers too, so they line up with the labels the loader gives). With input replica
         grouping each sample's output is returned once. A model returning a tuple, list,
         namedtuple or dict of tensors gets the same structure back, each tensor joined over
         the samples. After a fit (or validate) with N inputs, every batch of N elements is
@@ -393,8 +400,7 @@ class Loop(Events):
         Float64 inputs run, and come back, as float32 (as on the device).
         """
         self.state.exception = self.state.exception_source = None
-        run = Predictions(self.poptorch, self._val_plan(loader, pad=True, name="loader",
-                                                        partition=False))
+        run = Predictions(self._val_plan(loader, pad=True, name="loader", partition=False))
         model = None
         with self._reporting():
             for batch in run.batches():

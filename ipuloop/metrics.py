@@ -78,9 +78,15 @@ def _describe(inputs: tuple, labels: Any) -> str:
 
 
 def probe(model: torch.nn.Module, inputs: tuple, labels: Any, name: str, *, copy_float: bool,
-          metrics: dict[str, Any], metric_output: Callable | None) -> None:
+          metrics: dict[str, Any], metric_output: Callable | None,
+          loop_loss: bool = False) -> None:
     """Check one micro-batch on the host before anything is compiled (float32; buffers and
-    the host RNG as they were). ``copy_float``: run a float32 copy (16-bit weights)."""
+    the host RNG as they were). ``copy_float``: run a float32 copy (16-bit weights).
+
+    ``loop_loss``: the loop computes the loss (``loss_fn=``), so float labels ``[N]`` against
+    an output ``[N, 1]`` are refused: they would broadcast to ``[N, N]`` in it. A
+    model-with-loss computes its own and may reshape them (``out.squeeze(-1)``): only a loss
+    that torch reports as broadcasting is refused there."""
     n = labels.shape[0] if isinstance(labels, torch.Tensor) and labels.dim() else None
     for i, x in enumerate(inputs):
         if isinstance(x, torch.Tensor) and x.dim() and n is not None and x.shape[0] != n:
@@ -118,7 +124,7 @@ def probe(model: torch.nn.Module, inputs: tuple, labels: Any, name: str, *, copy
     if loss.numel() != 1:
         raise ValueError(f"The loss must be a scalar per micro-batch. Received a loss of "
                          f"shape {list(loss.shape)}: reduce it (mean or sum).")
-    if (isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
+    if (loop_loss and isinstance(output, torch.Tensor) and isinstance(labels, torch.Tensor)
             and labels.is_floating_point() and output.dim() == labels.dim() + 1
             and output.shape[-1] == 1 and output.shape[:-1] == labels.shape):
         raise ValueError(
@@ -169,29 +175,26 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
 class Validation:
     """One validation run's numbers: val_loss (the mean loss per sample) and the metrics.
 
-    The loader is padded to whole host calls with copies of the last sample: only the samples
-    count. The device's loss covers the micro-batches without padding; the samples of the one
-    with padding get ``loss_fn`` on the host (their outputs are here) when there is one, and
-    are left out of val_loss otherwise (with a warning). ``warned`` holds the one-time
-    warnings already given by this loop.
+    The loader is padded to whole host calls with copies of the last sample (a stream's as
+    it ends): only the samples count. The device's loss covers the micro-batches without
+    padding; the samples of the one with padding get ``loss_fn`` on the host (their outputs
+    are here) when there is one, and are left out of val_loss otherwise (with a warning).
+    ``warned`` holds the one-time warnings already given by this loop.
     """
 
     def __init__(self, plan: Any, metrics: dict[str, Any], metric_output: Callable | None,
                  loss_fn: Callable | None, warned: set) -> None:
         self.layout, self.micro, self.combined = plan.layout, plan.micro, plan.combined
-        self.left = plan.samples if plan.sampler is not None and plan.samples else None
         self.metrics, self.metric_output, self.loss_fn = metrics, metric_output, loss_fn
         self.warned = warned
         self.total, self.count, self.uncovered = 0.0, 0, 0
         for m in metrics.values():
             m.reset()
 
-    def add(self, output: Any, labels: Any) -> None:
-        """One inference call's output (``(output, loss)`` when the model returns a loss)."""
+    def add(self, output: Any, labels: Any, valid: int) -> None:
+        """One inference call's output (``(output, loss)`` when the model returns a loss), of
+        which the first ``valid`` samples are samples and the rest padding."""
         layout, micro, combined = self.layout, self.micro, self.combined
-        valid = combined if self.left is None else min(combined, self.left)
-        if self.left is not None:
-            self.left -= valid
         if has_loss(output, layout.micro_batches):
             output, loss = output
             loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples

@@ -7,6 +7,7 @@ A scalar loss becomes ``[n]`` only when that count n is > 1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, NamedTuple
@@ -16,7 +17,7 @@ import torch
 from .errors import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error"]
+__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error", "FLOAT16_MAX"]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
@@ -129,19 +130,78 @@ class Layout:
         return x.reshape(-1, *labels.shape[1:])
 
 
-def non_finite_error(loss: torch.Tensor, layout: Layout, epoch: int,
-                     step: int) -> NonFiniteLossError:
-    """The error for a returned ``loss`` with a NaN or infinity, naming where it came from."""
+FLOAT16_MAX = 65504.0  # the largest finite float16
+
+
+def _data_finding(batch: Any, half: bool) -> str | None:
+    """What in the host ``batch`` (inputs..., labels) explains a non-finite loss: non-finite
+    values, or (``half``: sent as float16) values beyond float16's range; None if nothing."""
+    parts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    for i, x in enumerate(parts):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()):
+            continue
+        labels = i == len(parts) - 1 and len(parts) > 1
+        what = f"{'the labels' if labels else f'input {i}'} of this step's host batch " \
+            + ("have" if labels else "has")
+        if not bool(torch.isfinite(x).all()):
+            return (f"{what} NaN or infinite values: clean the data (or leave such samples "
+                    "out in the dataset)")
+        biggest = float(x.abs().max())
+        if half and biggest > FLOAT16_MAX:
+            return (f"{what} values up to {biggest:.6g}, beyond "
+                    f"float16's range (largest {FLOAT16_MAX:g}): sent as float16 they became "
+                    "infinite. Scale them into range (normalise the data), or train with "
+                    'precision="32"')
+    return None
+
+
+def _float16_cause(precision: str, loss_scaling: float | None, last_loss: float | None) -> str:
+    """Why a 16-bit step whose data is in range gives a non-finite loss, as exactly as known."""
+    text = (f"The step runs in float16 (precision={precision!r}), whose largest value is "
+            f"{FLOAT16_MAX:g}, and its host batch is within that range: ")
+    if loss_scaling is not None and loss_scaling > 1:
+        scaled = None if last_loss is None else abs(last_loss) * loss_scaling
+        if scaled is not None and math.isfinite(scaled) and scaled > FLOAT16_MAX:
+            return text + (
+                f"the last finite step loss, {last_loss:.6g}, times the optimizer's "
+                f"loss_scaling={loss_scaling:g} is {scaled:.6g}, beyond it, so the gradients "
+                "overflowed and the update wrote inf or NaN into the weights. Lower "
+                f"loss_scaling (below {FLOAT16_MAX / abs(last_loss):.4g} for that loss).")
+        return text + (
+            f"the loss is multiplied by the optimizer's loss_scaling={loss_scaling:g} before "
+            f"the backward pass, so a gradient above {FLOAT16_MAX / loss_scaling:.4g} "
+            "overflows and the update writes inf or NaN into the weights; or an activation "
+            "overflowed. Lower loss_scaling (or the learning rate).")
+    return text + ("an activation, the loss or a gradient overflowed it, or an update made "
+                   "the weights non-finite. Scale the inputs or the loss down, lower the "
+                   'learning rate, or train with precision="32".')
+
+
+def non_finite_error(loss: torch.Tensor, layout: Layout, epoch: int, step: int, *,
+                     batch: Any = None, precision: str = "32",
+                     loss_scaling: float | None = None,
+                     last_loss: float | None = None) -> NonFiniteLossError:
+    """The error for a returned ``loss`` with a NaN or infinity, naming where it came from
+    and, as exactly as the step's host ``batch`` tells, why: non-finite data; under a 16-bit
+    ``precision``, data beyond float16's range, or a gradient overflow that the optimizer's
+    ``loss_scaling`` explains (``last_loss``: the last finite step loss)."""
     flat = loss.reshape(-1)
     i = int(torch.nonzero(~torch.isfinite(flat))[0])
     m = layout.micro_batch_index(i)
     d, rest = divmod(m, layout.ga * layout.rf)
     a, r = divmod(rest, layout.rf)
     what = "replica" if layout.mode == SUM else "micro-batch"
-    return NonFiniteLossError(
-        f"Non-finite loss {float(flat[i])} at epoch {epoch}, step {step} (0-based host call), "
-        f"{what} {m} of the step "
-        + (f"(device iteration {d}, accumulation step {a}, replica {r})."
-           if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
-           "names the micro-batch).")
-        + " Lower the learning rate, check the data, or pass check_finite=False.")
+    where = (f"Non-finite loss {float(flat[i])} at epoch {epoch}, step {step} (0-based host "
+             f"call), {what} {m} of the step "
+             + (f"(device iteration {d}, accumulation step {a}, replica {r})."
+                if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
+                "names the micro-batch)."))
+    half = precision != "32"
+    finding = None if batch is None else _data_finding(batch, half)
+    if finding is not None:
+        why = f" The data explains it: {finding}."
+    elif half:
+        why = " " + _float16_cause(precision, loss_scaling, last_loss)
+    else:
+        why = " Lower the learning rate, or check the data."
+    return NonFiniteLossError(where + why + " (Or pass check_finite=False.)")

@@ -6,6 +6,11 @@ handler installed before ``fit`` still runs. The first Ctrl-C raises ``KeyboardI
 (``on_exception`` runs once, no checkpoint starts); a second one ends the process at once
 (status 130), after ``on_abort`` (the loop kills its loader workers: nothing outlives it).
 Both handlers are restored when ``fit`` returns.
+
+The Ctrl-C handling replaces only Python's default handler: a SIGINT handler of the user's is
+left alone, and so is an ignored SIGINT, as in a process started by ``nohup`` or as ``cmd &``
+from a script (Python then installs no handler): such a fit is not interrupted by Ctrl-C, as
+its starter asked. SIGTERM preempts it all the same.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ class State:
     # The running fit (set when it starts; read by callbacks):
     steps_per_epoch: int | None = None  # training host calls in an epoch; None: length unknown
     max_steps: int | None = None  # fit(max_steps=): the fit ends when ``step`` reaches it
+    validates: bool = False  # the fit has a val_loader: val_ logs are written at epoch ends
     epoch_loss: list = field(default_factory=lambda: [0.0, 0, True])  # the running epoch's
     # [sum of micro-batch losses, how many, whether every micro-batch's loss was returned]
     # Flags, read at step boundaries:

@@ -188,6 +188,9 @@ class _SignalMarkers(Callback):
 
 def _signal_mode(cfg: dict[str, Any]) -> None:
     """Trains with slow host calls and slow saves (one per step), a user SIGTERM handler."""
+    # Ctrl-C must raise KeyboardInterrupt here, also when started with SIGINT ignored (nohup,
+    # a background job): Python installs its handler only if SIGINT was not ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ckpt_mod.CHUNK = cfg["chunk"]
     ckpt_mod.write_hook = lambda path, offset: time.sleep(cfg["delay"])
     calls: list[int] = []

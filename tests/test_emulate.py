@@ -159,6 +159,7 @@ def test_main_in_process_runs_script_as_main(tmp_path, monkeypatch):
     for name in emulate._SUBMODULES:
         monkeypatch.setitem(sys.modules, f"poptorch.{name}", None)
     monkeypatch.setenv("IPULOOP_BACKEND", "auto")
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     out = tmp_path / "out.json"

@@ -116,20 +116,31 @@ def snapshot(dirpath: Path) -> dict[str, bytes]:
 
 
 # -- child processes ------------------------------------------------------------------------------
+# Starts a program with SIGINT ignored, as `nohup` or `cmd &` in a script do: a child must set
+# the SIGINT disposition it relies on, whatever it inherits.
+IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 class Child:
-    """A ``helpers_train.py`` child; its markers ("KIND STEP TIME") are read on a thread."""
+    """A ``helpers_train.py`` child; its markers ("KIND STEP TIME") are read on a thread.
+
+    ``sigint_ignored``: started with SIGINT ignored (whatever this process's disposition)."""
 
     def __init__(self, root: Path, mode: str, cfg: dict, *, env: dict | None = None,
-                 session: bool = False) -> None:
+                 session: bool = False, sigint_ignored: bool = False) -> None:
         self.root, self.session = root, session
         (root / "cwd").mkdir(parents=True)
         (root / "cfg.json").write_text(json.dumps(cfg))
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
                # torch makes its cache folder in TMPDIR unless told: keep TMPDIR to ipuloop
                "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor"), **(env or {})}
+        command = [sys.executable, str(HELPER), mode, str(root / "cfg.json")]
+        if sigint_ignored:
+            command[1:1] = ["-c", IGNORING_SIGINT]
         with open(root / "stderr.txt", "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HELPER), mode, str(root / "cfg.json")], cwd=root / "cwd",
+                command, cwd=root / "cwd",
                 env=env, stdout=subprocess.PIPE, stderr=err, text=True,
                 start_new_session=session)  # its own process group, as a terminal's job
         self.markers: list[tuple[str, int, float]] = []
@@ -679,8 +690,8 @@ SIG_CFG = {"di": 2, "ga": 1, "epochs": EPOCHS, "step_delay": 0.05, "chunk": 4096
 def _sigterm_run(root: Path, seed: int) -> dict:
     rng = random.Random(seed)
     cfg = {**SIG_CFG, "dirpath": str(root / "ckpt")}
-    with _starting:
-        child = Child(root, "signal", cfg)
+    with _starting:  # every other child starts with SIGINT ignored: it must not matter
+        child = Child(root, "signal", cfg, sigint_ignored=seed % 2 == 1)
         child.wait_for("ready")
     aim = ("step", "save", "anytime")[seed % 3]
     try:
@@ -865,7 +876,8 @@ def _sigint_run(root: Path, case: str) -> dict:
         cfg["stall_file"] = str(root / "stall")  # and the workers are busy, not idle
     # Ctrl-C in a terminal signals the process group, so the workers get it too (and end);
     # "twice" signals the main process only (kill -INT PID): it must end its workers itself.
-    child = Child(root, "signal", cfg, session=case != "twice")
+    # "step" starts with SIGINT ignored (as under nohup): Ctrl-C must still interrupt it
+    child = Child(root, "signal", cfg, session=case != "twice", sigint_ignored=case == "step")
     out = {"case": case}
     try:
         if case == "twice":  # from here on, each sample a worker loads takes a minute

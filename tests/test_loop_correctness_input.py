@@ -175,8 +175,10 @@ def test_a_method_named_like_a_hook_warns_with_the_closest_event():
     assert messages == [
         "Mine.on_epoch_begin is not a loop event, so the loop never calls it. Did you mean "
         "on_epoch_start? (All events: ipuloop.callbacks.base.EVENTS.)",
-        "Mine.on_train_batch_end is not a loop event, so the loop never calls it. Did you mean "
-        "on_train_step_end? (All events: ipuloop.callbacks.base.EVENTS.)"]
+        "Mine.on_train_batch_end is a Lightning hook, which the loop never calls: the nearest "
+        "loop event is on_train_step_end (fires once per step: one host call of DI*GA*RF "
+        "micro-batches, none of which the host sees alone). (All events: "
+        "ipuloop.callbacks.base.EVENTS.)"]
     assert record[0].filename == __file__  # points at the construction
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -26,3 +26,4 @@ def test_wheel_ships_py_typed(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "ipuloop/py.typed" in names
     assert "ipuloop/plot.py" in names and "ipuloop/callbacks/tensorboard.py" in names
+    assert "ipuloop/_binding/poptorch.py" in names  # python -m ipuloop.emulate's workers

@@ -53,6 +53,7 @@ Hooks fire per step, never per micro-batch: the host never sees a micro-batch on
 from __future__ import annotations
 
 import difflib
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Protocol
@@ -60,7 +61,8 @@ from typing import Any, Callable, Protocol
 from ..state import State
 
 __all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS", "Loop",
-           "register_default", "arrange", "resume_path", "check_mode", "monitored", "overridden"]
+           "register_default", "arrange", "resume_path", "check_mode", "monitored", "overridden",
+           "check_monitor", "LIGHTNING_HOOKS"]
 
 EVENTS = (
     "on_configure", "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
@@ -111,8 +113,12 @@ class Callback:
     A callback with state to checkpoint returns it from ``state_dict()`` (tensors, numbers,
     strings, lists and dicts only) and takes it back in ``load_state_dict()``.
 
-    A method named like a hook but not one (``on_train_batch_end``) is never called: the
-    first construction of such a class warns, naming the closest event.
+    A method named like a hook but not one (``on_epoch_begin``), or named as a Lightning hook
+    the loop never calls (``on_train_batch_end``, ``transfer_batch_to_device``,
+    ``training_step``...), is never called: the first construction of such a class warns,
+    naming the nearest event, or saying there is none and what to do instead. So does an
+    event hook written with Lightning's arguments (``trainer, pl_module``): events take the
+    loop alone.
 
     With several processes (``state.instances`` > 1) a callback with ``main_instance_only``
     True runs on instance 0 only (progress displays and loggers); the others run everywhere.
@@ -165,20 +171,102 @@ class Callback:
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # Callback classes already checked
 _SYNONYMS = (("begin", "start"), ("batch", "step"))  # other loops' words for the same events
 
+_PER_STEP = ("fires once per step: one host call of DI*GA*RF micro-batches, none of which the "
+             "host sees alone")
+_TRANSFER = ("the compiled step takes the host batch as the loader yields it and PopTorch "
+             "sends it to the device; change batches in the dataset or the DataLoader's "
+             "collate_fn")
+_ON_DEVICE = ("backward and the optimizer step run on the device inside the compiled step, so "
+              "the host sees no gradients; clip with Loop(max_grad_norm=), or change the "
+              "optimizer's hyper-parameters in on_train_step_start")
+_MODULE = ("it is a LightningModule method: put the step's computation in the model's forward "
+           "(returning (output, loss) when given labels), or pass a plain model and loss_fn= to "
+           "Loop")
+_PREDICT = "Loop.predict fires only on_compile_start and on_compile_end"
+
+# Lightning's hooks the loop never calls: the nearest loop event and how it differs, or None
+# and what to do instead.
+LIGHTNING_HOOKS: dict[str, tuple[str | None, str]] = {
+    "on_train_batch_start": ("on_train_step_start", _PER_STEP),
+    "on_train_batch_end": ("on_train_step_end", _PER_STEP),
+    "on_validation_batch_end": ("on_validation_step_end", _PER_STEP),
+    "on_validation_batch_start": (None, "validation has no event before each step: use "
+                                  "on_validation_start, or on_validation_step_end"),
+    "on_train_epoch_start": ("on_epoch_start", "the same moment"),
+    "on_train_epoch_end": ("on_epoch_end", "which fires after the epoch's validation"),
+    "on_validation_epoch_start": ("on_validation_start", "the same moment"),
+    "on_validation_epoch_end": ("on_validation_end", "the val logs are in state.logs there"),
+    "on_train_start": ("on_fit_start", "the same moment"),
+    "on_train_end": ("on_fit_end", "the same moment"),
+    "setup": ("on_configure", "fires once per loop, before its first fit; on_fit_start fires "
+              "at every fit"),
+    "teardown": ("on_fit_end", "fires when each fit ends, however it ends"),
+    "on_before_batch_transfer": (None, _TRANSFER),
+    "on_after_batch_transfer": (None, _TRANSFER),
+    "transfer_batch_to_device": (None, _TRANSFER),
+    "on_before_backward": (None, _ON_DEVICE),
+    "on_after_backward": (None, _ON_DEVICE),
+    "on_before_optimizer_step": (None, _ON_DEVICE),
+    "on_before_zero_grad": (None, _ON_DEVICE),
+    "optimizer_step": (None, _ON_DEVICE),
+    "optimizer_zero_grad": (None, _ON_DEVICE),
+    "configure_gradient_clipping": (None, _ON_DEVICE),
+    "training_step": (None, _MODULE),
+    "validation_step": (None, _MODULE),
+    "test_step": (None, _MODULE),
+    "predict_step": (None, _MODULE),
+    "configure_optimizers": (None, "pass the optimizer to Loop(optimizer=)"),
+    "on_sanity_check_start": (None, "the loop runs no sanity check: before compiling, it runs "
+                              "one micro-batch through the model on the host"),
+    "on_sanity_check_end": (None, "the loop runs no sanity check: before compiling, it runs "
+                            "one micro-batch through the model on the host"),
+    "on_predict_start": (None, _PREDICT),
+    "on_predict_end": (None, _PREDICT),
+    "on_predict_batch_start": (None, _PREDICT),
+    "on_predict_batch_end": (None, _PREDICT),
+}
+
 
 def _warn_misnamed_hooks(cls: type) -> None:
-    """Warn about each ``on_*`` method of ``cls`` that is close to an event but not one."""
-    names = {n for klass in cls.__mro__ if klass is not Callback and klass is not object
-             for n, v in vars(klass).items() if n.startswith("on_") and callable(v)}
-    for name in sorted(names - set(EVENTS)):
-        key = name
-        for word, ours in _SYNONYMS:
-            key = key.replace(word, ours)
-        close = difflib.get_close_matches(key, EVENTS, n=1, cutoff=0.6)
-        if close:
-            warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never calls "
-                          f"it. Did you mean {close[0]}? (All events: "
-                          "ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
+    """Warn about each method of ``cls`` the loop would never call as its author meant: a
+    Lightning hook, an ``on_*`` name close to an event but not one, or an event written with
+    Lightning's arguments."""
+    methods = {n: v for klass in reversed(cls.__mro__) if klass is not Callback
+               and klass is not object for n, v in vars(klass).items() if callable(v)}
+    for name in sorted(methods):
+        if name in LIGHTNING_HOOKS:
+            event, note = LIGHTNING_HOOKS[name]
+            warnings.warn(
+                f"{cls.__name__}.{name} is a Lightning hook, which the loop never calls: "
+                + (f"the nearest loop event is {event} ({note})." if event is not None
+                   else f"the loop has no such event; {note}.")
+                + " (All events: ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
+        elif name in EVENTS:
+            _warn_lightning_arguments(cls, name, methods[name])
+        elif name.startswith("on_"):
+            key = name
+            for word, ours in _SYNONYMS:
+                key = key.replace(word, ours)
+            close = difflib.get_close_matches(key, EVENTS, n=1, cutoff=0.6)
+            if close:
+                warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never "
+                              f"calls it. Did you mean {close[0]}? (All events: "
+                              "ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
+
+
+def _warn_lightning_arguments(cls: type, name: str, method: Callable) -> None:
+    """An event hook that needs more arguments than the loop: Lightning's (trainer, ...)."""
+    try:
+        params = list(inspect.signature(method).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing to say
+        return
+    needed = [p.name for p in params if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(needed) > 1:
+        warnings.warn(f"{cls.__name__}.{name} takes ({', '.join(needed)}), as Lightning's hooks "
+                      "do, but the loop calls every event with the loop alone, so it would "
+                      f"fail there. Define {name}(self, loop) (loop.state, loop.optimizer...).",
+                      stacklevel=4)
 
 
 # Factories of the callbacks a loop adds unless given one: f(callbacks, progress) -> Callback
@@ -241,6 +329,17 @@ def check_mode(mode: str) -> float:
     if mode not in ("min", "max"):
         raise ValueError(f'mode must be "min" or "max". Received: mode={mode!r}.')
     return 1.0 if mode == "min" else -1.0
+
+
+def check_monitor(state: Any, monitor: str | None, who: str) -> None:
+    """At fit start: a ``ValueError`` when ``monitor`` is a validation log (``val_...``) and
+    the fit has no ``val_loader``, so it would never exist (found before any step rather than
+    at the first epoch end)."""
+    if monitor is not None and monitor.startswith("val_") and not state.validates:
+        raise ValueError(
+            f"{who}: monitor={monitor!r} is a validation log, but this fit has no val_loader, "
+            "so it is never written. Pass val_loader= to fit, or monitor a log of the "
+            "training (e.g. 'train_loss').")
 
 
 def monitored(state: Any, monitor: str, who: str) -> float:

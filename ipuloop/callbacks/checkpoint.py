@@ -22,7 +22,7 @@ from .. import checkpoint_io as cio
 from ..checkpoint_io import (FORMAT_VERSION, MANIFEST, STATE, TMP_PREFIX, CheckpointError,
                              load_checkpoint, read_manifest)
 from ..errors import NonFiniteLossError
-from .base import Callback, check_mode, monitored, overridden
+from .base import Callback, check_mode, check_monitor, monitored, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
            "FORMAT_VERSION"]
@@ -255,6 +255,7 @@ class ModelCheckpoint(Callback):
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: Any) -> None:
+        check_monitor(loop.state, self.monitor, "ModelCheckpoint")
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's
             if other is not self and isinstance(other, ModelCheckpoint) \

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Callback, check_mode, monitored
+from .base import Callback, check_mode, check_monitor, monitored
 
 __all__ = ["EarlyStopping"]
 
@@ -17,7 +17,8 @@ class EarlyStopping(Callback):
     at once. ``stopped_epoch`` and ``reason`` say why it stopped.
 
     Args:
-        monitor: the log to watch (``loop.state.logs`` at epoch end, e.g. "val_loss").
+        monitor: the log to watch (``loop.state.logs`` at epoch end, e.g. "val_loss"); a
+            validation log in a fit without ``val_loader`` is an error when the fit starts.
         patience: stop after this many epochs in a row without improvement (>= 1).
         min_delta: smallest change that counts as an improvement (>= 0).
         mode: "min" (lower is better) or "max".
@@ -43,6 +44,9 @@ class EarlyStopping(Callback):
         self.wait = 0  # epochs since the last improvement
         self.stopped_epoch: int | None = None  # 1-based epoch after which it stopped
         self.reason = ""
+
+    def on_fit_start(self, loop: Any) -> None:
+        check_monitor(loop.state, self.monitor, "EarlyStopping")
 
     def on_epoch_end(self, loop: Any) -> None:
         value = monitored(loop.state, self.monitor, "EarlyStopping")

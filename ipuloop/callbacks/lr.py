@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Callback, monitored
+from .base import Callback, check_monitor, monitored
 
 __all__ = ["LRScheduler"]
 
@@ -85,6 +85,7 @@ class LRScheduler(Callback):
             self.scheduler.step(*args)
 
     def on_fit_start(self, loop: Any) -> None:
+        check_monitor(loop.state, self.monitor, "LRScheduler")
         if self.scheduler.optimizer is not loop.optimizer:
             raise ValueError("LRScheduler: the scheduler drives another optimizer than the "
                              "loop's, so its LR would never reach the device. Build the "

@@ -572,6 +572,11 @@ class AsynchronousDataAccessor:
         self._dataset = dataset
         self.rebatched_size = rebatched_size
         self._load_indefinitely = load_indefinitely
+        # as given (PopTorch's worker process object holds them), for a loader rebuilt alike
+        self._settings = {"buffer_size": buffer_size,
+                          "miss_sleep_time_in_ms": miss_sleep_time_in_ms,
+                          "load_indefinitely": load_indefinitely, "early_preload": early_preload,
+                          "sharing_strategy": sharing_strategy}
         self._consumed = False  # something was returned since the last iter()
         self._at_eof = False
 

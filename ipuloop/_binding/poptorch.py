@@ -1,0 +1,21 @@
+"""``import poptorch`` in a process started under ``python -m ipuloop.emulate``: the emulator.
+
+``ipuloop.emulate.install`` puts this folder first on the module path that a spawned or
+forkserver loader worker (multiprocessing's start methods that run a new interpreter) and a
+Python subprocess inherit, so they bind ``poptorch`` to the emulator as their parent does.
+Importing this module replaces it in ``sys.modules`` with ``ipuloop.emulator``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+__all__: list = []
+
+if importlib.util.find_spec("ipuloop") is None:  # e.g. a subprocess in another folder
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from ipuloop.emulate import install  # noqa: E402 (the path above first)
+
+install()
