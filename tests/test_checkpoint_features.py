@@ -109,9 +109,9 @@ def test_resume_from_last_takes_the_newest_any_checkpointer_wrote(tmp_path):
     assert read_manifest(newest)["wall_time"] > \
         read_manifest(tmp_path / "b" / "steps" / "epoch1-step8")["wall_time"]
     assert resume_path(cbs) == resume_path(cbs[::-1]) == newest
-    loop, loader, _ = H.make_loop(1, 2, callbacks=_two(tmp_path / "b"), n=N)
+    loop, loader, ds = H.make_loop(1, 2, callbacks=_two(tmp_path / "b"), n=N)
     with pytest.warns(UserWarning, match="no epoch to run: 2 epoch"):  # the epoch-end state
-        loop.fit(loader, 2, resume_from="last")
+        loop.fit(loader, 2, val_loader=DataLoader(ds, batch_size=2), resume_from="last")
     assert loop.state.epoch == 2 and loop.state.epoch_step == 0
 
 
