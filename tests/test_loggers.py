@@ -38,17 +38,18 @@ STEPS = [2, 4, 6, 8, 10, 12, 14, 16]  # updates after each step: 2 epochs of 4 s
 
 
 # -- backends, offline -------------------------------------------------------------------------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def wandb_offline(tmp_path_factory):
-    """W&B offline for the session (it reads its settings once), no API key, its own files in
-    a temporary folder; its service process ends with the session."""
+    """W&B offline for these tests (it reads its settings once), no API key, its own files in
+    a temporary folder; its service process ends with them."""
     d = tmp_path_factory.mktemp("wandb_home")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_API_KEY", raising=False)
         for var, value in dict(WANDB_MODE="offline", WANDB_DIR=d, WANDB_CONFIG_DIR=d / "config",
                                WANDB_CACHE_DIR=d / "cache", WANDB_DATA_DIR=d / "data",
                                WANDB_ARTIFACT_DIR=d / "artifacts", WANDB_CONSOLE="off",
-                               WANDB_SILENT="true", WANDB_ERROR_REPORTING="false").items():
+                               WANDB_SILENT="true", WANDB_ERROR_REPORTING="false",
+                               XDG_CACHE_HOME=d / "xdg_cache").items():  # W&B's service logs
             mp.setenv(var, str(value))
         yield
         wandb.teardown()

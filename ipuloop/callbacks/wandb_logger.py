@@ -23,12 +23,12 @@ class WandbLogger(ScalarLogger):
     ``logger.run.log_artifact`` if you want it in W&B.
 
     Resuming: the run's id is in the checkpoint, so ``fit(resume_from=...)`` continues the same
-    run (``wandb.init(id=..., resume="allow")``). W&B keeps one row per step and takes no step
-    lower than the run's last, so the updates the interrupted fit had already logged, between
-    its last checkpoint and the interruption, are not sent again (the exact resume gives them
-    the same values; ``samples_per_second`` keeps the first measurement). Offline, W&B cannot
-    tell what the run holds: the resumed fit writes its steps from the checkpoint's update on
-    to a new offline folder of the same run.
+    run (``wandb.init(id=..., resume="allow")``). W&B takes no step below the one it reports
+    for the resumed run (``run.step``), so the logger sends none of the updates the
+    interrupted fit had logged after its last checkpoint: the run keeps their first values,
+    which the exact resume computes again (``samples_per_second`` aside). A W&B that does not
+    resume offline runs (0.24 ignores ``resume`` offline) reports step 0: the resumed fit then
+    writes from the checkpoint's update on, into a new offline folder of the same run.
 
     Args:
         project: the W&B project (None: W&B's default, ``WANDB_PROJECT``).
