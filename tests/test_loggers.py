@@ -225,7 +225,8 @@ def same(a: dict, b: dict) -> None:
 # -- what they log -----------------------------------------------------------------------------
 def test_wandb_and_mlflow_log_what_tensorboard_logs(tmp_path, wandb_dir, mlflow_uri):
     wb = WandbLogger(project="ipuloop-tests", name="a", save_dir=wandb_dir)
-    ml = MLFlowLogger("tests", run_name="a", tracking_uri=mlflow_uri, tags={"kind": "test"})
+    ml = MLFlowLogger("tests", run_name="a", tracking_uri=mlflow_uri, tags={"kind": "test"},
+                      synchronous=True)
     loop = fit([TensorBoardLogger(tmp_path / "tb"), wb, ml])
     tb = tensorboard_series(tmp_path / "tb")
     assert set(tb) == {"loss", "lr", "samples_per_second", "train_loss", "train_acc",
@@ -269,12 +270,12 @@ def test_mlflow_resume_continues_the_run_and_sends_no_point_twice(tmp_path, mlfl
     ref = MLFlowLogger("reference", tracking_uri=mlflow_uri)
     fit([ref])
     want = mlflow_series(mlflow_uri, ref.run_id)
-    first = MLFlowLogger("resumed", tracking_uri=mlflow_uri, synchronous=False)
+    first = MLFlowLogger("resumed", tracking_uri=mlflow_uri)  # queued points: flushed at the end
     crash_then_resume(tmp_path, first, None)
     c = MlflowClient(tracking_uri=mlflow_uri)
     assert c.get_run(first.run_id).info.status == "FAILED"
     assert [s for s, _ in mlflow_series(mlflow_uri, first.run_id)["loss"]] == [2, 4, 6, 8, 10]
-    second = MLFlowLogger("resumed", tracking_uri=mlflow_uri, synchronous=False)
+    second = MLFlowLogger("resumed", tracking_uri=mlflow_uri)
     fit([second, ModelCheckpoint(tmp_path / "ckpt", **CKPT)], resume_from="last")
     assert second.run_id == first.run_id  # from the checkpoint
     assert len(c.search_runs([c.get_experiment_by_name("resumed").experiment_id])) == 1

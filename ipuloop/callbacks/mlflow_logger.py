@@ -40,9 +40,10 @@ class MLFlowLogger(ScalarLogger):
         tags: a new run's tags.
         run_id: an existing run to log to (None: a new one, or the checkpoint's).
         log_hparams: log the loop's settings as the run's parameters.
-        synchronous: False queues the points and sends them on a thread of MLflow's (the
-            step does not wait for the store; the queue is flushed when the fit ends). None:
-            MLflow's default (``MLFLOW_ENABLE_ASYNC_LOGGING``).
+        synchronous: False (default) queues each step's points for a thread of MLflow's
+            that sends them, so the step does not wait for the store (the queue is flushed
+            when the fit ends, or raises); True waits for each request; None: MLflow's
+            default (``MLFLOW_ENABLE_ASYNC_LOGGING``).
 
     Needs ``pip install "ipuloop[mlflow]"`` (``mlflow-skinny``, MLflow's client). Example::
 
@@ -52,7 +53,7 @@ class MLFlowLogger(ScalarLogger):
     def __init__(self, experiment_name: str = "ipuloop", run_name: str | None = None, *,
                  tracking_uri: str | None = None, tags: dict[str, Any] | None = None,
                  run_id: str | None = None, log_hparams: bool = True,
-                 synchronous: bool | None = None) -> None:
+                 synchronous: bool | None = False) -> None:
         try:
             import mlflow
             from mlflow.entities import Metric, Param
@@ -71,6 +72,7 @@ class MLFlowLogger(ScalarLogger):
         self._resumed = False  # load_state_dict ran: this fit continues the run's metrics
         self._last: dict[str, int] = {}  # per metric, the last step the run has (resumed fit)
         self._open = False  # the run is RUNNING for this fit
+        self._pending: list = []  # metric points not sent yet
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
@@ -94,8 +96,7 @@ class MLFlowLogger(ScalarLogger):
             run = c.get_run(self.run_id)
             if run.info.status != "RUNNING":
                 c.update_run(self.run_id, status="RUNNING")
-        self._open = True
-        self._last = {}
+        self._open, self._last, self._pending = True, {}, []
         if self._resumed:  # the points the run has from the interrupted fit are not sent again
             self._last = {key: max(m.step for m in c.get_metric_history(self.run_id, key))
                           for key in run.data.metrics}
@@ -117,14 +118,27 @@ class MLFlowLogger(ScalarLogger):
     def log_scalars(self, values: dict[str, float], update: int) -> None:
         now = int(time.time() * 1000)
         last = self._last
-        points = [self._metric(k, v, now, update) for k, v in values.items()
-                  if update > last.get(k, -1)]
-        if points:
+        self._pending += [self._metric(k, v, now, update) for k, v in values.items()
+                          if update > last.get(k, -1)]
+
+    def _send(self) -> None:
+        """One request for the points gathered: a step's LR goes with the step's end values."""
+        if self._pending:
+            points, self._pending = self._pending, []
             self.client.log_batch(self.run_id, metrics=points, synchronous=self.synchronous)
+
+    def on_train_step_end(self, loop: Any) -> None:
+        super().on_train_step_end(loop)
+        self._send()
+
+    def on_epoch_end(self, loop: Any) -> None:
+        super().on_epoch_end(loop)
+        self._send()
 
     def _end(self, status: str) -> None:
         if self._open:
             self._open = False
+            self._send()
             self._mlflow.flush_async_logging()  # the queued points first (if any)
             self.client.set_terminated(self.run_id, status=status)
 
