@@ -59,8 +59,9 @@ def _callbacks() -> dict:
 
 # A line of the snippet -> the stand-ins for the names it uses without defining them.
 STAND_INS = {
-    "loop = Loop(model_with_loss, opts,": _top_of_readme,
+    "loop = Loop(model_with_loss, opts, optimizer=poptorch.optim.AdamW(": _top_of_readme,
     "sched = torch.optim.lr_scheduler.OneCycleLR(": _callbacks,
+    "WandbLogger(project=": _top_of_readme,
 }
 
 SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{i}]")
@@ -68,7 +69,7 @@ SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{
 
 
 def test_the_snippets_are_found():
-    assert len([s for s in SNIPPETS if s.values[0] == README]) == 4
+    assert len([s for s in SNIPPETS if s.values[0] == README]) == 5
     for marker in STAND_INS:  # each stand-in serves a snippet that still exists
         assert sum(marker in s.values[2] for s in SNIPPETS) == 1, marker
 
@@ -116,6 +117,16 @@ def _check_print_lr(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     assert [(int(s), float(lr)) for s, lr, _ in lines] == [(100, 0.05), (200, 0.05)]
 
 
+def _check_loggers(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    from mlflow import MlflowClient
+    wandb_logger, mlflow_logger = ns["loop"].callbacks[:2]
+    assert wandb_logger.run is None and wandb_logger.run_id  # the offline run, finished
+    client = MlflowClient(tracking_uri="sqlite:///mlflow.db")
+    run = client.get_run(mlflow_logger.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["optimizer.lr"] == "0.1"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 2 * 8  # 8 steps an epoch
+
+
 def _check_callbacks(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     loop, sched, opt = ns["loop"], ns["sched"], ns["opt"]
     assert loop.state.epoch == 2 and loop.state.update == ns["updates"] == 2 * 600 * 2
@@ -131,10 +142,11 @@ def _check_callbacks(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None
 
 
 CHECKS = {
-    "loop = Loop(model_with_loss, opts,": _check_top,
+    "loop = Loop(model_with_loss, opts, optimizer=poptorch.optim.AdamW(": _check_top,
     "predictions = loop.predict(": _check_one_example,
     "class PrintLR(Callback):": _check_print_lr,
     "sched = torch.optim.lr_scheduler.OneCycleLR(": _check_callbacks,
+    "WandbLogger(project=": _check_loggers,
 }
 
 

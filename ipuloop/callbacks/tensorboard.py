@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
-from .base import Callback
+from .scalars import ScalarLogger
 
 __all__ = ["TensorBoardLogger"]
 
 INSTALL = 'pip install "ipuloop[tensorboard]"'
 
 
-class TensorBoardLogger(Callback):
+class TensorBoardLogger(ScalarLogger):
     """Writes scalars with ``torch.utils.tensorboard.SummaryWriter`` to ``log_dir``.
 
     The x axis (``global_step``) is ``loop.state.update``, the optimizer updates completed, so
@@ -42,31 +41,27 @@ class TensorBoardLogger(Callback):
         loop = Loop(model, opts, callbacks=[TensorBoardLogger("runs/exp1")])
     """
 
-    order = 50  # after callbacks that add logs or step the LR at the same event
-    main_instance_only = True
-
     def __init__(self, log_dir: str | os.PathLike = "runs") -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch imports tensorboard there, and raises without it
             raise ImportError(f"TensorBoardLogger needs the tensorboard package, which is not "
                               f"installed ({e}). Install it with: {INSTALL}") from e
+        super().__init__()
         self._writer_type = SummaryWriter
         self.log_dir = os.fspath(log_dir)
         self.writer: Any = None
-        self._since: float | None = None  # when the running step's time started
-        self._samples = 0  # state.samples at that time
         self._update = -1  # the update the last scalars were written at,
         self._written: dict[str, float] = {}  # and those scalars (a checkpoint records them)
         self._saved: dict[str, Any] = {}  # state_dict(): as the last checkpoint was taken
         self._resumed: dict[str, Any] | None = None  # a loaded state, until the writer opens
 
-    def _scalar(self, tag: str, value: Any, step: int) -> None:
-        value = float(value)
-        self.writer.add_scalar(tag, value, global_step=step)
-        if step != self._update:
-            self._update, self._written = step, {}
-        self._written[tag] = value
+    def log_scalars(self, values: dict[str, float], update: int) -> None:
+        if update != self._update:
+            self._update, self._written = update, {}
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, global_step=update)
+            self._written[tag] = value
 
     def on_save_checkpoint(self, loop: Any) -> None:
         update = loop.state.update
@@ -79,9 +74,6 @@ class TensorBoardLogger(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed = dict(state) if "update" in state else None
 
-    def _restart_clock(self, loop: Any) -> None:
-        self._since, self._samples = time.perf_counter(), loop.state.samples
-
     def on_fit_start(self, loop: Any) -> None:
         resumed, self._resumed = self._resumed, None
         if self.writer is None and resumed is not None:
@@ -90,39 +82,13 @@ class TensorBoardLogger(Callback):
             # update written before it are written again.
             update = int(resumed["update"])
             self.writer = self._writer_type(log_dir=self.log_dir, purge_step=update)
-            for tag, value in resumed.get("scalars", {}).items():
-                self._scalar(tag, value, update)
+            self.log_scalars({tag: float(value) for tag, value in
+                              resumed.get("scalars", {}).items()}, update)
         elif self.writer is None:
             self.writer = self._writer_type(log_dir=self.log_dir)
 
-    def on_epoch_start(self, loop: Any) -> None:
-        self._restart_clock(loop)
-
-    def on_compile_end(self, loop: Any) -> None:
-        self._restart_clock(loop)
-
-    def on_train_step_start(self, loop: Any) -> None:
-        groups = loop.optimizer.param_groups if loop.optimizer is not None else []
-        for i, group in enumerate(groups):
-            tag = "lr" if len(groups) == 1 else f"lr/group{i}"
-            self._scalar(tag, group["lr"], loop.state.update)
-
-    def on_train_step_end(self, loop: Any) -> None:
-        st = loop.state
-        for key, value in st.logs.items():
-            if not key.startswith(("train_", "val_")):
-                self._scalar(key, value, st.update)
-        now = time.perf_counter()
-        if self._since is not None and now > self._since:
-            self._scalar("samples_per_second", (st.samples - self._samples) / (now - self._since),
-                         st.update)
-        self._restart_clock(loop)
-
     def on_epoch_end(self, loop: Any) -> None:
-        st = loop.state
-        for key, value in st.logs.items():
-            if key.startswith(("train_", "val_")) and not key.endswith("_exact"):
-                self._scalar(key, value, st.update)
+        super().on_epoch_end(loop)
         self.writer.flush()
 
     def _close(self) -> None:

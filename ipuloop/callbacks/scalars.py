@@ -1,0 +1,93 @@
+"""``ScalarLogger``: what the experiment loggers record, against optimizer updates.
+
+TensorBoard, Weights & Biases and MLflow get the same numbers at the same x (``state.update``)
+from this one base; each subclass only says how a batch of values reaches its backend.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .base import Callback
+
+__all__ = ["ScalarLogger", "hyperparameters"]
+
+
+class ScalarLogger(Callback):
+    """Base of the loggers: calls ``log_scalars(values, update)`` with, at each x =
+    ``loop.state.update`` (optimizer updates completed):
+
+    - every host step, when it starts: the learning rate it runs (``lr``; ``lr/group<i>`` per
+      parameter group when there are several), at the update that step starts from;
+    - every host step, when it ends: the step logs (the keys not prefixed ``train_``/``val_``,
+      e.g. ``loss``, the step's mean loss) and ``samples_per_second`` (the step's samples over
+      the time since the previous step ended, or since the epoch started or the model
+      compiled: data loading counts, compilation and validation do not);
+    - every epoch: the epoch logs (``train_*`` and ``val_*``; the flag ``train_loss_exact`` is
+      left out).
+
+    Instance 0 alone logs when several processes train (``main_instance_only``).
+    """
+
+    order = 50  # after callbacks that add logs or step the LR at the same event
+    main_instance_only = True
+
+    def __init__(self) -> None:
+        self._since: float | None = None  # when the running step's time started
+        self._samples = 0  # state.samples at that time
+
+    def log_scalars(self, values: dict[str, float], update: int) -> None:
+        """Record ``values`` at x = ``update`` (each subclass writes to its backend)."""
+        raise NotImplementedError
+
+    def _restart_clock(self, loop: Any) -> None:
+        self._since, self._samples = time.perf_counter(), loop.state.samples
+
+    def on_epoch_start(self, loop: Any) -> None:
+        self._restart_clock(loop)
+
+    def on_compile_end(self, loop: Any) -> None:
+        self._restart_clock(loop)
+
+    def on_train_step_start(self, loop: Any) -> None:
+        groups = loop.optimizer.param_groups if loop.optimizer is not None else []
+        if groups:
+            self.log_scalars({"lr" if len(groups) == 1 else f"lr/group{i}": float(g["lr"])
+                              for i, g in enumerate(groups)}, loop.state.update)
+
+    def on_train_step_end(self, loop: Any) -> None:
+        st = loop.state
+        values = {k: float(v) for k, v in st.logs.items() if not k.startswith(("train_", "val_"))}
+        now = time.perf_counter()
+        if self._since is not None and now > self._since:
+            values["samples_per_second"] = (st.samples - self._samples) / (now - self._since)
+        self._restart_clock(loop)
+        if values:
+            self.log_scalars(values, st.update)
+
+    def on_epoch_end(self, loop: Any) -> None:
+        st = loop.state
+        values = {k: float(v) for k, v in st.logs.items()
+                  if k.startswith(("train_", "val_")) and not k.endswith("_exact")}
+        if values:
+            self.log_scalars(values, st.update)
+
+
+def hyperparameters(loop: Any) -> dict[str, Any]:
+    """The run's settings a logger records once per fit: the options' factors, the number of
+    processes, and the optimizer's class with its scalar defaults (``optimizer.lr``, ...)."""
+    opts = loop.train_opts
+    out: dict[str, Any] = {"device_iterations": opts.device_iterations,
+                           "gradient_accumulation": opts.Training.gradient_accumulation,
+                           "replicas": opts.replication_factor,
+                           "instances": loop.state.instances}
+    opt = loop.optimizer
+    if opt is not None:
+        out["optimizer"] = type(opt).__name__
+        for key, value in opt.defaults.items():
+            if isinstance(value, (bool, int, float, str)):
+                out[f"optimizer.{key}"] = value
+            elif isinstance(value, (tuple, list)) and all(
+                    isinstance(v, (int, float)) for v in value):  # Adam's betas
+                out[f"optimizer.{key}"] = list(value)
+    return out
