@@ -266,10 +266,15 @@ def test_settings_and_parameter_groups(wandb_dir, mlflow_uri):
 
 
 # -- resume ------------------------------------------------------------------------------------
-def test_mlflow_resume_continues_the_run_and_sends_no_point_twice(tmp_path, mlflow_uri):
+def test_mlflow_resume_continues_the_run_and_sends_no_point_twice(tmp_path, mlflow_uri,
+                                                                   monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # nothing may reach MLflow's default store (./mlflow.db)
     ref = MLFlowLogger("reference", tracking_uri=mlflow_uri)
     fit([ref])
     want = mlflow_series(mlflow_uri, ref.run_id)
+    assert not list(cwd.iterdir())
     first = MLFlowLogger("resumed", tracking_uri=mlflow_uri)  # queued points: flushed at the end
     crash_then_resume(tmp_path, first, None)
     c = MlflowClient(tracking_uri=mlflow_uri)

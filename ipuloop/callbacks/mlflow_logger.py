@@ -55,14 +55,14 @@ class MLFlowLogger(ScalarLogger):
                  run_id: str | None = None, log_hparams: bool = True,
                  synchronous: bool | None = False) -> None:
         try:
-            import mlflow
+            import mlflow  # noqa: F401  (the package itself: its submodules may be cached)
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError as e:
             raise ImportError(f"MLFlowLogger needs MLflow, which is not installed ({e}). "
                               f"Install it with: {INSTALL}") from e
         super().__init__()
-        self._mlflow, self._metric, self._param = mlflow, Metric, Param
+        self._metric, self._param = Metric, Param
         self._client_type = MlflowClient
         self.experiment_name, self.run_name = experiment_name, run_name
         self.tracking_uri, self.tags = tracking_uri, dict(tags or {})
@@ -73,6 +73,7 @@ class MLFlowLogger(ScalarLogger):
         self._last: dict[str, int] = {}  # per metric, the last step the run has (resumed fit)
         self._open = False  # the run is RUNNING for this fit
         self._pending: list = []  # metric points not sent yet
+        self._queued: list = []  # the queued requests (RunOperations) not yet waited for
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
@@ -125,7 +126,17 @@ class MLFlowLogger(ScalarLogger):
         """One request for the points gathered: a step's LR goes with the step's end values."""
         if self._pending:
             points, self._pending = self._pending, []
-            self.client.log_batch(self.run_id, metrics=points, synchronous=self.synchronous)
+            queued = self.client.log_batch(self.run_id, metrics=points,
+                                           synchronous=self.synchronous)
+            if queued is not None:
+                self._queued.append(queued)
+
+    def _wait(self) -> None:
+        """Wait for the queued requests. (Through each request: ``mlflow.flush_async_logging``
+        would open MLflow's default store, a ``mlflow.db`` in the working directory.)"""
+        queued, self._queued = self._queued, []
+        for operations in queued:
+            operations.wait()
 
     def on_train_step_end(self, loop: Any) -> None:
         super().on_train_step_end(loop)
@@ -134,12 +145,13 @@ class MLFlowLogger(ScalarLogger):
     def on_epoch_end(self, loop: Any) -> None:
         super().on_epoch_end(loop)
         self._send()
+        self._wait()  # the epoch's queued requests are done: the queue stays short
 
     def _end(self, status: str) -> None:
         if self._open:
             self._open = False
             self._send()
-            self._mlflow.flush_async_logging()  # the queued points first (if any)
+            self._wait()  # the queued points first (if any)
             self.client.set_terminated(self.run_id, status=status)
 
     def on_fit_end(self, loop: Any) -> None:
