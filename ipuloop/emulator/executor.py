@@ -111,10 +111,6 @@ class PoplarExecutor(HardwareOnly):
         self._anchors: Anchors | None = None  # Options.anchorTensor's (compile)
         self._opt: OptimizerSync | None = None  # a training model's optimizer
 
-        strategy = getattr(opts, "_execution_strategy", None)
-        if strategy is not None and not getattr(strategy, "emulated", True):
-            raise Error(f"{type(strategy).__name__} is not supported by the ipuloop emulator: "
-                        "use poptorch.PipelinedExecution or poptorch.ShardedExecution.")
         # The device: a tensor per parameter and per buffer (``DeviceWeights``), uploaded on
         # attach. The IPU has no 64-bit floats: float64 weights live as float32 on the device.
         self._weights = DeviceWeights(self, model, self._device, wrap=training)
