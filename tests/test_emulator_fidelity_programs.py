@@ -17,6 +17,125 @@ from ipuloop.emulator import (CommGroupType, Liveness, ParallelPhasedExecution, 
                               SerialPhasedExecution, Stage, VariableRetrievalMode)
 
 
+# -- plain tensor attributes: constants of the traced graph ----------------------------------
+class Counter(nn.Module):
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        if buffer:
+            self.register_buffer("i", torch.tensor([0.]))
+        else:
+            self.i = torch.tensor([0.])
+
+    def forward(self):
+        self.i += 1
+        return self.i
+
+
+def test_plain_tensor_attribute_is_a_constant_frozen_at_trace():
+    """A plain tensor attribute's value is captured when the graph is built: ``self.i += 1``
+    returns [1.] on every call, and the host attribute is left as the trace left it; a
+    registered buffer counts on (PopTorch 3.4 docs/user_guide/buffers.py and overview.rst
+    "PyTorch buffers"; python/_poplar_executor.py PoplarExecutor._compileWithDispatch moves
+    only parameters and buffers to the IPU)."""
+    plain = Counter(buffer=False)
+    model = poptorch.inferenceModel(plain)
+    assert [model().tolist() for _ in range(3)] == [[1.], [1.], [1.]]
+    assert plain.i.tolist() == [1.]
+
+    counted = Counter(buffer=True)
+    model = poptorch.inferenceModel(counted)
+    assert [model().tolist() for _ in range(3)] == [[1.], [2.], [3.]]
+    model.copyWeightsToHost()
+    assert counted.i.tolist() == [3.]
+
+
+class Stateful(nn.Module):
+    """Python-side state of all kinds that ``forward`` changes (in a submodule too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 1)
+        self.t = torch.zeros(1)
+        self.calls = 0
+        self.history: list = [torch.zeros(1)]
+        self.table = {"scale": torch.ones(1)}
+        self.inner = nn.Module()
+        self.inner.count = torch.zeros(1)
+
+    def forward(self, x, y):
+        self.t = self.t + 1  # rebinding
+        self.calls += 1  # a Python number
+        self.history[0].add_(1)  # in place, inside a list
+        self.history.append(x.sum().detach())  # the list itself
+        self.table["scale"] = self.table["scale"] * 3  # an entry of a dict
+        self.inner.count += 1  # a submodule's, in place
+        self.last_input = x  # an attribute forward adds
+        shift = (self.t + self.history[0] + self.table["scale"] + self.inner.count).to(x.device)
+        out = self.fc(x) + shift
+        return out, nn.functional.mse_loss(out, y)
+
+
+def test_state_forward_changes_is_changed_once_and_every_micro_batch_sees_the_trace_values():
+    """PopTorch runs ``forward``'s Python once, to trace it, and each call (each of its
+    micro-batches) runs the graph: tensors and other plain attributes read as constants with
+    their values when traced, and whatever the trace changed on the host stays as the trace
+    left it (PopTorch 3.4 docs/user_guide/buffers.py; python/_poplar_executor.py
+    PoplarExecutor._compileWithDispatch traces once, PoplarExecutor.__call__ runs the
+    executable). Training: the constant shift is 1 + 1 + 3 + 1 = 6 in every micro-batch."""
+    torch.manual_seed(0)
+    net = Stateful()
+    start = copy.deepcopy(net.fc)
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(2)
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    calls = [(torch.randn(4, 2, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    for x, y in calls:
+        out, _ = model(x, y)
+
+    ref = copy.deepcopy(start)  # plain torch: the same updates with the constant shift 6
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in calls:
+        for d in range(2):
+            for a in range(2):
+                i = d * 2 + a
+                last = ref(x[i:i + 1]) + 6
+                (nn.functional.mse_loss(last, y[i:i + 1]) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(net.fc.weight, ref.weight)
+    torch.testing.assert_close(net.fc.bias, ref.bias)
+    torch.testing.assert_close(out, last.detach())  # Final: the call's last micro-batch
+    # the host's state as the trace left it, once
+    assert net.t.tolist() == [1.] and net.calls == 1 and net.history[0].tolist() == [1.]
+    assert len(net.history) == 2 and net.table["scale"].tolist() == [3.]
+    assert net.inner.count.tolist() == [1.] and net.last_input.shape == (1, 2)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 1)
+        self.scale = torch.tensor([2.])
+
+    def forward(self, x):
+        return self.fc(x) * self.scale.to(x.device)
+
+
+def test_host_changes_to_a_tensor_constant_after_compile_do_not_reach_the_graph():
+    """The graph holds the value the attribute had when traced: rebinding the host attribute
+    later leaves the compiled model's result unchanged (PopTorch 3.4 overview.rst "PyTorch
+    buffers": the dispatcher freezes the value as a constant)."""
+    net = Scaled()
+    model = poptorch.inferenceModel(net)
+    x = torch.ones(3, 2)
+    before = model(x)
+    net.scale = torch.tensor([100.])
+    torch.testing.assert_close(model(x), before)
+    torch.testing.assert_close(before, net.fc(x).detach() * 2)
+    assert net.scale.tolist() == [100.]  # the host keeps its own value
+
+
 # -- phased execution: a memory and scheduling plan, the unsplit model's arithmetic -----------
 class Phased(nn.Module):
     def __init__(self) -> None:

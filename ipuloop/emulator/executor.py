@@ -8,6 +8,7 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
             for r in range(RF):              # replica r reads input group r // g (or r % (RF/g))
                 out = model(micro_batch[d, a, r])     # BatchNorm and the loss see B samples
                 (loss * loss_scaling / (GA*RF if Mean else 1)).backward()
+                # each forward sees the plain attributes as traced (constants)
         optimizer.step(); optimizer.zero_grad()  # N processes: all-reduce first (distributed.py)
     return what the output mode anchors (All / Final / Sum / EveryN)
 
@@ -36,6 +37,7 @@ from .. import rules
 from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
+from . import constants as _constants
 from . import inputs as _inputs
 from .anchors import Anchors
 from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
@@ -108,6 +110,7 @@ class PoplarExecutor(HardwareOnly):
         self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
         self._ready: list | None = None  # see ``_compile`` and ``inputs.as_ready``
         self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
+        self._attributes: _constants.Constants | None = None  # plain attributes calls freeze
         self._anchors: Anchors | None = None  # Options.anchorTensor's (compile)
         self._opt: OptimizerSync | None = None  # a training model's optimizer
 
@@ -281,6 +284,10 @@ class PoplarExecutor(HardwareOnly):
         # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
         # the trace needed it (``__call__``).
         mixed = MixedFloat()
+        # forward's Python runs once on an IPU: what the trace changes stays changed on the
+        # host, and each call sees the attributes as the trace found them (``constants``).
+        before = _constants.capture(self._user_model,
+                                    [*weights.host_params, *weights.host_buffers])
         try:
             weights.swap_in(self._training)  # the checks see the device's tensors in the user's module
             checks = _checks.TraceChecks([self._user_model], micro, self._training)
@@ -299,6 +306,7 @@ class PoplarExecutor(HardwareOnly):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
         self._mixed = mixed.cast
+        self._attributes = _constants.settle(before)
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
@@ -467,8 +475,11 @@ class PoplarExecutor(HardwareOnly):
         _running_on_ipu = True
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
+        frozen, host_attributes = self._attributes, None
         try:
             buffers = self._weights.swap_in(self._training)
+            if frozen is not None:
+                host_attributes = frozen.enter()
             if self._loss_capture is _NO_CAPTURE and not self._mixed:  # no modes to enter
                 out = self._run_single(leaves, spec) if single else \
                     self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
@@ -482,6 +493,8 @@ class PoplarExecutor(HardwareOnly):
             if edited:
                 _inputs.write_back(edited)
         finally:
+            if host_attributes is not None:
+                frozen.exit(host_attributes)
             if self._weights.swapped:
                 self._weights.swap_out()
             torch._C._set_grad_enabled(grad_was)
@@ -510,6 +523,8 @@ class PoplarExecutor(HardwareOnly):
             step = self._opt.step
             scale = self._opt.loss_scaling / (ga * rf) if mean else self._opt.loss_scaling
         replica_buffers = self._weights.replica_sets(rf) if rf > 1 else None
+        frozen = self._attributes  # each micro-batch starts from the attributes as traced
+        refresh = frozen.refresh if frozen is not None and frozen.changing else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)  # rows: one per micro-batch
         returned = self._returned  # of these device iterations
         is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
@@ -526,6 +541,8 @@ class PoplarExecutor(HardwareOnly):
                     if replica_buffers is not None:
                         for b, own in zip(buffers, replica_buffers[r]):
                             b.data = own
+                    if refresh is not None:
+                        refresh()
                     out = model(*margs, **mkwargs)
                     outs, _ = _anchors.out_leaves(out)
                     if training:
