@@ -224,6 +224,166 @@ def test_phased_execution_checks_phases_against_ipus():
         SerialPhasedExecution(["0"], ["0", "1"])
 
 
+# -- replica-grouped weights -----------------------------------------------------------------
+class MatMulLoss(nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.W = nn.Parameter(w)
+
+    def forward(self, x):
+        z = x @ self.W
+        return z, poptorch.identity_loss(z ** 2, reduction="mean")
+
+
+@pytest.mark.parametrize("input_type,weight_type", [
+    (CommGroupType.Consecutive, CommGroupType.Orthogonal),
+    (CommGroupType.Orthogonal, CommGroupType.Consecutive)],
+    ids=["consecutive-input", "orthogonal-input"])
+def test_replica_grouped_weights_train_each_group_on_its_own_slice(input_type, weight_type):
+    """PopTorch's per-replica variables: ``W`` of shape [groups, 40, 14] split 4 ways across 8
+    replicas in groups of 2, the input split 2 ways (inputReplicaGrouping); each group's
+    gradient is all-reduced within the group, so 4 steps equal plain torch on the unsplit
+    [40, 56] weight, and the host tensor holds one slice per group (OnePerGroup) (PopTorch 3.4
+    tests/replicated_graph_test.py test_per_replica_variables, docs/user_guide/
+    replica_grouped_weights.py; python/_poplar_executor.py PoplarExecutor.__getattr__ and
+    _compileWithDispatch)."""
+    shards, data_shards = 4, 2
+    g = torch.Generator().manual_seed(100)
+    x = torch.randn(24, 40, generator=g)
+    w = torch.randn(40, 56, generator=g) * (5 * 8) ** -0.5
+    full = nn.Parameter(w.clone())
+    opt = torch.optim.SGD([full], lr=0.01)
+    losses = []
+    for _ in range(4):
+        loss = ((x @ full) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    net = MatMulLoss(w.reshape(40, shards, 14).transpose(0, 1).contiguous())
+    opts = poptorch.Options().replicationFactor(shards * data_shards)
+    opts.inputReplicaGrouping(shards, input_type).outputMode(poptorch.OutputMode.All)
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.01))
+    model.W.replicaGrouping(weight_type, data_shards, VariableRetrievalMode.OnePerGroup)
+    got = [model(x.reshape(data_shards, 12, 40))[1].sum().item() / 8 for _ in range(4)]
+    assert got == pytest.approx(losses, abs=1e-6)
+    torch.testing.assert_close(net.W.detach().transpose(0, 1).reshape(40, 56), full.detach(),
+                               atol=1e-6, rtol=0)
+    assert net.W.shape == (shards, 40, 14)
+
+
+class Product(nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.W = nn.Parameter(w)
+
+    def forward(self, x):
+        return x @ self.W
+
+
+class Regress(nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.W = nn.Parameter(w)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(x @ self.W, y)
+
+
+def test_replica_grouped_weights_match_a_per_group_reference_with_adam_and_accumulation():
+    """Each group's slice is updated from the gradients of that group's replicas only (summed,
+    then divided by GA x RF under the Mean reduction, as every weight is), with the optimizer's
+    state one slice per group (PopTorch 3.4 tests/replicated_graph_test.py
+    test_per_replica_variables_no_grouping; popart VariableSettings: the host shape is
+    [groups, *shape])."""
+    rf, ga = 4, 2
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 3, 2, generator=g)  # Consecutive groups of 2: {0, 1}, {2, 3}
+    calls = [(torch.randn(ga * rf * 2, 3, generator=g), torch.randn(ga * rf * 2, 2, generator=g))
+             for _ in range(3)]
+    net = Regress(w.clone())
+    opts = poptorch.Options().replicationFactor(rf)
+    opts.Training.gradientAccumulation(ga)
+    optimizer = poptorch.optim.Adam(net.parameters(), lr=0.1)
+    model = poptorch.trainingModel(net, opts, optimizer)
+    model.W.replicaGrouping(CommGroupType.Consecutive, 2, VariableRetrievalMode.OnePerGroup)
+    for x, y in calls:
+        model(x, y)
+
+    full = nn.Parameter(w.clone())  # plain torch: the same per-group math
+    ref_opt = torch.optim.Adam([full], lr=0.1)
+    for x, y in calls:
+        xs, ys = x.split(2), y.split(2)  # micro-batches in [GA, RF] order
+        total = sum(nn.functional.mse_loss(xs[a * rf + r] @ full[r // 2], ys[a * rf + r])
+                    for a in range(ga) for r in range(rf))
+        (total / (ga * rf)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(net.W.detach(), full.detach())
+    assert optimizer.state_dict()["state"][0]["exp_avg"].shape == (2, 3, 2)  # the device's
+
+
+def test_replica_grouped_weights_in_inference_and_the_weight_copies():
+    """An inference model's replica r computes with its group's slice (NoGrouping: each
+    replica its own, as PopTorch's KGE programs use); ``copyWeightsToDevice`` uploads every
+    slice, ``copyWeightsToHost`` reads one per group; ``executor.W`` offers the parameter's
+    attributes; inputReplicaGrouping's NoGrouping is groups of 1 (PopTorch 3.4
+    python/_poplar_executor.py PoplarExecutor.__getattr__ ReplicaGroupingWrapper,
+    copyWeightsToDevice, copyWeightsToHost; python/options.py inputReplicaGrouping)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(4, 3, 2, generator=g)
+    net = Product(w.clone())
+    opts = poptorch.Options().replicationFactor(4).inputReplicaGrouping(
+        3, CommGroupType.NoGrouping)
+    model = poptorch.inferenceModel(net, opts)
+    model.W.replicaGrouping(CommGroupType.NoGrouping, 0, VariableRetrievalMode.AllReplicas)
+    assert model.W.shape == (4, 3, 2)
+    x = torch.randn(8, 3, generator=g)
+    expected = torch.cat([x[2 * r:2 * r + 2] @ w[r] for r in range(4)])
+    torch.testing.assert_close(model(x), expected)
+    with torch.no_grad():
+        net.W[2] += 1  # host edit: reaches the device on copyWeightsToDevice
+    model.copyWeightsToDevice()
+    torch.testing.assert_close(model(x)[4:6], x[4:6] @ (w[2] + 1))
+    with torch.no_grad():
+        net.W.zero_()
+    model.copyWeightsToHost()
+    torch.testing.assert_close(net.W.detach(), w + torch.tensor([0., 0., 1., 0.])[:, None, None])
+
+
+def test_replica_grouping_checks():
+    """What a compile of grouped weights checks (PopTorch 3.4 python/_poplar_executor.py
+    _compileWithDispatch "Scalars cannot be passed as per-replica weight tensor values"; popart
+    VariableSettings::shapeOnReplica: the first dimension must be the number of groups);
+    CommGroupType.All gives every replica the same value (python/enums.py CommGroupType)."""
+    opts = poptorch.Options().replicationFactor(4)
+    model = poptorch.inferenceModel(Product(torch.ones(3, 3, 2)), opts)
+    with pytest.raises(poptorch.Error, match=r"needs shape \[2, \.\.\.\] for 2 groups .* "
+                       r"Received: shape \[3, 3, 2\]"):
+        model.W.replicaGrouping(CommGroupType.Orthogonal, 2, VariableRetrievalMode.OnePerGroup)
+    with pytest.raises(ValueError, match="must divide replicationFactor"):
+        model.W.replicaGrouping(CommGroupType.Consecutive, 3, VariableRetrievalMode.OnePerGroup)
+    pairs = poptorch.inferenceModel(Product(torch.ones(2, 3, 2)), opts)
+    with pytest.raises(poptorch.Error, match=r"AllReplicas returns one value per replica \(4\)"):
+        pairs.W.replicaGrouping(CommGroupType.Consecutive, 2, VariableRetrievalMode.AllReplicas)
+    scalar = poptorch.inferenceModel(Product(torch.tensor(1.)), opts)
+    with pytest.raises(poptorch.Error, match="Scalars cannot be passed as per-replica weight"):
+        scalar.W.replicaGrouping(CommGroupType.NoGrouping, 0, VariableRetrievalMode.OnePerGroup)
+
+    net = Regress(torch.randn(4, 3, 2))
+    lamb = poptorch.trainingModel(net, opts, poptorch.optim.LAMB(net.parameters(), lr=0.1))
+    lamb.W.replicaGrouping(CommGroupType.NoGrouping, 0, VariableRetrievalMode.OnePerGroup)
+    with pytest.raises(poptorch.Error, match="replicaGrouping with LAMB or max_grad_norm"):
+        lamb(torch.ones(8, 3), torch.ones(8, 2))
+
+    shared = Product(torch.randn(3, 2))
+    model = poptorch.inferenceModel(shared, opts)
+    model.W.replicaGrouping(CommGroupType.All, 0, VariableRetrievalMode.OnePerGroup)
+    x = torch.randn(8, 3)
+    torch.testing.assert_close(model(x), x @ shared.W.detach())
+
+
 # -- offline IPU targets ----------------------------------------------------------------------
 def test_offline_target_takes_the_documented_ipu_versions():
     """``useOfflineIpuTarget(ipu_version)`` targets 1 (Mk1), 2 (Mk2) or 21 (Mk2 with FP8

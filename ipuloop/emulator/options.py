@@ -448,6 +448,8 @@ class Options(_OptionsDict):
     def inputReplicaGrouping(self, input_group_size: int,
                              input_group_type: CommGroupType) -> Options:
         """Replicas in a group of ``input_group_size`` receive the same input data."""
+        if input_group_type == CommGroupType.NoGrouping:  # as PopTorch: each replica its own
+            input_group_size, input_group_type = 1, CommGroupType.Consecutive
         if input_group_type == CommGroupType.All:
             raise ValueError("CommGroupType.All is not supported for input replica grouping. "
                              "Use CommGroupType.Consecutive or CommGroupType.Orthogonal.")
