@@ -44,6 +44,8 @@ class ReplicaGroupingWrapper:
         ex._replica_grouping[self._name] = setting  # read when the model compiles
 
     def __getattr__(self, attr: str) -> Any:
+        if attr in ("_executor", "_name", "_param"):  # not set yet (copy, unpickling)
+            raise AttributeError(attr)
         return getattr(self._param, attr)
 
 
