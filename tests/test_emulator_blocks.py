@@ -192,13 +192,11 @@ def test_block_argument_types_are_checked():
 
 
 # -- strategies ------------------------------------------------------------------------------
-def test_strategies_flags_and_backend_options():
-    assert PipelinedExecution().emulated and ShardedExecution().emulated
+def test_strategies_backend_options():
     assert PipelinedExecution().backendOptions() == {"execution_mode": 0}
     assert ShardedExecution("A").backendOptions() == {"execution_mode": 1}
     serial = SerialPhasedExecution(Phase(Stage("A"), Stage("B")), ["C"])
     parallel = ParallelPhasedExecution(Phase("A"), Phase("B")).sendTensorsOffChipAfterFwd()
-    assert not serial.emulated and not parallel.emulated
     assert serial.backendOptions()["serial_phases_execution"] is True
     assert parallel.backendOptions()["tensors_liveness"] == 1
     assert serial.stage("C").blocks == ("C",) and serial.phase(1).stages[0].blocks == ("C",)

@@ -132,6 +132,10 @@ class Anchors:
                 self._hooks.append(self._weights.host_params[i].register_hook(
                     functools.partial(self._record_gradient, self._grads[i])))
 
+    def parameters(self) -> set[int]:
+        """Indices (in the weights' ``host_params``) of the parameters anchored."""
+        return {i for _, i, _, _ in self._anchors.values()}
+
     def remove(self) -> None:
         """Remove the gradient hooks (the executor recompiles or is destroyed)."""
         for handle in self._hooks:

@@ -3,7 +3,8 @@
 Outside ``trace_stages`` every annotation is a no-op costing one attribute read, exactly as
 PopTorch's are on CPU. The executor wraps the trace of its first micro-batch in
 ``trace_stages(strategy)`` to learn how many forward pipeline stages the model has (F) and
-which IPUs it uses, following poptorch-semantics.md §5.
+which IPUs it uses, following poptorch-semantics.md §5, and to check a phased execution's
+phases. Every strategy runs the unsplit model's arithmetic.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class StageTrace:
 
     def __init__(self, strategy: _IExecutionStrategy) -> None:
         self.is_pipelined: bool = strategy._pipelined
+        self._phased = strategy if isinstance(strategy, _IPhasedExecution) else None
         self.blocks: list[tuple[str, int, int]] = []  # (block id, stage id, ipu) in entry order
         self._strategy = strategy
         self._auto_stages: dict[str, Stage] = {}
@@ -128,6 +130,8 @@ class StageTrace:
                 f"Pipeline stages must be used in ascending order: block '{block_id}' (stage "
                 f"{stage._stage_id}) runs after stage {self.blocks[-1][1]}. Reorder the stages, or "
                 f"use PipelinedExecution(AutoStage.AutoIncrement) when an IPU is revisited.")
+        if self._phased is not None:
+            self._phased.check_block(block_id, stage, ipu)
         if ipu != self._current_ipu:
             self._changes += 1
             self._current_ipu = ipu
@@ -290,7 +294,6 @@ def removeBlocks(module: torch.nn.Module) -> None:
 class _IExecutionStrategy:
     """Base of the execution strategies: maps block ids to stages."""
 
-    emulated = True  # False: the emulator's executor refuses this strategy
     _pipelined = False
 
     def __init__(self, block_map: dict[str, Stage], auto_stage: AutoStage) -> None:
@@ -370,9 +373,11 @@ class Phase:
 
 
 class _IPhasedExecution(_IExecutionStrategy):
-    """Phased execution: constructible and recorded, but the emulator cannot run it."""
+    """Phased execution: where each block's weights and activations live between phases, a
+    memory and scheduling plan; the arithmetic is the unsplit model's (as for sharding). A
+    trace checks each block's phase and IPU as PopTorch's compiler does (``check_block``)."""
 
-    emulated = False
+    _serial = True
 
     def __init__(self, *phases: Phase | list[Any]) -> None:
         assert phases, ("There is currently no AutoStage for PhasedExecution, please explicitly "
@@ -406,9 +411,33 @@ class _IPhasedExecution(_IExecutionStrategy):
         return {"execution_mode": 2, "separate_backward_phase": self._separate_backward_phase,
                 "tensors_liveness": int(self._tensors_liveness)}
 
+    def check_block(self, block_id: str, stage: Stage, ipu: int) -> None:
+        """PopTorch's checks (``Compiler::setActiveIpu``) as block ``block_id`` of ``stage``
+        starts on ``ipu`` (-1: neither the stage nor the block named one)."""
+        kind = type(self).__name__
+        liveness = Liveness(self._tensors_liveness)
+        # Off-chip liveness modes space the forward phases 2 or 4 apart, serial phases only.
+        spacing = {Liveness.OffChipAfterFwdNoOverlap: 2,
+                   Liveness.OffChipAfterEachPhase: 4}.get(liveness, 1)
+        if spacing > 1 and not self._serial:
+            raise Error(f"This is only supported for serial phase execution: {kind} with "
+                        f"tensors liveness {liveness.name}. Use SerialPhasedExecution, or "
+                        "Liveness.AlwaysLive / OffChipAfterFwd.")
+        if ipu < 0:
+            raise Error(f"{kind}: block '{block_id}' (phase {stage._phase_id}) has no IPU. Give "
+                        "its stage one with Stage(...).ipu(n) or Phase(...).ipus(...), or the "
+                        "block with Block(..., ipu_id=n).")
+        phase = stage._phase_id * spacing
+        if not self._serial and phase % 2 != ipu % 2:
+            raise Error("When phases are executed in parallel: even phases must run on even "
+                        f"IPUs and odd phases on odd IPUs. Received: block '{block_id}' in "
+                        f"phase {phase} on IPU {ipu}.")
+
 
 class ParallelPhasedExecution(_IPhasedExecution):
-    """Phases alternate between two groups of IPUs (not runnable in the emulator)."""
+    """Phases alternate between two groups of IPUs: even phases on even IPUs, odd on odd."""
+
+    _serial = False
 
     def sendTensorsOffChipAfterFwd(self, off_chip: bool = True) -> ParallelPhasedExecution:
         assert isinstance(off_chip, bool)
@@ -420,7 +449,7 @@ class ParallelPhasedExecution(_IPhasedExecution):
 
 
 class SerialPhasedExecution(_IPhasedExecution):
-    """All phases run serially on one group of IPUs (not runnable in the emulator)."""
+    """All phases run serially on one group of IPUs."""
 
     def setTensorsLiveness(self, liveness: Liveness) -> SerialPhasedExecution:
         assert isinstance(liveness, Liveness)

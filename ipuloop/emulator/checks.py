@@ -34,6 +34,7 @@ from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
+from .enums import ConnectionType
 from .errors import Error
 
 __all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
@@ -237,7 +238,16 @@ def check_addresses(before: tuple[dict, dict], after: tuple[dict, dict]) -> None
 
 
 def check_options(options: Any) -> None:
-    """Options a compile on a host without IPU hardware rejects."""
+    """Options a compile on a host without IPU hardware rejects, and an offline target's."""
+    if options.connection_type == ConnectionType.Never:  # useOfflineIpuTarget
+        # PopTorch's createDevice: an offline target is a Poplar device of its own.
+        if rules.uses_ipu_model(options):
+            raise Error("ConnectionType.Never / poptorch.Options.useOfflineIpuTarget not "
+                        "supported for the IPU model: call useIpuModel(False) (or unset "
+                        "POPTORCH_IPU_MODEL) to compile for an offline IPU target.")
+        if options.exists("ipu_id"):
+            raise Error("Offline compilation targeting a specific id not supported: remove "
+                        "Options.useIpuId() when using useOfflineIpuTarget().")
     if options._Popart.options.get("instrumentWithHardwareCycleCounter"):
         raise Error("Cycle count logging is only supported on actual IPU hardware. The ipuloop "
                     "emulator has no cycle counters: set poptorch.Options().logCycleCount(False) "

@@ -139,7 +139,7 @@ class MultiConvPlanType(IntEnum):
 
 
 class VariableRetrievalMode(IntEnum):
-    """How grouped per-replica variables are read back (accepted; replicas share weights here)."""
+    """How a weight given ``replicaGrouping`` is read back: one value per group, or per replica."""
 
     OnePerGroup = 0
     AllReplicas = 2

@@ -8,6 +8,8 @@ One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2,
             for r in range(RF):              # replica r reads input group r // g (or r % (RF/g))
                 out = model(micro_batch[d, a, r])     # BatchNorm and the loss see B samples
                 (loss * loss_scaling / (GA*RF if Mean else 1)).backward()
+                # each forward sees plain attributes as traced (constants), and a weight given
+                # replicaGrouping as r's group's slice, updated from that group's gradients
         optimizer.step(); optimizer.zero_grad()  # N processes: all-reduce first (distributed.py)
     return what the output mode anchors (All / Final / Sum / EveryN)
 
@@ -36,7 +38,9 @@ from .. import rules
 from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
+from . import constants as _constants
 from . import inputs as _inputs
+from . import replica_groups as _replica_groups
 from .anchors import Anchors
 from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
 from .enums import ConnectionType, OutputMode, ReductionType
@@ -108,13 +112,13 @@ class PoplarExecutor(HardwareOnly):
         self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
         self._ready: list | None = None  # see ``_compile`` and ``inputs.as_ready``
         self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
+        self._attributes: _constants.Constants | None = None  # plain attributes calls freeze
         self._anchors: Anchors | None = None  # Options.anchorTensor's (compile)
         self._opt: OptimizerSync | None = None  # a training model's optimizer
+        # replicaGrouping settings by parameter name, and the grouped weights (compile)
+        self._replica_grouping: dict[str, tuple] = {}
+        self._grouped: _replica_groups.GroupedWeights | None = None
 
-        strategy = getattr(opts, "_execution_strategy", None)
-        if strategy is not None and not getattr(strategy, "emulated", True):
-            raise Error(f"{type(strategy).__name__} is not supported by the ipuloop emulator: "
-                        "use poptorch.PipelinedExecution or poptorch.ShardedExecution.")
         # The device: a tensor per parameter and per buffer (``DeviceWeights``), uploaded on
         # attach. The IPU has no 64-bit floats: float64 weights live as float32 on the device.
         self._weights = DeviceWeights(self, model, self._device, wrap=training)
@@ -151,7 +155,10 @@ class PoplarExecutor(HardwareOnly):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        attr = getattr(self._user_model, name)
+        if isinstance(attr, torch.nn.Parameter):  # as PopTorch: it offers replicaGrouping()
+            return _replica_groups.ReplicaGroupingWrapper(self, name, attr)
+        return attr
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
@@ -236,6 +243,9 @@ class PoplarExecutor(HardwareOnly):
         # PopTorch traces the module as it is now: a layer, parameter or buffer replaced since
         # wrapping is what the device holds (and the optimizer's parameters what it trains).
         self._weights.bind(self._opt.params() if self._opt is not None else ())
+        self._grouped = _replica_groups.resolve(
+            self._replica_grouping, self._user_model, self._weights, o,
+            self._opt.optimizer if self._opt is not None else None)
         self._signature = Signature(self._user_model.forward, args, kwargs)
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
@@ -244,7 +254,8 @@ class PoplarExecutor(HardwareOnly):
             self._opt.join(o, self._device, self._user_model, self._weights.host_params)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
         self._returned = frozenset(rules.returned_iterations(mode, di, self._consts[5]))
-        self._single = di * ga * rf == 1  # one micro-batch per call: ``_run_single``
+        # one micro-batch per call, and no replica's own weights: ``_run_single``
+        self._single = di * ga * rf == 1 and self._grouped is None
         # inputs ``prepare`` leaves as they are: the ``as_ready`` shortcut
         self._ready = _inputs.ready_shapes(self._signature.fast, self._on_cpu)
         for hook in list(PoplarExecutor._precompile_hooks.values()):
@@ -285,8 +296,14 @@ class PoplarExecutor(HardwareOnly):
         # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
         # the trace needed it (``__call__``).
         mixed = MixedFloat()
+        # forward's Python runs once on an IPU: what the trace changes stays changed on the
+        # host, and each call sees the attributes as the trace found them (``constants``).
+        before = _constants.capture(self._user_model,
+                                    [*weights.host_params, *weights.host_buffers])
         try:
             weights.swap_in(self._training)  # the checks see the device's tensors in the user's module
+            if self._grouped is not None:
+                self._grouped.use(0)  # PopTorch traces a grouped weight's first slice
             checks = _checks.TraceChecks([self._user_model], micro, self._training)
             addresses = _checks.tensor_addresses(self._user_model)
             _running_on_ipu = True
@@ -303,6 +320,7 @@ class PoplarExecutor(HardwareOnly):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
         self._mixed = mixed.cast
+        self._attributes = _constants.settle(before)
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
@@ -322,6 +340,10 @@ class PoplarExecutor(HardwareOnly):
             == ReductionType.Mean
         self._anchors = _anchors.Anchors(o, self._training, self._weights, (di, ga, rf, mean),
                                          lambda: self._trained_version)
+        if self._grouped is not None and self._anchors.parameters() & self._grouped.indices:
+            raise Error("Options.anchorTensor names a weight given replicaGrouping(): the "
+                        "ipuloop emulator does not anchor grouped weights. Read the weight "
+                        "from the host model (copyWeightsToHost) instead.")
 
     def _attach(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
@@ -471,8 +493,11 @@ class PoplarExecutor(HardwareOnly):
         _running_on_ipu = True
         grad_was = torch.is_grad_enabled()  # torch.enable_grad() / no_grad(), minus their cost
         torch._C._set_grad_enabled(self._training)
+        frozen, host_attributes = self._attributes, None
         try:
             buffers = self._weights.swap_in(self._training)
+            if frozen is not None:
+                host_attributes = frozen.enter()
             if self._loss_capture is _NO_CAPTURE and not self._mixed:  # no modes to enter
                 out = self._run_single(leaves, spec) if single else \
                     self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
@@ -486,6 +511,8 @@ class PoplarExecutor(HardwareOnly):
             if edited:
                 _inputs.write_back(edited)
         finally:
+            if host_attributes is not None:
+                frozen.exit(host_attributes)
             if self._weights.swapped:
                 self._weights.swap_out()
             torch._C._set_grad_enabled(grad_was)
@@ -514,6 +541,9 @@ class PoplarExecutor(HardwareOnly):
             step = self._opt.step
             scale = self._opt.loss_scaling / (ga * rf) if mean else self._opt.loss_scaling
         replica_buffers = self._weights.replica_sets(rf) if rf > 1 else None
+        frozen = self._attributes  # each micro-batch starts from the attributes as traced
+        per_group = self._grouped  # replicaGrouping: each replica's own slice of those weights
+        refresh = frozen.refresh if frozen is not None and frozen.changing else None
         keep_all = mode in (OutputMode.All, OutputMode.EveryN)  # rows: one per micro-batch
         returned = self._returned  # of these device iterations
         is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
@@ -530,10 +560,16 @@ class PoplarExecutor(HardwareOnly):
                     if replica_buffers is not None:
                         for b, own in zip(buffers, replica_buffers[r]):
                             b.data = own
+                    if refresh is not None:
+                        refresh()
+                    if per_group is not None:
+                        per_group.use(r)
                     out = model(*margs, **mkwargs)
                     outs, _ = _anchors.out_leaves(out)
                     if training:
                         self._backward(outs, scale)
+                        if per_group is not None:
+                            per_group.collect(r)
                     outs = [t.detach() if isinstance(t, torch.Tensor) else t for t in outs]
                     if anchored:
                         kept.append(outs)
@@ -544,6 +580,8 @@ class PoplarExecutor(HardwareOnly):
                     elif last_d and a == ga - 1:
                         final[r] = outs
             if training:
+                if per_group is not None:
+                    per_group.whole()
                 step()  # the device iteration's gradients are complete: one update
         rows = kept if keep_all else final
         return _anchors.assemble(rows, self._tensor_out, self._out_spec)

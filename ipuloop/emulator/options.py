@@ -22,6 +22,9 @@ __all__ = ["ConfigFileError", "Options", "TensorLocationSettings"]
 
 logger = logging.getLogger("poptorch")
 
+# The IPU versions PopTorch 3.4 documents for useOfflineIpuTarget (an offline Poplar target).
+_OFFLINE_IPU_VERSIONS = (1, 2, 21)
+
 _FROZEN_MSG = ("Can't modify frozen Options: they were frozen when a model wrapper or "
                "DataLoader first used them. Call options.clone() to get a modifiable copy.")
 
@@ -445,6 +448,8 @@ class Options(_OptionsDict):
     def inputReplicaGrouping(self, input_group_size: int,
                              input_group_type: CommGroupType) -> Options:
         """Replicas in a group of ``input_group_size`` receive the same input data."""
+        if input_group_type == CommGroupType.NoGrouping:  # as PopTorch: each replica its own
+            input_group_size, input_group_type = 1, CommGroupType.Consecutive
         if input_group_type == CommGroupType.All:
             raise ValueError("CommGroupType.All is not supported for input replica grouping. "
                              "Use CommGroupType.Consecutive or CommGroupType.Orthogonal.")
@@ -530,6 +535,14 @@ class Options(_OptionsDict):
         return self
 
     def useOfflineIpuTarget(self, ipu_version: int = 2) -> Options:
+        """Compile only, for IPU ``ipu_version``: 1 (Mk1), 2 (Mk2) or 21 (Mk2 with FP8)."""
+        if isinstance(ipu_version, bool) or ipu_version not in _OFFLINE_IPU_VERSIONS:
+            # PopTorch fails later, when Poplar cannot make the offline device at compile.
+            hint = (" poptorch.ipuHardwareVersion() is 0 on the emulator (no IPU): pass the "
+                    "version to target." if ipu_version == 0 else "")
+            raise ValueError("useOfflineIpuTarget: ipu_version must be 1 (Mk1), 2 (Mk2) or 21 "
+                             f"(Mk2 with FP8 support). Received: ipu_version={ipu_version!r}."
+                             + hint)
         self.connectionType(ConnectionType.Never)
         self.createOrSet(ipu_version=ipu_version)
         return self
