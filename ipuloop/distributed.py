@@ -287,15 +287,19 @@ class Processes:
 
     def own_state(self, sd: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint's state for this instance: instance 0 holds the metrics' states of
-        all, the others start theirs from zero; each takes its own random streams."""
+        all, the others start theirs from zero; each takes its own random streams.
+
+        A checkpoint of another number of instances (one process, or a failing run's, which
+        holds instance 0's streams alone) gives every instance instance 0's streams: the host
+        ones draw each epoch's order, the same on every instance of a run, so the data
+        continue exactly (``resume``: at the same sample of the whole run); the device's
+        continues instance 0's, where random ops (dropout) draw differently from an
+        uninterrupted run of either layout, as they differ between layouts anyway.
+        """
         sd = dict(sd)
         every = sd.get("processes")
         if every is not None and len(every) == self.size:
             sd.update(every[self.rank])
-        elif every is not None:
-            warnings.warn(f"The checkpoint was written by {len(every)} instances and this run "
-                          f"has {self.size}: every instance continues instance 0's random "
-                          "streams.", stacklevel=3)
         if self.rank != 0:
             sd["metrics"] = {}  # reset below, as at an epoch start
             for m in train_metrics.values():

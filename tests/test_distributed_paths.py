@@ -1,0 +1,302 @@
+"""Several processes off the main path: resuming in another process layout, a user's
+DistributedSampler, validate() on one instance, and an error on one instance.
+
+Each launched script runs its jobs one after the other in the same processes (2 under torchrun,
+gloo, or 1 plain process), with a stack dump and exit if it hangs, and writes what each job
+read and trained to ``out``; the tests compare those files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ipuloop import Callback, Loop, poptorch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMON = r'''
+import faulthandler, json, os, sys, time, warnings
+faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, then ends
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from ipuloop import Callback, Loop, poptorch
+from ipuloop.callbacks import ModelCheckpoint
+
+cfg = json.loads(sys.argv[1])
+out = cfg["out"]
+rank = int(os.environ.get("RANK", "0"))
+READ = []  # dataset indices read since the last step
+
+
+class Recorded(Dataset):
+    """128 samples of a linear rule; records each index read."""
+
+    def __init__(self, n=128, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 5, generator=g)
+        self.y = (self.x[:, 0] + 0.3 * self.x[:, 1] > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        READ.append(int(i))
+        return self.x[i], self.y[i]
+
+
+class Steps(Callback):
+    """The indices each step read, by step number (the run's steps: 1, 2, ...)."""
+
+    def __init__(self):
+        self.steps = {}
+
+    def on_epoch_start(self, loop):
+        READ.clear()  # (the probe's reads before the epoch)
+
+    def on_train_step_start(self, loop):
+        self.steps[loop.state.step + 1] = list(READ)
+        READ.clear()
+
+
+def new_loop(replicas, callbacks=()):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(2)
+    steps = Steps()
+    loop = Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), replicas=replicas, seed=1,
+                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                callbacks=[steps, *callbacks], progress=False)
+    return loop, steps
+
+
+def save(name, loop, steps, caught=(), **extra):
+    torch.save({"weights": loop.model.state_dict(), "counters": loop.state.counters(),
+                "steps": steps.steps, "warnings": [str(w.message) for w in caught], **extra},
+               os.path.join(out, f"{name}{rank}.pt"))
+'''
+
+RESUME = COMMON + r'''
+# each job: a fit of 2 epochs (4 steps of 32 samples each with 2 replicas in all), maybe
+# stopped (max_steps) with a checkpoint every step and epoch, maybe resumed from one
+for job in cfg["jobs"]:
+    cbs = [ModelCheckpoint(job["ckpt"], every_n_steps=1, save_top_k=-1)] if "ckpt" in job else []
+    loop, steps = new_loop(job["replicas"], cbs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop.fit(DataLoader(Recorded(), batch_size=4, shuffle=True), epochs=2,
+                 max_steps=job.get("max_steps"), resume_from=job.get("resume"))
+    save(job["name"], loop, steps, [w for w in caught if "factors" in str(w.message)
+                                    or "instance" in str(w.message)])
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+           and not k.startswith("POPDIST_")}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator", IPULOOP_DIST_TIMEOUT="20")
+    env.update(extra)
+    return env
+
+
+def _launch(tmp: Path, script: str, cfg: dict, processes: int = 2, timeout: float = 150,
+            torchrun: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """``script`` with ``cfg`` in ``processes`` processes (torchrun, or without it the
+    processes started here with its environment: instance 0 then hosts the group's store),
+    or 1 (plain python); the return code is the first non-zero one."""
+    path = tmp / f"script{len(list(tmp.glob('script*')))}.py"
+    path.write_text(script)
+    cmd = [sys.executable, str(path), json.dumps(cfg)]
+    if processes > 1 and torchrun:
+        cmd[1:1] = ["-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                    f"--master_port={_free_port()}", "--monitor_interval=0.5"]
+    if processes == 1 or torchrun:
+        return subprocess.run(cmd, env=_env(**env), cwd=tmp, capture_output=True, text=True,
+                              timeout=timeout)
+    port = str(_free_port())
+    procs = [subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=_env(RANK=str(r), WORLD_SIZE=str(processes),
+                                                  LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                                  MASTER_PORT=port, **env))
+             for r in range(processes)]
+    try:
+        deadline = time.monotonic() + timeout
+        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(cmd, code, "", "".join(outs))
+
+
+def _check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _load(out: Path, name: str, rank: int = 0) -> dict:
+    return torch.load(out / f"{name}{rank}.pt", weights_only=False)
+
+
+def _reads(out: Path, name: str, ranks: int) -> dict[int, list[int]]:
+    """The indices each step of the run read, over every instance (sorted)."""
+    steps: dict[int, list[int]] = {}
+    for rank in range(ranks):
+        for step, read in _load(out, name, rank)["steps"].items():
+            steps.setdefault(step, []).extend(read)
+    return {s: sorted(r) for s, r in steps.items()}
+
+
+def _close(a: dict, b: dict) -> None:
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), (k, (a[k] - b[k]).abs().max())
+
+
+# -- resuming in another process layout -------------------------------------------------------
+def test_a_checkpoint_resumes_across_process_layouts_at_the_same_sample(tmp_path):
+    """2 processes x 1 replica and 1 process x 2 replicas are one layout (2 replicas, 32
+    samples a step): a checkpoint of either, mid-epoch (epoch 1 after 2 of its 4 steps) or at
+    the epoch boundary, resumes in the other at the same sample, with no warning, and ends as
+    that layout's uninterrupted run (8 steps, each reading the same samples; weights within
+    1e-6: the two layouts sum gradients in another order), as a checkpoint resumed in its own
+    layout does (bitwise). In another layout (1 x 1, 16
+    samples a step) it continues after the same 64 samples, with the factors' warning."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ck2, ck1 = tmp_path / "ck2x1", tmp_path / "ck1x2"
+    two = _launch(tmp_path, RESUME, {"out": str(out), "jobs": [
+        {"name": "whole2x1", "replicas": 1},
+        {"name": "part2x1", "replicas": 1, "ckpt": str(ck2), "max_steps": 6}]})
+    _check(two)
+    assert sorted(p.name for p in ck2.iterdir()) == [
+        "epoch0-step1", "epoch0-step2", "epoch0-step3", "epoch1-step4", "epoch1-step5",
+        "epoch1-step6"]
+    one = _launch(tmp_path, RESUME, {"out": str(out), "jobs": [
+        {"name": "whole1x2", "replicas": 2},
+        {"name": "part1x2", "replicas": 2, "ckpt": str(ck1), "max_steps": 6},
+        {"name": "mid2x1to1x2", "replicas": 2, "resume": str(ck2 / "epoch1-step6")},
+        {"name": "start2x1to1x2", "replicas": 2, "resume": str(ck2 / "epoch1-step4")},
+        {"name": "mid2x1to1x1", "replicas": 1, "resume": str(ck2 / "epoch1-step6")},
+        {"name": "mid1x2to1x2", "replicas": 2, "resume": str(ck1 / "epoch1-step6")}]},
+        processes=1)
+    _check(one)
+    back = _launch(tmp_path, RESUME, {"out": str(out), "jobs": [
+        {"name": "mid1x2to2x1", "replicas": 1, "resume": str(ck1 / "epoch1-step6")},
+        {"name": "start1x2to2x1", "replicas": 1, "resume": str(ck1 / "epoch1-step4")},
+        {"name": "mid2x1to2x1", "replicas": 1, "resume": str(ck2 / "epoch1-step6")}]})
+    _check(back)
+
+    whole = {"2x1": _reads(out, "whole2x1", 2), "1x2": _reads(out, "whole1x2", 1)}
+    assert list(whole["2x1"]) == list(range(1, 9))
+    assert whole["2x1"] == whole["1x2"]  # the same samples in every step
+    assert all(len(r) == 32 for r in whole["2x1"].values())
+    _close(_load(out, "whole2x1")["weights"], _load(out, "whole1x2")["weights"])
+    for name, layout, ranks, first in (("mid2x1to1x2", "1x2", 1, 7),
+                                       ("start2x1to1x2", "1x2", 1, 5),
+                                       ("mid1x2to2x1", "2x1", 2, 7),
+                                       ("start1x2to2x1", "2x1", 2, 5)):
+        r, w = _load(out, name), _load(out, f"whole{layout}")
+        assert r["warnings"] == [], (name, r["warnings"])
+        assert r["counters"] == w["counters"], name
+        assert _reads(out, name, ranks) == {s: whole[layout][s] for s in range(first, 9)}, name
+        _close(r["weights"], w["weights"])
+    for layout, ranks in (("1x2", 1), ("2x1", 2)):  # the same layout: bitwise
+        for rank in range(ranks):
+            r, w = _load(out, f"mid{layout}to{layout}", rank), _load(out, f"whole{layout}", rank)
+            assert r["warnings"] == [] and r["counters"] == w["counters"], layout
+            for k, v in w["weights"].items():
+                assert torch.equal(v, r["weights"][k]), (layout, rank, k)
+    # another global layout: 64 samples read are 4 steps of 16; the rest of the epoch follows
+    other = _load(out, "mid2x1to1x1")
+    assert len(other["warnings"]) == 1
+    assert "replicationFactor 2 -> 1 (replicas of all instances together)" in \
+        other["warnings"][0] and "after its 64 samples already read" in other["warnings"][0]
+    assert other["counters"]["step"] == 6 + 4 and other["counters"]["samples"] == 8 * 32
+    read = _reads(out, "mid2x1to1x1", 1)
+    assert list(read) == [7, 8, 9, 10] and all(len(r) == 16 for r in read.values())
+    assert sorted(i for r in read.values() for i in r) == sorted(whole["2x1"][7] +
+                                                                 whole["2x1"][8])
+
+
+def _fit(replicas: int, dataset, callbacks=(), **kwargs) -> Loop:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(2)
+    loop = Loop(model, opts, loss_fn=torch.nn.CrossEntropyLoss(), replicas=replicas, seed=1,
+                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                callbacks=callbacks, progress=False)
+    sd = kwargs.pop("state", None)
+    if sd is not None:
+        loop.load_state_dict(sd)
+    shuffle = not isinstance(dataset, torch.utils.data.IterableDataset)
+    loop.fit(DataLoader(dataset, batch_size=4, shuffle=shuffle), epochs=2, **kwargs)
+    return loop
+
+
+def _data(n: int = 128) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 5, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def test_a_checkpoint_of_one_instances_factors_is_read_as_the_whole_runs():
+    """A checkpoint that recorded one instance's factors (2 instances x 1 replica: 16
+    samples a step), as written before the whole run's were, resumes mid-epoch in one process
+    with 2 replicas (32 a step) at the same sample, with no warning."""
+    whole = _fit(2, _data())
+    part = _fit(2, _data(), max_steps=6)
+    sd = part.state_dict()
+    one = {k: sd[k] for k in ("rng", "device_rng", "epoch_rng", "sampler_rng")}
+    sd["processes"] = [one, one]
+    sd["data"] = {"factors": dict(sd["data"]["factors"], replicationFactor=1),
+                  "samples_per_step": 16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rest = _fit(2, _data(), state=sd)
+    assert rest.state.counters() == whole.state.counters()
+    for k, v in whole.model.state_dict().items():
+        assert torch.equal(v, rest.model.state_dict()[k]), k
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(_data())
+
+
+def test_a_stream_resumes_mid_epoch_only_with_the_saved_number_of_instances():
+    """Each instance reads an IterableDataset on its own: a mid-epoch checkpoint of 2
+    instances (the same 2 replicas in all) cannot continue in 1, refused before any step."""
+    class Save(Callback):
+        def on_train_step_end(self, loop):
+            if loop.state.step == 2:
+                self.sd = loop.state_dict()
+
+    save = Save()
+    _fit(2, _Stream(), [save], max_steps=2)
+    sd = save.sd
+    assert sd["counters"]["epoch_step"] == 2
+    sd["data"] = dict(sd["data"], instances=2)
+    with pytest.raises(ValueError, match=r"middle of epoch 0 with 1 instance\(s\): the "
+                                         "checkpoint was written by 2"):
+        _fit(2, _Stream(), state=sd)
