@@ -471,7 +471,7 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
         every.replicationFactor(opts.replication_factor * size)
         try:
             whole = _build_plan(poptorch, view, every, layout, training=True, name=name,
-                                sequential=sequential)
+                                sequential=sequential, instances=size)
         except ValueError as e:
             raise ValueError(f"{e} (replicationFactor {opts.replication_factor * size}: "
                              f"{opts.replication_factor} replica(s) on each of {size} "

@@ -216,7 +216,7 @@ class Loop(Events):
 
     def _train_epoch(self, plan: Plan) -> None:
         st, layout, executors = self.state, plan.layout, self.executors
-        batches = self._batches = self._resume.epoch_batches(plan, st.epoch_step)
+        batches = self._batches = self._resume.epoch_batches(plan, st.epoch_step, st.epoch)
         metrics, metric_output, check_finite = self._train_metrics, self._metric_output, \
             self.check_finite
         per_step_samples = plan.combined

@@ -150,9 +150,10 @@ class Resume:
         self._train_data: dict[str, Any] | None = None  # the running fit's data factors
         self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
 
-    def epoch_batches(self, plan: Any, skip: int) -> Any:
+    def epoch_batches(self, plan: Any, skip: int, number: int | None = None) -> Any:
         """The epoch's batches after ``skip`` steps, its order drawn at the epoch's RNG point
-        (replayed from the saved one when a checkpoint resumes mid-epoch)."""
+        (replayed from the saved one when a checkpoint resumes mid-epoch); ``number``: the
+        epoch's, for a sampler with ``set_epoch``."""
         step_rng, self._step_rng = self._step_rng, None
         sampler = self.sampler = plan.sampler
         if step_rng is None:
@@ -166,7 +167,7 @@ class Resume:
             set_rng_state(self.epoch_rng)
             if sampler is not None:
                 sampler.set_generator_state(self.epoch_rng.get("sampler"))
-        batches = plan.epoch(skip)
+        batches = plan.epoch(skip, number)
         if step_rng is not None:
             set_rng_state(step_rng)
         return batches

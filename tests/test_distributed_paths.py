@@ -300,3 +300,99 @@ def test_a_stream_resumes_mid_epoch_only_with_the_saved_number_of_instances():
     with pytest.raises(ValueError, match=r"middle of epoch 0 with 1 instance\(s\): the "
                                          "checkpoint was written by 2"):
         _fit(2, _Stream(), state=sd)
+
+
+# -- a user's DistributedSampler -----------------------------------------------------------
+SAMPLER = COMMON + r"""
+ds = Recorded()
+for job in cfg["jobs"]:  # 3 epochs of 4 steps, maybe stopped after step 6, maybe resumed
+    cbs = [ModelCheckpoint(job["ckpt"], every_n_steps=1, save_top_k=-1)] if "ckpt" in job else []
+    loop, steps = new_loop(1, cbs)
+    loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, seed=7))  # DDP's way
+    loop.fit(loader, epochs=3, max_steps=job.get("max_steps"), resume_from=job.get("resume"))
+    save(job["name"], loop, steps)
+"""
+
+
+def _epoch_orders(n: int, seed: int, epochs: int) -> list[list[int]]:
+    """The whole dataset's order a DistributedSampler draws each epoch (its ranks' shares)."""
+    orders = []
+    for epoch in range(epochs):
+        order = DistributedSampler(range(n), num_replicas=1, rank=0, seed=seed)
+        order.set_epoch(epoch)
+        orders.append(list(order))
+    return orders
+
+
+def test_a_distributed_sampler_reads_the_whole_dataset_once_an_epoch_in_a_new_order(tmp_path):
+    """``DataLoader(ds, sampler=DistributedSampler(ds, seed=7))`` under torchrun (2 processes):
+    each epoch every sample is read once (4 steps of 32 over both instances), in the order of
+    the sampler's permutation for that epoch (its seed + the epoch, as set_epoch gives it),
+    a new one each epoch; a run stopped mid-epoch resumes to the same weights, bitwise."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ckpt = tmp_path / "ckpt"
+    proc = _launch(tmp_path, SAMPLER, {"out": str(out), "jobs": [
+        {"name": "whole"}, {"name": "part", "ckpt": str(ckpt), "max_steps": 6},
+        {"name": "rest", "resume": str(ckpt / "epoch1-step6")}]})
+    _check(proc)
+    reads = _reads(out, "whole", 2)
+    assert list(reads) == list(range(1, 13))
+    orders = _epoch_orders(128, 7, 3)
+    assert orders[0] != orders[1] != orders[2]
+    for epoch, order in enumerate(orders):
+        for k in range(4):
+            assert reads[4 * epoch + k + 1] == sorted(order[32 * k:32 * (k + 1)])
+    assert _reads(out, "rest", 2) == {s: reads[s] for s in range(7, 13)}
+    for rank in (0, 1):
+        w, r = _load(out, "whole", rank), _load(out, "rest", rank)
+        assert r["counters"] == w["counters"] and w["counters"]["step"] == 12
+        for k, v in w["weights"].items():
+            assert torch.equal(v, r["weights"][k]), (rank, k)
+
+
+class _Reads(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x, self.read = torch.randn(n, 5, generator=g), []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.read.append(int(i))
+        return self.x[i], (self.x[i, 0] > 0).long()
+
+
+def _loop() -> Loop:
+    torch.manual_seed(0)
+    return Loop(torch.nn.Linear(5, 2), poptorch.Options().deviceIterations(2),
+                loss_fn=torch.nn.CrossEntropyLoss(), seed=1, progress=False)
+
+
+def test_a_distributed_sampler_in_one_process_is_its_whole_order_with_the_epoch_set():
+    """One process, ``DistributedSampler(ds, num_replicas=1, rank=0, seed=5)``: each epoch
+    reads its permutation for that epoch (a new one each epoch, as set_epoch would give),
+    less the 4 samples that make no whole host call of 8."""
+    ds = _Reads(36)
+    loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 1, 0, seed=5))
+    with pytest.warns(UserWarning, match="4 of 36 samples are dropped"):
+        _loop().fit(loader, epochs=3)
+    read = ds.read[4:]  # after the probe's first micro-batch
+    orders = _epoch_orders(36, 5, 3)
+    assert read == orders[0][:32] + orders[1][:32] + orders[2][:32]
+    assert orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("sampler, message", [
+    (lambda ds: DistributedSampler(ds, num_replicas=2, rank=0),
+     r"sampler=DistributedSampler\(num_replicas=2\), but this run has 1 instance\(s\)"),
+    (lambda ds: type("Shard", (DistributedSampler,), {})(ds, num_replicas=1, rank=0),
+     "a subclass of DistributedSampler"),
+])
+def test_a_distributed_sampler_for_another_layout_is_refused_before_any_step(sampler, message):
+    ds = _Reads(32)
+    loop = _loop()
+    with pytest.raises(ValueError, match=message):
+        loop.fit(DataLoader(ds, batch_size=4, sampler=sampler(ds)))
+    assert loop.train_model is None and loop.state.step == 0
