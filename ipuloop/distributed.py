@@ -14,9 +14,9 @@ process, as PopDist's local replicas), and needs no change to the program:
   instance p reads ``[:, :, p*R:(p+1)*R, :]``, the micro-batches of its replicas (the loop
   builds its ``poptorch.DataLoader`` with ``auto_distributed_partitioning=False``); a
   ``poptorch.DataLoader`` used outside the loop keeps PopTorch's per-process slices;
-- validation gives each instance a contiguous slice of the samples, padded so that every
-  instance runs the same number of host calls, and counts each sample once; predict runs
-  every sample on every instance;
+- validation inside ``fit`` gives each instance a contiguous slice of the samples, padded
+  so that every instance runs the same number of host calls, and counts each sample once;
+  ``validate()`` and predict run every sample on each instance that calls them, alone;
 - the step loss, the epoch loss and val_loss are summed over the instances; torchmetrics
   metrics sync themselves over the process group in ``compute()``; only instance 0 shows
   progress and writes logs (``ProgressBar``, ``CSVLogger``, ``TensorBoardLogger``) and
@@ -29,12 +29,13 @@ process, as PopDist's local replicas), and needs no change to the program:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -45,7 +46,7 @@ from .rules import (DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, host_c
                     leave_process_group)
 
 __all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
-           "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV"]
+           "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV", "unsynced"]
 
 TIMEOUT_ENV, DEFAULT_TIMEOUT = DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT
 
@@ -313,6 +314,29 @@ class Processes:
         loop._hooks = {e: [(cb, h) for cb, h in hooks
                            if not getattr(cb, "main_instance_only", False)]
                        for e, hooks in loop._hooks.items()}
+
+
+def _no_group() -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def unsynced(metrics: dict[str, Any], alone: bool) -> Iterator[None]:
+    """While ``alone``: torchmetrics metrics (and the metrics inside them) compute from this
+    instance's states only, without gathering the other instances' over the process group,
+    for work one instance does alone (``Loop.validate``)."""
+    saved = []
+    if alone:
+        for metric in metrics.values():
+            for m in metric.modules() if isinstance(metric, torch.nn.Module) else (metric,):
+                if hasattr(m, "distributed_available_fn"):
+                    saved.append((m, m.distributed_available_fn))
+                    m.distributed_available_fn = _no_group
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m.distributed_available_fn = fn
 
 
 def attach(loop: Any, replicas_given: bool) -> Processes | None:

@@ -346,17 +346,22 @@ class Loop(Events):
         with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
         (without ``loss_fn`` those are left out, and a warning says how many samples
         val_loss covers). A model that returns no loss in eval mode gets no val_loss.
+
+        With several processes, each instance that calls it validates alone, as predict
+        does: every sample, and metrics of its own samples only, waiting for no other
+        instance (inside ``fit``, validation is shared out between the instances instead).
         """
         self.state.exception = self.state.exception_source = None
-        plan = self._val_plan(loader)
-        with self._reporting():
+        alone = self._dist is not None
+        plan = self._val_plan(loader, partition=not alone)
+        with self._reporting(), distributed.unsynced(self.metrics, alone):
             try:
-                return self._run_validation(plan)
+                return self._run_validation(plan, alone)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
                 self.state.drop_logs("val_", ("loss", *self.metrics))
                 return {}
 
-    def _run_validation(self, plan: Plan) -> dict[str, float]:
+    def _run_validation(self, plan: Plan, alone: bool = False) -> dict[str, float]:
         st = self.state
         self._fire("on_validation_start")
         run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
@@ -369,8 +374,9 @@ class Loop(Events):
             self.executors.activate(model)
             run.add(model(*inputs, labels), labels)
             self._fire("on_validation_step_end")
-            self._check_preempted()
-        logs = run.logs(self._dist.val_sums if self._dist is not None else None)
+            if not alone:  # (alone: no stop to agree on with the other instances)
+                self._check_preempted()
+        logs = run.logs(self._dist.val_sums if self._dist is not None and not alone else None)
         if "val_loss" not in logs:
             st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)

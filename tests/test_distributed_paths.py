@@ -396,3 +396,47 @@ def test_a_distributed_sampler_for_another_layout_is_refused_before_any_step(sam
     with pytest.raises(ValueError, match=message):
         loop.fit(DataLoader(ds, batch_size=4, sampler=sampler(ds)))
     assert loop.train_model is None and loop.state.step == 0
+
+
+# -- validate() on one instance ---------------------------------------------------------------
+VALIDATE = r"""
+import faulthandler, json, os, sys, time
+faulthandler.dump_traceback_later(100, exit=True)
+import torch, torch.nn as nn, torchmetrics
+from torch.utils.data import DataLoader, TensorDataset
+from ipuloop import Callback, Loop, poptorch
+
+cfg = json.loads(sys.argv[1])
+rank = int(os.environ["RANK"])
+g = torch.Generator().manual_seed(2)
+vx, vy = torch.randn(37, 5, generator=g), (torch.randn(37, generator=g) > 0).long()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+with torch.no_grad():
+    out = model(vx)
+ref = {"val_loss": float(nn.functional.cross_entropy(out, vy)),
+       "val_acc": float((out.argmax(-1) == vy).float().mean())}  # plain torch, all 37
+loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
+            metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
+            progress=False)
+loader = DataLoader(TensorDataset(vx, vy), batch_size=3)
+start = time.monotonic()
+alone = loop.validate(loader) if rank == 0 else None  # instance 1 goes on without it
+both = loop.validate(loader)
+json.dump({"alone": alone, "both": both, "ref": ref, "seconds": time.monotonic() - start},
+          open(os.path.join(cfg["out"], f"val{rank}.json"), "w"))
+"""
+
+
+def test_validate_on_one_instance_runs_alone_over_every_sample(tmp_path):
+    """Under torchrun (2 processes), ``validate()`` called on instance 0 only returns at once
+    (no wait on instance 1) the values of plain torch over all 37 samples (micro-batch 3,
+    padded), metrics included; called on both, each returns them too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _check(_launch(tmp_path, VALIDATE, {"out": str(out)}))
+    val = [json.loads((out / f"val{rank}.json").read_text()) for rank in (0, 1)]
+    ref = val[0]["ref"]
+    for got in (val[0]["alone"], val[0]["both"], val[1]["both"]):
+        assert got["val_acc"] == ref["val_acc"]
+        assert got["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-6)
