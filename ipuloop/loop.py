@@ -123,6 +123,7 @@ class Loop(Events):
         return self.executors.pushes
 
     # -- fit ------------------------------------------------------------------------------------
+    @distributed.failing_together  # several processes: an error on one ends every instance's
     def fit(self, train_loader: Any, epochs: int = 1, val_loader: Any = None, *,
             resume_from: str | None = None, max_steps: int | None = None) -> list[dict]:
         """Train for ``epochs`` epochs in total; returns the per-epoch logs.
@@ -139,6 +140,9 @@ class Loop(Events):
         batch size), each running DI optimizer updates; the remainder is dropped (with a
         warning) whatever the loader's ``drop_last``. A dataset shorter than one host call is
         a ``ValueError`` naming every factor, raised before anything is compiled.
+
+        With several processes, an error that ends it on one instance ends it on every
+        instance within seconds, naming that instance (``ipuloop.distributed``).
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")

@@ -440,3 +440,90 @@ def test_validate_on_one_instance_runs_alone_over_every_sample(tmp_path):
     for got in (val[0]["alone"], val[0]["both"], val[1]["both"]):
         assert got["val_acc"] == ref["val_acc"]
         assert got["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-6)
+
+
+# -- an error on one instance -----------------------------------------------------------------
+FAIL = COMMON + r"""
+import atexit
+from torch.utils.data import TensorDataset
+place, failing = cfg["place"], cfg["rank"]
+ends = {}
+
+
+@atexit.register  # before the Loop's own exit handler: runs after it, as the process ends
+def _ended():
+    ends["end"] = time.time()
+    json.dump(ends, open(os.path.join(out, f"end{rank}.json"), "w"))
+
+
+def fail(what):
+    ends["failed"] = time.time()
+    raise ValueError(f"boom {what} on instance {rank}")
+
+
+class Failing(Recorded):
+    reads = 0
+
+    def __getitem__(self, i):
+        Failing.reads += 1
+        if place == "data" and rank == failing and Failing.reads == 4 + 16 + 5:  # 2nd step
+            fail("in the data")
+        return super().__getitem__(i)
+
+
+class Act(Callback):
+    def on_train_step_end(self, loop):
+        if place == "hook" and rank == failing and loop.state.step == 2:
+            fail("in a hook")
+
+    def on_validation_step_end(self, loop):
+        if place == "validation" and rank == failing:
+            fail("in validation")
+
+
+loop, _ = new_loop(1, [Act()])
+if place == "before" and rank == failing:  # e.g. a checkpoint on one machine only
+    resume, ends["failed"] = os.path.join(out, "missing"), time.time()
+else:
+    resume = None
+g = torch.Generator().manual_seed(2)
+val = TensorDataset(torch.randn(37, 5, generator=g), torch.randint(0, 2, (37,), generator=g))
+try:
+    loop.fit(DataLoader(Failing(), batch_size=4, shuffle=True), epochs=2,
+             val_loader=DataLoader(val, batch_size=3), resume_from=resume)
+except Exception as e:
+    ends.update(error=type(e).__name__, message=str(e), instance=getattr(e, "instance", None))
+    raise
+"""
+
+
+@pytest.mark.parametrize("place, failing, torchrun, cause", [
+    ("hook", 1, True, "ValueError: boom in a hook on instance 1 (raised in callback "
+                      "Act.on_train_step_end)"),
+    ("data", 1, False, "ValueError: boom in the data on instance 1"),
+    ("validation", 0, False, "ValueError: boom in validation on instance 0 (raised in "
+                             "callback Act.on_validation_step_end)"),
+    ("before", 1, False, "CheckpointError: "),
+])
+def test_an_error_on_one_instance_ends_every_instance_promptly_naming_it(
+        tmp_path, place, failing, torchrun, cause):
+    """An exception on one instance (in a hook, the data loader, validation, or before the
+    first step, e.g. a checkpoint missing on its machine) while the other waits in a
+    collective: both end within seconds, not after IPULOOP_DIST_TIMEOUT (300 s here); the
+    failing one raises its own error, the other an ``InstanceFailedError`` naming it. (Under
+    torchrun the launcher keeps the group's store; without it, instance 0 does, and stays
+    until the other has read its error.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _launch(tmp_path, FAIL, {"out": str(out), "place": place, "rank": failing},
+                   timeout=90, torchrun=torchrun, IPULOOP_DIST_TIMEOUT="300")
+    assert proc.returncode != 0
+    ends = [json.loads((out / f"end{rank}.json").read_text()) for rank in (0, 1)]
+    mine, other = ends[failing], ends[1 - failing]
+    assert f"{mine['error']}: {mine['message']}".startswith(cause.split(" (")[0])
+    assert other["error"] == "InstanceFailedError" and other["instance"] == failing
+    assert other["message"].startswith(f"Instance {failing} of 2 failed at step ")
+    assert cause in other["message"], other["message"]
+    assert f"Instance {1 - failing} stopped at step " in other["message"]
+    fits, job = max(e["end"] for e in ends) - mine["failed"], time.time() - mine["failed"]
+    print(f"{place}: every fit ended {fits:.2f} s after the error, the job {job:.1f} s after")
