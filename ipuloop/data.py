@@ -86,8 +86,8 @@ def whole_order(sampler: Sampler, instances: int, name: str) -> Sampler:
             f"{given}, but this run has {instances} instance(s). The loop reads a "
             "DistributedSampler as the order of its whole dataset and shares it out between "
             "the instances itself: drop the sampler and pass shuffle=True (every sample once "
-            "an epoch), or build it for the run's processes (DistributedSampler(dataset), "
-            "after the process group is joined).")
+            "an epoch), or build it for the run's processes: DistributedSampler(dataset) "
+            "after the Loop, which joins the process group.")
     return DistributedSampler(sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle,
                               seed=sampler.seed)
 
