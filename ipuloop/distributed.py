@@ -204,10 +204,10 @@ STORE_WAIT = 3.0  # seconds a failing instance waits on the store and for the ot
 class Processes:
     """The instances of a run, as one ``Loop`` sees them (``loop._dist``)."""
 
-    def __init__(self, rank: int, size: int, launcher: str, store: Any = None) -> None:
+    def __init__(self, rank: int, size: int, launcher: str) -> None:
         self.rank, self.size, self.launcher = rank, size, launcher
         self.term_pending = False  # SIGTERM seen here, not yet agreed on
-        self.store = store  # the group's store (None: failures are not described)
+        self.store: Any = None  # the group's store, taken at a failure (None: not described)
         self.failure: tuple[BaseException, BaseException] | None = None  # (error, raised)
 
     # -- collectives ---------------------------------------------------------------------------
@@ -259,6 +259,7 @@ class Processes:
             return self.failure[1] if error in self.failure else error
         notes = "".join(f" ({n})" for n in getattr(error, "__notes__", ()))
         mine = f"{type(error).__name__}: {error}{notes}"[:4000]
+        self.store = _default_store()  # (held: it outlives the group, which goes next)
         first = self._first_failure({"instance": self.rank, "error": mine, "step": st.step})
         _leave_group()
         raised = error
@@ -488,7 +489,7 @@ def attach(loop: Any, replicas_given: bool) -> Processes | None:
     if inf is not None and inf.Distributed.numProcesses == 1:
         inf.Distributed.configureProcessId(rank, size)
     _init_group(rank, size)
-    dist = Processes(rank, size, launcher, _default_store())
+    dist = Processes(rank, size, launcher)
     loop.state.instance, loop.state.instances = rank, size
     dist.silence(loop)
     return dist
