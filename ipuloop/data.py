@@ -5,7 +5,9 @@ micro-batch size, sampler (or shuffle and generator), workers and collate functi
 loop's options. Its sampler (or custom batch sampler) is wrapped so that each epoch's order is
 drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
 that a resumed epoch starts after the samples already seen without reading them (an
-``IterableDataset``, which has no order to skip into, is read up to there).
+``IterableDataset``, which has no order to skip into, is read up to there). A sampler with
+``set_epoch`` is told each training epoch's number before the epoch draws its order, as a
+DDP loop does; a ``DistributedSampler`` stands for its whole dataset (``whole_order``).
 
 Validation and predict count every sample: a map-style dataset is padded to whole host calls
 with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
+                              IterableDataset, Sampler)
 
 from .outputs import Layout, map_tensors
 from .rules import describe_factors, host_call_factor
@@ -30,7 +33,7 @@ from .rules import describe_factors, host_call_factor
 __all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
            "first_micro_batch", "predict_inputs", "concat", "kill_workers", "close",
            "Predictions", "check_not_empty", "count_updates", "no_host_call", "built_micro_batch",
-           "loader_kwargs", "Prefetch", "prefetch_of"]
+           "loader_kwargs", "Prefetch", "prefetch_of", "whole_order"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
@@ -62,6 +65,48 @@ def loader_kwargs(loader: Any) -> dict[str, Any]:
     else:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return kwargs
+
+
+def whole_order(sampler: Sampler, instances: int, name: str) -> Sampler:
+    """The order of the whole dataset that a training loader's ``sampler`` stands for.
+
+    A ``DistributedSampler`` (the DDP idiom) yields one rank's share of a permutation of its
+    dataset drawn from its ``seed`` and the epoch its ``set_epoch`` was given. The loop reads
+    that whole permutation instead (its ``shuffle`` and ``seed``; the loop sets the epoch each
+    epoch), so every sample is read once an epoch, in a new order each epoch, and the loop
+    shares it out between the ``instances`` itself. Its ``rank`` and ``drop_last`` are not
+    used: the loop drops the samples that make no whole host call. Refused with a
+    ``ValueError``: one made for another number of processes than the run has, and a subclass
+    (whose order the loop cannot see whole).
+    """
+    if not isinstance(sampler, DistributedSampler):
+        return sampler
+    given = f"{name} has sampler={type(sampler).__name__}(num_replicas={sampler.num_replicas})"
+    if type(sampler) is not DistributedSampler:
+        raise ValueError(
+            f"{given}, a subclass of DistributedSampler: it yields one process's share of an "
+            "order the loop cannot see whole, and the loop shares the data out between its "
+            "instances itself. Pass a sampler over the whole dataset (or shuffle=True), the "
+            "same on every instance.")
+    if sampler.num_replicas != instances:
+        raise ValueError(
+            f"{given}, but this run has {instances} instance(s). The loop reads a "
+            "DistributedSampler as the order of its whole dataset and shares it out between "
+            "the instances itself: drop the sampler and pass shuffle=True (every sample once "
+            "an epoch), or build it for the run's processes: DistributedSampler(dataset) "
+            "after the Loop, which joins the process group.")
+    return DistributedSampler(sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle,
+                              seed=sampler.seed)
+
+
+def _tell_epoch(wrapped: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the sampler (and a batch sampler's sampler) ``wrapped`` holds,
+    where it has one: samplers that draw each epoch's order from its number."""
+    inner = getattr(wrapped, "inner", None)
+    for s in (inner, getattr(inner, "sampler", None)):
+        set_epoch = getattr(s, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
 
 
 class ResumableSampler(Sampler):
@@ -383,8 +428,11 @@ class Plan:
                 real = self.combined
             yield batch, real
 
-    def epoch(self, skip_steps: int = 0) -> Iterator[Any]:
-        """An iterator over this epoch's host batches, after ``skip_steps`` of them."""
+    def epoch(self, skip_steps: int = 0, number: int | None = None) -> Iterator[Any]:
+        """An iterator over this epoch's host batches, after ``skip_steps`` of them; a
+        sampler with ``set_epoch`` is given the epoch's ``number`` first, when there is one."""
+        if number is not None:
+            _tell_epoch(self.sampler if self.sampler is not None else self.batches, number)
         if self.stream is not None:  # validation or predict: read from its start
             return _StreamCalls(self._iter(self.stream), self.combined)
         if self.sampler is not None:
@@ -400,9 +448,11 @@ class Plan:
 
 
 def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
-               name: str, pad: bool = False, sequential: bool = False) -> Plan:
+               name: str, pad: bool = False, sequential: bool = False,
+               instances: int = 1) -> Plan:
     """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader``
-    (one process: ``ipuloop.distributed.build_plan`` shares a loader out between several)."""
+    (one process: ``ipuloop.distributed.build_plan`` shares a loader out between several,
+    the ``instances`` of the run)."""
     if not isinstance(loader, torch.utils.data.DataLoader):
         raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
                         f"Received: {name}={type(loader).__name__}.")
@@ -444,7 +494,7 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
         micro_arg = micro
         if not iterable:
             inner = (torch.utils.data.SequentialSampler(dataset) if sequential or pad
-                     else loader.sampler)
+                     else whole_order(loader.sampler, instances, name))
             sampler = ResumableSampler(inner)
             kwargs["sampler"] = sampler
     if samples is not None and not pad and not custom_batches:

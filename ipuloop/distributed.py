@@ -13,39 +13,50 @@ process, as PopDist's local replicas), and needs no change to the program:
   instance draws the same global order, and of each global host call ``[DI, GA, N*R, B]``
   instance p reads ``[:, :, p*R:(p+1)*R, :]``, the micro-batches of its replicas (the loop
   builds its ``poptorch.DataLoader`` with ``auto_distributed_partitioning=False``); a
-  ``poptorch.DataLoader`` used outside the loop keeps PopTorch's per-process slices;
-- validation gives each instance a contiguous slice of the samples, padded so that every
-  instance runs the same number of host calls, and counts each sample once; predict runs
-  every sample on every instance;
+  ``poptorch.DataLoader`` used outside the loop keeps PopTorch's per-process slices. A
+  ``DistributedSampler`` (DDP's idiom) is read as the order of its whole dataset
+  (``data.whole_order``), with the epoch set each epoch;
+- validation inside ``fit`` gives each instance a contiguous slice of the samples, padded
+  so that every instance runs the same number of host calls, and counts each sample once;
+  ``validate()`` and predict run every sample on each instance that calls them, alone;
 - the step loss, the epoch loss and val_loss are summed over the instances; torchmetrics
   metrics sync themselves over the process group in ``compute()``; only instance 0 shows
   progress and writes logs (``ProgressBar``, ``CSVLogger``, ``TensorBoardLogger``) and
-  checkpoints, which every instance can resume from;
+  checkpoints, which every instance can resume from, as can a run of another layout with
+  the same N*R replicas (``resume``: the data factors are the whole run's);
 - SIGTERM to any instance, ``Loop.stop()`` on any instance, and ``max_steps`` stop every
   instance at the same step boundary (a sum of flags over the instances after each step);
 - before the first step the instances compare their settings (seed, factors, dataset
-  length, epochs...) and an instance that differs is an error naming it.
+  length, epochs...) and an instance that differs is an error naming it;
+- an error that ends ``fit`` on one instance ends it on every instance within seconds: the
+  first to fail leaves its error in the process group's store and leaves the group, and
+  the others raise ``InstanceFailedError`` naming it (``Processes.failed``).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import functools
+import json
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .data import (Plan, ResumableSampler, _Padded, build_plan as _build_plan, built_micro_batch,
                    loader_kwargs, prefetch_of)
-from .errors import NonFiniteLossError
+from .errors import InstanceFailedError, NonFiniteLossError
 from .rules import (DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, host_call_factor,
                     leave_process_group)
 
 __all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
-           "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV"]
+           "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV", "failing_together",
+           "unsynced"]
 
 TIMEOUT_ENV, DEFAULT_TIMEOUT = DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT
 
@@ -176,15 +187,35 @@ def _init_group(rank: int, size: int) -> None:
     atexit.register(leave_process_group)
 
 
+def _default_store() -> Any:
+    """The process group's key-value store, where a failing instance leaves its error for
+    the others; None where this torch does not give it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except Exception:  # (a private function): the others then learn only that it failed
+        return None
+
+
+FAILURE_KEY, SEEN_KEY = "ipuloop/failure", "ipuloop/failure_seen"
+STORE_WAIT = 3.0  # seconds a failing instance waits on the store and for the others to read
+
+
 class Processes:
     """The instances of a run, as one ``Loop`` sees them (``loop._dist``)."""
 
     def __init__(self, rank: int, size: int, launcher: str) -> None:
         self.rank, self.size, self.launcher = rank, size, launcher
         self.term_pending = False  # SIGTERM seen here, not yet agreed on
+        self.store: Any = None  # the group's store, taken at a failure (None: not described)
+        self.failure: tuple[BaseException, BaseException] | None = None  # (error, raised)
 
     # -- collectives ---------------------------------------------------------------------------
     def _fail(self, what: str, e: BaseException) -> RuntimeError:
+        if self.failure is not None:  # this instance left the run at a failure already
+            return RuntimeError(
+                f"Instance {self.rank} of {self.size} cannot go on while {what}: the run's "
+                f"instances ended at a failure ({self.failure[1]!r}). Start the run again.")
         return RuntimeError(
             f"Instance {self.rank} of {self.size} lost the other instances while {what}: an "
             f"instance died or stopped answering within {timeout_seconds():g} s "
@@ -196,7 +227,7 @@ class Processes:
         t = torch.tensor(values, dtype=torch.float64)
         try:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # (ValueError: a group left already)
             raise self._fail(what, e) from e
         return t.tolist()
 
@@ -205,9 +236,70 @@ class Processes:
         out: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(out, obj)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             raise self._fail(what, e) from e
         return out
+
+    # -- a failure ends every instance's fit -------------------------------------------------
+    def failed(self, error: BaseException, st: Any) -> BaseException:
+        """``error`` is ending this instance's fit: tell the others and leave the process
+        group now, so that their collectives fail at once instead of waiting for
+        ``IPULOOP_DIST_TIMEOUT``; returns what to raise.
+
+        The first instance to fail leaves its error in the group's store; each instance
+        then leaves the group (its connections close, the others' waits fail). An instance
+        whose error came after another's (its collective failed because that one left) raises
+        ``InstanceFailedError`` naming that instance and its error; the first raises its own,
+        as does an instance whose error is the same (e.g. a check every instance made). The
+        loop's own exit after an agreed SIGTERM (``SystemExit``) is no failure.
+        """
+        if isinstance(error, SystemExit) and st.preempted:
+            return error
+        if self.failure is not None:  # told already (the error passes through twice)
+            return self.failure[1] if error in self.failure else error
+        notes = "".join(f" ({n})" for n in getattr(error, "__notes__", ()))
+        mine = f"{type(error).__name__}: {error}{notes}"[:4000]
+        self.store = _default_store()  # (held: it outlives the group, which goes next)
+        first = self._first_failure({"instance": self.rank, "error": mine, "step": st.step})
+        _leave_group()
+        raised = error
+        if first is not None:
+            if first["instance"] == self.rank:
+                self._wait_for_readers()
+            else:
+                self._read()
+                if isinstance(error, Exception) and first["error"] != mine:
+                    k = first["instance"]
+                    raised = InstanceFailedError(
+                        f"Instance {k} of {self.size} failed at step {first['step']} with "
+                        f"{first['error']}. Instance {self.rank} stopped at step {st.step} "
+                        f"because of it (its own error, the __cause__, shows that instance "
+                        f"{k} left); the traceback is in instance {k}'s output.", k,
+                        first["error"])
+        self.failure = (error, raised)
+        return raised
+
+    def _first_failure(self, mine: dict[str, Any]) -> dict[str, Any] | None:
+        """The run's first failure (``mine`` when there was none before), from the store."""
+        if self.store is None:
+            return None
+        try:  # the store's host may have gone too: wait seconds, not the run's timeout
+            self.store.set_timeout(datetime.timedelta(seconds=STORE_WAIT))
+            return json.loads(self.store.compare_set(FAILURE_KEY, "", json.dumps(mine)))
+        except Exception:
+            return None
+
+    def _read(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.add(SEEN_KEY, 1)
+
+    def _wait_for_readers(self) -> None:
+        """Keep this process (which may host the store) until the others have read the
+        failure, or a few seconds (an instance may be busy, hung, or gone)."""
+        deadline = time.monotonic() + STORE_WAIT
+        with contextlib.suppress(Exception):
+            while self.store.add(SEEN_KEY, 0) < self.size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     # -- the loop's hooks ----------------------------------------------------------------------
     def agree_on_stop(self, st: Any) -> None:
@@ -287,15 +379,19 @@ class Processes:
 
     def own_state(self, sd: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint's state for this instance: instance 0 holds the metrics' states of
-        all, the others start theirs from zero; each takes its own random streams."""
+        all, the others start theirs from zero; each takes its own random streams.
+
+        A checkpoint of another number of instances (one process, or a failing run's, which
+        holds instance 0's streams alone) gives every instance instance 0's streams: the host
+        ones draw each epoch's order, the same on every instance of a run, so the data
+        continue exactly (``resume``: at the same sample of the whole run); the device's
+        continues instance 0's, where random ops (dropout) draw differently from an
+        uninterrupted run of either layout, as they differ between layouts anyway.
+        """
         sd = dict(sd)
         every = sd.get("processes")
         if every is not None and len(every) == self.size:
             sd.update(every[self.rank])
-        elif every is not None:
-            warnings.warn(f"The checkpoint was written by {len(every)} instances and this run "
-                          f"has {self.size}: every instance continues instance 0's random "
-                          "streams.", stacklevel=3)
         if self.rank != 0:
             sd["metrics"] = {}  # reset below, as at an epoch start
             for m in train_metrics.values():
@@ -309,6 +405,56 @@ class Processes:
         loop._hooks = {e: [(cb, h) for cb, h in hooks
                            if not getattr(cb, "main_instance_only", False)]
                        for e, hooks in loop._hooks.items()}
+
+
+def _leave_group() -> None:
+    """Destroy the default process group at once (no meeting: the others may be waiting in
+    a collective, which this makes fail); exit then has no group to leave."""
+    import torch.distributed as dist
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def failing_together(fit: Any) -> Any:
+    """``Loop.fit`` under several processes: an error escaping it on one instance, from its
+    first check to its last hook, ends the others' fits within seconds, naming it
+    (``Processes.failed``)."""
+    @functools.wraps(fit)
+    def run(loop: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fit(loop, *args, **kwargs)
+        except BaseException as error:
+            if loop._dist is None:
+                raise
+            raised = loop._dist.failed(error, loop.state)
+            if raised is error:
+                raise
+            raise raised from error
+    return run
+
+
+def _no_group() -> bool:
+    return False
+
+
+@contextlib.contextmanager
+def unsynced(metrics: dict[str, Any], alone: bool) -> Iterator[None]:
+    """While ``alone``: torchmetrics metrics (and the metrics inside them) compute from this
+    instance's states only, without gathering the other instances' over the process group,
+    for work one instance does alone (``Loop.validate``)."""
+    saved = []
+    if alone:
+        for metric in metrics.values():
+            for m in metric.modules() if isinstance(metric, torch.nn.Module) else (metric,):
+                if hasattr(m, "distributed_available_fn"):
+                    saved.append((m, m.distributed_available_fn))
+                    m.distributed_available_fn = _no_group
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m.distributed_available_fn = fn
 
 
 def attach(loop: Any, replicas_given: bool) -> Processes | None:
@@ -469,7 +615,7 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
         every.replicationFactor(opts.replication_factor * size)
         try:
             whole = _build_plan(poptorch, view, every, layout, training=True, name=name,
-                                sequential=sequential)
+                                sequential=sequential, instances=size)
         except ValueError as e:
             raise ValueError(f"{e} (replicationFactor {opts.replication_factor * size}: "
                              f"{opts.replication_factor} replica(s) on each of {size} "

@@ -1,11 +1,26 @@
 """Errors the loop raises that callbacks and users catch by type, and notes on exceptions."""
 from __future__ import annotations
 
-__all__ = ["NonFiniteLossError", "add_note"]
+__all__ = ["NonFiniteLossError", "InstanceFailedError", "add_note"]
 
 
 class NonFiniteLossError(FloatingPointError):
     """A returned loss was NaN or infinite."""
+
+
+class InstanceFailedError(RuntimeError):
+    """Several processes: another instance's fit failed first, so this one's ended too.
+
+    ``instance`` is the failing instance's index and ``error`` its exception as text (its
+    traceback is in that instance's output); this instance's own error is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, instance: int, error: str) -> None:
+        super().__init__(message)
+        self.instance, self.error = instance, error
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.instance, self.error)
 
 
 def add_note(e: BaseException, note: str) -> None:

@@ -71,11 +71,15 @@ class Events:
     @contextlib.contextmanager
     def _reporting(self, fit: bool = False) -> Iterator[None]:
         """Any error fires ``on_exception`` once and propagates; a fit's also releases the
-        device. A fit's loader workers stop when it ends, however it ends."""
+        device, and with several processes ends the other instances' fits first (what
+        propagates may then name the instance that failed first). A fit's loader workers stop
+        when it ends, however it ends."""
         try:
             yield
-        except BaseException as error:
-            st = self.state
+        except BaseException as caught:
+            st, error = self.state, caught
+            if fit and self._dist is not None:
+                error = self._dist.failed(caught, st)
             if error is not st.exception:  # a nested call reported it already
                 st.exception = error
                 for cb, hook in self._hooks["on_exception"]:
@@ -85,7 +89,9 @@ class Events:
                         warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}")
             if fit:
                 self.executors.release()
-            raise
+            if error is caught:
+                raise
+            raise error from caught
         finally:
             if fit:
                 batches, self._batches = self._batches, None

@@ -124,6 +124,7 @@ class Loop(Events):
         return self.executors.pushes
 
     # -- fit ------------------------------------------------------------------------------------
+    @distributed.failing_together  # several processes: an error on one ends every instance's
     def fit(self, train_loader: Any, epochs: int = 1, val_loader: Any = None, *,
             resume_from: str | None = None, max_steps: int | None = None) -> list[dict]:
         """Train for ``epochs`` epochs in total; returns the per-epoch logs.
@@ -140,6 +141,9 @@ class Loop(Events):
         batch size), each running DI optimizer updates; the remainder is dropped (with a
         warning) whatever the loader's ``drop_last``. A dataset shorter than one host call is
         a ``ValueError`` naming every factor, raised before anything is compiled.
+
+        With several processes, an error that ends it on one instance ends it on every
+        instance within seconds, naming that instance (``ipuloop.distributed``).
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
@@ -218,7 +222,7 @@ class Loop(Events):
 
     def _train_epoch(self, plan: Plan) -> None:
         st, layout, executors = self.state, plan.layout, self.executors
-        batches = self._batches = self._resume.epoch_batches(plan, st.epoch_step)
+        batches = self._batches = self._resume.epoch_batches(plan, st.epoch_step, st.epoch)
         metrics, metric_output, check_finite = self._train_metrics, self._metric_output, \
             self.check_finite
         per_step_samples = plan.combined
@@ -353,17 +357,22 @@ class Loop(Events):
         with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
         (without ``loss_fn`` those are left out, and a warning says how many samples
         val_loss covers). A model that returns no loss in eval mode gets no val_loss.
+
+        With several processes, each instance that calls it validates alone, as predict
+        does: every sample, and metrics of its own samples only, waiting for no other
+        instance (inside ``fit``, validation is shared out between the instances instead).
         """
         self.state.exception = self.state.exception_source = None
-        plan = self._val_plan(loader)
-        with self._reporting():
+        alone = self._dist is not None
+        plan = self._val_plan(loader, partition=not alone)
+        with self._reporting(), distributed.unsynced(self.metrics, alone):
             try:
-                return self._run_validation(plan)
+                return self._run_validation(plan, alone)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
                 self.state.drop_logs("val_", ("loss", *self.metrics))
                 return {}
 
-    def _run_validation(self, plan: Plan) -> dict[str, float]:
+    def _run_validation(self, plan: Plan, alone: bool = False) -> dict[str, float]:
         st = self.state
         self._fire("on_validation_start")
         run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
@@ -376,8 +385,9 @@ class Loop(Events):
             self.executors.activate(model)
             run.add(model(*inputs, labels), labels, samples)
             self._fire("on_validation_step_end")
-            self._check_preempted()
-        logs = run.logs(self._dist.val_sums if self._dist is not None else None)
+            if not alone:  # (alone: no stop to agree on with the other instances)
+                self._check_preempted()
+        logs = run.logs(self._dist.val_sums if self._dist is not None and not alone else None)
         if "val_loss" not in logs:
             st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)

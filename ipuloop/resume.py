@@ -6,11 +6,16 @@ begins (a checkpoint taken during it resumes before it), and the state at the ch
 step itself. A resumed mid-epoch fit replays the epoch's order from ``epoch_rng``, then goes
 on from the step's state. The device's random state is set once the training model compiles.
 
-With other factors than the saved run (micro-batch size, deviceIterations,
-gradientAccumulation, replicas, dataset length), a checkpoint taken at an epoch boundary
-resumes with a warning; one taken mid-epoch continues at the same sample when the samples
-already read make whole host calls of the new factors (same dataset length), and is a
-``ValueError`` naming each changed factor otherwise, raised before any step.
+The data factors are those of the whole run: N processes of R replicas each count as one
+process with N*R replicas, whose host call is N times one instance's. So a checkpoint of
+``torchrun --nproc-per-node 2`` with ``replicas=1`` resumes in one process with
+``replicas=2`` (and the reverse) at the same sample, with no warning. With other factors than
+the saved run (micro-batch size, deviceIterations, gradientAccumulation, replicas of all
+instances, dataset length), a checkpoint taken at an epoch boundary resumes with a warning;
+one taken mid-epoch continues at the same sample when the samples already read make whole
+host calls of the new factors (same dataset length), and is a ``ValueError`` naming each
+changed factor otherwise, raised before any step. (An ``IterableDataset``, which each
+instance reads on its own, continues mid-epoch only with the saved number of instances.)
 """
 from __future__ import annotations
 
@@ -127,14 +132,27 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
 
 
 def _data_factors(plan: Any) -> dict[str, Any]:
+    """The training data factors of the whole run: ``plan`` is one instance's share of N, and
+    N instances of R replicas read as one process with N*R replicas (``ipuloop.distributed``)."""
     o = plan.loader.options
+    n = o.Distributed.numProcesses
     return {"factors": {"micro-batch size": plan.micro,
                         "deviceIterations": o.device_iterations,
                         "gradientAccumulation": o.Training.gradient_accumulation,
-                        "replicationFactor": o.replication_factor,
+                        "replicationFactor": o.replication_factor * n,
                         "input_group_size": o.input_group_size,
                         "dataset length": plan.samples},
-            "samples_per_step": plan.combined}
+            "samples_per_step": plan.combined * n, "instances": n}
+
+
+def _run_factors(data: dict[str, Any] | None, processes: Any) -> dict[str, Any] | None:
+    """A checkpoint's data factors as the whole run's: those written before they were
+    recorded so held one instance's, ``processes`` (one entry per instance) says how many."""
+    if data is None or "instances" in data:
+        return data
+    n = len(processes) if isinstance(processes, list) else 1
+    factors = dict(data["factors"], replicationFactor=data["factors"]["replicationFactor"] * n)
+    return {"factors": factors, "samples_per_step": data["samples_per_step"] * n, "instances": n}
 
 
 class Resume:
@@ -150,9 +168,10 @@ class Resume:
         self._train_data: dict[str, Any] | None = None  # the running fit's data factors
         self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
 
-    def epoch_batches(self, plan: Any, skip: int) -> Any:
+    def epoch_batches(self, plan: Any, skip: int, number: int | None = None) -> Any:
         """The epoch's batches after ``skip`` steps, its order drawn at the epoch's RNG point
-        (replayed from the saved one when a checkpoint resumes mid-epoch)."""
+        (replayed from the saved one when a checkpoint resumes mid-epoch); ``number``: the
+        epoch's, for a sampler with ``set_epoch``."""
         step_rng, self._step_rng = self._step_rng, None
         sampler = self.sampler = plan.sampler
         if step_rng is None:
@@ -166,7 +185,7 @@ class Resume:
             set_rng_state(self.epoch_rng)
             if sampler is not None:
                 sampler.set_generator_state(self.epoch_rng.get("sampler"))
-        batches = plan.epoch(skip)
+        batches = plan.epoch(skip, number)
         if step_rng is not None:
             set_rng_state(step_rng)
         return batches
@@ -225,7 +244,8 @@ class Resume:
         for cb in callbacks:
             if cb.state_key in sd["callbacks"]:
                 cb.load_state_dict(sd["callbacks"][cb.state_key])
-        self._loaded_data = sd.get("data")  # checked against the next fit's loader
+        # checked against the next fit's loader
+        self._loaded_data = _run_factors(sd.get("data"), sd.get("processes"))
         if sd.get("device_rng") is not None:
             if executor is not None and executor.isCompiled():
                 executor.rng_state = sd["device_rng"]
@@ -247,31 +267,44 @@ class Resume:
 
 
 def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> None:
-    """Continue the saved epoch at the same sample with the new factors, or raise naming each
-    factor that changed."""
+    """Continue the saved epoch at the same sample with the new factors (the whole run's),
+    or raise naming each factor that changed."""
     old, new = saved["factors"], now["factors"]
+    was, instances = saved.get("instances", 1), now["instances"]
+    if st.epoch_step and plan.samples is None and was != instances:
+        raise ValueError(
+            f"Cannot resume in the middle of epoch {st.epoch} with {instances} instance(s): "
+            f"the checkpoint was written by {was}, and each instance reads an IterableDataset "
+            "on its own, so the samples already read are not known in another layout. Resume "
+            f"with {was} instance(s) (finishing this epoch), or from a checkpoint taken at the "
+            "end of an epoch.")
     changed = ", ".join(f"{k} {old[k]} -> {new[k]}" for k in new
                         if k in old and old[k] != new[k])
     if not changed:
         return
+    if "replicationFactor " in changed and max(was, instances) > 1:
+        changed += " (replicas of all instances together)"
     if st.epoch_step == 0:
         warnings.warn(f"Resuming at the start of epoch {st.epoch} with other factors than "
                       f"the checkpoint's ({changed}): the epochs from here on use the new "
                       "ones.", stacklevel=4)
         return
     position = st.epoch_step * saved["samples_per_step"]  # samples the epoch has read
-    if old.get("dataset length") == new["dataset length"] and not position % plan.combined:
-        st.epoch_step = position // plan.combined  # the same sample, in the new host calls
+    per_step = now["samples_per_step"]
+    if old.get("dataset length") == new["dataset length"] and not position % per_step:
+        st.epoch_step = position // per_step  # the same sample, in the new host calls
         warnings.warn(f"Resuming epoch {st.epoch} after its {position} samples already "
                       f"read, with other factors than the checkpoint's ({changed}): "
                       f"{st.epoch_step} host calls of the new factors.", stacklevel=4)
         return
+    calls = describe_factors(plan.loader.options, plan.micro, True)
+    if instances > 1:
+        calls += f" on each of {instances} instances, {per_step} in all"
     raise ValueError(
         f"Cannot resume in the middle of epoch {st.epoch} with other factors ({changed}): "
         f"the checkpoint stopped after {position} of the epoch's samples, and "
         + ("a different dataset length changes the epoch's sample order"
            if old.get("dataset length") != new["dataset length"] else
-           f"{position} is not a whole number of the new host calls of "
-           f"{describe_factors(plan.loader.options, plan.micro, True)}")
+           f"{position} is not a whole number of the new host calls of {calls}")
         + ". Resume with the saved factors (finishing this epoch, then change them at an "
         "epoch boundary), or from a checkpoint taken at the end of an epoch.")
