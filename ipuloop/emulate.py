@@ -12,11 +12,12 @@ import sys
 __all__ = ["install", "main"]
 
 
-_SUBMODULES = ("optim", "enums", "options")  # also importable as ``poptorch.<name>``
+# also importable as ``poptorch.<name>``
+_SUBMODULES = ("optim", "enums", "options", "poptorch_core", "_logging")
 
 
 def install() -> None:
-    """Bind ``poptorch`` (and ``poptorch.optim/enums/options``) to the emulator for this process."""
+    """Bind ``poptorch`` (and its submodules ``_SUBMODULES``) to the emulator for this process."""
     import ipuloop.emulator as emulator
     sys.modules["poptorch"] = emulator
     for name in _SUBMODULES:

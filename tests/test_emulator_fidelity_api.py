@@ -135,12 +135,12 @@ def test_subclassed_optimizer_warning_in_poptorch_words(caplog):
         pass
 
     model = Linear(training=True)
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert "does not run Python optimizer code directly" not in caplog.text
     for cls in (MyAdam, MyPoptorchSGD):
         model = Linear(training=True)
-        with caplog.at_level(logging.WARNING, logger="poptorch"):
+        with caplog.at_level(logging.WARNING, logger="poptorch::python"):
             poptorch.trainingModel(model, optimizer=cls(model.parameters(), lr=0.1))
         assert f"Optimizer `{cls.__name__}` subclassed from classes in poptorch.optim or " \
                "torch.optim are unlikely to behave as intended. Poptorch does not run Python " \
@@ -155,7 +155,7 @@ def test_attributes_added_after_the_wrap_are_warned_about_once(caplog):
     train(torch.ones(2, 1))
     opt.late = 0
     opt.param_groups[0]["initial_lr"] = 0.1
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         train.setOptimizer(opt)
         opt.loss_scaling = 3.0
         train.setOptimizer(opt)
@@ -168,7 +168,7 @@ def test_attributes_added_after_the_wrap_are_warned_about_once(caplog):
                                    optimizer=opt)
     opt.late = 0
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         train.setOptimizer(opt)
     assert caplog.text == ""
 
@@ -182,7 +182,7 @@ def test_log_levels_in_poptorch_words():
             "Unknown log level: wibble. Valid values are DEBUG, ERR, INFO, OFF, TRACE and WARN")):
         poptorch.setLogLevel("wibble")
     poptorch.setLogLevel("WARN")
-    assert logging.getLogger("poptorch").level == logging.WARNING
+    assert logging.getLogger("poptorch::python").level == logging.WARNING
 
 
 def test_for_loop_input_type_in_poptorch_words():

@@ -13,12 +13,12 @@ import abc
 import atexit
 import collections
 import itertools
-import logging
 import threading
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from . import _logging
 from . import _pytree as pytree
 from torch.utils.data import IterableDataset
 
@@ -29,7 +29,7 @@ from .options import Options
 
 __all__ = ["AsynchronousDataAccessor", "DataLoader", "ICustomArgParser", "registerCustomArgParser"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 
 # -- custom argument types ---------------------------------------------------------------------

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import logging
 import time
 import warnings
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd.variable import Variable
 
+from . import _logging
 from .. import rules
 from . import anchors as _anchors
 from . import blocks as _blocks
@@ -48,7 +48,7 @@ from .signature import Signature, unflatten as _unflatten
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 _run_backward = Variable._execution_engine.run_backward
 _NO_EXECUTABLE = "Model has not been compiled or has been destroyed."

@@ -5,15 +5,16 @@ and on the emulated device (``prepare``); with a shortcut for inputs that need n
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
+from . import _logging
+
 __all__ = ["SENT_AS_FLOAT32", "check_batch", "prepare", "ready_shapes", "as_ready",
            "write_back"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 SENT_AS_FLOAT32 = frozenset({torch.float64, torch.bfloat16})  # inputs the IPU gets as float32
 _warned: set[str] = set()  # each warning once a process, as PopTorch logs them

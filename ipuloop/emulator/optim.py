@@ -13,7 +13,6 @@ hyper-parameters (poptorch-semantics §4.5, §4.6).
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import _logging
 from .. import rules as _rules
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "has_16bit_params", "update_in_float32", "float32_step", "AttributeTracker",
 ]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 DEFAULT_SGD_LR = 0.01  # PopTorch trains with SGD(lr=0.01) when given no optimizer
 _ACCUM_TYPES = (torch.float16, torch.float32)

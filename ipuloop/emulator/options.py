@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 from typing import Any
 
 import torch
 
+from . import _logging
 from . import enums
 from .blocks import PipelinedExecution, _IExecutionStrategy
 from .enums import (AutoStage, CommGroupType, ConnectionType, MeanReductionStrategy, OutputMode,
@@ -20,7 +20,7 @@ from .enums import (AutoStage, CommGroupType, ConnectionType, MeanReductionStrat
 
 __all__ = ["ConfigFileError", "Options", "TensorLocationSettings"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 _FROZEN_MSG = ("Can't modify frozen Options: they were frozen when a model wrapper or "
                "DataLoader first used them. Call options.clone() to get a modifiable copy.")
