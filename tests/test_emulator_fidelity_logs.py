@@ -129,3 +129,178 @@ def test_import_poptorch_submodules_under_emulate():
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Level must be one of TRACE, DEBUG, INFO, WARN, ERR, OFF")
+
+
+# -- 5. the log lines PopTorch prints ------------------------------------------------------
+
+class _Add(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+class _Weighted(nn.Module):
+    """x * w, trained towards 0 (an identity loss on its square)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        out = x * self.w
+        return out, poptorch.identity_loss((out ** 2).sum(), reduction="none")
+
+
+def test_graph_compilation_progress_at_compile(capfd):
+    """python/_options_impl.py ``ProgressBar``: a tqdm bar "Graph compilation" on stderr
+    while the model compiles, unless ``Options.showCompilationProgressBar(False)``."""
+    model = poptorch.inferenceModel(_Add())
+    model(torch.ones(2), torch.ones(2))
+    assert "Graph compilation: 100%" in capfd.readouterr().err
+    model(torch.ones(2), torch.ones(2))  # no compilation: no bar
+    assert "Graph compilation" not in capfd.readouterr().err
+    opts = poptorch.Options().showCompilationProgressBar(False)
+    poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
+    assert "Graph compilation" not in capfd.readouterr().err
+
+
+def test_options_from_a_file_are_logged_at_compile(capfd, tmp_path):
+    """popart_compiler/source/SessionOptions.cpp ``Setter``: each option the compiler receives
+    is logged at DEBUG as "poptorch.Options set NAME to value VALUE" (tests/options_test.py
+    ``test_set_options_from_file``)."""
+    conf = tmp_path / "opts.conf"
+    conf.write_text("deviceIterations(1)\nsetExecutionStrategy(poptorch.ShardedExecution())\n"
+                    "  replicationFactor(1)\nenableSyntheticData(True) # comment\n")
+    wanted = ["poptorch.Options set replication_factor to value 1",
+              "poptorch.Options set device_iterations to value 1",
+              "poptorch.Options set execution_mode to value 1",
+              "poptorch.Options set syntheticDataMode to value 2"]
+    opts = poptorch.Options()
+    opts.loadFromFile(str(conf))
+    poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
+    err = capfd.readouterr().err
+    assert not any(w in err for w in wanted)  # DEBUG lines: not shown at WARN
+    poptorch.setLogLevel("DEBUG")
+    opts = poptorch.Options()
+    opts.loadFromFile(str(conf))
+    poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
+    err = capfd.readouterr().err
+    for line in wanted:
+        assert f"[poptorch::python] [debug] {line}\n" in err
+
+
+def test_backend_options_are_logged_as_popart_receives_them(capfd):
+    """popart_compiler/source/SessionOptions.cpp: a dict option's entries as "set NAME[KEY]
+    to VALUE", a list's items as "added ITEM to NAME", booleans as true/false
+    (tests/options_test.py ``test_set_popart_options``)."""
+    poptorch.setLogLevel("DEBUG")
+    opts = poptorch.Options()
+    opts._Popart.set("engineOptions", {"debug.allowOutOfMemory": "true"})
+    opts._Popart.set("dotChecks", ["FINAL", "ALL"])
+    opts._Popart.set("enableOutlining", True)
+    opts._Popart.set("batchSerializationSettings.factor", 1)
+    poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
+    err = capfd.readouterr().err
+    for line in ("poptorch.Options set engineOptions[debug.allowOutOfMemory] to true",
+                 "poptorch.Options added FINAL to dotChecks",
+                 "poptorch.Options added ALL to dotChecks",
+                 "poptorch.Options set enableOutlining to value true",
+                 "poptorch.Options set batchSerializationSettings.factor to value 1"):
+        assert line in err
+    # the user set engineOptions without debug.retainDebugInformation: the compiler adds it
+    assert "engineOptions[debug.retainDebugInformation] set to value false" in err
+
+
+class _TwoStages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+
+    def forward(self, x):
+        with poptorch.Block(ipu_id=0):
+            x = self.a(x)
+        with poptorch.Block(ipu_id=1):
+            x = self.b(x)
+        return x
+
+
+@pytest.mark.parametrize("strategy, two_ipus, expected", [
+    ("pipelined", True, 1), ("pipelined", False, 0), ("sharded", True, 0)])
+def test_enable_pipelining_is_logged(capfd, strategy, two_ipus, expected):
+    """popart_compiler/source/Compiler.cpp ``initSession``: PipelinedExecution sets
+    enablePipelining when the model uses more than one IPU, ShardedExecution never; logged as
+    "enablePipelining set to value N" (tests/pipelining_test.py, sharding_test.py)."""
+    poptorch.setLogLevel("DEBUG")
+    opts = poptorch.Options().deviceIterations(2)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution() if strategy == "pipelined"
+                              else poptorch.ShardedExecution())
+    model = _TwoStages() if two_ipus else nn.Linear(2, 2)
+    poptorch.inferenceModel(model, opts)(torch.ones(4, 2))
+    err = capfd.readouterr().err
+    assert f"enablePipelining set to value {expected}\n" in err
+    assert f"enablePipelining set to value {1 - expected}" not in err
+
+
+def test_optimizer_warnings_go_through_poptorch_logger(capfd):
+    """python/_optimizer_attributes.py ``_toPoptorchOptimizer`` (subclass warning) and
+    ``OptimizerAttrTracker._check`` ("Ignoring unexpected optimizer attribute", WARNING; DEBUG
+    after ``relaxOptimizerAttributesChecks``), both on ``poptorch.logger``."""
+    class MySGD(torch.optim.SGD):
+        pass
+
+    model = _Weighted()
+    opt = MySGD(model.parameters(), lr=0.1)
+    train = poptorch.trainingModel(model, optimizer=opt)
+    train(torch.ones(3))
+    opt.extra = 1
+    train.setOptimizer(opt)
+    err = capfd.readouterr().err
+    assert "[poptorch::python] [warning] Optimizer `MySGD` subclassed from classes in " \
+           "poptorch.optim or torch.optim are unlikely to behave as intended. Poptorch does " \
+           "not run Python optimizer code directly" in err
+    assert "[poptorch::python] [warning] Ignoring unexpected optimizer attribute in SGD " \
+           "optimizer: ['extra']" in err
+    relaxed = _Weighted()
+    opt = torch.optim.SGD(relaxed.parameters(), lr=0.1)
+    opts = poptorch.Options().relaxOptimizerAttributesChecks()
+    train = poptorch.trainingModel(relaxed, opts, optimizer=opt)
+    train(torch.ones(3))
+    opt.extra = 1
+    train.setOptimizer(opt)
+    assert "unexpected optimizer attribute" not in capfd.readouterr().err
+    poptorch.setLogLevel("DEBUG")
+    opt.other = 2
+    train.setOptimizer(opt)
+    assert "[debug] Ignoring unexpected optimizer attribute in SGD optimizer: ['extra', 'other']" \
+        in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("optim", [poptorch.optim.SGD, torch.optim.SGD])
+def test_optimizer_state_read_back_is_logged(capfd, optim):
+    """python/_poplar_executor.py ``_read_optim_state_dict_if_needed`` ("Using cached optimiser
+    state dict", DEBUG) and popart_compiler/source/Compiler.cpp ("Writing optimiser state
+    tensors from IPU to host." / "... from host to IPU memory.", INFO): a poptorch.optim
+    optimizer's state is read back after compile, after a run and on detach, and written on
+    attach after ``load_state_dict`` (tests/optimizers_test.py ``test_read_ipu_state_*``)."""
+    poptorch.setLogLevel("DEBUG")
+    model = _Weighted()
+    optimizer = optim(model.parameters(), lr=0.0)
+    train = poptorch.trainingModel(model, optimizer=optimizer)
+    train.compile(torch.ones(3))
+    capfd.readouterr()
+    ours = isinstance(optimizer, poptorch.optim.Optimizer)
+    optimizer.state_dict()
+    err = capfd.readouterr().err
+    assert ("[info] Writing optimiser state tensors from IPU to host." in err) == ours
+    optimizer.state_dict()
+    assert ("Using cached optimiser state dict" in capfd.readouterr().err) == ours
+    train(torch.ones(3))
+    train.detachFromDevice()
+    assert ("Writing optimiser state tensors from IPU to host." in capfd.readouterr().err) \
+        == ours
+    state = optimizer.state_dict()
+    assert ("Using cached optimiser state dict" in capfd.readouterr().err) == ours
+    optimizer.load_state_dict(state)
+    train.attachToDevice()
+    assert ("[info] Writing optimiser state tensors from host to IPU memory." in
+            capfd.readouterr().err) == ours

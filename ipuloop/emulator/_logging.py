@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-__all__ = ["logger", "setLogLevel", "setPopartLogLevel", "popart_log_level", "LEVEL_NAMES"]
+__all__ = ["logger", "setLogLevel", "setPopartLogLevel", "popart_log_level", "LEVEL_NAMES",
+           "show_compilation_progress"]
 
 logger = logging.getLogger("poptorch::python")
 
@@ -65,6 +66,17 @@ def setPopartLogLevel(level: str) -> None:
 def popart_log_level() -> str:
     """The level last given to ``setPopartLogLevel`` (WARN by default)."""
     return _popart_level[0]
+
+
+def show_compilation_progress() -> None:
+    """PopTorch's "Graph compilation" progress bar (tqdm, on stderr), shown complete: the
+    emulator's compilation (a trace and checks) has no stages worth showing one by one."""
+    import tqdm  # only where a compilation shows it
+
+    bar = tqdm.tqdm(desc="Graph compilation", total=100,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+    bar.update(100)
+    bar.close()
 
 
 class _Formatter(logging.Formatter):

@@ -37,6 +37,7 @@ from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
 from . import inputs as _inputs
+from . import options as _options_mod
 from .anchors import Anchors
 from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
 from .enums import ConnectionType, OutputMode, ReductionType
@@ -254,6 +255,9 @@ class PoplarExecutor(HardwareOnly):
             if o.connection_type != ConnectionType.Never:  # offline target: compile only
                 self._attach()  # uploads weights, optimizer and RNG, as on hardware
             self._trace(leaves, spec, prod, di, ga, rf)
+            _options_mod.log_compiled_options(o, self.num_ipus // rf)
+            if o._show_compilation_progress_bar:
+                _logging.show_compilation_progress()
         except BaseException:
             # A failed compilation leaves no executable behind (PopTorch: isCompiled() False).
             self._compiled = self._attached = False

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import _logging
 from . import distributed as _distributed
 from . import optim as _optim
 from .enums import MeanReductionStrategy
@@ -40,6 +41,7 @@ class OptimizerSync:
         self.snapshot: dict | None = None  # the hyper-parameters the device has
         self.constants: set[str] = set()  # those the executable fixed
         self.dirty = False  # the host's state must be uploaded before the next run
+        self.host_stale = False  # the device's state changed since the host last read it
         self.loss_scaling = 1.0
         self._device_params: list[torch.Tensor] = []  # the device optimizer's, in group order
         self._plain_zero_grad = False  # its zero_grad() is torch's: ``step`` clears grads itself
@@ -68,7 +70,10 @@ class OptimizerSync:
 
         def state_dict():
             if self.device is not None and self._owner._attached:
+                self._note_read()
                 return self.device_state_dict()
+            if self.device is not None:  # detached: read back when it detached
+                self._note_read()
             return cls_state_dict(opt)
 
         def load_state_dict(sd):
@@ -76,6 +81,15 @@ class OptimizerSync:
             self.dirty = True
 
         opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
+
+    def _note_read(self) -> None:
+        """PopTorch's words when a ``poptorch.optim`` optimizer's state is read: copied from
+        the device (INFO) if it changed since the last read, else the host's copy (DEBUG)."""
+        if self.host_stale:
+            _logging.logger.info("Writing optimiser state tensors from IPU to host.")
+            self.host_stale = False
+        else:
+            _logging.logger.debug("Using cached optimiser state dict")
 
     @staticmethod
     def unpatch(opt: torch.optim.Optimizer) -> None:
@@ -94,6 +108,8 @@ class OptimizerSync:
         """Copy the host optimizer to the device: its copy runs on ``host_params`` (the tensors
         the device's weights are swapped into for a run)."""
         opt = self.optimizer
+        if self.dirty and isinstance(opt, _optim.Optimizer):  # a loaded state reaches the device
+            _logging.logger.info("Writing optimiser state tensors from host to IPU memory.")
         memo = {id(h): h for h in host_params}  # runs on them, swapped in
         for group in opt.param_groups:
             for p in group["params"]:
@@ -122,6 +138,7 @@ class OptimizerSync:
         self.constants = _optim.constant_attributes(opt)
         self.loss_scaling = _optim.loss_scaling(opt)
         self.dirty = False
+        self.host_stale = True  # as after PopTorch's compile: the host has not read it yet
 
     def step(self) -> None:
         """One update of the device's weights from the gradients the call's micro-batches left
@@ -129,6 +146,7 @@ class OptimizerSync:
         directly when it is torch's own and no profiler records its scope."""
         dev = self.device
         dev.step()
+        self.host_stale = True
         if self._plain_zero_grad and not _profiler_enabled():
             for p in self._device_params:
                 p.grad = None
@@ -138,6 +156,7 @@ class OptimizerSync:
     def download(self) -> None:
         """Copy the device's state into a ``poptorch.optim`` host optimizer."""
         if self.device is not None and isinstance(self.optimizer, _optim.Optimizer):
+            self._note_read()
             type(self.optimizer).load_state_dict(self.optimizer, self.device_state_dict())
 
     def release(self) -> None:
