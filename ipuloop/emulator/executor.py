@@ -325,7 +325,8 @@ class PoplarExecutor(HardwareOnly):
         mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
             == ReductionType.Mean
         self._anchors = _anchors.Anchors(o, self._training, self._weights, (di, ga, rf, mean),
-                                         lambda: self._trained_version)
+                                         lambda: self._trained_version,
+                                         self._opt.anchor_scalars() if self._training else {})
 
     def _attach(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
@@ -549,6 +550,8 @@ class PoplarExecutor(HardwareOnly):
                         final[r] = outs
             if training:
                 step()  # the device iteration's gradients are complete: one update
+                # the next one's loss scale (automatic loss scaling changes it each update)
+                scale = self._opt.loss_scaling / (ga * rf) if mean else self._opt.loss_scaling
         rows = kept if keep_all else final
         return _anchors.assemble(rows, self._tensor_out, self._out_spec)
 
