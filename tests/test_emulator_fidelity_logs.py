@@ -304,3 +304,26 @@ def test_optimizer_state_read_back_is_logged(capfd, optim):
     train.attachToDevice()
     assert ("[info] Writing optimiser state tensors from host to IPU memory." in
             capfd.readouterr().err) == ours
+
+
+def test_is_compiling_with_dispatcher_only_while_compiling():
+    """python/poptorch.cpp ``isCompilingWithDispatcher``: True while PopTorch traces the model
+    to compile it, False before and after, also after a failed compilation (tests/
+    tensor_ops_test.py ``op_harness`` checks that)."""
+    seen = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            seen.append(poptorch.poptorch_core.isCompilingWithDispatcher())
+            if x.shape[0] == 3:
+                raise ValueError("refused")
+            return x * 2
+
+    model = poptorch.inferenceModel(Spy())
+    assert not poptorch.poptorch_core.isCompilingWithDispatcher()
+    model(torch.ones(2))
+    model(torch.ones(2))
+    assert seen == [True, False, False]  # the trace, then the two runs
+    with pytest.raises(ValueError, match="refused"):
+        poptorch.inferenceModel(Spy())(torch.ones(3))
+    assert not poptorch.poptorch_core.isCompilingWithDispatcher()

@@ -1,17 +1,20 @@
 """``poptorch.poptorch_core``: the error classes PopTorch's compiled core defines.
 
 PopTorch re-exports ``Error``, ``RecoverableError`` and ``UnrecoverableError`` from its C++
-module; programs catch them by either name. The rest of that module drives the Poplar
-compiler (option validation, IR and test hooks) and is refused with ``poptorch.Error``.
+module; programs catch them by either name. ``isCompilingWithDispatcher()`` says whether a
+model is being compiled (traced). The rest of that module drives the Poplar compiler (option
+validation, IR and test hooks) and is refused with ``poptorch.Error``.
 """
 from __future__ import annotations
 
 import enum
 from typing import Any
 
+from .blocks import Block
 from .errors import Error
 
-__all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType", "CoreOnlyError"]
+__all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType", "CoreOnlyError",
+           "isCompilingWithDispatcher"]
 
 
 class RecoverableError(Error):
@@ -36,6 +39,12 @@ class TestErrorType(enum.IntEnum):
     PoplarUnknown = 5
     PoplarRecoverableFullReset = 6
     PoplarLinkError = 7
+
+
+def isCompilingWithDispatcher() -> bool:
+    """True while a model is being compiled: the emulator traces its first micro-batch (a
+    failed compilation leaves it False)."""
+    return Block._trace is not None
 
 
 class CoreOnlyError(Error, AttributeError):
