@@ -404,8 +404,8 @@ def test_async_loader_referenced_only_by_its_iterator_yields_every_batch():
     gc.collect()
 
 
-def test_async_rebatched_workers_read_the_combined_batch_size():
-    sizes = []
+def test_async_rebatched_workers_read_the_combined_batch_size(tmp_path):
+    record = tmp_path / "sizes"  # collate runs in the accessor's worker process
 
     class Recording(torch.utils.data.Dataset):
         def __len__(self):
@@ -415,16 +415,18 @@ def test_async_rebatched_workers_read_the_combined_batch_size():
             return torch.tensor([float(i)])
 
     def collate(items):
-        sizes.append(len(items))
+        with open(record, "a") as f:
+            f.write(f"{len(items)}\n")
         return torch.stack(items)
 
     opts = poptorch.Options().deviceIterations(4)
     loader = DataLoader(opts, Recording(), mode=DataLoaderMode.AsyncRebatched, drop_last=False,
                         collate_fn=collate)
     assert [x.flatten().tolist() for x in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    loader.terminate()
+    sizes = [int(n) for n in record.read_text().split()]
     assert sizes[:3] == [4, 4, 2]  # PopTorch's worker batch: the combined batch size (the
     # next epoch may already be loading: load_indefinitely)
-    loader.terminate()
 
 
 def test_async_dataset_failing_at_start_raises_poptorch_error():

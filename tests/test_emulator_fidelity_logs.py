@@ -327,3 +327,199 @@ def test_is_compiling_with_dispatcher_only_while_compiling():
     with pytest.raises(ValueError, match="refused"):
         poptorch.inferenceModel(Spy())(torch.ones(3))
     assert not poptorch.poptorch_core.isCompilingWithDispatcher()
+
+
+def test_poptorch_reads_its_environment_when_the_program_imports_it(tmp_path):
+    """python/_logging.py reads POPTORCH_LOG_LEVEL when ``poptorch`` is imported: a program
+    run with ``python -m ipuloop.emulate`` that sets it before ``import poptorch`` gets that
+    level (PopTorch's tests/dataloader_test.py sets it so)."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        os.environ["POPTORCH_LOG_LEVEL"] = "INFO"
+        import logging, poptorch
+        import poptorch.data
+        print(logging.getLevelName(poptorch.logger.level), poptorch.__name__,
+              poptorch.data is poptorch.DataLoader.__module__ and False or
+              poptorch.data.DataLoader is poptorch.DataLoader)
+    """))
+    r = subprocess.run([sys.executable, "-m", "ipuloop.emulate", str(script)],
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["INFO", "ipuloop.emulator", "True"]
+
+
+# -- 8. AsynchronousDataAccessor's worker process, Block details ----------------------------
+
+class _Pids(torch.utils.data.Dataset):
+    """Each sample: the id of the process that read it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([os.getpid(), i])
+
+
+def test_accessor_reads_in_a_worker_process_whose_pid_is_logged(capfd):
+    """python/_dataloader.py ``_AsynchronousWorker._start`` / ``_mainLoopNoInterrupt``: the
+    dataset is read in a worker process; at DEBUG PopTorch logs "AsynchronousDataAccessor
+    parent process: PID" and "... worker process: PID" (tests/dataloader_test.py finds the
+    worker's PID there to Ctrl-C it)."""
+    poptorch.setLogLevel("DEBUG")
+    loader = poptorch.DataLoader(poptorch.Options(), _Pids(), batch_size=2,
+                                 mode=poptorch.DataLoaderMode.Async)
+    worker = loader._accessor._worker
+    assert worker.pid != os.getpid() and worker.isAlive()
+    batches = list(loader)
+    assert [int(i) for b in batches for i in b[:, 1]] == list(range(8))
+    assert {int(p) for b in batches for p in b[:, 0]} == {worker.pid}
+    loader.terminate()
+    assert not worker.isAlive()
+    err = capfd.readouterr().err
+    assert f"[debug] AsynchronousDataAccessor parent process: {os.getpid()}" in err
+    assert f"[debug] AsynchronousDataAccessor worker process: {worker.pid}" in err
+
+
+def _ready_slots(loader) -> int:
+    return sum(loader._accessor._worker._data_buffers.indices_mem)
+
+
+def test_early_preload_fills_the_buffers_before_iterating():
+    """python/_dataloader.py ``_mainLoopNoInterrupt``: the worker reads the first batch at once
+    and, with ``early_preload``, goes on filling its ``buffer_size`` buffers before the first
+    ``iter()`` (tests/dataloader_test.py ``test_early_preload``)."""
+    import time
+
+    def loader(preload: bool):
+        return poptorch.DataLoader(poptorch.Options(), _Pids(), batch_size=1, num_workers=1,
+                                   mode=poptorch.DataLoaderMode.Async,
+                                   async_options={"early_preload": preload, "buffer_size": 5})
+
+    preload, no_preload = loader(True), loader(False)
+    deadline = time.monotonic() + 60
+    while _ready_slots(preload) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ready_slots(preload) == 5
+    assert _ready_slots(no_preload) == 1
+    assert len(list(no_preload)) == 8 and len(list(preload)) == 8
+    preload.terminate()
+    no_preload.terminate()
+
+
+def test_ctrl_c_in_the_accessor_prints_nothing():
+    """python/_dataloader.py ``_mainLoop``: a worker interrupted by SIGINT ends quietly, and
+    so does the program interrupted after it (tests/dataloader_test.py
+    ``test_KeyboardInterrupt_in_async_data_accessor``: only [debug] and the program's lines)."""
+    import re
+    import signal
+    code = textwrap.dedent("""
+        import os, time
+        os.environ["POPTORCH_LOG_LEVEL"] = "DEBUG"
+        import ipuloop.emulate; ipuloop.emulate.install()
+        import poptorch, torch
+        data = torch.utils.data.TensorDataset(torch.randn(64, 3), torch.arange(64))
+        loader = poptorch.DataLoader(poptorch.Options(), data, batch_size=4, num_workers=2,
+                                     mode=poptorch.DataLoaderMode.Async)
+        for _ in loader:
+            pass
+        try:
+            print("[control] ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("[control] interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-u", "-c", code], env=dict(os.environ,
+                            PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines, worker = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        found = re.match(r".*AsynchronousDataAccessor worker process: (\d+)", line)
+        worker = int(found.group(1)) if found else worker
+        if line.startswith("[control] ready"):
+            break
+    assert worker is not None, "".join(lines)
+    os.kill(worker, signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    lines += list(proc.stdout)
+    assert proc.wait(timeout=60) == 0
+    assert "[control] interrupted\n" in lines
+    unexpected = [x for x in lines if "[debug]" not in x and "[control]" not in x]
+    assert not unexpected, "".join(lines)
+
+
+def test_broken_dataset_worker_prints_its_traceback(capfd):
+    """python/_dataloader.py: a dataset that fails in the worker process prints its traceback
+    there ("worker thread failed to start (Check above for details)"; tests/dataloader_test.py
+    ``test_subprocess_broken_dataset`` looks for "AssertionError: Broken dataset")."""
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            assert False, "Broken dataset"
+
+    data = poptorch.DataLoader(poptorch.Options(), Broken(), batch_size=1)
+    with pytest.raises(poptorch.Error, match="worker thread failed to start"):
+        poptorch.AsynchronousDataAccessor(data)
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "AssertionError: Broken dataset" in err
+
+
+class BlockFnModel(nn.Module):
+    """tests/pipelining_test.py's model of two block functions."""
+
+    def forward(self, x):
+        poptorch.Block.useAutoId()
+        return self.mult_2(self.mult_4(x))
+
+    @poptorch.BlockFunction(ipu_id=0)
+    def mult_4(self, x):
+        return x * 4
+
+    @poptorch.BlockFunction(ipu_id=1)
+    def mult_2(self, x):
+        return x * 2
+
+
+def test_pickling_a_wrapped_model_with_block_functions():
+    """tests/pipelining_test.py ``test_block_function_saving``: ``torch.save`` of an
+    inferenceModel whose model has block functions; loaded, it runs as a new wrapper."""
+    import io
+    opts = poptorch.Options().deviceIterations(2)
+    model = poptorch.inferenceModel(BlockFnModel(), opts)
+    model(torch.ones(2, 2))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False) if "weights_only" in \
+        torch.load.__code__.co_varnames else torch.load(buf)
+    assert torch.equal(loaded(torch.ones(2, 2)), torch.full((2, 2), 8.0))
+
+
+def model_fn(x):
+    return x * 3
+
+
+def test_legacy_begin_block_on_a_function():
+    """python/ops.py ``BeginBlock`` / ``LegacyBeginBlockFn``: a plain callable gets a wrapper
+    with ``_user_id`` and ``_ipu_id`` that pickles (tests/pipelining_test.py
+    ``test_begin_block_with_function``)."""
+    import io
+    block = poptorch.BeginBlock(model_fn, 1, 2)
+    assert (block._user_id, block._ipu_id) == (1, 2)
+    assert torch.equal(block(torch.ones(2)), torch.full((2,), 3.0))
+    torch.save(block, io.BytesIO())
+
+
+def test_wrapper_repr_shows_begin_blocks():
+    """python/_poplar_executor.py ``PoplarExecutor.__repr__``: the model as
+    ``module_repr`` shows it, each BeginBlock before its module (tests/pipelining_test.py
+    ``test_begin_block_printing``)."""
+    model = nn.Sequential(nn.Linear(1, 1), nn.ReLU())
+    poptorch.BeginBlock(model[0], ipu_id=1)
+    text = repr(poptorch.inferenceModel(model))
+    assert text == poptorch.module_repr(model)
+    assert "(0): BeginBlock(user_id=None, ipu_id=1) Linear(" in text

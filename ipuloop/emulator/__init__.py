@@ -16,7 +16,7 @@ from . import checks as _checks
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
-                     removeBlocks)
+                     module_repr, removeBlocks)
 from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
 from .enums import (CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType,
@@ -67,20 +67,6 @@ def setLogLevel(level: int | str) -> None:
     """Set how much PopTorch prints (``poptorch.logger``): TRACE, DEBUG, INFO, WARN, ERR or
     OFF, or PopTorch's legacy integer for one of them (0, 1, 2, 3, 4 or 6)."""
     _logging.setLogLevel(level)
-
-
-def module_repr(m: torch.nn.Module) -> str:
-    """``repr(m)`` with each module's forward pre-hooks (its ``BeginBlock``) before its name."""
-    extra = m.extra_repr()
-    lines = extra.split("\n") if extra else []
-    lines += [f"({name}): " + (module_repr(child) if child is not None else "None")
-              .replace("\n", "\n  ") for name, child in m._modules.items()]
-    hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values())
-    if len(lines) == 1 and extra and not m._modules:
-        body = lines[0]
-    else:
-        body = "\n  " + "\n  ".join(lines) + "\n" if lines else ""
-    return f"{hooks}{m._get_name()}({body})"
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:

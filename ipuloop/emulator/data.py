@@ -2,22 +2,27 @@
 
 One iteration of a ``DataLoader`` is one model call: it yields batches of
 ``batch_size * deviceIterations * (replicationFactor // input_group_size) * gradientAccumulation``
-samples. PopTorch's accessor prefetches in a worker process through a shared-memory ring buffer;
-the emulator prefetches in a daemon thread through a bounded buffer. It yields the same batches
-in the same order as Sync mode, and returns fresh tensors (PopTorch's are overwritten by the
-next batch, so code that clones them behaves the same on both).
+samples. As PopTorch's, the emulator's accessor reads the dataset in a worker process (forked:
+the dataset need not be picklable, its batches must be); the batches reach the host through
+shared memory, and a thread of the host process prefetches them into a bounded buffer. It
+yields the same batches in the same order as Sync mode, and returns fresh tensors (PopTorch's
+are overwritten by the next batch, so code that clones them behaves the same on both).
 """
 from __future__ import annotations
 
 import abc
 import atexit
 import collections
+import functools
 import itertools
+import os
 import threading
+import traceback
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.multiprocessing
 from . import _logging
 from . import _pytree as pytree
 from torch.utils.data import IterableDataset
@@ -400,6 +405,144 @@ class DataLoader(torch.utils.data.DataLoader):
 
 
 _ITEM, _EOF = 0, 1
+_ERROR, _EPOCH, _STOP = 2, 3, 4
+
+
+def _worker_main(make_iter: Callable[[], Iterator[Any]], commands: Any, out: Any,
+                 credits: Any) -> None:
+    """The accessor's worker process: on each ``(_EPOCH, n)`` command, iterate a new epoch and
+    send ``(n, _ITEM, batch)`` messages then ``(n, _EOF, None)``, each once the host has a free
+    slot (``credits``); a new command abandons the epoch. Ctrl-C ends it quietly, as
+    PopTorch's worker does (the host sees the end of its pipe)."""
+    try:
+        logger.debug("AsynchronousDataAccessor worker process: %d", os.getpid())
+        while True:
+            kind, epoch = commands.recv()
+            while kind == _EPOCH:
+                kind, epoch = _worker_epoch(make_iter, epoch, commands, out, credits)
+                if kind is None:  # the epoch ended: wait for the next command
+                    break
+            if kind == _STOP:
+                return
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        return
+
+
+def _worker_epoch(make_iter: Callable[[], Iterator[Any]], epoch: int, commands: Any, out: Any,
+                  credits: Any) -> tuple[int | None, int]:
+    """One epoch of ``_worker_main``; returns the command that cut it short, or (None, 0)."""
+    def send(kind: int, payload: Any) -> tuple[int | None, int]:
+        while not credits.acquire(timeout=0.05):
+            if commands.poll():
+                return commands.recv()
+        if commands.poll():  # a command that came while the host's slots were full
+            credits.release()
+            return commands.recv()
+        try:
+            out.put((epoch, kind, payload))
+        except Exception as e:  # noqa: BLE001 - e.g. a batch that cannot be pickled
+            out.put((epoch, _ERROR, RuntimeError(
+                f"the worker process could not send a batch to the host process: "
+                f"{type(e).__name__}: {e}")))
+        return None, 0
+
+    try:
+        for batch in make_iter():
+            command = send(_ITEM, batch)
+            if command[0] is not None:
+                return command
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - re-raised by the host
+        traceback.print_exc()  # as PopTorch's worker process prints it ("Check above")
+        try:
+            out.put((epoch, _ERROR, e))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            out.put((epoch, _ERROR, RuntimeError(f"{type(e).__name__}: {e}")))
+        return None, 0
+    command = send(_EOF, None)
+    return command if command[0] is not None else (None, 0)
+
+
+class _WorkerProcess:
+    """The process an ``AsynchronousDataAccessor`` reads its dataset in. ``epoch()`` starts a
+    new epoch there (abandoning the one before) and yields its batches; ``pid`` is the
+    process's, which PopTorch logs at DEBUG."""
+
+    def __init__(self, make_iter: Callable[[], Iterator[Any]], buffer_size: int) -> None:
+        ctx = torch.multiprocessing.get_context("fork")  # tensors cross in shared memory
+        self._commands, commands = ctx.Pipe()
+        self._out = ctx.SimpleQueue()
+        self._credits = ctx.Semaphore(max(1, buffer_size))
+        self._epoch = 0
+        self._stopped = False
+        logger.debug("AsynchronousDataAccessor parent process: %d", os.getpid())
+        self.process = ctx.Process(target=_worker_main, name="AsynchronousDataAccessor",
+                                   args=(make_iter, commands, self._out, self._credits))
+        self.process.start()
+        self.pid = self.process.pid
+        self._data_buffers: Any = None  # set by the accessor: what PopTorch's ring buffer holds
+
+    def isAlive(self) -> bool:
+        return self.process.exitcode is None
+
+    def exitCode(self) -> int | None:
+        return self.process.exitcode
+
+    def epoch(self) -> Iterator[Any]:
+        """The batches of a new epoch, read in the worker."""
+        self._epoch += 1
+        epoch = self._epoch
+        self._commands.send((_EPOCH, epoch))
+        return self._read(epoch)
+
+    def _read(self, epoch: int) -> Iterator[Any]:
+        while True:
+            got, kind, payload = self._next()
+            self._credits.release()
+            if got != epoch:
+                continue  # a batch of an abandoned epoch
+            if kind == _EOF:
+                return
+            if kind == _ERROR:
+                raise payload
+            yield payload
+
+    def _next(self) -> tuple[int, int, Any]:
+        while not self._out._poll(0.05):  # noqa: SLF001 - SimpleQueue's own poll
+            if self.process.exitcode is not None or self._stopped:
+                raise EOFError("the AsynchronousDataAccessor worker process ended")
+        return self._out.get()
+
+    def stop(self) -> None:
+        """End the worker process (a Ctrl-C'd one has already ended)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._commands.send((_STOP, 0))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=2)
+        if self.process.exitcode is None:
+            self.process.terminate()
+            self.process.join(timeout=2)
+
+
+class _RingBufferView:
+    """``accessor._worker._data_buffers``: PopTorch's worker flags each of its ``buffer_size``
+    ring buffer slots that holds a batch ready for the host (``indices_mem``); here, the
+    batches the host has prefetched, the first batch (read at construction) included."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self._channel = channel
+
+    @property
+    def indices_mem(self) -> list[int]:
+        c = self._channel
+        with c.cond:
+            ready = len(c.buf) + (0 if c.started else c.held)
+        return [1 if i < ready else 0 for i in range(c.size)]
 
 
 class _Channel:
@@ -415,13 +558,14 @@ class _Channel:
         self.size = max(1, size)
         self.gen = 0
         self.started = self.stopped = self.finished = self.is_ready = False
+        self.held = 0  # batches the producer read before the consumer started
         self.error: BaseException | None = None
         self.setup_error: BaseException | None = None
 
-    def ready(self, error: BaseException | None) -> None:
-        """The producer read the first batch (``error``: it could not)."""
+    def ready(self, error: BaseException | None, held: int = 0) -> None:
+        """The producer read the first batch (``error``: it could not; ``held``: how many)."""
         with self.cond:
-            self.is_ready, self.setup_error = True, error
+            self.is_ready, self.setup_error, self.held = True, error, held
             self.cond.notify_all()
 
     def wait_ready(self) -> BaseException | None:
@@ -487,6 +631,11 @@ class _Channel:
             return False
 
 
+def _stop_all(channel: _Channel, worker: _WorkerProcess) -> None:
+    channel.stop()
+    worker.stop()
+
+
 def _epoch(make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
            drop_last: bool) -> Iterator[Any]:
     batches = make_iter()
@@ -505,7 +654,7 @@ def _produce(channel: _Channel, make_iter: Callable[[], Iterator[Any]], rebatche
         except BaseException as e:  # noqa: BLE001 - raised by the accessor's constructor
             channel.ready(e)
             return
-        channel.ready(None)
+        channel.ready(None, len(first))
         gen = channel.wait_start()
         while gen is not None:
             if batches is None:
@@ -542,7 +691,11 @@ class AsynchronousDataAccessor:
             is always read at once, as PopTorch's worker does: a dataset that cannot produce
             it raises ``poptorch.Error`` here).
         rebatched_size: re-cut the incoming batches into batches of this size (> 1).
-        miss_sleep_time_in_ms, sharing_strategy: accepted, unused (a thread needs neither).
+        miss_sleep_time_in_ms, sharing_strategy: accepted, unused (the worker process is
+            forked whatever the strategy).
+
+    The worker process's PID is logged at DEBUG ("AsynchronousDataAccessor worker process:
+    PID"), as PopTorch logs it; ``accessor._worker`` is that process.
 
     Example::
 
@@ -575,16 +728,19 @@ class AsynchronousDataAccessor:
         self._consumed = False  # something was returned since the last iter()
         self._at_eof = False
 
-        def make_iter() -> Iterator[Any]:
+        def make_iter() -> Iterator[Any]:  # in the worker process
             return dataset._sync_iter() if ours else iter(dataset)
 
         channel = _Channel(buffer_size)
+        worker = self._worker = _WorkerProcess(make_iter, buffer_size)
+        worker._data_buffers = _RingBufferView(channel)
         thread = threading.Thread(
             target=_produce, name="poptorch.AsynchronousDataAccessor", daemon=True,
-            args=(channel, make_iter, rebatched_size, getattr(dataset, "rebatched_drop_last", True),
-                  load_indefinitely))
+            args=(channel, worker.epoch, rebatched_size,
+                  getattr(dataset, "rebatched_drop_last", True), load_indefinitely))
         self._channel, self._thread = channel, thread
-        atexit.register(channel.stop)  # never block interpreter exit
+        self._stop_at_exit = functools.partial(_stop_all, channel, worker)
+        atexit.register(self._stop_at_exit)  # never block interpreter exit
         thread.start()
         error = channel.wait_ready()
         if error is not None:
@@ -597,13 +753,14 @@ class AsynchronousDataAccessor:
                 channel.cond.notify_all()
 
     def terminate(self) -> None:
-        """Stop the prefetch thread. Also runs on garbage collection and at exit."""
+        """Stop the worker process and the prefetch thread. Also runs on garbage collection
+        and at exit."""
         channel = self.__dict__.get("_channel")
         if channel is None:
             return
         self._channel = None
-        channel.stop()
-        atexit.unregister(channel.stop)
+        self._stop_at_exit()
+        atexit.unregister(self._stop_at_exit)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 

@@ -155,8 +155,18 @@ class PoplarExecutor(HardwareOnly):
         return getattr(self._user_model, name)
 
     def __repr__(self) -> str:
-        kind = "trainingModel" if self._training else "inferenceModel"
-        return f"poptorch.{kind}({self._user_model!r})"
+        """The user's model as ``poptorch.module_repr`` shows it (PopTorch: its BeginBlocks)."""
+        return _blocks.module_repr(self._user_model)
+
+    def __reduce__(self) -> tuple:
+        """An inference wrapper pickles as its model and options, wrapped anew when loaded (no
+        executable is pickled); a training wrapper (it owns the model's class and parameters)
+        does not."""
+        if self._training:
+            raise Error("A poptorch.trainingModel cannot be pickled: save the module's "
+                        "state_dict() (and the optimizer's) with torch.save, and wrap it again "
+                        "after loading.")
+        return (inferenceModel, (self._user_model, self._options))
 
     @property
     def model(self) -> torch.nn.Module:
