@@ -55,7 +55,8 @@ class CoreOnlyError(Error, AttributeError):
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    raise CoreOnlyError(f"poptorch.poptorch_core.{name} belongs to PopTorch's compiled core (the Poplar "
-                "compiler, its IR and its test hooks), which the ipuloop emulator does not "
-                "have. Only poptorch_core.Error, RecoverableError and UnrecoverableError exist "
-                "here; use the public poptorch API instead.")
+    raise CoreOnlyError(f"poptorch.poptorch_core.{name} belongs to PopTorch's compiled core "
+                        "(the Poplar compiler, its IR and its test hooks), which the ipuloop "
+                        "emulator does not have. Only poptorch_core.Error, RecoverableError, "
+                        "UnrecoverableError and isCompilingWithDispatcher exist here; use the "
+                        "public poptorch API instead.")
