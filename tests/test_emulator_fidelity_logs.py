@@ -523,3 +523,30 @@ def test_wrapper_repr_shows_begin_blocks():
     text = repr(poptorch.inferenceModel(model))
     assert text == poptorch.module_repr(model)
     assert "(0): BeginBlock(user_id=None, ipu_id=1) Linear(" in text
+
+
+class _GrowingBatches(torch.utils.data.Sampler):
+    """Batches of 1, 2, 3 ... indices: no length known in advance (no ``__len__``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        start, size = 0, 1
+        while start + size <= self.n:
+            yield list(range(start, start + size))
+            start, size = start + size, size + 1
+
+
+@pytest.mark.parametrize("mode", [poptorch.DataLoaderMode.Sync, poptorch.DataLoaderMode.Async])
+def test_batch_sampler_without_length(mode):
+    """python/__init__.py ``_batch_sampler_len`` (a batch sampler may have no length) and
+    ``AsynchronousDataAccessor.__init__`` (no drop_last check with a user's batch_sampler):
+    tests/dataloader_test.py ``test_custom_batch_sampler*``. Two batches per model call
+    (deviceIterations(2)) are concatenated."""
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(2), data,
+                                 batch_sampler=_GrowingBatches(10), mode=mode)
+    got = [b[0].tolist() for b in loader]
+    assert got == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]]
+    loader.terminate()
