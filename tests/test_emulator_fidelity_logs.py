@@ -550,3 +550,19 @@ def test_batch_sampler_without_length(mode):
     got = [b[0].tolist() for b in loader]
     assert got == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]]
     loader.terminate()
+
+
+def test_input_and_compile_warnings_in_poptorch_words(capfd):
+    """python/_poplar_executor.py ``_preprocessGraph`` ("Input tensor has requires_grad=True
+    set. This tensor will be detached because backward pass via inputs is not supported.") and
+    ``compile`` ("Call to compile() ignored: the executable is already compiled"), both
+    warnings on ``poptorch.logger`` (tests/tensor_ops_test.py ``test_requires_grad_true``)."""
+    import ipuloop.emulator.inputs as inputs
+    inputs._warned.discard("grad")  # said once per process
+    model = poptorch.inferenceModel(nn.Linear(1, 1))
+    model(torch.tensor([0.0], requires_grad=True))
+    model.compile(torch.tensor([0.0]))
+    err = capfd.readouterr().err
+    assert "[warning] Input tensor has requires_grad=True set. This tensor will be detached " \
+           "because backward pass via inputs is not supported.\n" in err
+    assert "[warning] Call to compile() ignored: the executable is already compiled\n" in err

@@ -25,7 +25,6 @@ import collections
 import contextlib
 import datetime
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -220,8 +219,7 @@ class PoplarExecutor(HardwareOnly):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile for these inputs without running (PopTorch: explicit AOT compilation)."""
         if self._compiled:
-            logger.warning("Call to compile() ignored: the model has already been compiled.")
-            warnings.warn("the model has already been compiled; compile() ignored", stacklevel=2)
+            logger.warning("Call to compile() ignored: the executable is already compiled")
             return
         self._compile(args, kwargs)
 

@@ -46,7 +46,7 @@ def prepare(x: Any, device: torch.device, on_cpu: bool) -> Any:
         if "grad" not in _warned:
             _warned.add("grad")
             logger.warning("Input tensor has requires_grad=True set. This tensor will be "
-                           "detached.")
+                           "detached because backward pass via inputs is not supported.")
         x = x.detach()
     if x.dtype in SENT_AS_FLOAT32:
         x = x.float()  # sent to the IPU as float32
