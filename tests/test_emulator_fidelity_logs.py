@@ -556,9 +556,8 @@ def test_input_and_compile_warnings_in_poptorch_words(capfd):
     """python/_poplar_executor.py ``_preprocessGraph`` ("Input tensor has requires_grad=True
     set. This tensor will be detached because backward pass via inputs is not supported.") and
     ``compile`` ("Call to compile() ignored: the executable is already compiled"), both
-    warnings on ``poptorch.logger`` (tests/tensor_ops_test.py ``test_requires_grad_true``)."""
-    import ipuloop.emulator.inputs as inputs
-    inputs._warned.discard("grad")  # said once per process
+    warnings on ``poptorch.logger``, the first at each compilation (tests/tensor_ops_test.py
+    ``test_requires_grad_true``)."""
     model = poptorch.inferenceModel(nn.Linear(1, 1))
     model(torch.tensor([0.0], requires_grad=True))
     model.compile(torch.tensor([0.0]))
@@ -566,3 +565,6 @@ def test_input_and_compile_warnings_in_poptorch_words(capfd):
     assert "[warning] Input tensor has requires_grad=True set. This tensor will be detached " \
            "because backward pass via inputs is not supported.\n" in err
     assert "[warning] Call to compile() ignored: the executable is already compiled\n" in err
+    model(torch.tensor([0.0], requires_grad=True))  # compiled: not said again
+    poptorch.inferenceModel(nn.Linear(1, 1))(torch.tensor([0.0], requires_grad=True))
+    assert capfd.readouterr().err.count("Input tensor has requires_grad=True set") == 1

@@ -249,6 +249,7 @@ class PoplarExecutor(HardwareOnly):
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         _inputs.check_batch(leaves, di, ga, rf, o.input_group_size)
+        _inputs.warn_at_compile(leaves)
         if self._opt is not None:  # numProcesses > 1: join the others (distributed.py)
             self._opt.join(o, self._device, self._user_model, self._weights.host_params)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
