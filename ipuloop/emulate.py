@@ -7,30 +7,69 @@ SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``; its exit status
 """
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
 import runpy
 import sys
+import types
+from typing import Any
 
 __all__ = ["install", "main", "BINDING"]
 
 
-_SUBMODULES = ("optim", "enums", "options")  # also importable as ``poptorch.<name>``
+# also importable as ``poptorch.<name>``
+_SUBMODULES = ("optim", "enums", "options", "poptorch_core", "_logging")
 # A folder whose ``poptorch`` module binds the emulator when a new interpreter imports it.
 BINDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_binding")
 
 
+class _Bound(importlib.abc.Loader):
+    """Loads ``poptorch`` and ``poptorch.<name>`` as the emulator's modules themselves."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return self._module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _PoptorchFinder(importlib.abc.MetaPathFinder):
+    """``import poptorch`` imports the emulator then, not before: as PopTorch, it reads its
+    environment variables (``POPTORCH_LOG_LEVEL``, ...) when the program imports it."""
+
+    def find_spec(self, fullname: str, path: Any = None,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "poptorch" and not fullname.startswith("poptorch."):
+            return None
+        real = "ipuloop.emulator" + fullname[len("poptorch"):]
+        return importlib.util.spec_from_loader(fullname, _Bound(importlib.import_module(real)))
+
+
 def install() -> None:
-    """Bind ``poptorch`` (and ``poptorch.optim/enums/options``) to the emulator for this
-    process and the Python processes it starts.
+    """Bind ``poptorch`` (and ``poptorch.<name>``) to the emulator for this process, at once
+    if a ``poptorch`` is already imported, else when the program imports it; and for the
+    Python processes it starts.
 
     A spawned or forkserver child takes the parent's ``sys.path``, and a subprocess reads
     ``PYTHONPATH``: both get ``BINDING`` first, so ``import poptorch`` there (the script,
     imported again as ``__mp_main__``, or anything unpickled) binds the emulator too.
     """
-    import ipuloop.emulator as emulator
-    sys.modules["poptorch"] = emulator
-    for name in _SUBMODULES:
-        sys.modules[f"poptorch.{name}"] = getattr(emulator, name)
+    for name in [n for n, m in sys.modules.items() if m is None and
+                 (n == "poptorch" or n.startswith("poptorch."))]:
+        del sys.modules[name]  # an import blocked before: let it find the emulator
+    if not any(isinstance(f, _PoptorchFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PoptorchFinder())
+    if "poptorch" in sys.modules:  # another poptorch already imported: replace it now
+        import ipuloop.emulator as emulator
+        sys.modules["poptorch"] = emulator
+        for name in _SUBMODULES:
+            sys.modules[f"poptorch.{name}"] = getattr(emulator, name)
     os.environ["IPULOOP_BACKEND"] = "emulator"
     if BINDING not in sys.path:
         sys.path.insert(0, BINDING)

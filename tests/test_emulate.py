@@ -158,6 +158,7 @@ def test_main_in_process_runs_script_as_main(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "poptorch", None)
     for name in emulate._SUBMODULES:
         monkeypatch.setitem(sys.modules, f"poptorch.{name}", None)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # install() adds a finder
     monkeypatch.setenv("IPULOOP_BACKEND", "auto")
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after
     monkeypatch.setattr(sys, "argv", list(sys.argv))

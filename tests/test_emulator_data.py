@@ -67,14 +67,14 @@ def test_drop_last_defaults_to_true():
 
 
 def test_remainder_warning_without_drop_last(caplog):
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         loader = DataLoader(opts(di=4), dataset(10), drop_last=False)
     assert ("The number of elements in the dataset (10) is not divisible by the number of "
             "elements processed per step (4) and drop_last=False. The last tensor will have a "
             "batch size of 2") in caplog.text
     assert len(loader) == 3 and firsts(loader)[-1] == [8, 9]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         DataLoader(opts(di=5), dataset(10), drop_last=False)
     assert caplog.text == ""
 
@@ -114,7 +114,7 @@ def test_batch_sampler_rules_and_concatenation(caplog):
     for bad in ({"batch_size": 2}, {"shuffle": True}):
         with pytest.raises(ValueError, match="mutually exclusive with batch_size, shuffle"):
             DataLoader(opts(di=4), dataset(11), batch_sampler=sampler, **bad)
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         loader = DataLoader(opts(di=4), dataset(11), batch_sampler=sampler)
     assert "not divisible" in caplog.text
     # len() is the sampler's (PopTorch's DataLoader.__len__: super().__len__()); iterating joins

@@ -1093,7 +1093,7 @@ def test_power_of_two_ipus_required():
 def test_power_of_two_rounded_with_auto_round(caplog):
     o = opts(di=3).autoRoundNumIPUs(True)
     model = poptorch.inferenceModel(ThreeIpu(), o)
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         assert model(torch.randn(3, IN)).shape == (3, OUT)
     assert any("4" in r.getMessage() and "autoRoundNumIPUs" in r.getMessage()
                for r in caplog.records)

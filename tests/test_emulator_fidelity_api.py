@@ -135,12 +135,12 @@ def test_subclassed_optimizer_warning_in_poptorch_words(caplog):
         pass
 
     model = Linear(training=True)
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert "does not run Python optimizer code directly" not in caplog.text
     for cls in (MyAdam, MyPoptorchSGD):
         model = Linear(training=True)
-        with caplog.at_level(logging.WARNING, logger="poptorch"):
+        with caplog.at_level(logging.WARNING, logger="poptorch::python"):
             poptorch.trainingModel(model, optimizer=cls(model.parameters(), lr=0.1))
         assert f"Optimizer `{cls.__name__}` subclassed from classes in poptorch.optim or " \
                "torch.optim are unlikely to behave as intended. Poptorch does not run Python " \
@@ -155,7 +155,7 @@ def test_attributes_added_after_the_wrap_are_warned_about_once(caplog):
     train(torch.ones(2, 1))
     opt.late = 0
     opt.param_groups[0]["initial_lr"] = 0.1
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         train.setOptimizer(opt)
         opt.loss_scaling = 3.0
         train.setOptimizer(opt)
@@ -168,7 +168,7 @@ def test_attributes_added_after_the_wrap_are_warned_about_once(caplog):
                                    optimizer=opt)
     opt.late = 0
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         train.setOptimizer(opt)
     assert caplog.text == ""
 
@@ -182,7 +182,7 @@ def test_log_levels_in_poptorch_words():
             "Unknown log level: wibble. Valid values are DEBUG, ERR, INFO, OFF, TRACE and WARN")):
         poptorch.setLogLevel("wibble")
     poptorch.setLogLevel("WARN")
-    assert logging.getLogger("poptorch").level == logging.WARNING
+    assert logging.getLogger("poptorch::python").level == logging.WARNING
 
 
 def test_for_loop_input_type_in_poptorch_words():
@@ -404,8 +404,8 @@ def test_async_loader_referenced_only_by_its_iterator_yields_every_batch():
     gc.collect()
 
 
-def test_async_rebatched_workers_read_the_combined_batch_size():
-    sizes = []
+def test_async_rebatched_workers_read_the_combined_batch_size(tmp_path):
+    record = tmp_path / "sizes"  # collate runs in the accessor's worker process
 
     class Recording(torch.utils.data.Dataset):
         def __len__(self):
@@ -415,16 +415,18 @@ def test_async_rebatched_workers_read_the_combined_batch_size():
             return torch.tensor([float(i)])
 
     def collate(items):
-        sizes.append(len(items))
+        with open(record, "a") as f:
+            f.write(f"{len(items)}\n")
         return torch.stack(items)
 
     opts = poptorch.Options().deviceIterations(4)
     loader = DataLoader(opts, Recording(), mode=DataLoaderMode.AsyncRebatched, drop_last=False,
                         collate_fn=collate)
     assert [x.flatten().tolist() for x in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    loader.terminate()
+    sizes = [int(n) for n in record.read_text().split()]
     assert sizes[:3] == [4, 4, 2]  # PopTorch's worker batch: the combined batch size (the
     # next epoch may already be loading: load_indefinitely)
-    loader.terminate()
 
 
 def test_async_dataset_failing_at_start_raises_poptorch_error():

@@ -166,22 +166,28 @@ def test_float32_master_weights_train_on_float16_activations():
 
 @NEEDS_CPU_HALF_BACKWARD
 def test_automatic_loss_scaling_and_partials_type_run():
-    """The emulator's loss scaling is the optimizer's static ``loss_scaling``; automatic loss
-    scaling is accepted and leaves the math as it is (README, 16-bit)."""
-    def train(auto: bool) -> torch.Tensor:
+    """Half partials are recorded (the host's kernels choose their accumulation: the math is
+    the same as with float partials); automatic loss scaling raises the loss scale of these
+    small gradients each step and trains to the statically scaled run's weights (README,
+    16-bit)."""
+    def train(auto: bool, partials: torch.dtype) -> torch.Tensor:
         model = Regress().half()
         o = poptorch.Options()
         o.Training.setAutomaticLossScaling(auto)
-        o.Precision.setPartialsType(torch.half)
+        o.Precision.setPartialsType(partials)
         opt = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=128.0)
         training = poptorch.trainingModel(model, o, optimizer=opt)
         x, y = torch.rand(8, 4).half(), torch.rand(8, 4).half()
         for _ in range(5):
             training(x, y)
+        if auto:
+            assert training._opt.loss_scaling == 128.0 * 2 ** 5
         return model.linear.weight.detach().clone()
 
-    assert torch.equal(train(True), train(False))
-    assert not torch.equal(train(True), Regress().half().linear.weight)
+    static = train(False, torch.half)
+    assert torch.equal(static, train(False, torch.float))
+    assert not torch.equal(static, Regress().half().linear.weight)
+    torch.testing.assert_close(train(True, torch.half), static, rtol=0, atol=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -207,7 +207,7 @@ def test_velocity_scaling_is_neutral_and_stored_scaled(caplog):
     p.grad = torch.ones(2)
     opt.step()
     assert torch.equal(opt.state[p]["momentum_buffer"], torch.full((2,), 8.0))
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         popt.SGD([p], lr=0.1, velocity_scaling=2.0)
     assert "velocity_scaling value ignored" in caplog.text
 
@@ -250,7 +250,7 @@ def _supported(params):
 
 def test_check_supported(caplog):
     p = [torch.nn.Parameter(torch.ones(2))]
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         for opt in _supported(p):
             popt.check_supported(opt)
     assert caplog.text == ""
@@ -262,7 +262,7 @@ def test_check_supported(caplog):
     class MySGD(torch.optim.SGD):
         pass
 
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         popt.check_supported(MySGD(p, lr=0.1))
         popt.check_supported(MySGD(p, lr=0.1))
     assert caplog.text.count("Poptorch does not run Python optimizer code directly") == 1  # once

@@ -246,7 +246,7 @@ def test_output_mode_rules(caplog):
         opts.outputMode(OutputMode.EveryN)
     opts.outputMode(OutputMode.EveryN, 2)
     assert (opts.output_mode, opts.output_return_period) == (OutputMode.EveryN, 2)
-    with caplog.at_level(logging.INFO, logger="poptorch"):
+    with caplog.at_level(logging.INFO, logger="poptorch::python"):
         opts.outputMode(OutputMode.Sum, 5)
     assert (opts.output_mode, opts.output_return_period) == (OutputMode.Sum, 1)
     assert "ignored" in caplog.text
@@ -293,7 +293,7 @@ def test_precision_partials_and_deprecated_noops(caplog):
     precision.setPartialsType(torch.half)
     assert precision._popart_options.options["partialsTypeMatMuls"] == "half"
     assert precision._popart_options.options["convolutionOptions"] == {"partialsType": "half"}
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         precision.halfFloatCasting(0)
         precision.runningStatisticsAlwaysFloat(True)
     assert caplog.text.count("deprecated") == 2
@@ -303,14 +303,14 @@ def test_precision_partials_and_deprecated_noops(caplog):
 
 def test_enable_profiling_records_engine_options_and_warns_on_env(monkeypatch, caplog):
     opts = Options()
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         opts.enableProfiling("/tmp/prof")
     assert "POPLAR_ENGINE_OPTIONS" not in caplog.text
     assert opts._Popart.options["engineOptions"] == {
         "debug.allowOutOfMemory": "true", "autoReport.directory": "/tmp/prof",
         "autoReport.all": "true"}
     monkeypatch.setenv("POPLAR_ENGINE_OPTIONS", '{"autoReport.all": "true"}')
-    with caplog.at_level(logging.WARNING, logger="poptorch"):
+    with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         Options().enableProfiling()
     assert "POPLAR_ENGINE_OPTIONS" in caplog.text
 

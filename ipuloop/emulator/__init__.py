@@ -5,23 +5,26 @@ Same names, same semantics, same errors as poptorch 3.x, where the host can repr
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 from . import _pytree as pytree
 
+from . import _logging
+from ._logging import logger
 from . import checks as _checks
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
-                     removeBlocks)
+                     module_repr, removeBlocks)
 from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
 from .enums import (CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
                     Liveness, MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType,
                     OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
                     VariableRetrievalMode)
 from .errors import Error
+from . import poptorch_core
+from .poptorch_core import RecoverableError, UnrecoverableError
 from .executor import (PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu,
                        registerPostCompileHook, registerPreCompileHook, trainingModel)
 from .options import Options, TensorLocationSettings
@@ -34,7 +37,8 @@ __all__ = [
     "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MatMulSerializationMode",
     "MeanReductionStrategy",
     "MultiConv", "MultiConvPlanType", "NameScope", "Options", "OutputMode", "OverlapMode",
-    "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "ReductionType",
+    "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
+    "RecoverableError", "ReductionType", "UnrecoverableError", "logger", "poptorch_core",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
     "TensorLocationSettings", "VariableRetrievalMode", "ctc_beam_search_decoder", "custom_op",
     "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
@@ -59,37 +63,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'poptorch' (ipuloop emulator) has no attribute {name!r}")
 
 
-_LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
-           "ERR": logging.ERROR, "OFF": logging.CRITICAL + 10}
-_LEGACY_LEVELS = {0: "TRACE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERR", 6: "OFF"}  # PopTorch's
-
-
 def setLogLevel(level: int | str) -> None:
-    """Set the "poptorch" logger's level: TRACE, DEBUG, INFO, WARN, ERR or OFF, or PopTorch's
-    legacy integer for one of them (0, 1, 2, 3, 4 or 6)."""
-    if isinstance(level, int):
-        if level not in _LEGACY_LEVELS:
-            raise ValueError(f"Invalid log level integer: {level}. Expected one of "
-                             f"{_LEGACY_LEVELS} or a name.")
-        level = _LEGACY_LEVELS[level]
-    if not isinstance(level, str) or level.upper() not in _LEVELS:
-        raise ValueError(f"Unknown log level: {level}. Valid values are "
-                         f"{', '.join(sorted(_LEVELS)[:-1])} and {sorted(_LEVELS)[-1]}")
-    logging.getLogger("poptorch").setLevel(_LEVELS[level.upper()])
-
-
-def module_repr(m: torch.nn.Module) -> str:
-    """``repr(m)`` with each module's forward pre-hooks (its ``BeginBlock``) before its name."""
-    extra = m.extra_repr()
-    lines = extra.split("\n") if extra else []
-    lines += [f"({name}): " + (module_repr(child) if child is not None else "None")
-              .replace("\n", "\n  ") for name, child in m._modules.items()]
-    hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values())
-    if len(lines) == 1 and extra and not m._modules:
-        body = lines[0]
-    else:
-        body = "\n  " + "\n  ".join(lines) + "\n" if lines else ""
-    return f"{hooks}{m._get_name()}({body})"
+    """Set how much PopTorch prints (``poptorch.logger``): TRACE, DEBUG, INFO, WARN, ERR or
+    OFF, or PopTorch's legacy integer for one of them (0, 1, 2, 3, 4 or 6)."""
+    _logging.setLogLevel(level)
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:

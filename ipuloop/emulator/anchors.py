@@ -4,6 +4,7 @@ the tensors anchored with ``Options.anchorTensor``.
 The emulator can anchor what exists outside the model's forward: each parameter (its device
 value), "Gradient___<name>" (its per-micro-batch gradient, times loss_scaling) and
 "UpdatedVar___<name>" (its value after the call's last update). "model." may prefix <name>.
+With automatic loss scaling, also "finalLossScale" and "lossScaleUpdateFactor" (Final).
 """
 from __future__ import annotations
 
@@ -81,12 +82,14 @@ class Anchors:
     """
 
     def __init__(self, options: Any, training: bool, weights: Any,
-                 factors: tuple[int, int, int, bool], version: Callable[[], int]) -> None:
+                 factors: tuple[int, int, int, bool], version: Callable[[], int],
+                 scalars: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
         self._training = training
+        self._scalars = dict(scalars or {})  # name -> its current value (one per call)
         self._weights = weights
         self._factors = factors
         self._version = version
-        self._anchors: dict[str, tuple[str, int, OutputMode, int]] = {}
+        self._anchors: dict[str, tuple[str, Any, OutputMode, int]] = {}
         self._grads: dict[int, list] = {}
         self._hooks: list[Any] = []
         if options.anchored_tensors:
@@ -100,6 +103,8 @@ class Anchors:
             i = index[id(p)]
             for kind in ("", "Gradient___", "UpdatedVar___") if self._training else ("",):
                 names[kind + name] = (kind, i)
+        for name in self._scalars:
+            names[name] = ("Scalar", -1)
         return names
 
     def _setup(self, o: Any) -> None:
@@ -126,7 +131,7 @@ class Anchors:
             if mode == OutputMode.EveryN:
                 rules.check_return_period(period, self._factors[0], Error,
                                           f"anchorTensor({short!r}, ..., EveryN, {period})")
-            self._anchors[short] = (kind, i, mode, period)
+            self._anchors[short] = (kind, kind_name if kind == "Scalar" else i, mode, period)
             if kind == "Gradient___" and i not in self._grads:
                 self._grads[i] = [-1, []]
                 self._hooks.append(self._weights.host_params[i].register_hook(
@@ -157,6 +162,8 @@ class Anchors:
         assert short_name in self._anchors, "No tensor with name " + short_name + " found."
         kind, i, mode, period = self._anchors[short_name]
         di, ga, rf, _ = self._factors
+        if kind == "Scalar":  # i: its name
+            return self._scalars[i]()
         if kind != "Gradient___":  # Final: one copy per replica (replicas hold equal weights)
             w = self._weights.dev_params[i].detach()
             return to_host(w.clone() if rf == 1 else torch.cat([w] * rf) if w.dim()

@@ -28,6 +28,7 @@ __all__ = [
     "PipelinedExecution",
     "SerialPhasedExecution",
     "ShardedExecution",
+    "module_repr",
     "Stage",
     "StageTrace",
     "removeBlocks",
@@ -240,15 +241,38 @@ class _BlockHook:
 
 
 class _LegacyBeginBlockFn:
-    """``BeginBlock`` applied to a plain callable (old PopTorch API): returns a wrapper."""
+    """``BeginBlock`` applied to a plain callable (old PopTorch API): returns a wrapper, with
+    PopTorch's ``_user_id`` and ``_ipu_id``; it pickles when the callable does."""
 
     def __init__(self, fn: Callable[..., Any], user_id: str | None, ipu_id: int | None) -> None:
         self._fn = fn
         self._hook = _BlockHook(user_id, ipu_id)
 
+    @property
+    def _user_id(self) -> str | None:
+        return self._hook._user_id
+
+    @property
+    def _ipu_id(self) -> int | None:
+        return self._hook._ipu_id
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._hook(None, args)
         return self._fn(*args, **kwargs)
+
+
+def module_repr(m: torch.nn.Module) -> str:
+    """``repr(m)`` with each module's forward pre-hooks (its ``BeginBlock``) before its name."""
+    extra = m.extra_repr()
+    lines = extra.split("\n") if extra else []
+    lines += [f"({name}): " + (module_repr(child) if child is not None else "None")
+              .replace("\n", "\n  ") for name, child in m._modules.items()]
+    hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values())
+    if len(lines) == 1 and extra and not m._modules:
+        body = lines[0]
+    else:
+        body = "\n  " + "\n  ".join(lines) + "\n" if lines else ""
+    return f"{hooks}{m._get_name()}({body})"
 
 
 def BeginBlock(layer_to_call: torch.nn.Module, user_id: str | None = None,

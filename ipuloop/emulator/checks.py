@@ -23,13 +23,13 @@ and the IPUs they need (``check_stages``) and ``backward()`` on a model's output
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.overrides import TorchFunctionMode
+from . import _logging
 from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -309,6 +309,6 @@ def check_stages(trace: Any, options: Any, training: bool, di: int, ga: int, rf:
                     f"replicationFactor({rf}): {problem}")
     reserved = rules.reserved_ipus(options, n)
     if reserved != n:
-        logging.getLogger("poptorch").warning(
+        _logging.logger.warning(
             "Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
     return n

@@ -55,13 +55,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import logging
 import os
 import warnings
 from typing import Any
 
 import torch
 
+from . import _logging
 from .. import rules
 from . import optim as _optim
 from .enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
@@ -69,7 +69,7 @@ from .errors import Error
 
 __all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "GradientReducer", "join", "timeout_seconds"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = rules.DIST_TIMEOUT_ENV, rules.DEFAULT_DIST_TIMEOUT
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")

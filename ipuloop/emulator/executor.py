@@ -26,20 +26,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import logging
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch.autograd.variable import Variable
 
+from . import _logging
 from .. import rules
 from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
 from . import constants as _constants
 from . import inputs as _inputs
+from . import options as _options_mod
 from . import replica_groups as _replica_groups
 from .anchors import Anchors
 from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
@@ -52,7 +52,7 @@ from .signature import Signature, unflatten as _unflatten
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 _run_backward = Variable._execution_engine.run_backward
 _NO_EXECUTABLE = "Model has not been compiled or has been destroyed."
@@ -161,8 +161,18 @@ class PoplarExecutor(HardwareOnly):
         return attr
 
     def __repr__(self) -> str:
-        kind = "trainingModel" if self._training else "inferenceModel"
-        return f"poptorch.{kind}({self._user_model!r})"
+        """The user's model as ``poptorch.module_repr`` shows it (PopTorch: its BeginBlocks)."""
+        return _blocks.module_repr(self._user_model)
+
+    def __reduce__(self) -> tuple:
+        """An inference wrapper pickles as its model and options, wrapped anew when loaded (no
+        executable is pickled); a training wrapper (it owns the model's class and parameters)
+        does not."""
+        if self._training:
+            raise Error("A poptorch.trainingModel cannot be pickled: save the module's "
+                        "state_dict() (and the optimizer's) with torch.save, and wrap it again "
+                        "after loading.")
+        return (inferenceModel, (self._user_model, self._options))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -216,8 +226,7 @@ class PoplarExecutor(HardwareOnly):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile for these inputs without running (PopTorch: explicit AOT compilation)."""
         if self._compiled:
-            logger.warning("Call to compile() ignored: the model has already been compiled.")
-            warnings.warn("the model has already been compiled; compile() ignored", stacklevel=2)
+            logger.warning("Call to compile() ignored: the executable is already compiled")
             return
         self._compile(args, kwargs)
 
@@ -250,6 +259,7 @@ class PoplarExecutor(HardwareOnly):
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
         _inputs.check_batch(leaves, di, ga, rf, o.input_group_size)
+        _inputs.warn_at_compile(leaves)
         if self._opt is not None:  # numProcesses > 1: join the others (distributed.py)
             self._opt.join(o, self._device, self._user_model, self._weights.host_params)
         self._consts = self._run_constants(di, ga, rf, rfg, mode)
@@ -265,6 +275,9 @@ class PoplarExecutor(HardwareOnly):
             if o.connection_type != ConnectionType.Never:  # offline target: compile only
                 self._attach()  # uploads weights, optimizer and RNG, as on hardware
             self._trace(leaves, spec, prod, di, ga, rf)
+            _options_mod.log_compiled_options(o, self.num_ipus // rf)
+            if o._show_compilation_progress_bar:
+                _logging.show_compilation_progress()
         except BaseException:
             # A failed compilation leaves no executable behind (PopTorch: isCompiled() False).
             self._compiled = self._attached = False
@@ -339,7 +352,8 @@ class PoplarExecutor(HardwareOnly):
         mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
             == ReductionType.Mean
         self._anchors = _anchors.Anchors(o, self._training, self._weights, (di, ga, rf, mean),
-                                         lambda: self._trained_version)
+                                         lambda: self._trained_version,
+                                         self._opt.anchor_scalars() if self._training else {})
         if self._grouped is not None and self._anchors.parameters() & self._grouped.indices:
             raise Error("Options.anchorTensor names a weight given replicaGrouping(): the "
                         "ipuloop emulator does not anchor grouped weights. Read the weight "
@@ -583,6 +597,8 @@ class PoplarExecutor(HardwareOnly):
                 if per_group is not None:
                     per_group.whole()
                 step()  # the device iteration's gradients are complete: one update
+                # the next one's loss scale (automatic loss scaling changes it each update)
+                scale = self._opt.loss_scaling / (ga * rf) if mean else self._opt.loss_scaling
         rows = kept if keep_all else final
         return _anchors.assemble(rows, self._tensor_out, self._out_spec)
 

@@ -5,18 +5,19 @@ and on the emulated device (``prepare``); with a shortcut for inputs that need n
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-__all__ = ["SENT_AS_FLOAT32", "check_batch", "prepare", "ready_shapes", "as_ready",
-           "write_back"]
+from . import _logging
 
-logger = logging.getLogger("poptorch")
+__all__ = ["SENT_AS_FLOAT32", "check_batch", "prepare", "ready_shapes", "as_ready",
+           "write_back", "warn_at_compile"]
+
+logger = _logging.logger
 
 SENT_AS_FLOAT32 = frozenset({torch.float64, torch.bfloat16})  # inputs the IPU gets as float32
-_warned: set[str] = set()  # each warning once a process, as PopTorch logs them
+_warned: set[str] = set()  # each per-call warning once a process
 
 
 def check_batch(leaves: list[Any], di: int, ga: int, rf: int, g: int) -> None:
@@ -37,16 +38,21 @@ def check_batch(leaves: list[Any], di: int, ga: int, rf: int, g: int) -> None:
                 "documentation.")
 
 
+def warn_at_compile(leaves: list[Any]) -> None:
+    """What PopTorch says of the inputs when it compiles: each input tensor with
+    requires_grad=True is detached (``_preprocessGraph``)."""
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            logger.warning("Input tensor has requires_grad=True set. This tensor will be "
+                           "detached because backward pass via inputs is not supported.")
+
+
 def prepare(x: Any, device: torch.device, on_cpu: bool) -> Any:
     """Input ``x`` as the device gets it (non-tensors as they are)."""
     if not isinstance(x, torch.Tensor):
         return x
     if x.requires_grad:
-        if "grad" not in _warned:
-            _warned.add("grad")
-            logger.warning("Input tensor has requires_grad=True set. This tensor will be "
-                           "detached.")
-        x = x.detach()
+        x = x.detach()  # said at compile (``warn_at_compile``)
     if x.dtype in SENT_AS_FLOAT32:
         x = x.float()  # sent to the IPU as float32
     if not x.is_contiguous():

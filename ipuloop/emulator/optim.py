@@ -13,7 +13,6 @@ hyper-parameters (poptorch-semantics §4.5, §4.6).
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -21,7 +20,9 @@ from typing import Any
 
 import torch
 
+from . import _logging
 from .. import rules as _rules
+from . import precision as _precision
 
 __all__ = [
     "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
@@ -30,7 +31,7 @@ __all__ = [
     "has_16bit_params", "update_in_float32", "float32_step", "AttributeTracker",
 ]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 DEFAULT_SGD_LR = 0.01  # PopTorch trains with SGD(lr=0.01) when given no optimizer
 _ACCUM_TYPES = (torch.float16, torch.float32)
@@ -131,8 +132,8 @@ class Optimizer:
             half = self.__dict__.get("_has_16bit")
             if half is None:  # checked once per (device) optimizer: dtypes are fixed by then
                 half = self._has_16bit = has_16bit_params(self)
-            if half:
-                update_in_float32(self, self._update)
+            if half:  # the device sets ``_rounding`` for stochastic rounding (optimizer_sync)
+                update_in_float32(self, self._update, self.__dict__.get("_rounding"))
             else:
                 self._update()
         finally:
@@ -175,10 +176,13 @@ def _as_float32(state: dict) -> dict:
             else v for k, v in state.items()}
 
 
-def update_in_float32(optimizer: torch.optim.Optimizer, update: Callable[[], Any]) -> None:
+def update_in_float32(optimizer: torch.optim.Optimizer, update: Callable[[], Any],
+                      rounding: torch.Generator | None = None) -> None:
     """Run ``update`` with 16-bit parameters seen as float32 (state kept in float32), then round
     the new values to the parameters' dtype: the IPU computes weight updates in float32, where
-    torch's 16-bit update underflows (``eps`` rounds to 0 and Adam divides 0 by 0)."""
+    torch's 16-bit update underflows (``eps`` rounds to 0 and Adam divides 0 by 0). Rounding is
+    to nearest, or stochastic to float16 with ``rounding`` (the generator that draws it:
+    ``Precision.enableStochasticRounding``)."""
     swaps = []
     for group in optimizer.param_groups:
         params = group["params"]
@@ -197,21 +201,26 @@ def update_in_float32(optimizer: torch.optim.Optimizer, update: Callable[[], Any
     finally:
         for params, i, p, proxy in swaps:
             params[i] = p
-            p.copy_(proxy.detach())  # round to the parameter's dtype (grad mode is off here)
+            new = proxy.detach()
+            if rounding is not None and p.dtype == torch.float16:
+                new = _precision.stochastic_round_to_half(new, rounding)
+            p.copy_(new)  # round to the parameter's dtype (grad mode is off here)
             state = optimizer.state.pop(proxy, None)
             if state is not None:
                 optimizer.state[p] = state  # float32 moments, keyed by the real parameter
 
 
-def float32_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """A ``step`` for a torch.optim optimizer of 16-bit parameters that updates in float32."""
+def float32_step(optimizer: torch.optim.Optimizer,
+                 rounding: torch.Generator | None = None) -> Callable[..., Any]:
+    """A ``step`` for a torch.optim optimizer of 16-bit parameters that updates in float32
+    (``rounding``: as ``update_in_float32``'s)."""
     step = type(optimizer).step
 
     def float32_step_(closure: Callable[[], Any] | None = None) -> Any:
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            update_in_float32(optimizer, lambda: step(optimizer))
+            update_in_float32(optimizer, lambda: step(optimizer), rounding)
         finally:
             torch._C._set_grad_enabled(grad_was)
     return float32_step_

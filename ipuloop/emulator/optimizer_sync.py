@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from . import _logging
 from . import distributed as _distributed
+from . import loss_scaling as _loss_scaling
 from . import optim as _optim
-from .enums import MeanReductionStrategy
+from .enums import MeanReductionStrategy, ReductionType
+from .errors import Error
 
 __all__ = ["OptimizerSync"]
 
@@ -40,7 +43,11 @@ class OptimizerSync:
         self.snapshot: dict | None = None  # the hyper-parameters the device has
         self.constants: set[str] = set()  # those the executable fixed
         self.dirty = False  # the host's state must be uploaded before the next run
-        self.loss_scaling = 1.0
+        self.host_stale = False  # the device's state changed since the host last read it
+        self.loss_scaling = 1.0  # the loss scale of the next step (the optimizer's, times ALS's)
+        self._base_loss_scaling = 1.0  # the optimizer's loss_scaling
+        self.als: _loss_scaling.AutoLossScale | None = None  # automatic loss scaling
+        self.rounding: torch.Generator | None = None  # draws stochastic rounding (``upload``)
         self._device_params: list[torch.Tensor] = []  # the device optimizer's, in group order
         self._plain_zero_grad = False  # its zero_grad() is torch's: ``step`` clears grads itself
         self.reducer: Any = None  # several processes: all-reduces before each update
@@ -68,7 +75,10 @@ class OptimizerSync:
 
         def state_dict():
             if self.device is not None and self._owner._attached:
+                self._note_read()
                 return self.device_state_dict()
+            if self.device is not None:  # detached: read back when it detached
+                self._note_read()
             return cls_state_dict(opt)
 
         def load_state_dict(sd):
@@ -77,6 +87,15 @@ class OptimizerSync:
 
         opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
 
+    def _note_read(self) -> None:
+        """PopTorch's words when a ``poptorch.optim`` optimizer's state is read: copied from
+        the device (INFO) if it changed since the last read, else the host's copy (DEBUG)."""
+        if self.host_stale:
+            _logging.logger.info("Writing optimiser state tensors from IPU to host.")
+            self.host_stale = False
+        else:
+            _logging.logger.debug("Using cached optimiser state dict")
+
     @staticmethod
     def unpatch(opt: torch.optim.Optimizer) -> None:
         opt.__dict__.pop("state_dict", None)
@@ -84,16 +103,78 @@ class OptimizerSync:
 
     def device_state_dict(self) -> dict:
         """The device's state (moments, step counts) with the host's hyper-parameters: as in
-        PopTorch, reading the state back must not undo host LR scheduling."""
+        PopTorch, reading the state back must not undo host LR scheduling. With automatic loss
+        scaling, ``ipu_state["lossScaleUpdateFactor"]`` is the factor the next step uses."""
         sd = self.device.state_dict()
         sd["param_groups"] = type(self.optimizer).state_dict(self.optimizer)["param_groups"]
+        if self.als is not None:
+            sd["ipu_state"] = {"lossScaleUpdateFactor": torch.tensor(self.als.factor)}
         return sd
+
+    def anchor_scalars(self) -> dict[str, Any]:
+        """The loss scale tensors ``Options.anchorTensor`` may name, by PopART's names, with
+        automatic loss scaling: "finalLossScale" (the last update's loss scale) and
+        "lossScaleUpdateFactor" (the factor the next update uses)."""
+        if self.als is None and _loss_scaling.settings(self._owner._options) is None:
+            return {}
+
+        def final() -> torch.Tensor:
+            last = self.als.last_final if self.als is not None else None
+            return torch.tensor(self.loss_scaling if last is None else last)
+
+        return {"finalLossScale": final,
+                "lossScaleUpdateFactor": lambda: torch.tensor(
+                    self.als.factor if self.als is not None else 1.0)}
+
+    def _stochastic_rounding(self, dev: torch.optim.Optimizer) -> torch.Generator | None:
+        """``Precision.enableStochasticRounding(True)``: float16 weight updates round
+        stochastically, drawn from a generator seeded from ``randomSeed`` (else from torch's
+        initial seed) and kept across re-attaches, as the device's RNG is."""
+        options = self._owner._options
+        if not options._Popart.options.get("enableStochasticRounding", False) or \
+                not any(p.dtype == torch.float16 for g in dev.param_groups for p in g["params"]):
+            return None
+        if self.rounding is None:
+            params = [p for g in dev.param_groups for p in g["params"]]
+            seed = options.random_seed if options.exists("random_seed") else torch.initial_seed()
+            self.rounding = torch.Generator(device=params[0].device)
+            self.rounding.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        return self.rounding
+
+    def _set_loss_scaling(self, optimizer: torch.optim.Optimizer) -> None:
+        self._base_loss_scaling = _optim.loss_scaling(optimizer)
+        self.loss_scaling = self._base_loss_scaling if self.als is None else \
+            self.als.final(self._base_loss_scaling)
+
+    def _start_auto_loss_scaling(self, host_params: list[torch.Tensor]) -> None:
+        """``Training.setAutomaticLossScaling(True)``: count the float16 gradients of each
+        run (``loss_scaling``); the factor is the device's, kept across re-attaches."""
+        options = self._owner._options
+        values = _loss_scaling.settings(options)
+        if values is None:
+            return
+        if options.Distributed.numProcesses > 1:
+            raise Error("Training.setAutomaticLossScaling(True) with Distributed.numProcesses "
+                        f"= {options.Distributed.numProcesses}: the ipuloop emulator adjusts "
+                        "the loss scale of one process only. Set the loss scale with the "
+                        "optimizer's loss_scaling instead.")
+        if self.als is None:
+            t = options.Training
+            mean = ReductionType(t.accumulation_and_replication_reduction_type) == \
+                ReductionType.Mean
+            self.als = _loss_scaling.AutoLossScale(
+                values, float(t.gradient_accumulation * options.replication_factor) if mean
+                else 1.0)
+        self.als.watch(host_params)
 
     # -- uploads and downloads ---------------------------------------------------------------
     def upload(self, host_params: list[torch.Tensor]) -> None:
         """Copy the host optimizer to the device: its copy runs on ``host_params`` (the tensors
         the device's weights are swapped into for a run)."""
         opt = self.optimizer
+        self._start_auto_loss_scaling(host_params)
+        if self.dirty and isinstance(opt, _optim.Optimizer):  # a loaded state reaches the device
+            _logging.logger.info("Writing optimiser state tensors from host to IPU memory.")
         memo = {id(h): h for h in host_params}  # runs on them, swapped in
         for group in opt.param_groups:
             for p in group["params"]:
@@ -110,8 +191,11 @@ class OptimizerSync:
         # Instance-level wrappers (an LR scheduler's step counter) would call the host optimizer.
         for name in ("step", "zero_grad", "_opt_called"):
             dev.__dict__.pop(name, None)
-        if not isinstance(dev, _optim.Optimizer) and _optim.has_16bit_params(dev):
-            dev.step = _optim.float32_step(dev)  # as poptorch.optim's own step does
+        rounding = self._stochastic_rounding(dev)
+        if isinstance(dev, _optim.Optimizer):
+            dev.__dict__["_rounding"] = rounding
+        elif _optim.has_16bit_params(dev):
+            dev.step = _optim.float32_step(dev, rounding)  # as poptorch.optim's own step does
         if self.reducer is not None:  # each update first all-reduces across the instances
             self.reducer.wrap(dev)
         self.device = dev
@@ -120,30 +204,58 @@ class OptimizerSync:
             and "zero_grad" not in dev.__dict__
         self.snapshot = _optim.hyperparameters(opt)
         self.constants = _optim.constant_attributes(opt)
-        self.loss_scaling = _optim.loss_scaling(opt)
+        if self.als is not None:  # PopTorch: automatic loss scaling makes it variable
+            self.constants.discard("loss_scaling")
+        self._set_loss_scaling(opt)
         self.dirty = False
+        self.host_stale = True  # as after PopTorch's compile: the host has not read it yet
 
     def step(self) -> None:
         """One update of the device's weights from the gradients the call's micro-batches left
         (complete here), then the gradients cleared: ``zero_grad(set_to_none=True)``, done
         directly when it is torch's own and no profiler records its scope."""
         dev = self.device
-        dev.step()
+        if self.als is None:
+            dev.step()
+        else:
+            self._auto_scaled_step(dev)
+        self.host_stale = True
         if self._plain_zero_grad and not _profiler_enabled():
             for p in self._device_params:
                 p.grad = None
         else:
             dev.zero_grad(set_to_none=True)
 
+    def _auto_scaled_step(self, dev: torch.optim.Optimizer) -> None:
+        """The update with the gradients unscaled by the loss scale their backward used (the
+        optimizer's times the factor), then the factor's update (``loss_scaling``)."""
+        final, base = self.loss_scaling, self._base_loss_scaling
+        if isinstance(dev, _optim.Optimizer):
+            dev.loss_scaling = final  # poptorch.optim's step divides by its loss_scaling
+            try:
+                dev.step()
+            finally:
+                dev.loss_scaling = base
+        else:
+            grads = [p.grad for p in self._device_params if p.grad is not None]
+            if grads and final != 1.0:
+                torch._foreach_div_(grads, final)
+            dev.step()
+        self.als.after_step(base)
+        self.loss_scaling = self.als.final(base)
+
     def download(self) -> None:
         """Copy the device's state into a ``poptorch.optim`` host optimizer."""
         if self.device is not None and isinstance(self.optimizer, _optim.Optimizer):
+            self._note_read()
             type(self.optimizer).load_state_dict(self.optimizer, self.device_state_dict())
 
     def release(self) -> None:
         """The model is unwrapped: the host optimizer's own state_dict() again."""
         self.unpatch(self.optimizer)
         self.device = None
+        if self.als is not None:
+            self.als.unwatch()
 
     def set(self, optimizer: torch.optim.Optimizer, host_params: list[torch.Tensor]) -> None:
         """``setOptimizer``: push ``optimizer``'s hyper-parameters (and loaded state) to the
@@ -171,7 +283,7 @@ class OptimizerSync:
         else:
             _optim.apply_hyperparameters(self.device, new)
             self.snapshot = new
-            self.loss_scaling = _optim.loss_scaling(optimizer)
+            self._set_loss_scaling(optimizer)
 
     def set_reduction_strategy(self, optimizer: torch.optim.Optimizer) -> None:
         """PopTorch: a float16 accumulator (non-combined) needs the Running mean strategy; it

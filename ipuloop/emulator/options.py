@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 from typing import Any
 
 import torch
 
+from . import _logging
 from . import enums
 from .blocks import PipelinedExecution, _IExecutionStrategy
 from .enums import (AutoStage, CommGroupType, ConnectionType, MeanReductionStrategy, OutputMode,
                     ReductionType, SyncPattern)
 
-__all__ = ["ConfigFileError", "Options", "TensorLocationSettings"]
+__all__ = ["ConfigFileError", "Options", "TensorLocationSettings", "log_compiled_options"]
 
-logger = logging.getLogger("poptorch")
+logger = _logging.logger
 
 # The IPU versions PopTorch 3.4 documents for useOfflineIpuTarget (an offline Poplar target).
 _OFFLINE_IPU_VERSIONS = (1, 2, 21)
@@ -363,6 +363,52 @@ def _no_progress_bar(progress: int, total: int) -> None:
     """Stands for PopTorch's compilation progress bar (the emulator does not compile)."""
 
 
+# Keys PopTorch's compiler takes without logging them: Python-only ones, and those it turns
+# into other settings (per-IPU memory proportions, patterns, tensor locations).
+_UNLOGGED = ("anchored_tensors", "compilation_progress_bar_fn", "patterns_level", "patterns",
+             "available_memory_proportion")
+
+
+def _as_logged(value: Any) -> str:
+    """A value as PopTorch's C++ logs it: booleans in lower case, numbers shortest."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int):
+        return str(int(value))  # IntEnum members as their value
+    return str(value)
+
+
+def log_compiled_options(options: Options, ipus_per_replica: int) -> None:
+    """At compile, at DEBUG, what PopTorch's compiler logs as it receives the options
+    (``poptorch.Options set NAME to value VALUE``; ``... set NAME[KEY] to VALUE`` for a dict
+    entry, ``... added ITEM to NAME`` for a list's) and then the settings it derives itself
+    (``enablePipelining set to value N``): popart_compiler's SessionOptions and Compiler."""
+    if not logger.isEnabledFor(10):  # DEBUG: nothing to build otherwise
+        return
+    values = options.toDict()
+    for name, value in values.items():
+        if name in _UNLOGGED or name.startswith("location_"):
+            continue
+        if isinstance(value, dict):
+            for key, item in value.items():
+                logger.debug("poptorch.Options set %s[%s] to %s", name, key, item)
+        elif isinstance(value, (list, tuple, set)):
+            for item in value:
+                logger.debug("poptorch.Options added %s to %s", item, name)
+        else:
+            logger.debug("poptorch.Options set %s to value %s", name, _as_logged(value))
+    if "debug.retainDebugInformation" not in values.get("engineOptions", {}):
+        logger.debug("engineOptions[debug.retainDebugInformation] set to value false")
+    pipelining = values.get("execution_mode") == 0 and ipus_per_replica > 1
+    if "enablePipelining" in values and bool(values["enablePipelining"]) != pipelining:
+        logger.warning("enablePipelining forced by the user from default to %d, ignoring value "
+                       "%d", bool(values["enablePipelining"]), pipelining)
+    else:
+        logger.debug("enablePipelining set to value %d", pipelining)
+
+
 def _from_json_value(value: Any) -> Any:
     """Turn "ConnectionType.OnDemand" into the enum member; other values pass through."""
     if isinstance(value, list):
@@ -577,7 +623,7 @@ class Options(_OptionsDict):
         env = os.getenv("POPLAR_ENGINE_OPTIONS", default="")
         if any(k in env for k in ("debug.allowOutOfMemory", "autoReport.directory",
                                   "autoReport.all")):
-            logger.warning("Profiling setting overriden by environment variable. "
+            logger.warning("Profiling setting overridden by environment variable. "
                            "Check content of POPLAR_ENGINE_OPTIONS.")
         engine = dict(self._popart.options.get("engineOptions", {}))
         engine.update({"debug.allowOutOfMemory": "true",

@@ -1,4 +1,5 @@
-"""float16 and float32 operands in one op, as PopTorch 3.x runs them on an IPU."""
+"""float16 and float32 operands in one op, as PopTorch 3.x runs them on an IPU, and the
+stochastic rounding of float32 values to float16 (``Precision.enableStochasticRounding``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,22 @@ import torch
 from torch.overrides import TorchFunctionMode
 from . import _pytree as pytree
 
-__all__ = ["MixedFloat"]
+__all__ = ["MixedFloat", "stochastic_round_to_half"]
+
+
+def stochastic_round_to_half(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (float32) rounded to float16 stochastically: to the float16 value just above with
+    probability (x - below) / (above - below), else to the one just below, so that
+    E[result] = x; a value float16 holds exactly is returned as it is. As the IPU rounds
+    with stochastic rounding on; ``generator`` (on ``x``'s device) draws the choices."""
+    x = x.float()
+    # The float16 spacing around |x|: 2**(e - 10) for |x| in [2**e, 2**(e + 1)), and the
+    # subnormal spacing 2**-24 below 2**-14. Powers of two: the divisions below are exact.
+    _, exp = torch.frexp(x)
+    spacing = torch.ldexp(torch.ones_like(x), (exp - 1).clamp(min=-14) - 10)
+    below = torch.floor(x / spacing) * spacing
+    up = torch.rand(x.shape, generator=generator, device=x.device) * spacing < x - below
+    return torch.where(up, below + spacing, below).to(torch.float16)
 
 
 def _mixes_float_types(tensors: list[Any]) -> bool:
