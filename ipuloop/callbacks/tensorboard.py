@@ -24,8 +24,9 @@ class TensorBoardLogger(Callback):
       data loading counts, compilation and validation do not), and the learning rate the
       step runs (``lr``; ``lr/group<i>`` per parameter group when there are several),
       recorded at the update that step starts from;
-    - every epoch: the epoch logs (``train_*`` and ``val_*``; the flag ``train_loss_exact`` is
-      left out).
+    - every validation of the fit (at epoch ends, and at steps with
+      ``fit(val_every_n_steps=)``): the ``val_*`` logs;
+    - every epoch: the ``train_*`` logs (the flag ``train_loss_exact`` is left out).
 
     The file is flushed at every epoch end and closed when the fit ends. A resumed fit
     purges what the interrupted run wrote after its checkpoint (``SummaryWriter(purge_step=)``
@@ -56,6 +57,7 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
         self._since: float | None = None  # when the running step's time started
         self._samples = 0  # state.samples at that time
+        self._paused: float | None = None  # when the running validation started
         self._update = -1  # the update the last scalars were written at,
         self._written: dict[str, float] = {}  # and those scalars (a checkpoint records them)
         self._saved: dict[str, Any] = {}  # state_dict(): as the last checkpoint was taken
@@ -81,6 +83,7 @@ class TensorBoardLogger(Callback):
 
     def _restart_clock(self, loop: Any) -> None:
         self._since, self._samples = time.perf_counter(), loop.state.samples
+        self._paused = None
 
     def on_fit_start(self, loop: Any) -> None:
         resumed, self._resumed = self._resumed, None
@@ -99,7 +102,21 @@ class TensorBoardLogger(Callback):
         self._restart_clock(loop)
 
     def on_compile_end(self, loop: Any) -> None:
-        self._restart_clock(loop)
+        if self._paused is None:  # (a validation's compilation: its time is left out anyway)
+            self._restart_clock(loop)
+
+    def on_validation_start(self, loop: Any) -> None:
+        self._paused = time.perf_counter()
+
+    def on_validation_end(self, loop: Any) -> None:
+        if self._paused is not None and self._since is not None:  # the step's time goes on
+            self._since += time.perf_counter() - self._paused
+        self._paused = None
+        if self.writer is not None:  # (a validate() outside a fit writes nothing)
+            st = loop.state
+            for key, value in st.logs.items():
+                if key.startswith("val_"):
+                    self._scalar(key, value, st.update)
 
     def on_train_step_start(self, loop: Any) -> None:
         groups = loop.optimizer.param_groups if loop.optimizer is not None else []
@@ -113,7 +130,7 @@ class TensorBoardLogger(Callback):
             if not key.startswith(("train_", "val_")):
                 self._scalar(key, value, st.update)
         now = time.perf_counter()
-        if self._since is not None and now > self._since:
+        if self._since is not None and now > self._since and st.samples > self._samples:
             self._scalar("samples_per_second", (st.samples - self._samples) / (now - self._since),
                          st.update)
         self._restart_clock(loop)
@@ -121,7 +138,7 @@ class TensorBoardLogger(Callback):
     def on_epoch_end(self, loop: Any) -> None:
         st = loop.state
         for key, value in st.logs.items():
-            if key.startswith(("train_", "val_")) and not key.endswith("_exact"):
+            if key.startswith("train_") and not key.endswith("_exact"):
                 self._scalar(key, value, st.update)
         self.writer.flush()
 
