@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -31,6 +32,7 @@ from .outputs import Layout, map_tensors
 from .rules import describe_factors, host_call_factor
 
 __all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
+           "as_sent",
            "first_micro_batch", "predict_inputs", "concat", "kill_workers", "close",
            "Predictions", "check_not_empty", "count_updates", "no_host_call", "built_micro_batch",
            "loader_kwargs", "Prefetch", "prefetch_of", "whole_order"]
@@ -539,19 +541,47 @@ def close(batches: Any) -> None:
         shutdown()
 
 
-def split_batch(batch: Any, name: str) -> tuple[tuple, Any]:
-    """``(inputs..., labels)``: a batch's inputs and its labels (the last element)."""
+def split_batch(batch: Any, name: str, label_key: str = "labels",
+                need_labels: bool = True) -> tuple[tuple, dict, Any]:
+    """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
+
+    A tuple ``(inputs..., labels)`` is called ``model(inputs..., labels)``, the labels last;
+    a dict (any mapping: a Hugging Face batch) ``model(**batch)``, the labels included, found
+    under ``label_key`` (a Transformers model takes them as ``labels=`` and returns its loss).
+    A dict without ``label_key`` has no labels: a ``ValueError`` naming its keys when
+    ``need_labels`` (the loop computes the loss or metrics from them).
+    """
     if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return tuple(batch[:-1]), batch[-1]
-    if isinstance(batch, dict):
-        raise ValueError(
-            f"{name} yields dict batches (keys {list(batch)}), but the loop takes "
-            "(inputs..., labels) tuples, the labels last. Return a tuple from the dataset's "
-            "__getitem__, e.g. (d['image'], d['label']), or convert in the collate_fn.")
-    raise ValueError(f"{name} must yield (inputs..., labels) tuples: the last element "
-                     f"is the labels. Received a {type(batch).__name__}"
+        return tuple(batch), _NO_KWARGS, batch[-1]
+    if isinstance(batch, Mapping):
+        kwargs = batch if type(batch) is dict else dict(batch)
+        if label_key in kwargs:
+            return (), kwargs, kwargs[label_key]
+        if need_labels:
+            raise ValueError(
+                f"{name} yields dict batches without the labels' key label_key={label_key!r} "
+                f"(keys {list(kwargs)}), but the loop needs the labels (for loss_fn or the "
+                "metrics). Pass Loop(label_key=...) naming the key that holds them.")
+        return (), kwargs, None
+    raise ValueError(f"{name} must yield (inputs..., labels) tuples (the last element "
+                     f"is the labels) or dicts of keyword inputs. Received a "
+                     f"{type(batch).__name__}"
                      + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
                      + ". Return (x, y) from the dataset's __getitem__.")
+
+
+_NO_KWARGS: dict = {}  # a tuple batch's keyword inputs (never written to)
+
+
+def as_sent(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """A call's inputs with their float tensors as ``dtype`` (16-bit precision: the device
+    gets float inputs as half); unchanged for None."""
+    if dtype is None:
+        return args, kwargs
+
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
 
 
 def first_micro_batch(plan: Plan) -> Any:
@@ -564,20 +594,24 @@ def first_micro_batch(plan: Plan) -> Any:
     return map_tensors(batch, lambda x: x.float() if x.dtype == torch.float64 else x)
 
 
-def predict_inputs(batch: Any, num_inputs: int | None, name: str) -> tuple:
-    """The model's inputs in a predict batch: all of its elements, or all but the labels.
+def predict_inputs(batch: Any, num_inputs: int | None, name: str,
+                   label_key: str = "labels") -> tuple[tuple, dict]:
+    """The model's inputs in a predict batch, as ``(args, kwargs)``: all of its elements, or
+    all but the labels.
 
     After a fit or validate with N inputs, a batch of N elements is N inputs and one of
     N + 1 is N inputs and the labels; before, a batch of two or more elements is taken
-    as (inputs..., labels).
+    as (inputs..., labels). A dict is keyword inputs, less its ``label_key`` entry.
     """
+    if isinstance(batch, Mapping):
+        return (), {k: v for k, v in batch.items() if k != label_key}
     if not isinstance(batch, (tuple, list)):
-        return (batch,)
+        return (batch,), _NO_KWARGS
     n = num_inputs
     if n is None:
-        return tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)
+        return (tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)), _NO_KWARGS
     if len(batch) in (n, n + 1):
-        return tuple(batch[:n])
+        return tuple(batch[:n]), _NO_KWARGS
     raise ValueError(f"{name} yields batches of {len(batch)} elements, but the model "
                      f"was fit with {n} input(s): predict takes (inputs...) or "
                      "(inputs..., labels) batches of those inputs.")

@@ -22,7 +22,9 @@ class WithLoss(torch.nn.Module):
     """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs[, labels])``.
 
     Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
-    labels, it returns ``(output, loss_fn(output, labels))``. The loss runs after the model's
+    labels, it returns ``(output, loss_fn(output, labels))``. Called with keyword inputs (a
+    dict batch), the labels are the ``label_key`` one, if given: the model gets the others.
+    The loss runs after the model's
     last layer, so it joins the block started last (``BeginBlock``/``Stage`` placement; after a
     ``with poptorch.Block(...)`` has ended no op may run, so such a model computes its loss
     itself, inside its last block). On the device the loss is marked
@@ -30,20 +32,29 @@ class WithLoss(torch.nn.Module):
     whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1,
+                 label_key: str = "labels") -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
+        self.label_key = label_key
 
-    def forward(self, *args: Any) -> Any:
-        if len(args) == self.num_inputs:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            if self.label_key not in kwargs:
+                return self.model(*args, **kwargs)
+            labels = kwargs.pop(self.label_key)  # (a dict of this call's own)
+            output = self.model(*args, **kwargs)
+        elif len(args) == self.num_inputs:
             return self.model(*args)
-        if len(args) != self.num_inputs + 1:
+        elif len(args) != self.num_inputs + 1:
             raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
                             f"Received {len(args)} arguments.")
-        output = self.model(*args[:-1])
-        loss = self.loss_fn(output, args[-1])
+        else:
+            labels = args[-1]
+            output = self.model(*args[:-1])
+        loss = self.loss_fn(output, labels)
         pt = poptorch_module()
         if pt.isRunningOnIpu():  # in the device graph, a loss PopTorch finds whatever loss_fn does
             loss = pt.identity_loss(loss, reduction="none")
@@ -136,11 +147,12 @@ class Executors:
                                                          optimizer=self.optimizer)
         return self.train
 
-    def compile(self, executor: Any, sample: tuple) -> float:
-        """Compile ``executor`` for ``sample``; returns the seconds it took."""
+    def compile(self, executor: Any, args: tuple, kwargs: dict) -> float:
+        """Compile ``executor`` for the call ``(*args, **kwargs)``; returns the seconds it
+        took."""
         start = time.perf_counter()
         self.activate(executor)
-        executor.compile(*sample)
+        executor.compile(*args, **kwargs)
         if executor is self.train:
             self._pushed, self._seen = optimizer_hyperparameters(self.optimizer), None
         return time.perf_counter() - start

@@ -324,10 +324,6 @@ class Processes:
                 "pass check_finite=False.")
         return type(mine)(total, int(count), mine.exact)
 
-    def val_sums(self, total: float, count: int, uncovered: int) -> tuple[float, int, int]:
-        total, count, uncovered = self.sum([total, count, uncovered], "summing val_loss")
-        return total, int(count), int(uncovered)
-
     def check_agreement(self, loop: Any, plan: Plan, val_plan: Plan | None, epochs: int,
                         max_steps: int | None) -> None:
         """Compare what every instance must share; an instance that differs is named."""
@@ -341,6 +337,7 @@ class Processes:
             "training samples": plan.samples,
             "training steps per epoch": plan.steps,
             "validation steps": val_plan.steps if val_plan is not None else None,
+            "val_every_n_steps": loop.state.val_every_n_steps,
             "epochs": epochs, "max_steps": max_steps,
             "optimizer": type(loop.optimizer).__name__,
             "parameters": sum(p.numel() for p in loop.model.parameters()),

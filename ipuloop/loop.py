@@ -14,15 +14,15 @@ from .backend import backend_name, poptorch_module
 from . import distributed, plans
 from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
-from .data import (Plan, Predictions, check_not_empty, first_micro_batch, no_host_call,
-                   predict_inputs, split_batch)
+from .data import (Plan, Predictions, as_sent, check_not_empty, first_micro_batch,
+                   no_host_call, predict_inputs, split_batch)
 from .device import Executors, WithLoss
 from .errors import NonFiniteLossError
 from .events import Events
 from .metrics import Validation, metric_logs, probe, resolve_metrics
 from .options import inference_options, resolve
-from .outputs import non_finite_error
-from .resume import Resume, check_resumable, rng_state
+from .outputs import Returns, non_finite_error
+from .resume import Resume, check_resumable
 from .signals import Preempted, handle_signals
 from .state import State
 
@@ -65,9 +65,15 @@ class Loop(Events):
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
             can clip on the IPU) and rejects any other optimizer.
+        label_key: the key of the labels in a dict batch (Transformers' "labels").
+        loss_key: the loss's key in a dict-like output ("loss", as Transformers'), or its
+            index in a tuple (0 for Transformers' ``(loss, logits)``; by default a tuple is
+            ``(output, loss)``).
 
-    Batches are ``(inputs..., labels)`` tuples, the labels last; a dict batch is rejected with
-    its keys named (convert it in the dataset or the ``collate_fn``). Before compiling, the
+    Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
+    (Hugging Face's), fed as ``model(**batch)`` (``data.split_batch``). A model-with-loss may
+    return scalars to log beside its loss (``outputs.Returns``): ``<name>`` per step,
+    ``train_<name>`` per epoch, ``val_<name>``. Before compiling, the
     loop runs one micro-batch through the model on the host, so a label batch that differs
     from the input batch, labels that would broadcast against the output in the loss (torch
     warns of it; with ``loss_fn``, float labels ``[N]`` against an output ``[N, 1]`` too), or
@@ -88,11 +94,17 @@ class Loop(Events):
                  replicas: int | str | None = None, inference_opts: Any = None,
                  seed: int | None = None, progress: bool | int = True,
                  check_finite: bool = True, max_grad_norm: float | None = None,
-                 precision: str | int = "32") -> None:
+                 precision: str | int = "32", label_key: str = "labels",
+                 loss_key: str | int = "loss") -> None:
         self.poptorch = pt = poptorch_module()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
-        self.model = WithLoss(model, loss_fn) if loss_fn is not None else model
+        if not (isinstance(label_key, str) and label_key):
+            raise TypeError(f"label_key must be a non-empty str (the labels' key in a dict "
+                            f"batch). Received: label_key={label_key!r}.")
+        self.label_key, self._returns = label_key, Returns(loss_key)
+        self.model = WithLoss(model, loss_fn, label_key=label_key) if loss_fn is not None \
+            else model
         self.metrics = resolve_metrics(metrics, metric_output)  # validation's; training: clones
         r = resolve(pt, self.model, opts, inference_opts, replicas=replicas, seed=seed,
                     optimizer=optimizer, max_grad_norm=max_grad_norm, precision=precision,
@@ -101,6 +113,7 @@ class Loop(Events):
         self._user_inference_opts, self._input_dtype = r.inference, r.input_dtype
         self._metric_output = metric_output
         self._train_metrics = {k: m.clone() for k, m in self.metrics.items()}
+        self._needs_labels = loss_fn is not None or bool(self.metrics)  # (from a dict batch)
         self.check_finite = check_finite
         self.state = State()
         self.callbacks, self._hooks = arrange(callbacks, progress)
@@ -126,8 +139,14 @@ class Loop(Events):
     # -- fit ------------------------------------------------------------------------------------
     @distributed.failing_together  # several processes: an error on one ends every instance's
     def fit(self, train_loader: Any, epochs: int = 1, val_loader: Any = None, *,
-            resume_from: str | None = None, max_steps: int | None = None) -> list[dict]:
+            resume_from: str | None = None, max_steps: int | None = None,
+            val_every_n_steps: int | None = None) -> list[dict]:
         """Train for ``epochs`` epochs in total; returns the per-epoch logs.
+
+        With ``val_loader``, validation runs at each epoch end and, with
+        ``val_every_n_steps``, also at each step that is a multiple of it (``state.step``),
+        before its ``on_train_step_end`` (an epoch end right after one does not validate
+        again). ``history`` has a row per epoch, with the epoch's last validation.
 
         ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback: the
         newest checkpoint written in its folder) continues an interrupted fit exactly; with
@@ -147,19 +166,23 @@ class Loop(Events):
         """
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps must be an int >= 1 or None. Received: "
-                             f"max_steps={max_steps!r}.")
+        for k, v in (("max_steps", max_steps), ("val_every_n_steps", val_every_n_steps)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{k} must be an int >= 1 or None. Received: {k}={v!r}.")
+        if val_every_n_steps is not None and val_loader is None:
+            raise ValueError(f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
+                             "but this fit has none. Pass val_loader= too.")
         if not self._frozen:
             self._fire("on_configure")  # the one place where callbacks change train_opts
             self.train_opts._freeze()  # from here on the loader, outputs, logs and model agree
             self._frozen = True
+        st = self.state
+        st.val_every_n_steps = val_every_n_steps  # (the instances compare it)
         plan = self._plan(train_loader, training=True, name="train_loader")
         val_plan = self._val_plan(val_loader) if val_loader is not None else None
         self._probe(plan)
         if self._dist is not None:  # several processes: the same settings on each
             self._dist.check_agreement(self, plan, val_plan, epochs, max_steps)
-        st = self.state
         if resume_from is not None:
             self.check_resumable()
             self._load(resume_from)
@@ -193,34 +216,44 @@ class Loop(Events):
     def _fit_epoch(self, plan: Plan, val_plan: Plan | None) -> None:
         st = self.state
         if st.epoch_step == 0:
-            st.epoch_loss = [0.0, 0, True]
+            st.epoch_loss, st.epoch_logs = [0.0, 0, True], {}
             for m in self._train_metrics.values():
                 m.reset()
-        self._with_events("on_epoch_start", lambda: self._train_epoch(plan), CancelEpoch)
+        self._with_events("on_epoch_start", lambda: self._train_epoch(plan, val_plan),
+                          CancelEpoch)
         total, count, exact = st.epoch_loss
         if count:
             st.logs["train_loss"] = total / count
             st.logs["train_loss_exact"] = float(exact)
             st.logs.update(metric_logs("train_", self._train_metrics))  # host-side: no sync
+            st.logs.update({"train_" + k: t / n for k, (t, n) in st.epoch_logs.items() if n})
         else:  # no step ran (cancelled): no train values, rather than the last epoch's
-            self.state.drop_logs("train_", ("loss", "loss_exact", *self.metrics))
+            self.state.drop_logs("train_", self._logged())
         if self._should_stop() and plan.steps and st.epoch_step < plan.steps:
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
-        if val_plan is not None:
-            # A checkpoint taken during validation (SIGTERM) must resume with the RNG as it was
-            # before validation began: the resumed fit replays validation from its start.
-            self._resume.val_rng = rng_state()
-            try:
-                self._run_validation(val_plan)
-            except CancelEpoch:  # raised in a validation hook: skip to on_epoch_end
-                self.state.drop_logs("val_", ("loss", *self.metrics))
-            self._resume.val_rng = None  # not in a finally: a preemption save must still see it
+        every = st.val_every_n_steps
+        if val_plan is not None and not (every and st.step and st.step % every == 0):
+            self._validate_in_fit(val_plan)  # (after a step's own: the same weights)
         st.epoch += 1
         st.epoch_step = 0
         st.history.append({"epoch": st.epoch, **st.logs})
         self._event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing left to skip
 
-    def _train_epoch(self, plan: Plan) -> None:
+    def _validate_in_fit(self, val_plan: Plan, in_step: bool = False) -> None:
+        """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
+        try:
+            with self._resume.validation(in_step):  # (a checkpoint in it resumes before it)
+                self._run_validation(val_plan)
+        except CancelEpoch:  # raised in a validation hook: no val logs this time
+            self.state.drop_logs("val_", self._logged())
+            if in_step:
+                raise  # a step's: the epoch ends there (to its epoch logs)
+
+    def _logged(self) -> tuple[str, ...]:
+        """The names of the loss, the metrics and the values the model logged."""
+        return ("loss", "loss_exact", *self.metrics, *self._returns.logged)
+
+    def _train_epoch(self, plan: Plan, val_plan: Plan | None) -> None:
         st, layout, executors = self.state, plan.layout, self.executors
         batches = self._batches = self._resume.epoch_batches(plan, st.epoch_step, st.epoch)
         metrics, metric_output, check_finite = self._train_metrics, self._metric_output, \
@@ -232,23 +265,31 @@ class Loop(Events):
             per_step_samples *= dist.size
             per_step_micro_batches *= dist.size
         step_start, step_end = self._hooks["on_train_step_start"], self._hooks["on_train_step_end"]
-        epoch_loss = st.epoch_loss
+        if self._resume.take_step_validation():  # saved during a step's validation: finish it
+            if val_plan is not None:
+                self._validate_in_fit(val_plan, in_step=True)
+            if step_end:
+                self._event("on_train_step_end", CancelStep)
+            if self._step_boundary():
+                return
+        every = st.val_every_n_steps if val_plan is not None else None
+        epoch_loss, split = st.epoch_loss, self._returns.split
         fresh, seen = st.epoch_step == 0, False
         for batch in batches:
             seen = True
             if st.preempted:  # SIGTERM while the batch was read: stop before the step
                 raise Preempted
-            inputs, labels = self._split(batch, plan.name)
+            args, kwargs, labels = self._split(batch, plan.name)
             model = executors.train
             if model is None or not model.isCompiled():
-                model = self._compile_train(inputs, labels)
+                model = self._compile_train(args, kwargs)
             if step_start and not self._event("on_train_step_start", CancelStep):
                 st.epoch_step += 1  # its batch is read: the resume position counts it
                 continue
             if executors.inference:  # validation or predict ran: their executors hold the device
                 executors.activate(model)
             executors.push_optimizer()
-            output, loss = model(*inputs, labels)
+            output, loss, logs = split(model(*args, **kwargs))
             step_loss = layout.step_loss(loss)  # host tensor: reading it syncs nothing
             if dist is not None:  # several processes: the run's loss, summed over them
                 step_loss = dist.step_loss(st, step_loss, check_finite)
@@ -265,12 +306,19 @@ class Loop(Events):
             epoch_loss[1] += step_loss.count
             epoch_loss[2] = epoch_loss[2] and step_loss.exact
             st.logs["loss"] = step_loss.mean
+            if logs is not None:  # values the model logs: reduced as the loss is
+                names, sums = self._returns.step_logs(logs, layout, self.metrics)
+                if dist is not None:
+                    sums = dist.sum(sums, f"summing step {st.step}'s logged values")
+                st.add_step_logs(names, sums)
             if metrics:
                 aligned = layout.align(labels)
                 if metric_output is not None:
                     output = metric_output(output)
                 for m in metrics.values():
                     m.update(output, aligned)
+            if every is not None and st.step % every == 0:
+                self._validate_in_fit(val_plan, in_step=True)
             if step_end:
                 self._event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
             if self._step_boundary():
@@ -278,11 +326,11 @@ class Loop(Events):
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call(plan, st.epoch)
 
-    def _compile_train(self, inputs: tuple, labels: Any) -> Any:
+    def _compile_train(self, args: tuple, kwargs: dict) -> Any:
         executors = self.executors
         model = executors.training_model(self.train_opts)
         self._fire("on_compile_start")
-        self.state.compile_time["train"] = executors.compile(model, (*inputs, labels))
+        self.state.compile_time["train"] = executors.compile(model, args, kwargs)
         device_rng = self._resume.take_device_rng()
         if device_rng is not None:  # resumed: the device continues the saved random stream
             model.rng_state = device_rng
@@ -297,29 +345,27 @@ class Loop(Events):
         opts = self.train_opts if opts is None else opts  # the one (frozen) options object
         return plans.build(self.poptorch, loader, opts, training, name, pad, partition)
 
-    def _cast(self, x: Any) -> Any:
-        if self._input_dtype is not None and isinstance(x, torch.Tensor) \
-                and x.is_floating_point():
-            return x.to(self._input_dtype)  # 16-bit: float inputs are sent as half
-        return x
-
-    def _split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, Any]:
-        inputs, labels = split_batch(batch, name)
-        n = self._num_inputs = len(inputs)  # what predict feeds
-        model = self.model  # (issubclass: isinstance would read the wrapped __class__)
-        if issubclass(type(model), WithLoss) and model.num_inputs != n:
-            model.num_inputs = n  # (Module.__setattr__: only when it changes)
+    def _split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
+        """The model's call ``(*args, **kwargs)`` for ``batch``, and its labels."""
+        args, kwargs, labels = split_batch(batch, name, self.label_key, self._needs_labels)
+        if not kwargs:
+            n = self._num_inputs = len(args) - 1  # what predict feeds
+            model = self.model  # (issubclass: isinstance would read the wrapped __class__)
+            if issubclass(type(model), WithLoss) and model.num_inputs != n:
+                model.num_inputs = n  # (Module.__setattr__: only when it changes)
         if self._input_dtype is not None and cast:
-            return tuple(self._cast(x) for x in inputs), self._cast(labels)
-        return inputs, labels
+            args, kwargs = as_sent(args, kwargs, self._input_dtype)
+            labels = kwargs.get(self.label_key) if kwargs else args[-1]
+        return args, kwargs, labels
 
     def _probe(self, plan: Plan) -> None:
         """Check one micro-batch on the host before anything is compiled."""
         batch = first_micro_batch(plan)
         if batch is not None:
-            inputs, labels = self._split(batch, plan.name, cast=False)  # float32 on the host
-            probe(self.model, inputs, labels, plan.name, copy_float=self.precision == "16-true",
-                  metrics=self.metrics, metric_output=self._metric_output,
+            args, kwargs, labels = self._split(batch, plan.name, cast=False)  # float32
+            probe(self.model, args, kwargs, labels, plan.name,
+                  copy_float=self.precision == "16-true", metrics=self.metrics,
+                  metric_output=self._metric_output, returns=self._returns,
                   loop_loss=issubclass(type(self.model), WithLoss))
 
     # -- validation and predict -----------------------------------------------------------------
@@ -331,7 +377,7 @@ class Loop(Events):
         return self._plan(loader, training=False, name=name, opts=opts, pad=pad,
                           partition=partition)
 
-    def _inference_model(self, plan: Plan, kind: str, sample: tuple) -> Any:
+    def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
         model = self.executors.inference.get(key)
         if model is not None and model.isCompiled():
@@ -341,7 +387,7 @@ class Loop(Events):
         try:
             model = self.executors.inference_model(key, plan.loader.options)
             self._fire("on_compile_start")
-            self.state.compile_time[kind] = self.executors.compile(model, sample)
+            self.state.compile_time[kind] = self.executors.compile(model, args, kwargs)
         finally:
             module.train()
         self._fire("on_compile_end")
@@ -356,7 +402,8 @@ class Loop(Events):
         mean loss per sample: the device's loss for the micro-batches without padding and,
         with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
         (without ``loss_fn`` those are left out, and a warning says how many samples
-        val_loss covers). A model that returns no loss in eval mode gets no val_loss.
+        val_loss covers). A model that returns no loss in eval mode gets no val_loss. Each
+        value the model logs is ``val_<name>``, the mean over the micro-batches without padding.
 
         With several processes, each instance that calls it validates alone, as predict
         does: every sample, and metrics of its own samples only, waiting for no other
@@ -369,25 +416,27 @@ class Loop(Events):
             try:
                 return self._run_validation(plan, alone)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
-                self.state.drop_logs("val_", ("loss", *self.metrics))
+                self.state.drop_logs("val_", self._logged())
                 return {}
 
     def _run_validation(self, plan: Plan, alone: bool = False) -> dict[str, float]:
         st = self.state
         self._fire("on_validation_start")
         run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
-                         if issubclass(type(self.model), WithLoss) else None, self._warned)
+                         if issubclass(type(self.model), WithLoss) else None, self._warned,
+                         self._returns)
         model = None
         for batch, samples in plan.counted():
-            inputs, labels = self._split(batch, plan.name)
+            args, kwargs, labels = self._split(batch, plan.name)
             if model is None:
-                model = self._inference_model(plan, "validate", (*inputs, labels))
+                model = self._inference_model(plan, "validate", args, kwargs)
             self.executors.activate(model)
-            run.add(model(*inputs, labels), labels, samples)
+            run.add(model(*args, **kwargs), labels, samples)
             self._fire("on_validation_step_end")
             if not alone:  # (alone: no stop to agree on with the other instances)
                 self._check_preempted()
-        logs = run.logs(self._dist.val_sums if self._dist is not None and not alone else None)
+        dist = None if alone else self._dist  # several processes: the numbers of all of them
+        logs = run.logs(None if dist is None else lambda v: dist.sum(v, "summing val logs"))
         if "val_loss" not in logs:
             st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)
@@ -406,22 +455,24 @@ class Loop(Events):
         namedtuple or dict of tensors gets the same structure back, each tensor joined over
         the samples. After a fit (or validate) with N inputs, every batch of N elements is
         fed whole, and the last element of a batch of N + 1 (the labels) is ignored; before
-        any, a batch of two or more elements is taken as (inputs..., labels).
-        Float64 inputs run, and come back, as float32 (as on the device).
+        any, a batch of two or more elements is taken as (inputs..., labels). A dict batch
+        is fed as keyword inputs less its ``label_key`` entry. Float64 inputs run, and come
+        back, as float32 (as on the device).
         """
         self.state.exception = self.state.exception_source = None
         run = Predictions(self._val_plan(loader, pad=True, name="loader", partition=False))
         model = None
         with self._reporting():
             for batch in run.batches():
-                inputs = predict_inputs(batch, self._num_inputs, run.plan.name)
-                if model is None and isinstance(self.model, WithLoss):
-                    self.model.num_inputs = len(inputs)
-                inputs = tuple(self._cast(x) for x in inputs)
+                args, kwargs = predict_inputs(batch, self._num_inputs, run.plan.name,
+                                              self.label_key)
+                if model is None and isinstance(self.model, WithLoss) and not kwargs:
+                    self.model.num_inputs = len(args)
+                args, kwargs = as_sent(args, kwargs, self._input_dtype)
                 if model is None:
-                    model = self._inference_model(run.plan, "predict", inputs)
+                    model = self._inference_model(run.plan, "predict", args, kwargs)
                 self.executors.activate(model)
-                run.outputs.append(model(*inputs))
+                run.outputs.append(model(*args, **kwargs))
         return run.result()
 
     # -- checkpoint state -----------------------------------------------------------------------

@@ -4,10 +4,14 @@ A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns (poptor
 §2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d with (d+1) % N == 0;
 Final: the last micro-batch of each replica; Sum: per replica, the sum over DI*GA.
 A scalar loss becomes ``[n]`` only when that count n is > 1.
+
+``Returns`` says where a model's return value holds its loss, its output and the scalars it
+logs; ``Layout.step_loss`` reduces each of those scalars as it reduces the loss.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, NamedTuple
@@ -17,7 +21,8 @@ import torch
 from .errors import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error", "FLOAT16_MAX"]
+__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error", "FLOAT16_MAX",
+           "Returns", "check_logged", "RESERVED_LOGS"]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
@@ -33,6 +38,100 @@ def map_tensors(x: Any, fn: Callable) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(map_tensors(v, fn) for v in x)
     return x
+
+
+# Names a logged value may not take: the loss and the counters (the logs' other keys in
+# CSVLogger rows and ModelCheckpoint filenames)
+RESERVED_LOGS = frozenset({"loss", "loss_exact", "epoch", "step", "update", "micro_batch",
+                           "samples", "epoch_step"})
+
+
+class Returns:
+    """Where a model's return value holds its loss, its output and the scalars it logs.
+
+    With ``loss_key`` a str (default "loss"): ipuloop's ``(output, loss)`` and
+    ``(output, loss, logs)`` tuples (``logs`` a dict of scalars), and a dict-like output (a
+    dict, a Transformers ``ModelOutput``) with the loss under ``loss_key`` and the logs, if
+    any, under "logs". With ``loss_key`` an int: a tuple whose element ``loss_key`` is the loss
+    (0 for Transformers' ``(loss, logits, ...)``). The output is what remains: one value
+    alone, several as a tuple (a dict for a dict-like output), as Transformers' ``Trainer``
+    gives its predictions. Nothing is inferred from shapes.
+    """
+
+    def __init__(self, loss_key: str | int = "loss") -> None:
+        if not (isinstance(loss_key, str) and loss_key) and \
+                (not isinstance(loss_key, int) or isinstance(loss_key, bool)):
+            raise TypeError(f"loss_key must be a str (the loss's key in a dict-like output) or "
+                            f"an int (its index in a tuple output, e.g. 0 for (loss, logits)). "
+                            f"Received: loss_key={loss_key!r}.")
+        self.key = loss_key
+        self._pairs = isinstance(loss_key, str)  # (output, loss) tuples are ipuloop's
+        self.logged: set[str] = set()  # the names of the values the model has logged
+        self._names: list[str] = []  # those of the last training step
+
+    def split(self, out: Any) -> tuple[Any, Any, Any]:
+        """``(output, loss, logs)`` of a model's return value; ``loss`` is None when ``out``
+        holds none by these conventions (then ``output`` is ``out``), ``logs`` when it logs
+        nothing."""
+        if self._pairs and type(out) is tuple and len(out) == 2:  # the common case, first
+            return out[0], out[1], None
+        key = self.key
+        if not self._pairs:
+            if isinstance(out, (tuple, list)) and -len(out) <= key < len(out):
+                rest = [v for i, v in enumerate(out) if i != key % len(out)]
+                return (rest[0] if len(rest) == 1 else tuple(rest)), out[key], None
+            return out, None, None
+        if isinstance(out, (tuple, list)):
+            if len(out) == 2:
+                return out[0], out[1], None
+            if len(out) == 3 and isinstance(out[2], Mapping):
+                return out[0], out[1], out[2]
+            return out, None, None
+        if isinstance(out, Mapping) and out.get(key) is not None:
+            rest = {k: v for k, v in out.items() if k != key and k != "logs"}
+            output = next(iter(rest.values())) if len(rest) == 1 else rest
+            return output, out[key], out.get("logs")
+        return out, None, None
+
+    def step_logs(self, logs: Mapping, layout: Layout, metrics: Any) -> tuple[list, list]:
+        """A step's logged values (checked when their names change), each reduced as
+        ``layout`` reduces the loss: their names, in one order on every instance, and the
+        ``[sum, count]`` of each, one flat list."""
+        names = sorted(logs)
+        if names != self._names:
+            check_logged(logs, metrics)
+            self._names = names
+            self.logged.update(names)
+        return names, [x for n in names for x in layout.step_loss(logs[n], repr(n))[:2]]
+
+    def describe(self) -> str:
+        """The conventions, for messages."""
+        if not self._pairs:
+            return f"a tuple whose element {self.key} is the loss (loss_key={self.key})"
+        return (f"(output, loss), (output, loss, logs) or a dict-like output with the loss "
+                f"under {self.key!r}")
+
+
+def check_logged(logs: Any, metrics: Any = (), where: str = "") -> None:
+    """Raise ``ValueError`` unless ``logs`` (what a model returns to be logged) is a dict of
+    names to tensors, each name a plain identifier that no other log of the loop uses."""
+    if not isinstance(logs, Mapping):
+        raise ValueError(f"{where}the values a model logs must be a dict of names to scalar "
+                         f"tensors, e.g. (output, loss, {{'acc': acc}}). Received: "
+                         f"{type(logs).__name__}.")
+    for name, value in logs.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ValueError(f"{where}a logged value's name must be an identifier (it becomes "
+                             f"the log <name>, train_<name> and val_<name>). Received: {name!r}.")
+        clash = ("the loop's own logs or counters" if name in RESERVED_LOGS else
+                 "the train_/val_ prefixes of epoch logs" if name.startswith(("train_", "val_"))
+                 else "a metric's name" if name in metrics else None)
+        if clash is not None:
+            raise ValueError(f"{where}the logged value {name!r} would clash with {clash}. "
+                             "Give it another name.")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{where}the logged value {name!r} must be a tensor (computed on "
+                             f"the device). Received: {type(value).__name__}.")
 
 
 class StepLoss(NamedTuple):  # a tuple: made once per training step, at a tuple's cost
@@ -69,11 +168,25 @@ class Layout:
     def returned_iterations(self) -> list[int]:
         return returned_iterations(self.mode, self.di, self.period)
 
-    def step_loss(self, loss: torch.Tensor) -> StepLoss:
-        """Reduce the returned loss tensor (already on the host) to a step loss."""
+    def step_loss(self, loss: torch.Tensor, what: str = "loss") -> StepLoss:
+        """Reduce the returned loss tensor (already on the host) to a step loss (``what``: a
+        logged value's name, reduced the same way)."""
+        try:
+            n = loss.numel()
+        except AttributeError:  # e.g. None: the return value holds no loss where it looks
+            raise ValueError(f"The model returned no {what} where the loop looks for it "
+                             "(Loop(loss_key=...)): received "
+                             f"{type(loss).__name__}.") from None
+        if n != self._returned:  # a value per micro-batch comes back as one per row
+            raise ValueError(
+                f"The model's {what} came back from the step as {n} value(s), where a scalar "
+                f"per micro-batch gives {self._returned} under this output mode: it is "
+                "not a scalar per micro-batch" + (". Check where Loop(loss_key=...) looks "
+                                                  "for the loss" if what == "loss" else "")
+                + f" (shape {list(loss.shape)}).")
         # Host tensor: no device sync; needed for the log. Summed in float64 (exact for a
         # single value, which float() reads without creating tensors).
-        total = float(loss) if loss.numel() == 1 else float(loss.sum(dtype=torch.float64))
+        total = float(loss) if n == 1 else float(loss.sum(dtype=torch.float64))
         return StepLoss(total, *self._loss_count)
 
     @cached_property  # fields are frozen: computed once, not every step
@@ -86,6 +199,11 @@ class Layout:
         """How many micro-batch losses a returned loss sums, and whether that is all of them."""
         n = sum(map(len, self.rows))
         return n, n == self.micro_batches
+
+    @cached_property
+    def _returned(self) -> int:
+        """How many values a returned loss holds: one per row."""
+        return len(self.rows)
 
     def micro_batch_index(self, returned_index: int) -> int:
         """Index (in ``[DI, GA, RF]`` order) of the micro-batch behind a returned loss; under
@@ -134,15 +252,19 @@ FLOAT16_MAX = 65504.0  # the largest finite float16
 
 
 def _data_finding(batch: Any, half: bool) -> str | None:
-    """What in the host ``batch`` (inputs..., labels) explains a non-finite loss: non-finite
-    values, or (``half``: sent as float16) values beyond float16's range; None if nothing."""
-    parts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
-    for i, x in enumerate(parts):
+    """What in the host ``batch`` ((inputs..., labels), or a dict) explains a non-finite loss:
+    non-finite values, or (``half``: sent as float16) values beyond float16's range; None if
+    nothing."""
+    if isinstance(batch, Mapping):  # keyword inputs, the labels among them
+        parts = [(f"input {k!r}", x) for k, x in batch.items()]
+    else:
+        parts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+        parts = [("the labels" if i == len(parts) - 1 and len(parts) > 1 else f"input {i}", x)
+                 for i, x in enumerate(parts)]
+    for name, x in parts:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()):
             continue
-        labels = i == len(parts) - 1 and len(parts) > 1
-        what = f"{'the labels' if labels else f'input {i}'} of this step's host batch " \
-            + ("have" if labels else "has")
+        what = f"{name} of this step's host batch " + ("have" if name == "the labels" else "has")
         if not bool(torch.isfinite(x).all()):
             return (f"{what} NaN or infinite values: clean the data (or leave such samples "
                     "out in the dataset)")

@@ -2,8 +2,9 @@
 
 The host random state is read at named points: ``epoch_rng`` as an epoch draws its sample
 order (with the loader's own generator, if any), ``val_rng`` as a validation inside a fit
-begins (a checkpoint taken during it resumes before it), and the state at the checkpointed
-step itself. A resumed mid-epoch fit replays the epoch's order from ``epoch_rng``, then goes
+begins (a checkpoint taken during it resumes before it: the resumed fit runs that validation
+again from its start, and after a step's own validation, ``fit(val_every_n_steps=)``, that
+step's ``on_train_step_end``), and the state at the checkpointed step itself. A resumed mid-epoch fit replays the epoch's order from ``epoch_rng``, then goes
 on from the step's state. The device's random state is set once the training model compiles.
 
 The data factors are those of the whole run: N processes of R replicas each count as one
@@ -23,10 +24,11 @@ import contextlib
 import copy
 import random
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from .callbacks.base import CancelEpoch, CancelFit
 from .metrics import metric_state
 from .rules import describe_factors
 
@@ -161,6 +163,8 @@ class Resume:
     def __init__(self) -> None:
         self.epoch_rng: dict[str, Any] | None = None  # as the running epoch drew its order
         self.val_rng: dict[str, Any] | None = None  # as the running validation began
+        self.val_in_step = False  # the running validation is a step's (val_every_n_steps)
+        self._step_validation = False  # a loaded checkpoint was taken during one: run it again
         self._step_rng: dict[str, Any] | None = None  # a loaded mid-epoch step's, until replayed
         self._sampler_rng: torch.Tensor | None = None  # a loaded epoch start's loader generator
         self._device_rng: torch.Tensor | None = None  # a loaded one, until the model compiles
@@ -190,6 +194,25 @@ class Resume:
             set_rng_state(step_rng)
         return batches
 
+    @contextlib.contextmanager
+    def validation(self, in_step: bool) -> Iterator[None]:
+        """A validation inside a fit (``in_step``: a step's, before its on_train_step_end): a
+        checkpoint taken during it (SIGTERM, an error) resumes with the RNG as it was before
+        it began, and the resumed fit runs it again from its start."""
+        self.val_rng, self.val_in_step = rng_state(), in_step
+        try:
+            yield
+        except (CancelEpoch, CancelFit):  # a hook ended it: nothing to run again
+            self.val_rng = None
+            raise
+        self.val_rng = None  # not in a finally: a SIGTERM or error save must still see it
+
+    def take_step_validation(self) -> bool:
+        """Whether the loaded checkpoint was taken during a step's validation, once: the
+        resumed fit runs it again, then that step's ``on_train_step_end``."""
+        pending, self._step_validation = self._step_validation, False
+        return pending
+
     def take_device_rng(self) -> torch.Tensor | None:
         """A loaded device random state, once: the compiled model continues it."""
         rng, self._device_rng = self._device_rng, None
@@ -213,7 +236,9 @@ class Resume:
             "history": [dict(h) for h in st.history],
             "logs": dict(st.logs),  # an epoch ending right after a resume logs these
             "epoch_loss": list(st.epoch_loss),
+            "epoch_logs": {k: list(v) for k, v in st.epoch_logs.items()},
             "rng": self.val_rng if self.val_rng is not None else rng_state(),
+            "step_validation": self.val_rng is not None and self.val_in_step,
             "optimizer_extras": optimizer_extras(optimizer),
             "sampler_rng": self.sampler.generator_state() if self.sampler is not None else None,
             "epoch_rng": self.epoch_rng,
@@ -223,6 +248,8 @@ class Resume:
         }
         if executor is not None and executor.isCompiled():
             sd["device_rng"] = executor.rng_state
+        elif self._device_rng is not None:  # loaded, and no step compiled since: the same
+            sd["device_rng"] = self._device_rng
         return copy.deepcopy(sd)
 
     def restore(self, sd: dict[str, Any], model: torch.nn.Module, optimizer: Any, st: Any,
@@ -238,6 +265,8 @@ class Resume:
         st.history = [dict(h) for h in sd["history"]]
         st.logs = dict(sd.get("logs", {}))
         st.epoch_loss = list(sd["epoch_loss"])
+        st.epoch_logs = {k: list(v) for k, v in sd.get("epoch_logs", {}).items()}
+        self._step_validation = bool(sd.get("step_validation", False))
         for k, m in metrics.items():
             for n, v in sd.get("metrics", {}).get(k, {}).items():
                 setattr(m, n, v)

@@ -34,8 +34,12 @@ class State:
     steps_per_epoch: int | None = None  # training host calls in an epoch; None: length unknown
     max_steps: int | None = None  # fit(max_steps=): the fit ends when ``step`` reaches it
     validates: bool = False  # the fit has a val_loader: val_ logs are written at epoch ends
+    val_every_n_steps: int | None = None  # fit(val_every_n_steps=): also a validation at each
+    # step that is a multiple of it, before that step's on_train_step_end
     epoch_loss: list = field(default_factory=lambda: [0.0, 0, True])  # the running epoch's
     # [sum of micro-batch losses, how many, whether every micro-batch's loss was returned]
+    epoch_logs: dict[str, list] = field(default_factory=dict)  # the running epoch's sums of
+    # the values the model logs: name -> [sum of micro-batch values, how many]
     # Flags, read at step boundaries:
     stop_requested: bool = False  # set by Loop.stop(); the fit ends after the current step
     preempted: bool = False  # set by SIGTERM; the fit ends after the current step, exit 143
@@ -49,6 +53,16 @@ class State:
             key = prefix + name
             for k in [k for k in self.logs if k == key or k.startswith(key + "_")]:
                 del self.logs[k]
+
+    def add_step_logs(self, names: list[str], sums: list[float]) -> None:
+        """Log a step's values (``outputs.Returns.step_logs``: ``[sum, count]`` of each) as
+        ``<name>``, and add them to the epoch's sums."""
+        for i, name in enumerate(names):
+            total, count = sums[2 * i], sums[2 * i + 1]
+            self.logs[name] = total / count
+            acc = self.epoch_logs.setdefault(name, [0.0, 0])
+            acc[0] += total
+            acc[1] += count
 
     def counters(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in

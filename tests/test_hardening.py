@@ -560,7 +560,7 @@ def _bad_input(case: str, spy: Spy):
     if case == "float labels to CrossEntropy":
         return (_tiny_loop(callbacks=[spy]),
                 DataLoader(TensorDataset(x, torch.randint(0, 3, (32,)).float()), batch_size=4))
-    if case == "dict batch":
+    if case == "dict batch without labels":
         return _tiny_loop(callbacks=[spy]), DataLoader(DictData(), batch_size=4)
     raise AssertionError(case)
 
@@ -573,7 +573,8 @@ def _bad_input(case: str, spy: Spy):
     ("label batch != input batch", ["input 0 has batch size 4", "labels have 2"]),
     ("float labels to CrossEntropy", [r"labels float32 \[4\]", r"inputs? \(float32 \[4, 4\]\)",
                                       "(expected target dtype to be Long|expected scalar type Long)"]),
-    ("dict batch", [r"dict batches \(keys \['image', 'target'\]\)", r"\(inputs\.\.\., labels\)"]),
+    ("dict batch without labels", [r"dict batches without the labels' key label_key='labels' "
+                                   r"\(keys \['image', 'target'\]\)", r"Loop\(label_key=\.\.\.\)"]),
 ])
 def test_bad_input_named_before_the_first_step(case, patterns):
     spy = Spy()

@@ -43,6 +43,7 @@ def wandb_offline(tmp_path_factory):
     """W&B offline for these tests (it reads its settings once), no API key, its own files in
     a temporary folder; its service process ends with them."""
     d = tmp_path_factory.mktemp("wandb_home")
+    wandb.teardown()  # settings an earlier test's run left in this process are read again
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_API_KEY", raising=False)
         for var, value in dict(WANDB_MODE="offline", WANDB_DIR=d, WANDB_CONFIG_DIR=d / "config",

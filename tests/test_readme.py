@@ -69,7 +69,7 @@ SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{
 
 
 def test_the_snippets_are_found():
-    assert len([s for s in SNIPPETS if s.values[0] == README]) == 5
+    assert len([s for s in SNIPPETS if s.values[0] == README]) == 8
     for marker in STAND_INS:  # each stand-in serves a snippet that still exists
         assert sum(marker in s.values[2] for s in SNIPPETS) == 1, marker
 
@@ -141,8 +141,33 @@ def _check_callbacks(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None
     assert all(torch.equal(v, weights[k]) for k, v in loop.model.state_dict().items())
 
 
+def _check_dict_batches(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    assert ns["logits"].shape == (10, 2)
+    assert ns["history"][-1]["val_loss"] < ns["history"][0]["train_loss"]
+
+
+def _check_logged_values(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    step_acc, train_acc, val_acc = map(float, out.split()[-3:])
+    h = ns["history"][-1]
+    assert 0.5 < val_acc <= 1 and 0.5 < train_acc <= 1 and 0 <= step_acc <= 1
+    assert h["train_loss_exact"] == 1.0  # Sum: every micro-batch's value
+
+
+def _check_val_every_n_steps(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    best, loop = ns["best"], ns["loop"]
+    steps = [int(p.name.split("step")[1]) for p in best.best_k]
+    assert steps and all(s % 20 == 0 for s in steps)  # ranked: saves at validation steps
+    assert out.split()[-2] == best.best_path.name
+    rows = (tmp_path / "log.csv").read_text().splitlines()[1:]
+    mid = [r for r in rows if int(r.split(",")[1]) % 20 == 0]  # a row at each step validation
+    assert len(mid) == loop.state.step // 20
+
+
 CHECKS = {
     "loop = Loop(model_with_loss, opts, optimizer=poptorch.optim.AdamW(": _check_top,
+    "class Tokens(Dataset):": _check_dict_batches,
+    "class WithAccuracy(nn.Module):": _check_logged_values,
+    "val_every_n_steps=20)": _check_val_every_n_steps,
     "predictions = loop.predict(": _check_one_example,
     "class PrintLR(Callback):": _check_print_lr,
     "sched = torch.optim.lr_scheduler.OneCycleLR(": _check_callbacks,

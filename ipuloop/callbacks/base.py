@@ -12,12 +12,13 @@ attached at each event)::
             [first step only: on_compile_start, compile the training model, on_compile_end]
             on_train_step_start                  # CancelStep: skip this step's remaining hooks
             run the training model               # DI optimizer updates on the device
-            reduce the returned loss, check it is finite, update the train metrics
+            reduce the returned loss (and logged values), check it, update the train metrics
+            if val_loader and state.step % val_every_n_steps == 0: validation, as below
             on_train_step_end                    # state.logs["loss"] is this step's mean loss
             if loop.stop() was called or max_steps is reached: leave the epoch
         epoch logs: train_loss, train_loss_exact, train_<metric>
         if the epoch was left before its last step: go to on_fit_end   # incomplete epoch
-        if val_loader:
+        if val_loader (and the last step did not validate):
             on_validation_start
             [first time: on_compile_start, compile the inference model, on_compile_end]
             for each host batch: run the inference model; on_validation_step_end
@@ -33,7 +34,9 @@ them; a later change raises PopTorch's frozen-options error.
 An incomplete epoch (stopped before its last step) is not counted in ``state.epoch`` and gets
 no validation and no ``on_epoch_end``; ``fit`` with ``resume_from`` finishes it.
 SIGTERM: the running step finishes, then ``on_preempt`` (checkpoint here), ``on_fit_end``,
-and the process exits with status 143.
+and the process exits with status 143; during a validation, it stops there, and a fit
+resumed from that checkpoint runs the validation again from its start (a step's validation:
+then that step's ``on_train_step_end``).
 ``Loop.validate`` runs the validation block alone (on_fit_start/on_fit_end not fired; a
 CancelEpoch or CancelFit from its hooks ends it with no val logs, returning ``{}``);
 ``Loop.predict`` fires only on_compile_start/on_compile_end, when it compiles.
@@ -45,8 +48,8 @@ exception raised in a hook carries a note naming the callback and the hook. A Ca
 exception skips the rest of its scope, later callbacks' hooks for that event included:
 ``CancelStep`` from a train step hook: to the next step. ``CancelEpoch`` from
 on_epoch_start or a step hook: to the epoch logs (validation and on_epoch_end still run);
-from a validation hook: to on_epoch_end (no val logs that epoch); from on_epoch_end: no
-effect. ``CancelFit`` from any fit hook: to on_fit_end.
+from a validation hook: to on_epoch_end (no val logs that epoch; from a step's validation,
+to the epoch logs); from on_epoch_end: no effect. ``CancelFit`` from any fit hook: to on_fit_end.
 
 Hooks fire per step, never per micro-batch: the host never sees a micro-batch on an IPU.
 """

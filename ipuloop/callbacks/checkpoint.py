@@ -129,7 +129,9 @@ class ModelCheckpoint(Callback):
     beside ``monitor="val_loss"`` (the last validation scored earlier weights), are kept
     *unranked*: never among the best ``save_top_k``, kept as the last (``save_last``) until
     the next save, and all kept with ``save_top_k=-1``. To keep the best by a validation
-    log, save at epoch ends (``every_n_epochs``). ``best_path``, ``best_score`` and
+    log, save at epoch ends (``every_n_epochs``), or at the steps where the fit validates:
+    with ``fit(val_every_n_steps=N)`` a validation runs before the ``on_train_step_end`` of
+    every N-th step, so ``every_n_steps`` a multiple of N ranks each step save by it. ``best_path``, ``best_score`` and
     ``best_k`` give the ranked ones; ``last_path`` the newest regular save.
 
     A save at a step that already has a checkpoint (the epoch-end save after the step save of
@@ -379,7 +381,8 @@ class ModelCheckpoint(Callback):
                 warnings.warn(f"ModelCheckpoint(monitor={monitor!r}): {why} at step {st.step}: "
                               "saves between the steps that write it are kept unranked (as "
                               "the last, never among the best). Save at epoch ends "
-                              "(every_n_epochs) to rank by a validation log.", stacklevel=3)
+                              "(every_n_epochs) to rank by a validation log, or every_n_steps "
+                              "a multiple of fit(val_every_n_steps=).", stacklevel=3)
             return math.nan
         return monitored(st, monitor, "ModelCheckpoint")
 

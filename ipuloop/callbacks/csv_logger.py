@@ -19,7 +19,9 @@ class CSVLogger(Callback):
     log key in the order first seen. When a row brings a new key,
     the file is rewritten with the wider header (earlier rows get empty cells), so the header
     always names every column. Rows every ``every_n_steps`` steps hold the step logs (the keys
-    not prefixed ``train_``/``val_``, e.g. ``loss``). A new fit starts a new file; a resumed
+    not prefixed ``train_``/``val_``, e.g. ``loss``). A validation the fit runs at a step
+    (``fit(val_every_n_steps=)``) gets a row at that step too: the step logs and the ``val_``
+    logs. A new fit starts a new file; a resumed
     one keeps the rows its checkpoint had written and appends (rows written after that
     checkpoint are dropped, as the resumed run writes them again).
 
@@ -43,6 +45,7 @@ class CSVLogger(Callback):
         self.path, self.every_n_steps = os.fspath(path), every_n_steps
         self.columns: list[str] = ["epoch", "step", "update"]
         self.rows = 0  # data rows in the file
+        self._val_at: int | None = None  # the step of the last validation
 
     def _read(self) -> list[dict[str, str]]:
         if not os.path.exists(self.path):
@@ -79,10 +82,15 @@ class CSVLogger(Callback):
         self.rows = len(kept)
         self._rewrite(kept)
 
+    def on_validation_end(self, loop: Any) -> None:
+        self._val_at = loop.state.step
+
     def on_train_step_end(self, loop: Any) -> None:
-        if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
-            self._write(loop, {k: v for k, v in loop.state.logs.items()
-                               if not k.startswith(("train_", "val_"))})
+        st = loop.state
+        validated = self._val_at == st.step  # a validation at this step: before this event
+        if validated or self.every_n_steps and st.step % self.every_n_steps == 0:
+            self._write(loop, {k: v for k, v in st.logs.items() if not k.startswith("train_")
+                               and (validated or not k.startswith("val_"))})
 
     def on_epoch_end(self, loop: Any) -> None:
         self._write(loop, loop.state.logs)

@@ -10,16 +10,19 @@ __all__ = ["EarlyStopping"]
 
 
 class EarlyStopping(Callback):
-    """Calls ``loop.stop()`` at epoch end after ``patience`` epochs in a row without improvement.
+    """Calls ``loop.stop()`` after ``patience`` checks in a row without improvement.
 
-    An epoch improves when the value beats the best by more than ``min_delta`` (below it in
-    "min" mode, above it in "max" mode). With ``check_finite`` a NaN or infinite value stops
-    at once. ``stopped_epoch`` and ``reason`` say why it stopped.
+    The value is checked at each epoch end, and a validation log (``val_...``) also after
+    each validation a fit runs at a step (``fit(val_every_n_steps=)``: a stop there ends the
+    fit after that step), so each validation is one check. A check improves
+    when the value beats the best by more than ``min_delta`` (below it in "min" mode, above
+    it in "max" mode). With ``check_finite`` a NaN or infinite value stops at once.
+    ``stopped_epoch`` and ``reason`` say why it stopped.
 
     Args:
-        monitor: the log to watch (``loop.state.logs`` at epoch end, e.g. "val_loss"); a
-            validation log in a fit without ``val_loader`` is an error when the fit starts.
-        patience: stop after this many epochs in a row without improvement (>= 1).
+        monitor: the log to watch (``loop.state.logs``, e.g. "val_loss"); a validation log
+            in a fit without ``val_loader`` is an error when the fit starts.
+        patience: stop after this many checks in a row without improvement (>= 1).
         min_delta: smallest change that counts as an improvement (>= 0).
         mode: "min" (lower is better) or "max".
         check_finite: stop when the value is NaN or infinite.
@@ -41,14 +44,35 @@ class EarlyStopping(Callback):
         self.monitor, self.patience, self.min_delta = monitor, patience, float(min_delta)
         self.mode, self.check_finite = mode, check_finite
         self.best = math.inf if mode == "min" else -math.inf
-        self.wait = 0  # epochs since the last improvement
-        self.stopped_epoch: int | None = None  # 1-based epoch after which it stopped
+        self.wait = 0  # checks since the last improvement
+        self.stopped_epoch: int | None = None  # 1-based epoch in (or after) which it stopped
         self.reason = ""
+        self._fitting = False  # (a validate() outside a fit is no check)
 
     def on_fit_start(self, loop: Any) -> None:
         check_monitor(loop.state, self.monitor, "EarlyStopping")
+        self._fitting = True
+
+    def on_fit_end(self, loop: Any) -> None:
+        self._fitting = False
+
+    on_exception = on_fit_end
+
+    def _step_validated(self, st: Any) -> bool:
+        """Whether the fit validated at this step itself (then no epoch-end validation)."""
+        every = st.val_every_n_steps
+        return bool(every and st.step and st.step % every == 0 and self.monitor.startswith("val_"))
+
+    def on_validation_end(self, loop: Any) -> None:
+        st = loop.state
+        if self._fitting and self._step_validated(st):
+            self._check(loop, st.epoch + 1, f"at step {st.step} (epoch {st.epoch + 1})")
 
     def on_epoch_end(self, loop: Any) -> None:
+        if not self._step_validated(loop.state):  # (else checked at that validation)
+            self._check(loop, loop.state.epoch, f"after epoch {loop.state.epoch}")
+
+    def _check(self, loop: Any, epoch: int, where: str) -> None:
         value = monitored(loop.state, self.monitor, "EarlyStopping")
         sign = self._sign
         if self.check_finite and not math.isfinite(value):
@@ -60,11 +84,11 @@ class EarlyStopping(Callback):
             self.wait += 1
             if self.wait < self.patience:
                 return
+            checks = "validations" if self.monitor.startswith("val_") else "epochs"
             self.reason = (f"{self.monitor} did not improve on {self.best:.6g} by more than "
-                           f"{self.min_delta:g} for {self.wait} epochs")
-        self.stopped_epoch = loop.state.epoch
-        print(f"EarlyStopping: stopping after epoch {loop.state.epoch}: {self.reason}.",
-              flush=True)
+                           f"{self.min_delta:g} for {self.wait} {checks}")
+        self.stopped_epoch = epoch
+        print(f"EarlyStopping: stopping {where}: {self.reason}.", flush=True)
         loop.stop()
 
     def state_dict(self) -> dict[str, Any]:

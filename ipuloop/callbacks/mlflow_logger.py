@@ -84,6 +84,7 @@ class MLFlowLogger(ScalarLogger):
         self._resumed = self.run_id is not None
 
     def on_fit_start(self, loop: Any) -> None:
+        super().on_fit_start(loop)
         if self.client is None:
             self.client = self._client_type(tracking_uri=self.tracking_uri)
         c = self.client
@@ -155,7 +156,9 @@ class MLFlowLogger(ScalarLogger):
             self.client.set_terminated(self.run_id, status=status)
 
     def on_fit_end(self, loop: Any) -> None:
+        super().on_fit_end(loop)
         self._end("KILLED" if loop.state.preempted else "FINISHED")
 
     def on_exception(self, loop: Any) -> None:
+        super().on_exception(loop)
         self._end("FAILED")

@@ -23,8 +23,10 @@ class ScalarLogger(Callback):
       e.g. ``loss``, the step's mean loss) and ``samples_per_second`` (the step's samples over
       the time since the previous step ended, or since the epoch started or the model
       compiled: data loading counts, compilation and validation do not);
-    - every epoch: the epoch logs (``train_*`` and ``val_*``; the flag ``train_loss_exact`` is
-      left out).
+    - every epoch: the epoch logs (``train_*``; the flag ``train_loss_exact`` is left out);
+    - every validation of the fit (at an epoch end, or at a step with
+      ``fit(val_every_n_steps=)``): the ``val_*`` logs; its time is left out of
+      ``samples_per_second``. A ``validate()`` outside a fit logs nothing.
 
     Instance 0 alone logs when several processes train (``main_instance_only``).
     """
@@ -35,6 +37,8 @@ class ScalarLogger(Callback):
     def __init__(self) -> None:
         self._since: float | None = None  # when the running step's time started
         self._samples = 0  # state.samples at that time
+        self._paused: float | None = None  # when the running validation started
+        self._fitting = False  # between on_fit_start and the fit's end (validate(): no logs)
 
     def log_scalars(self, values: dict[str, float], update: int) -> None:
         """Record ``values`` at x = ``update`` (each subclass writes to its backend)."""
@@ -42,12 +46,37 @@ class ScalarLogger(Callback):
 
     def _restart_clock(self, loop: Any) -> None:
         self._since, self._samples = time.perf_counter(), loop.state.samples
+        self._paused = None
+
+    # Subclasses that override these call them too (super()).
+    def on_fit_start(self, loop: Any) -> None:
+        self._fitting = True
+
+    def on_fit_end(self, loop: Any) -> None:
+        self._fitting = False
+
+    def on_exception(self, loop: Any) -> None:
+        self._fitting = False
 
     def on_epoch_start(self, loop: Any) -> None:
         self._restart_clock(loop)
 
     def on_compile_end(self, loop: Any) -> None:
-        self._restart_clock(loop)
+        if self._paused is None:  # (a validation's compilation: its time is left out anyway)
+            self._restart_clock(loop)
+
+    def on_validation_start(self, loop: Any) -> None:
+        self._paused = time.perf_counter()
+
+    def on_validation_end(self, loop: Any) -> None:
+        if self._paused is not None and self._since is not None:  # the step's time goes on
+            self._since += time.perf_counter() - self._paused
+        self._paused = None
+        if self._fitting:  # at an epoch end or a step (val_every_n_steps)
+            st = loop.state
+            values = {k: float(v) for k, v in st.logs.items() if k.startswith("val_")}
+            if values:
+                self.log_scalars(values, st.update)
 
     def on_train_step_start(self, loop: Any) -> None:
         groups = loop.optimizer.param_groups if loop.optimizer is not None else []
@@ -59,7 +88,7 @@ class ScalarLogger(Callback):
         st = loop.state
         values = {k: float(v) for k, v in st.logs.items() if not k.startswith(("train_", "val_"))}
         now = time.perf_counter()
-        if self._since is not None and now > self._since:
+        if self._since is not None and now > self._since and st.samples > self._samples:
             values["samples_per_second"] = (st.samples - self._samples) / (now - self._since)
         self._restart_clock(loop)
         if values:
@@ -68,7 +97,7 @@ class ScalarLogger(Callback):
     def on_epoch_end(self, loop: Any) -> None:
         st = loop.state
         values = {k: float(v) for k, v in st.logs.items()
-                  if k.startswith(("train_", "val_")) and not k.endswith("_exact")}
+                  if k.startswith("train_") and not k.endswith("_exact")}
         if values:
             self.log_scalars(values, st.update)
 

@@ -23,8 +23,9 @@ class TensorBoardLogger(ScalarLogger):
       data loading counts, compilation and validation do not), and the learning rate the
       step runs (``lr``; ``lr/group<i>`` per parameter group when there are several),
       recorded at the update that step starts from;
-    - every epoch: the epoch logs (``train_*`` and ``val_*``; the flag ``train_loss_exact`` is
-      left out).
+    - every validation of the fit (at epoch ends, and at steps with
+      ``fit(val_every_n_steps=)``): the ``val_*`` logs;
+    - every epoch: the ``train_*`` logs (the flag ``train_loss_exact`` is left out).
 
     The file is flushed at every epoch end and closed when the fit ends. A resumed fit
     purges what the interrupted run wrote after its checkpoint (``SummaryWriter(purge_step=)``
@@ -75,6 +76,7 @@ class TensorBoardLogger(ScalarLogger):
         self._resumed = dict(state) if "update" in state else None
 
     def on_fit_start(self, loop: Any) -> None:
+        super().on_fit_start(loop)
         resumed, self._resumed = self._resumed, None
         if self.writer is None and resumed is not None:
             # TensorBoard hides what earlier files hold from purge_step on: the updates the
@@ -97,7 +99,9 @@ class TensorBoardLogger(ScalarLogger):
             self.writer = None
 
     def on_fit_end(self, loop: Any) -> None:
+        super().on_fit_end(loop)
         self._close()
 
     def on_exception(self, loop: Any) -> None:
+        super().on_exception(loop)
         self._close()

@@ -78,6 +78,7 @@ class WandbLogger(ScalarLogger):
             self.run_id = state.get("run_id")
 
     def on_fit_start(self, loop: Any) -> None:
+        super().on_fit_start(loop)
         if self.run is None:
             kwargs = dict(self._init)
             if self.save_dir is not None:
@@ -102,7 +103,9 @@ class WandbLogger(ScalarLogger):
             self.run = None
 
     def on_fit_end(self, loop: Any) -> None:
+        super().on_fit_end(loop)
         self._finish(143 if loop.state.preempted else 0)
 
     def on_exception(self, loop: Any) -> None:
+        super().on_exception(loop)
         self._finish(1)

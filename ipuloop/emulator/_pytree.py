@@ -7,7 +7,9 @@ import torch.utils._pytree as _p
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["tree_flatten", "tree_unflatten", "tree_map", "tree_leaves", "register_pytree_node",
-           "deregister_pytree_node"]
+           "deregister_pytree_node", "SUPPORTED_NODES"]
+
+SUPPORTED_NODES = _p.SUPPORTED_NODES  # the registered types (one dict in every release)
 
 if hasattr(_p, "tree_leaves"):
     tree_leaves = _p.tree_leaves

@@ -18,9 +18,30 @@ from . import _pytree as pytree
 from .enums import OutputMode
 from .errors import Error
 
-__all__ = ["out_leaves", "out_unflatten", "to_host", "assemble", "NARROWED", "Anchors"]
+__all__ = ["out_leaves", "out_unflatten", "to_host", "assemble", "NARROWED", "Anchors",
+           "register_mappings"]
 
 NARROWED = frozenset({torch.int64, torch.float64})  # outputs ``to_host`` narrows
+
+
+def register_mappings(out: Any) -> None:
+    """PopTorch takes any dict of a forward's outputs apart by its keys and rebuilds it with
+    its own type; torch's pytree only takes apart the types registered with it. Register
+    each other dict type of ``out`` (a subclass such as a Transformers ``ModelOutput``), as
+    ``registerCustomArgParser`` registers its types: called once, on the traced outputs."""
+    if isinstance(out, dict):
+        cls = type(out)
+        if cls not in pytree.SUPPORTED_NODES:
+            pytree.register_pytree_node(
+                cls, lambda d: (list(d.values()), list(d.keys())),
+                lambda values, keys, cls=cls: cls(dict(zip(keys, values))))
+        items = out.values()
+    elif isinstance(out, (tuple, list)):
+        items = out
+    else:
+        return
+    for item in items:
+        register_mappings(item)
 
 
 def out_leaves(out: Any) -> tuple[list[Any], Any]:

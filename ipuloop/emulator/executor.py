@@ -337,6 +337,7 @@ class PoplarExecutor(HardwareOnly):
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
+        _anchors.register_mappings(out)  # any dict of the outputs, as PopTorch takes dicts
         out_leaves, self._out_spec = _anchors.out_leaves(out)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:

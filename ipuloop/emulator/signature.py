@@ -4,8 +4,11 @@ The first call binds its arguments to ``forward``'s signature (defaults fill wha
 given) and compiles for that structure. Later calls are bound the same way and must match it:
 same types, dicts with the same keys (in any order), tensors of the same dtype and shape, and
 the same non-tensor values (constants of the compiled graph). The model then runs with the
-bound arguments: positional ones in ``forward``'s order, keyword ones for what follows a
-``*args`` or falls into ``**kwargs``.
+bound arguments: positional ones in ``forward``'s order (a keyword argument naming a
+parameter is passed in its place), keyword ones for what follows a ``*args`` or falls into
+``**kwargs``. PopTorch passes a keyword-only parameter (after a bare ``*``) by position too,
+which Python refuses: the emulator raises that ``TypeError`` before tracing, saying why.
+A dict argument compiles with PopTorch's warning that dicts are only partly supported.
 
 The tensors of a structure are its leaves, found through tuples, lists and dicts (any dict
 subclass, such as ``OrderedDict``, keeps its type); everything else is a constant.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -169,6 +173,18 @@ class _Binder:
         self.params = params
         self.names = [p.name for p in params]
         self.variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+        star = next((i for i, p in enumerate(params) if p.kind == p.VAR_POSITIONAL), len(params))
+        by_position = [p.name for p in params[:star] if p.kind == p.KEYWORD_ONLY]
+        if by_position:
+            # PopTorch 3.4 binds every parameter before a *args by position, a keyword-only
+            # one included, given or defaulted; Python then refuses the call to forward.
+            name = getattr(forward, "__qualname__", "forward")
+            raise TypeError(
+                f"{name}() has the keyword-only parameter(s) {', '.join(by_position)}, which "
+                "PopTorch passes by position (it binds every parameter of forward that does "
+                "not follow a *args so), and Python refuses: on an IPU the call fails with "
+                "'takes N positional arguments but M were given'. Make them ordinary "
+                "parameters: remove the bare * from forward's signature.")
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[list, list[str], dict]:
         """(positional values, their names, keyword values) for ``forward(*args, **kwargs)``."""
@@ -221,6 +237,13 @@ class Signature:
     def __init__(self, forward: Callable, args: tuple, kwargs: dict) -> None:
         self._binder = _Binder(forward)
         values, self.names, named = self._binder.bind(args, kwargs)
+        given = [*args, *(v for k, v in kwargs.items() if k in self._binder.names)]
+        for value in given:  # as PopTorch's parser, once per argument holding a dict
+            if _holds_dict(value):
+                logging.getLogger("poptorch").warning(
+                    "Dicts as inputs only have partial support, they can be accessed using "
+                    "literal keys, but full Python functionality is not enabled. Consider "
+                    "changing dict inputs to tuple.")
         self.template = (_template(tuple(values)), _template(named))
         positional = not named and len(values) == len(args) and all(
             type(v) is torch.Tensor for v in values)
@@ -265,6 +288,13 @@ class Signature:
 
     def unflatten(self, leaves: list) -> tuple[tuple, dict]:
         return _fill(self.template, iter(leaves))
+
+
+def _holds_dict(x: Any) -> bool:
+    """Whether ``x`` is a dict, or tuples and lists holding one."""
+    if isinstance(x, dict):
+        return True
+    return isinstance(x, (tuple, list)) and any(_holds_dict(v) for v in x)
 
 
 def unflatten(leaves: list, spec: Any) -> tuple[tuple, dict]:
