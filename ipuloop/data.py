@@ -13,12 +13,19 @@ Validation and predict count every sample: a map-style dataset is padded to whol
 with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
 loader yields it, its workers' batches cut into host calls and the last one padded as it ends.
 A ``poptorch.DataLoader``'s mode (``Async``, ``AsyncRebatched``) and its ``async_options`` are
-kept: each epoch reads through a prefetching loader of its own, built once the epoch's order
-is drawn (``Prefetch``).
+kept, and a torch ``DataLoader`` is read in ``Async`` mode when the loop is asked to
+(``Loop(async_data=...)``): each epoch reads through a prefetching loader of its own, built
+once the epoch's order is drawn (``Prefetch``).
+
+A custom batch sampler gives each micro-batch of a host call (``[DI, GA, RF/g]``, each replica
+its own) one of its batches, in order; every batch must have the shapes of the first, as a
+compiled model takes one shape (``OneShape``).
 """
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +42,8 @@ __all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "s
            "as_sent",
            "first_micro_batch", "predict_inputs", "concat", "kill_workers", "close",
            "Predictions", "check_not_empty", "count_updates", "no_host_call", "built_micro_batch",
-           "loader_kwargs", "Prefetch", "prefetch_of", "whole_order"]
+           "loader_kwargs", "Prefetch", "prefetch_of", "whole_order", "async_settings",
+           "OneShape"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
@@ -121,6 +129,10 @@ class ResumableSampler(Sampler):
     def set_epoch(self, skip: int = 0) -> None:
         """Draw this epoch's order now (from the RNG as it is) and drop the first ``skip``."""
         self._order = list(iter(self.inner))[skip:]
+
+    def items(self) -> int:
+        """Items of a whole epoch (samples, or a batch sampler's batches)."""
+        return len(self.inner)
 
     def generator_state(self) -> torch.Tensor | None:
         g = getattr(self.inner, "generator", None)
@@ -248,23 +260,79 @@ class _StreamCalls:
         return getattr(self.batches, name)
 
 
+def _shapes(batch: Any) -> Any:
+    """The shapes of a collated batch's tensors, in its structure (what a compile fixes)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.shape)
+    if isinstance(batch, dict):
+        return {k: _shapes(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return [_shapes(v) for v in batch]
+    return None
+
+
+class OneShape:
+    """A custom batch sampler's batches, each checked against the first of the fit: a model
+    compiles for one input shape (PopTorch refuses any other at the next call), so a sampler
+    of batches that vary (bucketing by length, a short last batch) is refused at the first
+    batch that differs, before it is joined into a host call or run. ``batch_size``: the rows
+    the sampler declares (its ``batch_size``), None when it declares none; ``per_call``: its
+    batches per host call."""
+
+    def __init__(self, name: str, sampler: Any, batch_size: int | None, per_call: int) -> None:
+        self.name, self.sampler = name, type(sampler).__name__
+        self.batch_size, self.per_call = batch_size, per_call
+        self.first: Any = None
+
+    def check(self, batch: Any, index: int, unit: str = "batch") -> None:
+        """``batch``: the ``index``-th ``unit`` (0-based) of the epoch: a sampler's batch, or a
+        host call that a prefetching loader joined."""
+        shapes = _shapes(batch)
+        if shapes == self.first:
+            return
+        if self.first is None:
+            want = self.batch_size
+            if want is not None and unit != "batch":
+                want *= self.per_call
+            if want is None or _rows(batch) in (want, -1):
+                self.first = shapes
+                return
+            expected = f"{want} samples (the sampler's batch_size {self.batch_size}" + (
+                f" x {self.per_call} batches)" if unit != "batch" else ")")
+        else:
+            expected = f"the shapes of the first, {self.first}"
+        raise ValueError(
+            f"{self.name}: its batch sampler ({self.sampler}) yields batches of different "
+            f"shapes: {unit} {index} of this epoch has shapes {shapes}, but it needs "
+            f"{expected}. The model is compiled for one input shape, so every batch must have "
+            "it: pad each batch to the same shape in the collate_fn (the same number of "
+            "samples, sequences padded to one length), or drop a short last batch "
+            "(BatchSampler(..., drop_last=True)).")
+
+
 class _HostCalls:
     """A custom batch sampler's micro-batches, ``count`` at a time, joined into host batches.
 
     PopTorch's DataLoader does this in a plain generator (``_utils.combined_batch_generator``),
     whose workers the loop could neither shut down nor kill: here the torch iterator's
     attributes (``_workers``, ``_shutdown_workers``) show through. An incomplete group at the
-    end is dropped, as the loop drops the last incomplete host call.
+    end is dropped, as the loop drops the last incomplete host call. Each micro-batch is
+    checked (``OneShape``) before it is joined; ``start``: the batches skipped into.
     """
 
-    def __init__(self, batches: Iterator[Any], count: int) -> None:
-        self.batches, self.count = batches, count
+    def __init__(self, batches: Iterator[Any], count: int, shape: OneShape,
+                 start: int = 0) -> None:
+        self.batches, self.count, self.shape, self.index = batches, count, shape, start
 
     def __iter__(self) -> _HostCalls:
         return self
 
     def __next__(self) -> Any:
-        return _cat([next(self.batches) for _ in range(self.count)])
+        parts = [next(self.batches) for _ in range(self.count)]  # an incomplete one: dropped
+        for batch in parts:
+            self.shape.check(batch, self.index)
+            self.index += 1
+        return _cat(parts)
 
     def __getattr__(self, name: str) -> Any:
         if name == "batches":
@@ -294,10 +362,34 @@ def _async_options(accessor: Any, name: str) -> dict[str, Any]:
     return out
 
 
+_ASYNC_KEYS = ("buffer_size", "miss_sleep_time_in_ms", "early_preload", "sharing_strategy")
+
+
+def async_settings(value: Any) -> dict[str, Any] | None:
+    """``Loop(async_data=...)`` as the ``async_options`` a torch loader is read with in
+    ``DataLoaderMode.Async``: None (False: read synchronously), ``{}`` (True: PopTorch's
+    defaults) or the dict given, whose keys are ``AsynchronousDataAccessor``'s."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"async_data must be a bool or a dict of async_options. Received: "
+                        f"async_data={value!r}.")
+    bad = [k for k in value if k not in _ASYNC_KEYS]
+    if bad:
+        raise ValueError(f"async_data has key(s) {bad}: the async_options the loop passes on "
+                         f"are {list(_ASYNC_KEYS)} (each epoch has an accessor of its own, so "
+                         "load_indefinitely is not one of them). Received: "
+                         f"async_data={value!r}.")
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class Prefetch:
-    """A ``poptorch.DataLoader``'s Async mode (``DataLoaderMode.Async`` or ``AsyncRebatched``,
-    its ``async_options`` and ``rebatched_worker_size``), kept by the loader the loop builds.
+    """A ``DataLoaderMode.Async`` or ``AsyncRebatched`` mode, its ``async_options`` and
+    ``rebatched_worker_size``: a ``poptorch.DataLoader``'s own, kept by the loader the loop
+    builds, or ``Async`` for a torch ``DataLoader`` under ``Loop(async_data=...)``.
 
     Each epoch reads through a loader of its own in that mode, built once the epoch's order is
     drawn and stopped when the epoch ends: an accessor started earlier would read its first
@@ -310,12 +402,12 @@ class Prefetch:
     options: dict  # async_options
     worker_size: int | None  # rebatched_worker_size; None: the combined batch size
 
-    def loader(self, plan: Plan, seed: int) -> Any:
-        """``plan``'s loader in this mode, its torch generator seeded with ``seed`` (so that
-        the workers' seeds come from the loop's random state, in a worker process too)."""
+    def loader(self, plan: Plan, generator: torch.Generator) -> Any:
+        """``plan``'s loader in this mode, reading with ``generator`` (in the state the
+        synchronous loader's would be in: its workers get the seeds they would get there)."""
         src = plan.loader
         kwargs = loader_kwargs(src)
-        kwargs["generator"] = torch.Generator().manual_seed(seed)
+        kwargs["generator"] = generator
         if plan.batches is not None:
             kwargs["batch_sampler"] = plan.batches
         elif plan.sampler is not None:
@@ -327,29 +419,77 @@ class Prefetch:
             rebatched_worker_size=self.worker_size, **kwargs)
 
 
-def prefetch_of(poptorch: Any, loader: Any, name: str) -> Prefetch | None:
-    """The Async mode of ``loader`` (a ``poptorch.DataLoader``), None for Sync or a torch one.
+def prefetch_of(poptorch: Any, loader: Any, name: str,
+                async_options: dict[str, Any] | None = None) -> Prefetch | None:
+    """How ``loader`` is read ahead: a ``poptorch.DataLoader`` in its own Async mode (None for
+    Sync); a torch one in ``Async`` mode with ``async_options`` (None: synchronously).
 
     PopTorch keeps no record of the mode but the accessor it builds for it (its
     ``rebatched_size`` set for ``AsyncRebatched``, which ``Async`` with ``drop_last=False``
     becomes); the loader's torch batch size is then the workers' (``rebatched_worker_size``).
     """
-    accessor = loader.__dict__.get("_accessor") if isinstance(loader, poptorch.DataLoader) \
-        else None
-    if accessor is None:
-        return None
     modes = poptorch.DataLoaderMode
-    rebatched = getattr(accessor, "rebatched_size", None)
-    worker = loader.batch_size if rebatched and loader.batch_size != rebatched else None
-    return Prefetch(poptorch.DataLoader, modes.AsyncRebatched if rebatched else modes.Async,
-                    _async_options(accessor, name), worker)
+    if isinstance(loader, poptorch.DataLoader):
+        accessor = loader.__dict__.get("_accessor")
+        if accessor is None:
+            return None
+        rebatched = getattr(accessor, "rebatched_size", None)
+        worker = loader.batch_size if rebatched and loader.batch_size != rebatched else None
+        prefetch = Prefetch(poptorch.DataLoader,
+                            modes.AsyncRebatched if rebatched else modes.Async,
+                            _async_options(accessor, name), worker)
+    elif async_options is not None and isinstance(loader, DataLoader):
+        prefetch = Prefetch(poptorch.DataLoader, modes.Async, dict(async_options), None)
+    else:
+        return None
+    if loader.num_workers == 0:
+        _check_no_draws(loader.dataset, name)
+    return prefetch
+
+
+def _generators() -> tuple:
+    """This process's global random states: torch's, python's, numpy's (when imported)."""
+    np, numpy_state = sys.modules.get("numpy"), None
+    if np is not None:
+        _, keys, pos, has_gauss, cached = np.random.get_state()
+        numpy_state = (keys.tobytes(), pos, has_gauss, cached)
+    return torch.get_rng_state(), random.getstate(), numpy_state
+
+
+def _check_no_draws(dataset: Any, name: str) -> None:
+    """A prefetching loader without workers reads the dataset outside the loop's thread
+    (PopTorch: in its worker process; the emulator: in a thread, while the steps draw from the
+    same generators), so a dataset drawing random numbers there would draw them in another
+    order than a synchronous read, and no run or resume could be exact. Its first sample is
+    read here, and one that draws is refused."""
+    if isinstance(dataset, IterableDataset):
+        return  # a stream cannot be read without consuming it: documented instead
+    try:
+        if len(dataset) == 0:
+            return
+    except TypeError:
+        return
+    before = _generators()
+    dataset[0]
+    after = _generators()
+    if torch.equal(before[0], after[0]) and before[1:] == after[1:]:
+        return
+    raise ValueError(
+        f"{name} is read ahead (Loop(async_data=...), or its DataLoaderMode.Async) with "
+        f"num_workers=0, and reading a sample of its {type(dataset).__name__} draws random "
+        "numbers from this process's generators (torch, random or numpy). Read ahead, they "
+        "would be drawn outside the loop's order, so neither the run nor a resume could be "
+        "exact. Give the loader num_workers >= 1 (each worker's generator is seeded from the "
+        "loop's random state, as when reading synchronously), or read it synchronously "
+        "(async_data=False, or DataLoaderMode.Sync).")
 
 
 class _Prefetched:
-    """One epoch read through its own prefetching loader, stopped when the epoch ends."""
+    """One epoch read through its own prefetching loader, stopped when the epoch ends; with a
+    custom batch sampler, each host call its loader joined is checked (``OneShape``)."""
 
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
+    def __init__(self, loader: Any, shape: OneShape | None = None, start: int = 0) -> None:
+        self.loader, self.shape, self.index = loader, shape, start
         self.batches = iter(loader)
 
     def __iter__(self) -> _Prefetched:
@@ -357,10 +497,14 @@ class _Prefetched:
 
     def __next__(self) -> Any:
         try:
-            return next(self.batches)
+            batch = next(self.batches)
         except StopIteration:
             self.terminate()
             raise
+        if self.shape is not None:
+            self.shape.check(batch, self.index, "host call")
+            self.index += 1
+        return batch
 
     def terminate(self) -> None:
         self.loader.terminate()
@@ -378,21 +522,23 @@ class Plan:
     samples: int | None  # dataset length, when known
     name: str
     batches: ResumableBatchSampler | None = None  # a custom batch sampler, wrapped
-    prefetch: Prefetch | None = None  # the user's Async mode, kept
+    prefetch: Prefetch | None = None  # read ahead: the user's Async mode, or async_data
     stream: Any = None  # validation and predict over a stream: a torch loader yielding it in
     # its own loader's order (drop_last=False), cut into host calls as it is read
+    shape: OneShape | None = None  # a custom batch sampler's: the shape its batches keep
+    reader: Any = None  # the iterator of the epoch last started (stopped when a call ends)
 
     @property
     def steps(self) -> int | None:
         """Host calls per epoch (PopTorch's ``len`` counts a custom batch sampler's batches)."""
         try:
             if self.batches is not None:
-                return len(self.batches.inner) // (self.combined // self.micro)
+                return self.batches.items() // (self.combined // self.micro)
             return len(self.loader)
         except TypeError:
             return None
 
-    def _iter(self, loader: Any = None) -> Iterator[Any]:
+    def _iter(self, loader: Any = None, start: int = 0) -> Iterator[Any]:
         # A new torch iterator draws its workers' base seed from the RNG; a persistent-workers
         # loader reuses its iterator from the second epoch on and draws nothing. Draw exactly
         # once either way, so a run resumed in a new process consumes the RNG as the original.
@@ -401,11 +547,14 @@ class Plan:
         host, own = torch.get_rng_state(), g.get_state() if g is not None else None
         if loader is self.stream:
             it = iter(loader)
-        elif self.prefetch is not None:  # the draw seeds the epoch's own prefetching loader
-            seed = int(torch.empty((), dtype=torch.int64).random_(generator=g))
-            it = _Prefetched(self.prefetch.loader(self, seed))
+        elif self.prefetch is not None:  # its own loader draws from a copy of the generator
+            own_g = torch.Generator()
+            own_g.set_state(own if g is not None else host)
+            it = _Prefetched(self.prefetch.loader(self, own_g), self.shape,
+                             start // max(self.combined // self.micro, 1))
         elif self.batches is not None:  # torch's iterator of micro-batches, joined here
-            it = _HostCalls(DataLoader.__iter__(loader), self.combined // self.micro)
+            it = _HostCalls(DataLoader.__iter__(loader), self.combined // self.micro,
+                            self.shape, start)
         else:
             it = iter(loader)
         torch.set_rng_state(host)
@@ -436,25 +585,29 @@ class Plan:
         if number is not None:
             _tell_epoch(self.sampler if self.sampler is not None else self.batches, number)
         if self.stream is not None:  # validation or predict: read from its start
-            return _StreamCalls(self._iter(self.stream), self.combined)
-        if self.sampler is not None:
+            it: Any = _StreamCalls(self._iter(self.stream), self.combined)
+        elif self.sampler is not None:
             self.sampler.set_epoch(skip_steps * self.combined)
-            return self._iter()
-        if self.batches is not None:  # a host call is combined // micro of its batches
-            self.batches.set_epoch(skip_steps * (self.combined // self.micro))
-            return self._iter()
-        it = self._iter()
-        for _ in range(skip_steps):  # an IterableDataset: nothing to skip into, read and discard
-            next(it, None)
+            it = self._iter()
+        elif self.batches is not None:  # a host call is combined // micro of its batches
+            skip = skip_steps * (self.combined // self.micro)
+            self.batches.set_epoch(skip)
+            it = self._iter(start=skip)
+        else:
+            it = self._iter()
+            for _ in range(skip_steps):  # an IterableDataset: nothing to skip into, read it
+                next(it, None)
+        self.reader = it
         return it
 
 
 def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
                name: str, pad: bool = False, sequential: bool = False,
-               instances: int = 1) -> Plan:
+               instances: int = 1, async_options: dict[str, Any] | None = None) -> Plan:
     """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader``
     (one process: ``ipuloop.distributed.build_plan`` shares a loader out between several,
-    the ``instances`` of the run)."""
+    the ``instances`` of the run); ``async_options``: read a torch loader ahead in ``Async``
+    mode (``prefetch_of``)."""
     if not isinstance(loader, torch.utils.data.DataLoader):
         raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
                         f"Received: {name}={type(loader).__name__}.")
@@ -475,12 +628,10 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
         if micro is None and not custom_batches:
             raise ValueError(f"{name} has batch_size=None: the loop needs micro-batches. "
                              "Pass the micro-batch size as batch_size.")
-    if custom_batches:
-        if opts.replication_factor > 1:
-            raise ValueError(f"{name} has a batch sampler ({type(batch_sampler).__name__}), "
-                             "which cannot be used with more than one replica: the host batch "
-                             "is split between replicas. Use batch_size= and a sampler instead.")
-        micro = getattr(batch_sampler, "batch_size", micro or 1)
+    if custom_batches:  # each micro-batch of a host call, each replica's too, one batch
+        declared = getattr(batch_sampler, "batch_size", None)
+        micro = declared or micro or 1
+        _check_last_batch(batch_sampler, factor, name)
     kwargs = loader_kwargs(loader)
     iterable = isinstance(dataset, IterableDataset)
     samples = None if iterable else len(dataset)
@@ -513,7 +664,9 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
         kwargs.pop("generator", None)
     built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
     plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches,
-                prefetch_of(poptorch, loader, name))
+                prefetch_of(poptorch, loader, name, async_options))
+    if custom_batches:
+        plan.shape = OneShape(name, batch_sampler, declared, factor)
     if iterable and pad:  # the stream as its loader yields it: its batches, every sample
         stream = loader_kwargs(loader)
         plan.stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False,
@@ -524,14 +677,33 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, trainin
     return plan
 
 
+def _check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
+    """A ``BatchSampler(drop_last=False)`` whose short last batch a host call would read (its
+    batches make whole host calls of ``count``) is refused before any step."""
+    if not isinstance(batch_sampler, BatchSampler) or batch_sampler.drop_last:
+        return
+    try:
+        short, batches = len(batch_sampler.sampler) % batch_sampler.batch_size, len(batch_sampler)
+    except TypeError:  # a sampler without a length
+        return
+    if short and batches % count == 0:
+        raise ValueError(
+            f"{name}: its BatchSampler has drop_last=False, so its last batch holds {short} "
+            f"samples, not {batch_sampler.batch_size}, and a host call reads it (its {batches} "
+            f"batches make whole host calls of {count}), but the model is compiled for one "
+            "shape. Pass drop_last=True to the BatchSampler, or pad that batch in the "
+            "collate_fn.")
+
+
 def kill_workers(batches: Any) -> None:
     """A second Ctrl-C: the process exits at once, so its loader workers must go first."""
     for w in getattr(batches, "_workers", ()):
         with contextlib.suppress(Exception):
             w.kill()
-    if isinstance(batches, _Prefetched):  # the accessor's worker process (or thread)
+    terminate = getattr(batches, "terminate", None)  # a prefetching loader's worker or thread
+    if terminate is not None:
         with contextlib.suppress(Exception):
-            batches.terminate()
+            terminate()
 
 
 def close(batches: Any) -> None:

@@ -12,7 +12,8 @@ process, as PopDist's local replicas), and needs no change to the program:
 - a training loader is read in the order one process with N*R replicas would read it: every
   instance draws the same global order, and of each global host call ``[DI, GA, N*R, B]``
   instance p reads ``[:, :, p*R:(p+1)*R, :]``, the micro-batches of its replicas (the loop
-  builds its ``poptorch.DataLoader`` with ``auto_distributed_partitioning=False``); a
+  builds its ``poptorch.DataLoader`` with ``auto_distributed_partitioning=False``); a custom
+  batch sampler's batches are shared out alike, a batch per micro-batch; a
   ``poptorch.DataLoader`` used outside the loop keeps PopTorch's per-process slices. A
   ``DistributedSampler`` (DDP's idiom) is read as the order of its whole dataset
   (``data.whole_order``), with the epoch set each epoch;
@@ -48,15 +49,15 @@ from typing import Any, Iterator
 
 import torch
 
-from .data import (Plan, ResumableSampler, _Padded, build_plan as _build_plan, built_micro_batch,
-                   loader_kwargs, prefetch_of)
+from .data import (OneShape, Plan, ResumableBatchSampler, ResumableSampler, _Padded,
+                   build_plan as _build_plan, built_micro_batch, loader_kwargs, prefetch_of)
 from .errors import InstanceFailedError, NonFiniteLossError
 from .rules import (DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, host_call_factor,
                     leave_process_group)
 
 __all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
-           "timeout_seconds", "ProcessSampler", "TIMEOUT_ENV", "failing_together",
-           "unsynced"]
+           "timeout_seconds", "ProcessSampler", "ProcessBatchSampler", "TIMEOUT_ENV",
+           "failing_together", "unsynced"]
 
 TIMEOUT_ENV, DEFAULT_TIMEOUT = DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT
 
@@ -521,8 +522,9 @@ def configured(opts: Any) -> Any:
 # -- data -------------------------------------------------------------------------------------
 class ProcessSampler(ResumableSampler):
     """This instance's share of a global order: of each global host call laid out
-    ``[DI*GA, N, share]``, the ``share`` samples (its replicas' micro-batches) at index
-    ``rank``; the remainder of the epoch that makes no whole global call is dropped."""
+    ``[DI*GA, N, share]``, the ``share`` items (its replicas' micro-batches: samples, or a
+    batch sampler's batches) at index ``rank``; the remainder of the epoch that makes no whole
+    global call is dropped."""
 
     def __init__(self, inner: Any, rank: int, size: int, iterations: int, share: int) -> None:
         super().__init__(inner)
@@ -537,14 +539,21 @@ class ProcessSampler(ResumableSampler):
         if steps <= skip_steps:
             self._order = []
             return
-        t = torch.tensor(order[:steps * self.global_call], dtype=torch.int64)
-        t = t.view(steps, self.iterations, self.size, self.share)[skip_steps:, :, self.rank]
-        self._order = t.reshape(-1).tolist()
+        at = torch.arange(steps * self.global_call).view(
+            steps, self.iterations, self.size, self.share)[skip_steps:, :, self.rank]
+        self._order = [order[i] for i in at.reshape(-1).tolist()]
+
+    def items(self) -> int:
+        return len(self.inner) // self.global_call * self.local_call
 
     def __len__(self) -> int:
-        if self._order is not None:
-            return len(self._order)
-        return len(self.inner) // self.global_call * self.local_call
+        return len(self._order) if self._order is not None else self.items()
+
+
+class ProcessBatchSampler(ProcessSampler, ResumableBatchSampler):
+    """``ProcessSampler`` over a custom batch sampler's batches, whose attributes show
+    through: instance p reads the batches its replicas would read in one process with N*R
+    replicas."""
 
 
 def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str) -> tuple:
@@ -555,25 +564,34 @@ def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str
         dataset = getattr(dataset, "_dataset", dataset)  # PopTorch's per-process slice
         shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler) or \
             bool(getattr(loader, "_shuffle_distributed", False))
+        if type(loader.batch_sampler) is not torch.utils.data.BatchSampler:  # a custom one
+            view = torch.utils.data.DataLoader(dataset, batch_sampler=loader.batch_sampler,
+                                               collate_fn=loader.collate_fn,
+                                               num_workers=loader.num_workers)
+            return view, micro
         view = torch.utils.data.DataLoader(dataset, batch_size=micro, shuffle=shuffle,
                                            collate_fn=loader.collate_fn,
                                            num_workers=loader.num_workers)
         return view, micro
-    return loader, loader.batch_size
+    return loader, loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
 
 
 def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -> Any:
-    """``plan``'s loader again, with this instance's options and order, unpartitioned."""
-    kwargs = loader_kwargs(plan.loader)
-    if sampler is not None:
+    """``plan``'s loader again, with this instance's options and order (``sampler``: of
+    samples, or a custom batch sampler's batches), unpartitioned."""
+    kwargs, micro = loader_kwargs(plan.loader), plan.micro
+    if isinstance(sampler, ResumableBatchSampler):
+        kwargs["batch_sampler"], micro = sampler, 1
+        kwargs.pop("generator", None)
+    elif sampler is not None:
         kwargs["sampler"] = sampler
-    return poptorch.DataLoader(opts, dataset, batch_size=plan.micro, drop_last=True,
+    return poptorch.DataLoader(opts, dataset, batch_size=micro, drop_last=True,
                                auto_distributed_partitioning=False, **kwargs)
 
 
 def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
                name: str, pad: bool = False, sequential: bool = False,
-               partition: bool = True) -> Plan:
+               partition: bool = True, async_options: dict[str, Any] | None = None) -> Plan:
     """``data.build_plan`` for one of N instances (``opts.Distributed.numProcesses`` N);
     its warnings (dropped samples...) are given on instance 0 only."""
     with warnings.catch_warnings():
@@ -581,7 +599,7 @@ def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: 
             warnings.simplefilter("ignore")
         plan = _process_plan(poptorch, loader, opts, layout, training=training, name=name,
                              pad=pad, sequential=sequential, partition=partition)
-        plan.prefetch = prefetch_of(poptorch, loader, name)  # the user's Async mode, kept
+        plan.prefetch = prefetch_of(poptorch, loader, name, async_options)  # as read alone
         return plan
 
 
@@ -600,7 +618,8 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
         # __iter__, e.g. by ipuloop.distributed.process_index()); predict reads everything
         plan = _build_plan(poptorch, view, alone, layout, training=training, name=name,
                            pad=pad, sequential=sequential)
-        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
+        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset,
+                               plan.sampler if plan.batches is None else plan.batches)
         return plan
     if training:
         if opts.replication_factor % opts.input_group_size:
@@ -617,15 +636,19 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
             raise ValueError(f"{e} (replicationFactor {opts.replication_factor * size}: "
                              f"{opts.replication_factor} replica(s) on each of {size} "
                              "instances)") from None
-        if whole.sampler is None:  # a custom batch sampler: refused above with replicas
-            raise ValueError(f"{name}: a batch sampler cannot be shared out between instances.")
         groups = max(opts.replication_factor // opts.input_group_size, 1)
-        sampler = ProcessSampler(whole.sampler.inner, rank, size,
-                                 opts.device_iterations * opts.Training.gradient_accumulation,
+        iterations = opts.device_iterations * opts.Training.gradient_accumulation
+        combined = whole.micro * host_call_factor(opts, True)
+        if whole.batches is not None:  # a custom batch sampler: its batches shared out alike
+            batches = ProcessBatchSampler(whole.batches.inner, rank, size, iterations, groups)
+            built = _rebuilt(poptorch, opts, whole, view.dataset, batches)
+            return Plan(built, None, whole.micro, combined, layout, whole.samples, name,
+                        batches, shape=OneShape(name, whole.batches.inner,
+                                                whole.shape.batch_size, iterations * groups))
+        sampler = ProcessSampler(whole.sampler.inner, rank, size, iterations,
                                  groups * whole.micro)
         built = _rebuilt(poptorch, opts, whole, view.dataset, sampler)
-        return Plan(built, sampler, whole.micro, whole.micro * host_call_factor(opts, True),
-                    layout, whole.samples, name)
+        return Plan(built, sampler, whole.micro, combined, layout, whole.samples, name)
     # validation: a contiguous slice each, padded to the same number of host calls
     n = len(dataset)
     if n < size:

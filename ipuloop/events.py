@@ -1,9 +1,10 @@
 """``Events``: how the loop fires callback events, brackets event scopes and stops.
 
 A base of ``Loop``, which provides ``state``, ``_hooks`` (event -> [(callback, hook)]),
-``executors``, ``_batches`` and ``_dist`` (the other instances of a multi-process run, or
-None). ``stop()``, ``max_steps`` and SIGTERM are flags read at step boundaries
-(``_step_boundary``); each scope runs start event, body, end event (``_with_events``).
+``executors``, ``_batches``, ``_reading`` (the plan a validation or predict reads) and
+``_dist`` (the other instances of a multi-process run, or None). ``stop()``, ``max_steps``
+and SIGTERM are flags read at step boundaries (``_step_boundary``); each scope runs start
+event, body, end event (``_with_events``).
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ class Events:
     def _reporting(self, fit: bool = False) -> Iterator[None]:
         """Any error fires ``on_exception`` once and propagates; a fit's also releases the
         device, and with several processes ends the other instances' fits first (what
-        propagates may then name the instance that failed first). A fit's loader workers stop
-        when it ends, however it ends."""
+        propagates may then name the instance that failed first). The loader workers (and
+        prefetching loaders) of a fit, a validation or a predict stop when it ends, however it
+        ends."""
         try:
             yield
         except BaseException as caught:
@@ -96,6 +98,9 @@ class Events:
             if fit:
                 batches, self._batches = self._batches, None
                 close(batches)
+            reading, self._reading = self._reading, None
+            if reading is not None:
+                close(reading.reader)
 
     def describe(self) -> str:
         """The loop's events, with the callbacks attached to each."""
@@ -111,6 +116,8 @@ class Events:
 
     def _kill_workers(self) -> None:  # a second Ctrl-C: the process exits at once
         kill_workers(self._batches)
+        if self._reading is not None:
+            kill_workers(self._reading.reader)
 
     def _on_sigterm(self) -> None:
         if self._dist is not None:  # several processes: all stop at the next agreed boundary

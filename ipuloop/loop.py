@@ -14,8 +14,8 @@ from .backend import backend_name, poptorch_module
 from . import distributed, plans
 from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
-from .data import (Plan, Predictions, as_sent, check_not_empty, first_micro_batch,
-                   no_host_call, predict_inputs, split_batch)
+from .data import (Plan, Predictions, as_sent, async_settings, check_not_empty,
+                   first_micro_batch, no_host_call, predict_inputs, split_batch)
 from .device import Executors, WithLoss
 from .errors import NonFiniteLossError
 from .events import Events
@@ -69,6 +69,10 @@ class Loop(Events):
         loss_key: the loss's key in a dict-like output ("loss", as Transformers'), or its
             index in a tuple (0 for Transformers' ``(loss, logits)``; by default a tuple is
             ``(output, loss)``).
+        async_data: read every torch ``DataLoader`` ahead, as ``DataLoaderMode.Async`` does
+            (True, or a dict of its ``async_options``, e.g. ``{"buffer_size": 4}``): the same
+            batches in the same order as reading synchronously (a ``poptorch.DataLoader``
+            keeps its own mode).
 
     Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
     (Hugging Face's), fed as ``model(**batch)`` (``data.split_batch``). A model-with-loss may
@@ -95,7 +99,7 @@ class Loop(Events):
                  seed: int | None = None, progress: bool | int = True,
                  check_finite: bool = True, max_grad_norm: float | None = None,
                  precision: str | int = "32", label_key: str = "labels",
-                 loss_key: str | int = "loss") -> None:
+                 loss_key: str | int = "loss", async_data: bool | dict = False) -> None:
         self.poptorch = pt = poptorch_module()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
@@ -120,6 +124,8 @@ class Loop(Events):
         self.executors = Executors(pt, self.model, self.optimizer)
         self._resume = Resume()
         self._batches: Any = None  # the running epoch's batch iterator
+        self._reading: Plan | None = None  # the running validation's or predict's loader
+        self._async = async_settings(async_data)  # torch loaders read ahead: async_options
         self._warned: set[str] = set()  # one-time warnings given
         self._frozen = False  # train_opts: settable in on_configure, then frozen
         self._num_inputs: int | None = None  # inputs per batch in the last fit or validate
@@ -343,7 +349,8 @@ class Loop(Events):
     def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
               pad: bool = False, partition: bool = True) -> Plan:
         opts = self.train_opts if opts is None else opts  # the one (frozen) options object
-        return plans.build(self.poptorch, loader, opts, training, name, pad, partition)
+        return plans.build(self.poptorch, loader, opts, training, name, pad, partition,
+                           self._async)
 
     def _split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
         """The model's call ``(*args, **kwargs)`` for ``batch``, and its labels."""
@@ -425,7 +432,7 @@ class Loop(Events):
         run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
                          if issubclass(type(self.model), WithLoss) else None, self._warned,
                          self._returns)
-        model = None
+        model, self._reading = None, plan
         for batch, samples in plan.counted():
             args, kwargs, labels = self._split(batch, plan.name)
             if model is None:
@@ -461,7 +468,7 @@ class Loop(Events):
         """
         self.state.exception = self.state.exception_source = None
         run = Predictions(self._val_plan(loader, pad=True, name="loader", partition=False))
-        model = None
+        model, self._reading = None, run.plan
         with self._reporting():
             for batch in run.batches():
                 args, kwargs = predict_inputs(batch, self._num_inputs, run.plan.name,

@@ -15,16 +15,17 @@ __all__ = ["build", "num_updates"]
 
 
 def build(pt: Any, loader: Any, opts: Any, training: bool, name: str, pad: bool = False,
-          partition: bool = True) -> Plan:
+          partition: bool = True, async_options: dict[str, Any] | None = None) -> Plan:
     """``loader`` as this process runs it with ``opts``: alone (``data.build_plan``), or its
     share of several processes' (``distributed.build_plan``; ``partition=False``: every
-    sample, as predict reads them)."""
+    sample, as predict reads them); ``async_options``: a torch loader is read ahead
+    (``Loop(async_data=...)``)."""
     if opts.Distributed.numProcesses > 1:
         return distributed.build_plan(pt, loader, opts, layout(opts, training),
                                       training=training, name=name, pad=pad, sequential=pad,
-                                      partition=partition)
+                                      partition=partition, async_options=async_options)
     return build_plan(pt, loader, opts, layout(opts, training), training=training, name=name,
-                      pad=pad, sequential=pad)
+                      pad=pad, sequential=pad, async_options=async_options)
 
 
 def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:

@@ -168,7 +168,7 @@ class Resume:
         self._step_rng: dict[str, Any] | None = None  # a loaded mid-epoch step's, until replayed
         self._sampler_rng: torch.Tensor | None = None  # a loaded epoch start's loader generator
         self._device_rng: torch.Tensor | None = None  # a loaded one, until the model compiles
-        self.sampler: Any = None  # the running fit's ResumableSampler
+        self.sampler: Any = None  # the running fit's ResumableSampler (or batch sampler)
         self._train_data: dict[str, Any] | None = None  # the running fit's data factors
         self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
 
@@ -177,7 +177,8 @@ class Resume:
         (replayed from the saved one when a checkpoint resumes mid-epoch); ``number``: the
         epoch's, for a sampler with ``set_epoch``."""
         step_rng, self._step_rng = self._step_rng, None
-        sampler = self.sampler = plan.sampler
+        sampler = plan.sampler if plan.batches is None else plan.batches  # its own generator
+        self.sampler = sampler
         if step_rng is None:
             if sampler is not None and self._sampler_rng is not None:
                 sampler.set_generator_state(self._sampler_rng)  # resumed at an epoch start

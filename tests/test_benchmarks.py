@@ -58,3 +58,25 @@ def test_overhead_tiny_run_writes_expected_keys(tmp_path):
     assert "prose kept" in text and "more prose" in text and "\nold\n" not in text
     assert text.count("<!-- overhead:begin -->") == 1
     assert "| (c) Loop.fit, no callbacks |" in text
+
+
+def test_async_data_tiny_run_writes_its_json_and_table(tmp_path):
+    out, readme = tmp_path / "async.json", tmp_path / "README.md"
+    readme.write_text("# Benchmarks\n\nprose kept\n\n<!-- async-mnist:begin -->\nold\n"
+                      "<!-- async-mnist:end -->\n")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "async_data.py"), "--synthetic", "600",
+           "--batch-size", "4", "--device-iterations", "2", "--gradient-accumulation", "7",
+           "--steps", "4", "--warmup", "1", "--repeats", "2", "--out", str(out),
+           "--readme", str(readme)]
+    env = {**os.environ, "IPULOOP_BACKEND": "emulator", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())["results"]
+    assert res["same_weights"] is True  # every variant trained on the same batches
+    assert set(res["variants"]) == {"sync", "async", "batch_sampler"}
+    for v in res["variants"].values():
+        assert len(v["step_s_repeats"]) == 2 and v["step_s"] > 0 and v["cpu_step_s"] > 0
+    assert set(res["ratios"]) == {"async", "batch_sampler"}
+    assert len(res["ratios"]["async"]["paired wall"]) == 2
+    text = readme.read_text()
+    assert "prose kept" in text and "\nold\n" not in text and "| `async_data=True` |" in text

@@ -439,19 +439,6 @@ def test_bad_input_rejected_before_the_first_step(case, match):
     assert calls == []
 
 
-def test_batch_sampler_with_replicas_rejected():
-    from torch.utils.data import BatchSampler, SequentialSampler
-
-    class MyBatches(BatchSampler):
-        pass
-
-    for cls in (MyBatches, BatchSampler):  # a plain BatchSampler passed as batch_sampler= too
-        batches = cls(SequentialSampler(range(32)), 4, True)
-        loader = DataLoader(data(32), batch_sampler=batches)
-        with pytest.raises(ValueError, match="batch sampler"):
-            Loop(Net(), options(rf=2), progress=False).fit(loader)
-
-
 def test_plain_batch_sampler_gives_the_micro_batch():
     """DataLoader(batch_sampler=BatchSampler(...)) has batch_size None: the sampler's is used."""
     from torch.utils.data import BatchSampler, SequentialSampler
