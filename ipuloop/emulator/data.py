@@ -16,6 +16,7 @@ import collections
 import functools
 import itertools
 import os
+import sys
 import threading
 import traceback
 import weakref
@@ -435,7 +436,14 @@ def _worker_main(make_iter: Callable[[], Iterator[Any]], commands: Any, out: Any
                     break
             if kind == _STOP:
                 return
-    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+    except KeyboardInterrupt:
+        # Leave at once: the exit handlers of what the interrupt cut short (a torch loader's
+        # worker queues, on Python 3.8) would print tracebacks, and PopTorch's worker ends
+        # without a word.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    except (EOFError, BrokenPipeError):
         return
 
 
