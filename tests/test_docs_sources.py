@@ -76,3 +76,15 @@ def test_the_site_lists_every_page():
     config = (ROOT / "mkdocs.yml").read_text()
     for page in DOCS.rglob("*.md"):
         assert page.relative_to(DOCS).as_posix() in config, page
+
+
+def test_every_test_the_docs_name_exists():
+    """``test_x.py::test_name`` in a page (the reliability checks, where a change goes) names a
+    test function of that file: renaming a test means updating the page that cites it."""
+    named = 0
+    for path in DOCS.rglob("*.md"):
+        for file, name in re.findall(r"(?:tests/)?(test_\w+\.py)::(test_\w+)", path.read_text()):
+            source = (ROOT / "tests" / file).read_text()
+            assert re.search(rf"^def {name}\(", source, re.M), f"{path.name}: {file}::{name}"
+            named += 1
+    assert named >= 40
