@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=None, help="default: benchmarks/async_data_<workload>.json")
-    p.add_argument("--readme", default=str(HERE / "README.md"),
-                   help="benchmarks/README.md to write the table into; '' to leave it alone")
+    p.add_argument("--readme", default=str(HERE.parent / "docs" / "performance.md"),
+                   help="the page to write the table into; '' to leave it alone")
     args = p.parse_args(argv)
     defaults = WORKLOADS[args.workload]
     for name, value in zip(("batch_size", "device_iterations", "gradient_accumulation", "steps",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Samples per second of the MNIST example's training on 1 and 2 processes (torchrun, gloo).
 
-Run from the repository root (``benchmarks/README.md`` lists the commands behind the numbers):
+Run from the repository root (``docs/performance.md`` lists the commands behind the numbers):
 
     python benchmarks/distributed.py --mnist-dir ../shared/data/mnist
 

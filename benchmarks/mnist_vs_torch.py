@@ -248,7 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="OMP_NUM_THREADS for both programs (0: leave torch's default)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the data/compute run")
     p.add_argument("--out", default=str(HERE / "mnist_vs_torch.json"))
-    p.add_argument("--readme", default=str(HERE / "README.md"), help="'' to leave it alone")
+    p.add_argument("--readme", default=str(ROOT / "docs" / "performance.md"),
+                   help="the page to write the table into; '' to leave it alone")
     p.add_argument("--_hand", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_breakdown", action="store_true", help=argparse.SUPPRESS)
     # the example's defaults, for the hand-written program

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Loop overhead and scaling: ipuloop against a hand-written torch loop and Lightning.
 
-Run from the repository root; ``benchmarks/README.md`` lists the commands behind every number.
+Run from the repository root; ``docs/performance.md`` lists the commands behind every number.
 
-    python benchmarks/overhead.py            # everything: results.json, README table, PNG plot
+    python benchmarks/overhead.py            # everything: results.json, docs/performance.md's
+                                             # tables, the plot
 
 Variants, timed in ONE process, interleaved (the order rotates every repeat), medians:
 
@@ -844,8 +845,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-samples-cnn", type=int, default=8000)
     p.add_argument("--sweep-min-steps", type=int, default=4)
     p.add_argument("--out", default=str(HERE / "results.json"))
-    p.add_argument("--readme", default=str(HERE / "README.md"), help="'' to leave it alone")
-    p.add_argument("--plot", default=str(HERE / "time_per_sample.png"), help="'' for no plot")
+    p.add_argument("--readme", default=str(ROOT / "docs" / "performance.md"),
+                   help="the page to write the tables into; '' to leave it alone")
+    p.add_argument("--plot", default=str(ROOT / "docs" / "time_per_sample.png"),
+                   help="'' for no plot")
     p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
                    help="only redraw --plot from an earlier results file")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)

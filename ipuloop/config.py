@@ -1,6 +1,6 @@
 """`IPUConfig`: one JSON-serialisable configuration for training and inference `poptorch.Options`.
 
-Follows optimum-graphcore's `IPUConfig` (poptorch-semantics.md §7), with these differences:
+Follows optimum-graphcore's `IPUConfig` (docs/poptorch-semantics.md §7), with these differences:
 
 - the cross-field checks (a list `matmul_proportion`, and a `layers_per_ipu` without -1, must
   have `ipus_per_replica` entries) re-run after every assignment, `update()` and

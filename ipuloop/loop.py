@@ -59,8 +59,8 @@ class Loop(Events):
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
         precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
             are accepted: 16 means mixed), the same on the emulator and on an IPU: float
-            inputs are sent as float16; "16-true" also makes the weights float16 (the README's
-            "precision" item says how mixed ops compute). Loss scaling is static: set
+            inputs are sent as float16; "16-true" also makes the weights float16
+            (docs/precision.md says how mixed ops compute). Loss scaling is static: set
             ``loss_scaling`` on a ``poptorch.optim`` optimizer.
         max_grad_norm: clip the global gradient norm on the device; sets the
             ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that

@@ -1,8 +1,9 @@
 """What a host call returns under each ``OutputMode``, turned into losses and metric inputs.
 
-A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns (poptorch-semantics
-§2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d with (d+1) % N == 0;
-Final: the last micro-batch of each replica; Sum: per replica, the sum over DI*GA.
+A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns
+(docs/poptorch-semantics.md §2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N):
+iterations d with (d+1) % N == 0; Final: the last micro-batch of each replica; Sum: per
+replica, the sum over DI*GA.
 A scalar loss becomes ``[n]`` only when that count n is > 1.
 
 ``Returns`` says where a model's return value holds its loss, its output and the scalars it

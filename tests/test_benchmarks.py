@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/overhead.py: a tiny run writes the JSON and the README table.
 
-No timing is asserted here: timings belong to benchmarks/README.md, measured on purpose.
+No timing is asserted here: timings belong to docs/performance.md, measured on purpose.
 """
 from __future__ import annotations
 

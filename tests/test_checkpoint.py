@@ -1,4 +1,4 @@
-"""ModelCheckpoint and exact resume: reliability.md §8 items 1, 4, 5, 6, 7, 9 and 16.
+"""ModelCheckpoint and exact resume: docs/reliability.md §2 items 1, 4, 5, 6, 7, 9 and 16.
 
 A tiny MLP with dropout, shuffled data, AdamW (optimizer state), CPU emulator, one thread.
 "Same" means ``==`` on every loss and ``torch.equal`` on every tensor of the loop's state.
@@ -33,7 +33,7 @@ from ipuloop.data import ResumableSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
 
-KILL_REPEATS = int(os.environ.get("IPULOOP_KILL_REPEATS", "20"))  # reliability.md §8.1: 20
+KILL_REPEATS = int(os.environ.get("IPULOOP_KILL_REPEATS", "20"))  # docs/reliability.md §2.1: 20
 HELPER = Path(__file__).with_name("helpers_train.py")
 EPOCHS = 2
 N_STEPS = EPOCHS * H.STEPS_PER_EPOCH
@@ -119,7 +119,7 @@ def sources(dirpath: Path, stop: int) -> list[Path]:
     return [newest] + ([step_end] if step_end.name != newest.name else [])
 
 
-# -- §8.6 exact-resume parity ---------------------------------------------------------------------
+# -- §2.6 exact-resume parity ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def resumed_elsewhere(tmp_path_factory):
     """Run B of every grid cell to each stop, here; every resume in one new child process."""
@@ -181,7 +181,7 @@ def test_resume_parity(resumed_elsewhere, monkeypatch, di, ga, workers):
         compare(before + losses, state, ref)
 
 
-# -- §8.7 data order and coverage -----------------------------------------------------------------
+# -- §2.7 data order and coverage -----------------------------------------------------------------
 @pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "loader-generator"])
 def test_data_order_and_coverage(tmp_path, generator):
     di, ga, epochs = 1, 2, 3
@@ -265,7 +265,7 @@ def test_custom_batch_sampler_resumes_without_reading_the_seen_samples(tmp_path)
         compare(rec1.losses + rec2.losses, H.comparable(loop.state_dict()), ref)
 
 
-# -- §8.1 SIGKILL during a save -------------------------------------------------------------------
+# -- §2.1 SIGKILL during a save -------------------------------------------------------------------
 def _kill_during_save(root: Path, seed: int) -> dict:
     rng = random.Random(seed)
     cfg = {"dirpath": str(root / "ckpt"), "di": 1, "ga": 1, "epochs": EPOCHS,
@@ -323,7 +323,7 @@ def test_sigkill_during_save(killed_runs, seed):
     assert list((tmp_path / "cwd").iterdir()) == [] and list((tmp_path / "tmp").iterdir()) == []
     assert {p.name for p in tmp_path.iterdir()} == {"ckpt", "cwd", "tmp", "cfg.json",
                                                     "stderr.txt"}
-    # reliability.md §8.1: a save of >= 0.5 s (21 throttled chunks + the manifest: >= 0.57 s),
+    # docs/reliability.md §2.1: a save of >= 0.5 s (21 throttled chunks + the manifest: >= 0.57 s),
     # so the kill, at a uniform moment within it, lands inside the save
     assert info["duration"] >= 0.5, info
     latest = ModelCheckpoint(dirpath).latest()
@@ -344,7 +344,7 @@ def test_sigkill_during_save(killed_runs, seed):
     assert all((p / ck.MANIFEST).is_file() for p in dirpath.iterdir())
 
 
-# -- §8.4 corruption ------------------------------------------------------------------------------
+# -- §2.4 corruption ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("two")
@@ -439,7 +439,7 @@ def test_foreign_and_newer_checkpoints_are_rejected(tmp_path, two_checkpoints):
         load_checkpoint(tmp_path / "escape")
 
 
-# -- §8.5 malicious checkpoint --------------------------------------------------------------------
+# -- §2.5 malicious checkpoint --------------------------------------------------------------------
 class _Evil:
     def __init__(self, marker: Path, command: bool) -> None:
         self.marker, self.command = str(marker), command
@@ -490,7 +490,7 @@ def test_every_torch_load_uses_weights_only(tmp_path, two_checkpoints, monkeypat
     assert len(calls) == 2 and all(k.get("weights_only") is True for k in calls), calls
 
 
-# -- §8.9 non-finite loss -------------------------------------------------------------------------
+# -- §2.9 non-finite loss -------------------------------------------------------------------------
 class _Snapshot(Callback):
     """Bytes of the newest checkpoint just before host call ``step`` runs."""
 
@@ -602,7 +602,7 @@ def test_loss_scale_overflow_step_does_not_raise(monkeypatch):
         loop.fit(loader, EPOCHS)
 
 
-# -- §8.16 device/host weight sync ----------------------------------------------------------------
+# -- §2.16 device/host weight sync ----------------------------------------------------------------
 class _DeviceView(Callback):
     """At step ``n``: the weights on the device (emulator: its tensor per weight)."""
 
@@ -664,7 +664,7 @@ class _DeviceLossScale(Callback):
 
 @pytest.mark.skipif(backend_name() != "emulator", reason="reads the emulated device's value")
 def test_resume_restores_the_loss_scale(tmp_path):
-    """reliability.md §8.16: after a resume the device's loss scale is the saved one."""
+    """docs/reliability.md §2.16: after a resume the device's loss scale is the saved one."""
     pt = ipuloop.poptorch
     make = lambda p: pt.optim.AdamW(p, lr=0.02, loss_scaling=128.0)  # noqa: E731
     first = _DeviceLossScale(set_at=2, value=64.0)
@@ -721,7 +721,7 @@ def test_every_n_epochs(tmp_path):
 
 
 def test_write_order_fsync_replace_then_rotate(tmp_path, monkeypatch):
-    """reliability.md §7.1, §7.4: each file goes to a temporary file next to it, fsync,
+    """docs/reliability.md §1.1, §1.4: each file goes to a temporary file next to it, fsync,
     os.replace, fsync of its folder; the manifest last (the commit); then the rotation."""
     calls: list[tuple] = []
     fsync, replace, remove = os.fsync, os.replace, ck.remove

@@ -1,4 +1,4 @@
-"""IPUConfig against poptorch-semantics.md §7: optimum-graphcore's rules and examples."""
+"""IPUConfig against docs/poptorch-semantics.md §7: optimum-graphcore's rules and examples."""
 from __future__ import annotations
 
 import inspect

@@ -308,7 +308,7 @@ def test_executor_options_copy_is_frozen():
         model.options.deviceIterations(4)
 
 
-# -- the mean reduction strategy follows the optimizer's accumulator type (§1.2, §4.6) -------
+# -- the mean reduction strategy follows the optimizer's accumulator type (docs/poptorch-semantics.md §1.2, §4.6) -------
 
 @pytest.mark.parametrize("accum_type, training, combined, expected", [
     (torch.float32, True, False, poptorch.MeanReductionStrategy.Post),
@@ -350,7 +350,7 @@ def test_float16_accumulator_after_compile_needs_running_already():
     training.setOptimizer(half)  # already Running: fine
 
 
-# -- §9 end to end: a drop_last=False remainder reaches a compiled model ---------------------
+# -- docs/poptorch-semantics.md §9 end to end: a drop_last=False remainder reaches a compiled model ---------------------
 
 def test_drop_last_false_remainder_fails_the_compiled_model_shape_check():
     opts = poptorch.Options().deviceIterations(2)
@@ -384,7 +384,7 @@ def test_removed_apis_raise_attribute_error_naming_the_replacement(read, words):
     assert not hasattr(poptorch, "no_such_name")
 
 
-# -- §4.7 / §8.12: torch loss functions are losses, other returned scalars are not ------------
+# -- docs/poptorch-semantics.md §4.7 / §8.12: torch loss functions are losses, other returned scalars are not ------------
 
 class ExtraScalar(nn.Module):
     """Returns a differentiable scalar that is not a loss next to a built-in loss."""
@@ -425,7 +425,7 @@ def test_two_returned_builtin_losses_are_multiple_independent_losses():
         training(torch.randn(4, 3), torch.tensor([0, 1, 1, 0]))
 
 
-# -- §4.3: copies of a wrapped module are the user's module with the device's weights --------
+# -- docs/poptorch-semantics.md §4.3: copies of a wrapped module are the user's module with the device's weights --------
 
 class WithNorm(nn.Module):
     def __init__(self) -> None:

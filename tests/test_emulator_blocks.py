@@ -1,4 +1,4 @@
-"""Block / BeginBlock / strategies and the stage tracer: poptorch-semantics.md §5, §8.11."""
+"""Block / BeginBlock / strategies and the stage tracer: docs/poptorch-semantics.md §5, §8.11."""
 from __future__ import annotations
 
 import pytest

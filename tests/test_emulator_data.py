@@ -1,4 +1,4 @@
-"""poptorch.DataLoader / AsynchronousDataAccessor emulation: poptorch-semantics.md §3, §8.10."""
+"""poptorch.DataLoader / AsynchronousDataAccessor emulation: docs/poptorch-semantics.md §3, §8.10."""
 from __future__ import annotations
 
 import gc

@@ -1,4 +1,4 @@
-"""PopTorch executor emulation: poptorch-semantics.md §2, §4, §8 and §9 (executor items).
+"""PopTorch executor emulation: docs/poptorch-semantics.md §2, §4, §8 and §9 (executor items).
 
 Two kinds of tests:
 * conformance: one or more per item of §8 / edge case of §9 that concerns trainingModel,

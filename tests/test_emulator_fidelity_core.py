@@ -1,6 +1,6 @@
 """Emulator fidelity: inputs edited in place, what the device trains, mixed float16/float32.
 
-Expected values are the closed forms one PopTorch device run gives (poptorch-semantics §2, §4).
+Expected values are the closed forms one PopTorch device run gives (docs/poptorch-semantics.md §2, §4).
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_input_converted_for_the_device_gets_the_edit_back():
                                          (torch.float16, torch.float16)])
 def test_output_takes_the_activation_dtype(conv, act, weight):
     """PopTorch 3.4 half_float_test (float16 activations, float32 weights): the output has the
-    activation's dtype whatever the weights' dtype; poptorch-semantics §1 says mixed ops follow
+    activation's dtype whatever the weights' dtype; docs/poptorch-semantics.md §1 says mixed ops follow
     torch promotion, which torch's matmul and convolution do not define for mixed operands: we
     read the test as the rule for them."""
     torch.manual_seed(0)
@@ -168,8 +168,8 @@ def test_float32_master_weights_train_on_float16_activations():
 def test_automatic_loss_scaling_and_partials_type_run():
     """Half partials are recorded (the host's kernels choose their accumulation: the math is
     the same as with float partials); automatic loss scaling raises the loss scale of these
-    small gradients each step and trains to the statically scaled run's weights (README,
-    16-bit)."""
+    small gradients each step and trains to the statically scaled run's weights
+    (docs/precision.md)."""
     def train(auto: bool, partials: torch.dtype) -> torch.Tensor:
         model = Regress().half()
         o = poptorch.Options()

@@ -2,7 +2,7 @@
 
 PopTorch traces a wrapped model when it compiles (its first call, or ``compile()``), so a layer
 replaced or a buffer reassigned on the user's module between ``trainingModel(...)`` and then
-is what the device holds and trains (poptorch-semantics §4.2). Expected values come from plain
+is what the device holds and trains (docs/poptorch-semantics.md §4.2). Expected values come from plain
 torch doing the same math.
 """
 from __future__ import annotations

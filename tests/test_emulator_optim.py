@@ -221,7 +221,7 @@ def test_constructor_errors():
     with pytest.raises(TypeError):
         popt.LAMB(p, max_grad_norm=1.0)  # LAMB has no max_grad_norm, as in PopTorch
     with pytest.raises(TypeError):
-        popt.RMSprop(p, max_grad_norm=1.0)  # RMSprop has no clipping at all (§9)
+        popt.RMSprop(p, max_grad_norm=1.0)  # RMSprop has no clipping at all (docs/poptorch-semantics.md §9)
     with pytest.raises(ValueError, match="first_order_momentum_accum_type=torch.bfloat16"):
         popt.Adam(p, first_order_momentum_accum_type=torch.bfloat16)
     opt = popt.SGD(p, lr=0.1, accum_type=torch.float16)

@@ -1,4 +1,4 @@
-"""poptorch.Options emulation: poptorch-semantics.md §1, §8.8, §8.9, §9 (toDict)."""
+"""poptorch.Options emulation: docs/poptorch-semantics.md §1, §8.8, §8.9, §9 (toDict)."""
 from __future__ import annotations
 
 import copy

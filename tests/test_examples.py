@@ -124,3 +124,8 @@ def test_packaged_mnist_missing_data_is_one_clear_message(runs):
     assert "Traceback" not in text, text
     folder = os.path.join(run.args[run.args.index("--data-dir") + 1], "MNIST", "raw")
     assert folder in run.stderr and "--data-dir" in run.stderr, run.stderr
+    # how to point it at local files: every file it needs, and where they go
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        assert name in run.stderr, run.stderr
+    assert "DIR/MNIST/raw" in run.stderr and "IPULOOP_DATA_DIR" in run.stderr, run.stderr

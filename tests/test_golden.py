@@ -1,4 +1,4 @@
-"""Checkpoint format stability: reliability.md §8 item 8.
+"""Checkpoint format stability: docs/reliability.md §2 item 8.
 
 ``fixtures/golden/v<format>/<config>/`` holds a checkpoint written by that format version
 (``fixtures/make_golden.py``, run once per version) and what resuming it gives. Every one must

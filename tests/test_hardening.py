@@ -1,4 +1,4 @@
-"""Hardening: reliability.md §8 items 2, 3, 10, 11, 12, 13, 14 and 17.
+"""Hardening: docs/reliability.md §2 items 2, 3, 10, 11, 12, 13, 14 and 17.
 
 Kills, disk faults, signals and bad input. The subprocess tests run ``helpers_train.py``
 children (a tiny MLP with dropout, shuffled data, AdamW, slow saves), several at a time, and
@@ -39,13 +39,13 @@ from test_checkpoint import EPOCHS, assert_same, reference
 pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
 
 HELPER = Path(__file__).with_name("helpers_train.py")
-# reliability.md §8.13: 20 SIGTERMs at random moments (~3 s each, 4 at a time: ~60 s)
+# docs/reliability.md §2.13: 20 SIGTERMs at random moments (~3 s each, 4 at a time: ~60 s)
 SIGTERM_REPEATS = int(os.environ.get("IPULOOP_SIGTERM_REPEATS", "20"))
 PARALLEL = int(os.environ.get("IPULOOP_SIGNAL_PARALLEL", "4"))  # children at a time
 # One child starts (imports torch) at a time: on 2 cores, torch takes ~0.7 s to shut a process
 # down, longer while others import it, and that exit is part of what the SIGTERM test times.
 _starting = threading.Lock()
-# reliability.md §8.2 is §8.1 (20 kills) with TMPDIR elsewhere and the kill in the commit
+# docs/reliability.md §2.2 is §2.1 (20 kills) with TMPDIR elsewhere and the kill in the commit
 TMPFS_KILL_REPEATS = int(os.environ.get("IPULOOP_TMPFS_KILL_REPEATS", "20"))
 
 
@@ -243,7 +243,7 @@ def at_host_call_boundary(m: dict, di: int, ga: int) -> None:
     assert m["step"] == m["epoch"] * steps + m["epoch_step"] and m["epoch_step"] <= steps, m
 
 
-# -- §8.2 SIGKILL in the commit, TMPDIR on another filesystem -------------------------------------
+# -- §2.2 SIGKILL in the commit, TMPDIR on another filesystem -------------------------------------
 def _kill_in_commit(root: Path, tmpdir: Path, seed: int) -> dict:
     rng = random.Random(seed)
     cfg = {"dirpath": str(root / "ckpt"), "di": 1, "ga": 1, "epochs": EPOCHS, "chunk": 8192,
@@ -296,7 +296,7 @@ def test_sigkill_in_commit_with_tmpdir_elsewhere(tmp_path):
             assert_clean(dirpath)  # the resume removed the killed save's leftovers
 
 
-# -- §8.3 disk full -------------------------------------------------------------------------------
+# -- §2.3 disk full -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def file_sizes(tmp_path_factory):
     d = tmp_path_factory.mktemp("sizes")
@@ -475,7 +475,7 @@ def test_disk_full_on_a_small_tmpfs(tmp_path):
         assert free.f_bfree * free.f_bsize > 0  # the failed save's partial file was removed
 
 
-# -- §8.10 batch and option validation (property) -------------------------------------------------
+# -- §2.10 batch and option validation (property) -------------------------------------------------
 class Spy(Callback):
     def __init__(self) -> None:
         self.compiles, self.steps = 0, 0
@@ -535,7 +535,7 @@ def test_batch_factors_run_the_documented_steps_or_fail_first(b, di, ga, rf, n, 
         assert int(s["step"]) == steps * epochs * di
 
 
-# -- §8.11 shapes, labels, dtypes, dict batches, arguments after compilation ----------------------
+# -- §2.11 shapes, labels, dtypes, dict batches, arguments after compilation ----------------------
 class DictData(Dataset):
     def __len__(self) -> int:
         return 16
@@ -618,7 +618,7 @@ def test_changed_arguments_after_compilation_are_rejected(change, match):
     assert not loop.train_model.isAttachedToDevice()  # torn down
 
 
-# -- §8.12 empty and degenerate loaders -----------------------------------------------------------
+# -- §2.12 empty and degenerate loaders -----------------------------------------------------------
 class Stream(IterableDataset):
     """``n`` samples, no ``__len__``; ``once``: a generator that is empty after one pass."""
 
@@ -678,10 +678,10 @@ def test_iterable_dataset_without_len_trains_the_full_host_calls():
     assert loop.state.update == 20 and loop.state.samples == 40
 
 
-# -- §8.13 SIGTERM at random moments --------------------------------------------------------------
+# -- §2.13 SIGTERM at random moments --------------------------------------------------------------
 # Seconds allowed for the interpreter's own shutdown after SystemExit (torch's teardown: ~0.7 s
 # on an idle 2-core machine, 8 s seen with a load average of 10). It catches a hang at exit
-# (a worker or thread that is never joined), not the machine's speed: the bound of §8.13 is
+# (a worker or thread that is never joined), not the machine's speed: the bound of §2.13 is
 # checked on the "exit" marker, written as fit raises SystemExit(143).
 TEARDOWN = 20.0
 SIG_CFG = {"di": 2, "ga": 1, "epochs": EPOCHS, "step_delay": 0.05, "chunk": 4096,
@@ -864,7 +864,7 @@ def test_sigterm_during_validation_resumes_exactly(tmp_path):
     assert loop.state.history == ref_history  # val_loss of epoch 0 computed in full
 
 
-# -- §8.14 Ctrl-C ---------------------------------------------------------------------------------
+# -- §2.14 Ctrl-C ---------------------------------------------------------------------------------
 INT_CFG = {"di": 1, "ga": 1, "epochs": EPOCHS, "workers": 2, "step_delay": 0.15,
            "chunk": 4096, "delay": 0.03}  # a host call ~0.15 s, a save ~0.35 s
 
@@ -966,7 +966,7 @@ def test_loader_workers_stop_when_fit_is_interrupted():
     assert len(set(workers)) == 2 and not any(w.is_alive() for w in workers)
 
 
-# -- §8.17 callback failures ----------------------------------------------------------------------
+# -- §2.17 callback failures ----------------------------------------------------------------------
 def _torn_down(loop, handlers) -> None:
     assert loop.train_model is not None and not loop.train_model.isAttachedToDevice()
     assert not torch._C._autograd._profiler_enabled()

@@ -160,7 +160,7 @@ def test_the_loop_pushes_tensor_learning_rates_as_numbers():
 
 def test_replicas_count_ipus_as_poptorch_reserves_them(monkeypatch):
     """PopTorch reserves max(IPUs used, highest IPU + 1) x replicationFactor IPUs, rounded up to
-    a power of 2 with autoRoundNumIPUs (``CompilerImpl.cpp`` ``createDevice``; semantics §1.3):
+    a power of 2 with autoRoundNumIPUs (``CompilerImpl.cpp`` ``createDevice``; docs/poptorch-semantics.md §1.3):
     an IPU with no layers past the last used one is not reserved, and the system is asked for
     the rounded count."""
     from ipuloop.config import IPUConfig

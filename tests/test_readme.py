@@ -1,11 +1,13 @@
-"""Every Python snippet of README.md and examples/README.md runs as written, and the README's
-hook order is the loop's.
+"""Every Python snippet of README.md, the documentation pages in docs/ and examples/README.md
+runs as written, and the hook order they show is the loop's.
 
 A snippet that uses names it does not define (the model, the options, the loaders of the
 surrounding prose) runs with small stand-ins for exactly those names, listed in ``STAND_INS``
 by a line that identifies the snippet; every other snippet runs in an empty namespace. Each
 runs in a temporary working folder (the callbacks snippet writes checkpoints, a CSV log and
-a profile there).
+a profile there), and where it computes something to check, a function of ``CHECKS`` (keyed
+the same way) checks it. docs/from-lightning.md is one program read top to bottom:
+tests/test_docs_lightning.py runs its blocks in order, in one namespace.
 """
 from __future__ import annotations
 
@@ -22,12 +24,21 @@ import ipuloop.callbacks.base as base
 from ipuloop import Loop, WithLoss, poptorch
 from ipuloop.checkpoint_io import load_checkpoint
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-DOCS = (README, README.parent / "examples" / "README.md")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = ROOT / "docs"
+ONE_PROGRAM = PAGES / "from-lightning.md"  # run by tests/test_docs_lightning.py
+DOCS = (README, ROOT / "examples" / "README.md",
+        *sorted(p for p in PAGES.rglob("*.md") if p != ONE_PROGRAM))
 
 
 def blocks(lang: str, path: pathlib.Path = README) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), re.S)
+    return re.findall(rf"^```{lang}\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def page(name: str) -> str:
+    """A documentation page's text, its lines joined (prose wraps anywhere)."""
+    return _flat((PAGES / name).read_text())
 
 
 def _data(n: int, batch_size: int) -> DataLoader:
@@ -69,9 +80,20 @@ SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{
 
 
 def test_the_snippets_are_found():
-    assert len([s for s in SNIPPETS if s.values[0] == README]) == 9
+    """Every Python block is one the runner finds: no fence it would miss (```Python,
+    ```python3, an indented fence), and every page of docs/ is run here or as one program."""
+    for path in (*DOCS, ONE_PROGRAM):
+        fences = re.findall(r"^\s*```(\S*)$", path.read_text(), re.M)
+        openings = fences[0::2]  # each block opens and closes with a fence
+        assert len(fences) % 2 == 0, path
+        allowed = {"python", "bash", "text", ""} | ({"py"} if path == ONE_PROGRAM else set())
+        assert set(openings) <= allowed, (path, openings)
+        assert openings.count("python") == len(blocks("python", path)), path
+    assert len([s for s in SNIPPETS if s.values[0] == README]) == 2
     for marker in STAND_INS:  # each stand-in serves a snippet that still exists
         assert sum(marker in s.values[2] for s in SNIPPETS) == 1, marker
+    for marker in CHECKS:  # and so does each check
+        assert sum(marker in s.values[2] for s in SNIPPETS) >= 1, marker
 
 
 @pytest.fixture
@@ -92,7 +114,7 @@ def test_every_python_snippet_runs_as_written(path, index, code, tmp_path, monke
     for marker, stand_ins in STAND_INS.items():
         if marker in code:
             namespace.update(stand_ins())
-    exec(compile(code, f"{path.name} python block {index}", "exec"), namespace)
+    exec(compile(code, f"{path.relative_to(ROOT)} python block {index}", "exec"), namespace)
     check = CHECKS.get(next((m for m in CHECKS if m in code), None))
     if check is not None:
         check(namespace, capsys.readouterr().out, tmp_path, capsys)
@@ -163,6 +185,35 @@ def _check_val_every_n_steps(ns: dict, out: str, tmp_path: pathlib.Path, capsys)
     assert len(mid) == loop.state.step // 20
 
 
+def _check_batch_sampler(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    assert ns["loop"].state.steps_per_epoch == 15 and out.split()[-1] == "15"
+    assert ns["loop"].state.step == 30  # 2 epochs of 15 host calls of 8 sampler batches
+
+
+def _check_precision(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    half = ns["half"]
+    assert half.dtype == torch.float16 and half.shape == (512, 2) and out.split()[-1] == \
+        "torch.float16"
+    first, last = ns["history"][0]["train_loss"], ns["history"][-1]["train_loss"]
+    assert last < first < 0.8  # float16 inputs with a static loss scale: it learns
+
+
+def _check_ipu_config(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    from ipuloop import IPUConfig
+    lines = out.strip().splitlines()
+    assert lines[0] == "[0, 0, 0, 0, 1, 1, 1, 1, 1]"  # the remainder on the last IPU
+    assert lines[-1].split() == ["16", "4"]
+    assert IPUConfig.load(tmp_path / "ipu_config") == ns["config"]
+    assert ns["config"].seed == 0 and ns["config"].device_iterations == 4
+
+
+def _check_emulated_program(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    assert out.split()[-1] == "4" and ns["out"].shape == (8, 2) and ns["loss"].shape == ()
+    assert not ns["training"].isAttachedToDevice()
+    x, y = ns["data"].tensors
+    assert (ns["model"].net(x).argmax(-1) == y).float().mean() > 0.8  # trained on the host's
+
+
 CHECKS = {
     "loop = Loop(model_with_loss, opts, optimizer=poptorch.optim.AdamW(": _check_top,
     "class Tokens(Dataset):": _check_dict_batches,
@@ -172,35 +223,45 @@ CHECKS = {
     "class PrintLR(Callback):": _check_print_lr,
     "sched = torch.optim.lr_scheduler.OneCycleLR(": _check_callbacks,
     "WandbLogger(project=": _check_loggers,
+    "class SimilarFirst:": _check_batch_sampler,
+    'precision="16-mixed"': _check_precision,
+    "place_layers(layers, config)": _check_ipu_config,
+    "training = poptorch.trainingModel(": _check_emulated_program,
 }
 
 
-def test_readme_hook_order_matches_the_module_docstring():
-    readme = re.search(r"```\n(\[first fit only: on_configure\].*?)```", README.read_text(),
-                       re.S).group(1)
+def test_the_hook_order_in_the_docs_is_the_module_docstring():
     block = re.search(r"::\n\n((?:    .*\n)+)", base.__doc__).group(1)  # the indented pseudocode
     doc_lines = [line[4:] for line in block.splitlines()]
-    readme_lines = readme.splitlines()
-    assert readme_lines[-1].startswith("on_exception")
-    assert readme_lines[:-1] == doc_lines  # the same pseudocode, line for line
+    for path in (README, PAGES / "callbacks.md"):
+        shown = re.search(r"```(?:text)?\n(\[first fit only: on_configure\].*?)```",
+                          path.read_text(), re.S).group(1).splitlines()
+        assert shown[-1].startswith("on_exception"), path
+        assert shown[:-1] == doc_lines, path  # the same pseudocode, line for line
 
 
 def test_readme_commands_are_the_ci_commands():
-    ci = (README.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = README.read_text()
     assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
-    assert 'pip install -e ".[test]" && python -m pytest -q' in README.read_text()
-    assert "python -m ipuloop.examples.mnist" in README.read_text()
+    assert 'pip install -e ".[test]" && python -m pytest -q' in readme
+    # the quickstart, online and offline (the folder CI and the tests read MNIST from)
+    assert "pip install -e . && python -m ipuloop.examples.mnist\n" in readme
+    assert "python -m ipuloop.examples.mnist --data-dir ../shared/data/mnist\n" in readme
+    # CI builds the documentation strictly, with the documented command
+    assert 'pip install -q -e ".[docs]"' in ci and "mkdocs build --strict" in ci
+    assert 'pip install -e ".[docs]" && mkdocs build --strict' in page("getting-started.md")
 
 
 def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_readme_says_what_cancel_step_skips_and_it_does():
+def test_the_docs_say_what_cancel_step_skips_and_it_does():
     assert ("`CancelStep` from `on_train_step_start` skips the training step itself: its host "
             "batch is read but never runs on the device (no update, no loss; counted only in "
             "`epoch_step`, the batches the epoch has read, so a resume does not read it "
-            "again)") in _flat(README.read_text())
+            "again)") in page("callbacks.md")
     from ipuloop import Callback, CancelStep
 
     class Skip(Callback):
@@ -216,18 +277,18 @@ def test_readme_says_what_cancel_step_skips_and_it_does():
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 
 
-def test_readme_says_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
-    assert ("float16 under `\"16-mixed\"` and `\"16-true\"` alike") in _flat(README.read_text())
+def test_the_docs_say_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
+    assert ("float16 under `\"16-mixed\"` and `\"16-true\"` alike") in page("precision.md")
     monkeypatch.delenv("IPULOOP_EMULATOR_DEVICE", raising=False)
     loop = Loop(_model_with_loss(), precision="16-mixed", progress=False)
     x = torch.randn(8, 20)
     assert loop.predict(DataLoader(TensorDataset(x), batch_size=4)).dtype == torch.float16
 
 
-def test_readme_says_metrics_are_estimates_under_final_and_they_are():
+def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
     assert ("Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
             "outputs, so the train metrics, like `train_loss`, are computed over those "
-            "micro-batches only: estimates") in _flat(README.read_text())
+            "micro-batches only: estimates") in page("loop.md")
     import torchmetrics
 
     class Rows(torchmetrics.Metric):  # counts the samples a metric is updated with
@@ -251,8 +312,8 @@ def test_readme_says_metrics_are_estimates_under_final_and_they_are():
     assert rows == {"All": 64, "Final": 8 * 2}  # 8 steps; Final: the last micro-batch of 2
 
 
-def test_readme_says_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):
-    text = _flat(README.read_text())
+def test_the_docs_say_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):
+    text = page("getting-started.md")
     assert "set `OMP_NUM_THREADS=1` or call `torch.set_num_threads(1)`" in text
     assert "`--threads N`" in text
     from ipuloop.examples import mnist

@@ -1,4 +1,4 @@
-"""Checkpoint retention under crashes: reliability.md §8 item 15, a Hypothesis state machine.
+"""Checkpoint retention under crashes: docs/reliability.md §2 item 15, a Hypothesis state machine.
 
 Rules: train k steps (saving at some of them), save between fits, crash during a save, resume
 from the newest checkpoint in a new "process", all with ``save_top_k`` = k in {1, 2, 3}. A

@@ -348,7 +348,7 @@ class ModelCheckpoint(Callback):
             return
         self._in_fit = False
         if isinstance(loop.state.exception, KeyboardInterrupt):
-            return  # reliability §7.8: no new checkpoint after Ctrl-C
+            return  # docs/reliability.md §1.8: no new checkpoint after Ctrl-C
         # Tainted: a non-finite loss, or a callback whose state the checkpoint holds failed
         # inside a hook (e.g. LRScheduler mid-update), so that state may be half-updated.
         source = loop.state.exception_source  # (a failed save restored its own)

@@ -1,7 +1,7 @@
 """The PopTorch API on CPU (and CUDA): ``import ipuloop.emulator as poptorch``.
 
 Same names, same semantics, same errors as poptorch 3.x, where the host can reproduce them
-(see the README section "Running PopTorch code without an IPU").
+(see docs/emulator.md, "Running PopTorch programs without an IPU").
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Outside ``trace_stages`` every annotation is a no-op costing one attribute read, exactly as
 PopTorch's are on CPU. The executor wraps the trace of its first micro-batch in
 ``trace_stages(strategy)`` to learn how many forward pipeline stages the model has (F) and
-which IPUs it uses, following poptorch-semantics.md §5, and to check a phased execution's
+which IPUs it uses, following docs/poptorch-semantics.md §5, and to check a phased execution's
 phases. Every strategy runs the unsplit model's arithmetic.
 """
 from __future__ import annotations

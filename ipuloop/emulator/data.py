@@ -1,4 +1,4 @@
-"""``poptorch.DataLoader`` and ``AsynchronousDataAccessor`` (poptorch-semantics.md §3).
+"""``poptorch.DataLoader`` and ``AsynchronousDataAccessor`` (docs/poptorch-semantics.md §3).
 
 One iteration of a ``DataLoader`` is one model call: it yields batches of
 ``batch_size * deviceIterations * (replicationFactor // input_group_size) * gradientAccumulation``

@@ -1,6 +1,6 @@
 """``trainingModel`` / ``inferenceModel``: PopTorch's executors, run on CPU (or CUDA).
 
-One host call of a wrapped model runs what the IPU runs (poptorch-semantics §2, §4):
+One host call of a wrapped model runs what the IPU runs (docs/poptorch-semantics.md §2, §4):
 
     host batch of B*DI*GA*(RF/g) samples, split [DI, GA, RF/g, B]
     for d in range(DI):                      # one optimizer update per d (training)

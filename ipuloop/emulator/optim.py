@@ -8,7 +8,7 @@ Each ``step()`` does what the IPU does with the gradients the executor leaves be
 
 Both are skipped at their defaults (1.0, inf), so a step costs what a plain torch step costs.
 The helpers at the bottom are what the executor uses to snapshot, check and upload
-hyper-parameters (poptorch-semantics §4.5, §4.6).
+hyper-parameters (docs/poptorch-semantics.md §4.5, §4.6).
 """
 from __future__ import annotations
 

@@ -207,8 +207,11 @@ def load_mnist(data_dir: str, train: bool):
         raise MissingData(
             f"MNIST was not found in {os.path.join(data_dir, 'MNIST', 'raw')} and could not be "
             f"downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}).\n"
-            "Pass --data-dir DIR (or set IPULOOP_DATA_DIR) where DIR/MNIST/raw holds the four "
-            "MNIST files (train-images-idx3-ubyte.gz, ...), as torchvision lays them out.") from e
+            "To train without a download, put the four MNIST files, unpacked or .gz, in "
+            f"DIR/MNIST/raw as torchvision lays them out ({', '.join(MNIST_FILES)}; this "
+            "example run on a machine that is online downloads them into "
+            "~/.cache/torchvision/MNIST/raw), then pass --data-dir DIR (or set "
+            "IPULOOP_DATA_DIR=DIR).") from e
     # ToTensor scales to [0, 1]; Normalize subtracts the mean and divides by the std. Done once
     # for the whole set, so reading a sample is an index, not a PIL conversion.
     images = ((ds.data.float().div_(255) - MEAN) / STD).unsqueeze(1)
