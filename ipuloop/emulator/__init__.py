@@ -12,7 +12,6 @@ from . import _pytree as pytree
 
 from . import _logging
 from ._logging import logger
-from . import checks as _checks
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
@@ -27,6 +26,7 @@ from . import poptorch_core
 from .poptorch_core import RecoverableError, UnrecoverableError
 from .executor import (PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu,
                        registerPostCompileHook, registerPreCompileHook, trainingModel)
+from .ops import cond, dynamic_slice, dynamic_update, for_loop, ipu_print_tensor
 from .options import Options, TensorLocationSettings
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
@@ -40,7 +40,8 @@ __all__ = [
     "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
     "RecoverableError", "ReductionType", "UnrecoverableError", "logger", "poptorch_core",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
-    "TensorLocationSettings", "VariableRetrievalMode", "ctc_beam_search_decoder", "custom_op",
+    "TensorLocationSettings", "VariableRetrievalMode", "cond", "ctc_beam_search_decoder",
+    "custom_op",
     "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
     "module_repr", "nop", "optim", "recomputationCheckpoint", "registerCustomArgParser",
@@ -107,19 +108,6 @@ def set_available_memory(tensor, available_memory_proportion: float):
     return tensor
 
 
-def ipu_print_tensor(tensor: torch.Tensor, title: str = "") -> torch.Tensor:
-    """Identity that prints ``tensor`` each time the device runs it, and its gradient
-    (titled ``<title>_gradient``) in the backward pass. Use the returned tensor."""
-    _check_tensor(tensor, "ipu print tensor")
-    if not isRunningOnIpu() or Block._trace is not None:
-        return tensor  # host (CPU) execution, or the compile-time trace: nothing runs on device
-    print(f"{title or 'tensor'}: {tensor.detach()}", flush=True)
-    out = tensor.view_as(tensor)  # its own autograd node: the hook sees this op's gradient only
-    if out.requires_grad:
-        out.register_hook(lambda g: print(f"{title or 'tensor'}_gradient: {g}", flush=True))
-    return out
-
-
 def _check_overlap(tensors: Any, mode: OverlapMode, what: str) -> Any:
     assert isinstance(mode, OverlapMode), (
         f"mode must be a poptorch.OverlapMode. Received: mode={mode!r}.")
@@ -148,57 +136,6 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializa
     assert isinstance(mode, MatMulSerializationMode), (
         f"mode must be a poptorch.MatMulSerializationMode. Received: mode={mode!r}.")
     return torch.matmul(lhs, rhs)
-
-
-def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
-                  step: int) -> torch.Tensor:
-    """``tensor`` sliced along ``dim`` from ``start`` (a tensor) to ``start + size`` by ``step``."""
-    _check_tensor(tensor, "dynamic_slice")
-    if not isinstance(dim, int):
-        raise Error("Dimension must be an integer.")
-    if not isinstance(start, torch.Tensor):
-        raise Error("Slice start argument to dynamic_slice must be a torch.tensor. "
-                    f"{type(start)} is not supported.")
-    if not isinstance(size, int):
-        raise Error("Size must be an integer.")
-    if not isinstance(step, int):
-        raise Error("Step must be an integer.")
-    index = start.reshape(()).long() + torch.arange(0, size, step, device=tensor.device)
-    return tensor.index_select(dim, index)
-
-
-def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,
-                   size: int) -> torch.Tensor:
-    """A copy of ``input`` with ``src`` written along ``dim`` at ``start`` (a tensor)."""
-    _check_tensor(input, "dynamic_update")
-    _check_tensor(src, "dynamic_update")
-    if not isinstance(start, torch.Tensor):
-        raise Error("Slice start argument to dynamic_update must be a torch.tensor. "
-                    f"{type(start)} is not supported.")
-    index = start.reshape(()).long() + torch.arange(size, device=input.device)
-    return input.index_copy(dim, index, src)
-
-
-def for_loop(count: int, body: Callable[..., Any], inputs: list[torch.Tensor]
-             ) -> list[torch.Tensor]:
-    """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs
-    (inference models only, as in PopTorch)."""
-    _checks.note_for_loop()
-    if not isinstance(inputs, list):
-        raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
-                         f"tensors. (Object is not list) Received: {type(inputs).__name__}.")
-    for i, t in enumerate(inputs):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
-                             f"tensors. (Object contained in list at index {i} is not "
-                             "torch.tensor)")
-    outputs = [t.clone() for t in inputs]  # the body gets its inputs by value
-    for _ in range(count):
-        outputs = body(*outputs)
-        if not isinstance(outputs, (list, tuple)):
-            outputs = [outputs]
-        outputs = list(outputs)
-    return outputs
 
 
 class CPU:

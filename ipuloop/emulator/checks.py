@@ -13,7 +13,7 @@ the data flow as PopTorch's graph does, to
   nothing (factory functions). Ops on CPU tensors alone run on the host, as in PopTorch;
 * see parameters and buffers written in place (``updated``), which replicas broadcasting their
   buffers cannot have (``check_replicated_updates``);
-* reject ``poptorch.for_loop`` in a training model.
+* reject ``poptorch.for_loop`` and ``poptorch.cond`` in a training model.
 
 It also holds the other checks of a compiled model: buffers and parameters removed or
 reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_options``),
@@ -39,7 +39,7 @@ from .errors import Error
 
 __all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
            "check_stages", "check_updatable_buffers",
-           "forbid_backward", "note_for_loop", "note_identity_loss", "tensor_addresses"]
+           "forbid_backward", "note_inference_only", "note_identity_loss", "tensor_addresses"]
 
 _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
@@ -193,12 +193,11 @@ def note_identity_loss(t: torch.Tensor) -> None:
         _active.note_loss(t)
 
 
-def note_for_loop() -> None:
-    """Called by ``for_loop``: PopTorch compiles it for inference graphs only."""
+def note_inference_only(op: str, fix: str) -> None:
+    """Called by ``for_loop`` and ``cond``: PopTorch compiles them for inference graphs only
+    (``op`` names it, ``fix`` says what to do instead)."""
     if isinstance(_active, TraceChecks) and _active.training:
-        raise Error("poptorch.for_loop() is only supported in inference. Use it in a model "
-                    "wrapped by poptorch.inferenceModel, or unroll the loop in Python for a "
-                    "trainingModel.")
+        raise Error(f"{op} is only supported in inference. {fix}")
 
 
 def check_replicated_updates(checks: TraceChecks, options: Any) -> None:
