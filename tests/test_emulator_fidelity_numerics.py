@@ -91,8 +91,12 @@ def test_update_period_and_bin_edge_location():
 @NEEDS_CPU_HALF_BACKWARD
 def test_final_loss_scale_is_clipped_at_2_pow_15():
     """popx/op/lossscaleupdatex.cpp ``clipOutput``: the factor stays at most 2**15 /
-    loss_scaling, so the final loss scale fits float16."""
-    finals, factor, _, _ = _als_run(torch.full((2,), 1e-3), 4, 2.0 ** 13)
+    loss_scaling, so the final loss scale fits float16. (The gradient of the sum below the
+    loss equals the loss scale and is counted too: binEdgeLocation 1 keeps 2**15 below the
+    edge.)"""
+    opts = poptorch.Options()
+    opts._Popart.set("automaticLossScalingSettings.binEdgeLocation", 1.0)
+    finals, factor, _, _ = _als_run(torch.full((2,), 1e-3), 4, 2.0 ** 13, opts)
     assert finals == [2.0 ** 13, 2.0 ** 14, 2.0 ** 15, 2.0 ** 15]
     assert factor == 4.0
 
@@ -139,6 +143,40 @@ def test_gradient_accumulation_counts_micro_batch_gradients():
     finals, factor, _, _ = _als_run(c, 3, 64.0, opts)
     assert finals == [64.0, 128.0, 64.0]  # as with GA = 1: 6400 < EDGE < 12800
     assert factor == 2.0
+
+
+class MixedDot(nn.Module):
+    """float32 master weights computing in float16: loss = sum(c @ w) with c float16, so the
+    matmul runs in float16 on a float16 cast of w (the emulator's MixedFloat, as PopTorch
+    computes an op in its first operand's type); d loss / d w16 = c (times the loss scale)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n, 1))
+
+    def forward(self, c):
+        return poptorch.identity_loss((c @ self.w).sum(), reduction="sum")
+
+
+@NEEDS_CPU_HALF_BACKWARD
+def test_float32_weights_computing_in_float16_scale_from_the_float16_cast_gradients():
+    """transforms/automaticlossscaling.cpp ``getToTrackTensorsAuto`` (PopART 3.4's default
+    ``AllNonViewChangingGradientTensors``): the float16 gradients of the backward pass are
+    counted whatever the weights' dtype, so float32 master weights used in float16 (the
+    Loop's "16-mixed") train with automatic loss scaling; the gradient of the float16 cast
+    of w (c * loss scale) crosses the bin edge as the Dot model's does."""
+    model = MixedDot(4)
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
+    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0,
+                                                                   loss_scaling=64.0))
+    finals = []
+    for _ in range(4):
+        train(torch.full((1, 4), 100.0).half())
+        finals.append(float(train.getAnchoredTensor("final")))
+    assert finals == [64.0, 128.0, 64.0, 128.0]  # 100 * 64 < EDGE < 100 * 128
+    assert model.w.dtype == torch.float32
 
 
 def test_automatic_loss_scaling_needs_float16_gradients():

@@ -112,6 +112,7 @@ class TraceChecks(_LossMode):
         self.training = training
         self.losses: list[torch.Tensor] = []  # in creation order
         self.updated: list[str] = []  # names of parameters and buffers written in place
+        self.half_grads = False  # an op made a float16 tensor that requires grad
         self._graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> losses it uses
         named = [nt for model in models
                  for nt in [*model.named_parameters(), *model.named_buffers()]]
@@ -151,6 +152,9 @@ class TraceChecks(_LossMode):
                 self.losses.append(out)
             for t in outputs:
                 self._graph[t] = losses
+            if not self.half_grads:  # its gradient will be float16 (automatic loss scaling)
+                self.half_grads = any(t.dtype == torch.float16 and t.requires_grad
+                                      for t in outputs)
         return out
 
     def note_loss(self, t: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ from . import blocks as _blocks
 from . import checks as _checks
 from . import constants as _constants
 from . import inputs as _inputs
+from . import loss_scaling as _loss_scaling
 from . import options as _options_mod
 from . import replica_groups as _replica_groups
 from .anchors import Anchors
@@ -344,6 +345,8 @@ class PoplarExecutor(HardwareOnly):
             # A final loss the outputs only use is taken from each forward as it runs.
             self._loss_capture = _NO_CAPTURE if self._loss_index is not None else \
                 _checks.LossCapture(nth)
+            if _loss_scaling.settings(self._options) is not None:
+                _loss_scaling.check_float16_gradients(checks.half_grads)
         _checks.check_replicated_updates(checks, self._options)
         self.num_ipus = _checks.check_stages(trace, self._options, self._training, di, ga, rf)
         if self._anchors is not None:
@@ -607,6 +610,9 @@ class PoplarExecutor(HardwareOnly):
         when the outputs only use it), scaled by ``scale``."""
         index = self._loss_index
         loss = outs[index] if index is not None else self._loss_capture.take()
+        als = self._opt.als
+        if als is not None:  # automatic loss scaling counts this backward's float16 gradients
+            als.track(loss)
         if loss.dim():
             loss = loss.sum()  # identity_loss(reduction="none")
         if scale != 1.0:
