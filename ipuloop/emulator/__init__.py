@@ -11,6 +11,7 @@ import torch
 from . import _pytree as pytree
 
 from . import _logging
+from . import checks as _checks
 from ._logging import logger
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
@@ -111,10 +112,12 @@ def set_available_memory(tensor, available_memory_proportion: float):
 def _check_overlap(tensors: Any, mode: OverlapMode, what: str) -> Any:
     assert isinstance(mode, OverlapMode), (
         f"mode must be a poptorch.OverlapMode. Received: mode={mode!r}.")
-    for leaf in pytree.tree_leaves(tensors):
+    leaves = pytree.tree_leaves(tensors)
+    for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise Error(f"You may only set overlap for torch.tensor {what}. "
                         f"{type(leaf)} is not supported.")
+    _checks.note_overlap(leaves, what)  # a model input / output (checked when compiled)
     return tensors
 
 
@@ -190,9 +193,12 @@ class MultiConv:
         return self._record("cycle_back_off", value)
 
     def __enter__(self) -> MultiConv:
+        _checks.note_multiconv(begin=True)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is None:  # a scope that raised reports its own error
+            _checks.note_multiconv(begin=False)
         return None
 
 

@@ -13,7 +13,9 @@ the data flow as PopTorch's graph does, to
   nothing (factory functions). Ops on CPU tensors alone run on the host, as in PopTorch;
 * see parameters and buffers written in place (``updated``), which replicas broadcasting their
   buffers cannot have (``check_replicated_updates``);
-* reject ``poptorch.for_loop`` and ``poptorch.cond`` in a training model.
+* reject ``poptorch.for_loop`` and ``poptorch.cond`` in a training model, the ops PopTorch
+  cannot compile (``unsupported``), a ``MultiConv`` nested or without a convolution, and
+  ``set_overlap_for_input`` / ``set_overlap_for_output`` on what is not a model input / output.
 
 It also holds the other checks of a compiled model: buffers and parameters removed or
 reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_options``),
@@ -34,12 +36,14 @@ from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
+from . import unsupported as _unsupported
 from .enums import ConnectionType
 from .errors import Error
 
 __all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
            "check_stages", "check_updatable_buffers",
-           "forbid_backward", "note_inference_only", "note_identity_loss", "tensor_addresses"]
+           "forbid_backward", "note_inference_only", "note_identity_loss", "note_multiconv",
+           "note_overlap", "tensor_addresses"]
 
 _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
@@ -48,6 +52,9 @@ _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
     "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
     "triplet_margin_with_distance_loss") if hasattr(F, name))
+
+_CONVOLUTIONS = frozenset(getattr(F, name) for name in (
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"))
 
 _NO_LOSSES: frozenset[int] = frozenset()
 _active: _LossMode | None = None
@@ -113,6 +120,12 @@ class TraceChecks(_LossMode):
         self.losses: list[torch.Tensor] = []  # in creation order
         self.updated: list[str] = []  # names of parameters and buffers written in place
         self.half_grads = False  # an op made a float16 tensor that requires grad
+        self._multiconv: int | None = None  # convolutions in the open MultiConv scope
+        # the model's input tensors (id -> position), those an op used, and what
+        # set_overlap_for_output marked
+        self._inputs = {id(t): i for i, t in enumerate(_tensors(inputs))}
+        self._used_inputs: set[int] = set()
+        self._overlap_outputs: list[torch.Tensor] = []
         self._graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> losses it uses
         named = [nt for model in models
                  for nt in [*model.named_parameters(), *model.named_buffers()]]
@@ -139,6 +152,13 @@ class TraceChecks(_LossMode):
                         "a legacy constructor (torch.LongTensor([...])), from numpy, or kept as "
                         "a plain module attribute stays on the host: make it with torch.tensor("
                         "...) or register it as a buffer.")
+        if all(in_graph):
+            _unsupported.check(func, args, kwargs)
+            if self._multiconv is not None and func in _CONVOLUTIONS:
+                self._multiconv += 1
+        for t in inputs:
+            if id(t) in self._inputs:
+                self._used_inputs.add(id(t))
         watched = [(t, t._version) for t in inputs if id(t) in self._names]
         out = func(*args, **kwargs)
         for t, version in watched:
@@ -156,6 +176,43 @@ class TraceChecks(_LossMode):
                 self.half_grads = any(t.dtype == torch.float16 and t.requires_grad
                                       for t in outputs)
         return out
+
+    def multiconv(self, begin: bool) -> None:
+        """A ``MultiConv`` scope begins or ends (PopartLateCanonicalization.cpp)."""
+        if begin:
+            if self._multiconv is not None:
+                raise Error("Nested poptorch.MultiConv is not supported.")
+            self._multiconv = 0
+            return
+        if not self._multiconv:  # none open, or no convolution inside
+            raise Error("Unexpected end_multi_conv, is the IR malformed?")
+        self._multiconv = None
+
+    def overlap(self, tensors: list[torch.Tensor], what: str) -> None:
+        """``set_overlap_for_input`` / ``_output`` marks ``tensors`` (OverlappedIO.cpp)."""
+        if what == "outputs":
+            self._overlap_outputs.extend(tensors)
+            return
+        for t in tensors:
+            position = self._inputs.get(id(t))
+            if position is None:
+                raise Error("poptorch.set_overlap_for_input applied on a node which is not a "
+                            "tensor input to the model.")
+            if id(t) in self._used_inputs:
+                raise Error("poptorch.set_overlap_for_input must be the only op applied to an "
+                            f"input. This is not the case for input {position} to the model.")
+
+    def check_overlap_outputs(self, outputs: list[Any]) -> None:
+        """Each tensor ``set_overlap_for_output`` marked is returned, once."""
+        for t in self._overlap_outputs:
+            returned = sum(o is t for o in outputs)
+            if returned == 0:
+                raise Error("poptorch.set_overlap_for_output applied on a node which is not a "
+                            "tensor output to the model.")
+            if returned > 1:
+                raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that "
+                            "is returned twice. Please check all returned tensors including "
+                            "those nested in tuples/lists.")
 
     def note_loss(self, t: torch.Tensor) -> None:
         """``t`` is an ``identity_loss``: a loss of the graph."""
@@ -195,6 +252,18 @@ def note_identity_loss(t: torch.Tensor) -> None:
     """Called by ``identity_loss``: while a wrapped model runs, ``t`` is a loss of its graph."""
     if _active is not None:
         _active.note_loss(t)
+
+
+def note_multiconv(begin: bool) -> None:
+    """Called by ``MultiConv``'s ``__enter__`` (``begin``) and ``__exit__``."""
+    if isinstance(_active, TraceChecks):
+        _active.multiconv(begin)
+
+
+def note_overlap(tensors: list[torch.Tensor], what: str) -> None:
+    """Called by ``set_overlap_for_input`` (``what`` "inputs") and ``_output`` ("outputs")."""
+    if isinstance(_active, TraceChecks):
+        _active.overlap(tensors, what)
 
 
 def note_inference_only(op: str, fix: str) -> None:

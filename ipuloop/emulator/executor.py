@@ -339,6 +339,7 @@ class PoplarExecutor(HardwareOnly):
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
         out_leaves, self._out_spec = _anchors.out_leaves(out)
+        checks.check_overlap_outputs(out_leaves)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
             self._loss_index, nth = checks.find_loss(out_leaves)
@@ -607,7 +608,8 @@ class PoplarExecutor(HardwareOnly):
 
     def _backward(self, outs: list, scale: float) -> None:
         """Backward of one micro-batch's loss (an output leaf, or taken by ``_loss_capture``
-        when the outputs only use it), scaled by ``scale``."""
+        when the outputs only use it), scaled by ``scale``; none where the loss depends on no
+        weight that requires grad."""
         index = self._loss_index
         loss = outs[index] if index is not None else self._loss_capture.take()
         als = self._opt.als
@@ -622,8 +624,10 @@ class PoplarExecutor(HardwareOnly):
             # seeds it (a fresh seed: autograd may keep it as a gradient and add to it)
             _run_backward((loss,), (torch.ones_like(loss),), False, False, (),
                           allow_unreachable=True, accumulate_grad=True)
-        else:
+        elif loss.requires_grad:
             loss.backward()
+        # else the loss depends on no trained weight (frozen, or not used): as on an IPU, the
+        # step has no gradients and leaves the weights as they are
 
     def _run_single(self, leaves: list, spec: Any) -> Any:
         """``_run`` for DI = GA = RF = 1, with its loops unrolled: the host batch is the one
