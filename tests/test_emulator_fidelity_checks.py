@@ -165,6 +165,35 @@ def test_a_loss_that_depends_on_no_trained_weight_trains_nothing():
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
 
 
+def test_copy_weights_to_device_after_training_writes_the_stale_host_weights():
+    """python/_poplar_executor.py ``copyWeightsToDevice``: it clears the dirty flag before
+    reading the host's parameters ("Don't trigger a copyToHost"), so after training it writes
+    the host's weights as they were, and the device forgets the training
+    (tests/weights_writing_test.py ``test_weight_overwrite_trained_weight``)."""
+
+    class Lin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            return out, nn.functional.mse_loss(out, y)
+
+    torch.manual_seed(0)
+    model = Lin()
+    initial = model.fc.weight.detach().clone()
+    train = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    for _ in range(3):
+        train(x, y)
+    train.copyWeightsToDevice()
+    assert torch.equal(model.fc.weight.detach(), initial)  # the host was never synced
+    train.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    out, _ = train(x, y)
+    assert torch.allclose(out, x @ initial.t() + model.fc.bias.detach())
+
+
 # -- PopTorch's errors -------------------------------------------------------------------------
 
 def test_errors_have_message_type_and_location():

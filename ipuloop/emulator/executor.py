@@ -416,9 +416,12 @@ class PoplarExecutor(HardwareOnly):
 
     # -- weights -----------------------------------------------------------------------------
     def copyWeightsToDevice(self) -> None:
-        """Push the host module's weights (and buffers, to every replica) to the device."""
+        """Push the host module's weights (and buffers, to every replica) to the device: the
+        host's as they are, stale after training included (PopTorch clears its dirty flag
+        first, so reading them does not sync the trained weights back)."""
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)
+        self._host_dirty = False
         self._weights.to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
