@@ -149,8 +149,6 @@ def test_cpu_op_multiconv_and_name_scope_run_their_body():
 @pytest.mark.parametrize("call, words", [
     (lambda: poptorch.custom_op([torch.ones(1)], "Cube", "com.acme", 1, [torch.ones(1)]),
      r"^poptorch.custom_op\('Cube'\) runs a PopART custom op"),
-    (lambda: poptorch.ctc_beam_search_decoder(torch.ones(2, 1, 3), torch.ones(1)),
-     "^poptorch.ctc_beam_search_decoder is a PopLibs op"),
     (lambda: poptorch.load("model.popef"), r"^poptorch.load\('model.popef'\) needs a Poplar"),
 ])
 def test_what_needs_ipu_binaries_is_refused_with_a_reason(call, words):

@@ -7,6 +7,9 @@ that defines the behaviour; expected values are plain torch doing the same math.
 """
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -289,3 +292,48 @@ def test_ipu_print_tensor_summarises_large_tensors_and_can_skip_the_gradient(cap
     err = _printed(capfd, poptorch.trainingModel(Model()), torch.arange(16.0).reshape(4, 4))
     assert "big: (\n (0 ... 3)\n ...\n (12 ... 15)\n)" in err
     assert "big_gradient" not in err
+
+
+# -- ctc_beam_search_decoder -------------------------------------------------------------------
+
+def _labelling_log_probs(log_probs: torch.Tensor, blank: int) -> dict:
+    """Brute force: the log probability of each labelling, summed over every alignment (a
+    path of classes, one per step) that collapses to it (repeats merged, then blanks
+    dropped)."""
+    steps, classes = log_probs.shape
+    totals: dict = {}
+    for path in itertools.product(range(classes), repeat=steps):
+        merged = [c for i, c in enumerate(path) if i == 0 or c != path[i - 1]]
+        labels = tuple(c for c in merged if c != blank)
+        p = math.exp(sum(float(log_probs[t, c]) for t, c in enumerate(path)))
+        totals[labels] = totals.get(labels, 0.0) + p
+    return {k: math.log(v) for k, v in totals.items()}
+
+
+def test_ctc_beam_search_decoder_finds_the_most_likely_labellings():
+    """python/ops.py ``ctc_beam_search_decoder``: on the device, the ``top_paths`` most likely
+    labellings of each sequence's first ``lengths[b]`` steps (PopLibs' CTC beam search, as
+    TensorFlow's): their log probabilities [B, top_paths], lengths [B, top_paths] and labels
+    [B, top_paths, T] zero-padded. With a beam wide enough to keep every prefix the search is
+    exact: it matches summing every alignment. Outside a wrapped model it is PopTorch's CPU
+    kernel, zeros of those shapes (RegisterAtenOverloads.cpp ``ctcBeamSearchDecoder``)."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(4, 2, 3).log_softmax(-1)
+    lengths = torch.tensor([4, 3], dtype=torch.int32)
+    model = poptorch.inferenceModel(Fn(lambda p, n: poptorch.ctc_beam_search_decoder(
+        p, n, blank=0, beam_width=100, top_paths=2)))
+    probs, lens, paths = model(log_probs, lengths)
+    assert probs.shape == (2, 2) and lens.shape == (2, 2) and paths.shape == (2, 2, 4)
+    for b in range(2):
+        exact = _labelling_log_probs(log_probs[:int(lengths[b]), b], blank=0)
+        best = sorted(exact.items(), key=lambda kv: -kv[1])[:2]
+        for k, (labels, score) in enumerate(best):
+            assert int(lens[b, k]) == len(labels)
+            assert tuple(paths[b, k, :len(labels)].tolist()) == labels
+            assert not paths[b, k, len(labels):].any()
+            assert float(probs[b, k]) == pytest.approx(score, abs=1e-5)
+    host = poptorch.ctc_beam_search_decoder(log_probs, lengths, top_paths=2)
+    assert [t.shape for t in host] == [(2, 2), (2, 2), (2, 2, 4)]
+    assert not any(t.any() for t in host)
+    with pytest.raises(poptorch.Error, match="^Incorrect shape for first input to CTC beam"):
+        poptorch.ctc_beam_search_decoder(log_probs[0], lengths)

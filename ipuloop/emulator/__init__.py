@@ -12,6 +12,7 @@ from . import _pytree as pytree
 
 from . import _logging
 from . import checks as _checks
+from . import ctc as _ctc
 from ._logging import logger
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
@@ -226,9 +227,11 @@ def custom_op(inputs: tuple, name: str, domain: str, domain_version: int,
 
 def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0,
                             beam_width: int = 100, top_paths: int = 1) -> list[torch.Tensor]:
-    """Not available on the emulator (a PopLibs op with no torch equivalent)."""
-    raise Error("poptorch.ctc_beam_search_decoder is a PopLibs op the ipuloop emulator does not "
-                "implement: decode on the host (e.g. torchaudio) for emulated runs.")
+    """The ``top_paths`` most likely CTC labellings of the log probabilities ``probs``
+    ([input_length, batch_size, num_classes]): their log probabilities, lengths and labels
+    (``ctc.py``); outside a wrapped model, PopTorch's CPU kernel (zeros of those shapes)."""
+    return _ctc.ctc_beam_search_decoder(probs, lengths, blank, beam_width, top_paths,
+                                        on_device=isRunningOnIpu())
 
 
 def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:
