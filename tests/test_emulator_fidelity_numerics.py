@@ -252,3 +252,44 @@ def test_stochastic_rounding_keeps_tiny_float16_updates():
     assert abs(float(w.mean()) - expected) < 5 * sd
     assert torch.equal(w, _tiny_updates(steps, 0, stochastic=True))  # the seed fixes it
     assert not torch.equal(w, _tiny_updates(steps, 1, stochastic=True))
+
+
+# -- PopART options that change an op's math -----------------------------------------------------
+
+def test_strided_channel_grouping_of_group_norms():
+    """PopLibs popnn/GroupNorm.hpp (``groupNormStridedChannelGrouping``, which PopART passes on
+    from its session option, popx/op/groupnormx.cpp): group g holds channels g, g + G, ...;
+    without the option, torch's contiguous groups. Reference: each strided group normalised by
+    hand, then the per-channel affine; gradients reach the affine weights."""
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, 4)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    x = torch.randn(3, 4, 5)
+    expected = torch.empty_like(x)
+    for group in ([0, 2], [1, 3]):
+        part = x[:, group]
+        mean = part.mean(dim=(1, 2), keepdim=True)
+        var = part.var(dim=(1, 2), unbiased=False, keepdim=True)
+        expected[:, group] = (part - mean) / torch.sqrt(var + norm.eps)
+    expected = expected * norm.weight.detach()[None, :, None] + norm.bias.detach()[None, :, None]
+    opts = poptorch.Options()
+    opts._Popart.set("groupNormStridedChannelGrouping", True)
+    out = poptorch.inferenceModel(norm, opts)(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(poptorch.inferenceModel(norm)(x), norm(x))  # option off: torch's
+
+    class Trained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.GroupNorm(2, 4)
+
+        def forward(self, x):
+            return poptorch.identity_loss((self.norm(x) * torch.arange(4.0)[:, None]).sum(),
+                                          reduction="none")
+
+    model = Trained()
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=1.0))
+    train(x)
+    # d loss / d bias_c = (number of elements in channel c) * c: the affine is per channel
+    assert torch.allclose(model.norm.bias.detach(), -torch.arange(4.0) * 15)

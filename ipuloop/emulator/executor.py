@@ -38,6 +38,7 @@ from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
 from . import constants as _constants
+from . import group_norm as _group_norm
 from . import inputs as _inputs
 from . import loss_scaling as _loss_scaling
 from . import options as _options_mod
@@ -110,7 +111,9 @@ class PoplarExecutor(HardwareOnly):
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
-        self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
+        # the function modes each call's ops run in (``_trace``): ``MixedFloat`` if an op mixed
+        # float16 and float32 in the trace, ``StridedGroupNorm`` if the options ask for it
+        self._op_modes: tuple = ()
         self._ready: list | None = None  # see ``_compile`` and ``inputs.as_ready``
         self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
         self._attributes: _constants.Constants | None = None  # plain attributes calls freeze
@@ -310,6 +313,7 @@ class PoplarExecutor(HardwareOnly):
         # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
         # the trace needed it (``__call__``).
         mixed = MixedFloat()
+        strided = _group_norm.strided(self._options)
         # forward's Python runs once on an IPU: what the trace changes stays changed on the
         # host, and each call sees the attributes as the trace found them (``constants``).
         before = _constants.capture(self._user_model,
@@ -322,7 +326,7 @@ class PoplarExecutor(HardwareOnly):
             addresses = _checks.tensor_addresses(self._user_model)
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    mixed, checks:
+                    mixed, (_group_norm.StridedGroupNorm() if strided else _NO_CAPTURE), checks:
                 out = self._user_model(*margs, **mkwargs)
             _checks.check_addresses(addresses, _checks.tensor_addresses(self._user_model))
         finally:
@@ -333,7 +337,8 @@ class PoplarExecutor(HardwareOnly):
                 for b, s in zip(weights.dev_buffers, saved):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
-        self._mixed = mixed.cast
+        self._op_modes = tuple(m for m, on in ((MixedFloat, mixed.cast),
+                                               (_group_norm.StridedGroupNorm, strided)) if on)
         self._attributes = _constants.settle(before)
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
@@ -519,11 +524,13 @@ class PoplarExecutor(HardwareOnly):
             buffers = self._weights.swap_in(self._training)
             if frozen is not None:
                 host_attributes = frozen.enter()
-            if self._loss_capture is _NO_CAPTURE and not self._mixed:  # no modes to enter
+            if self._loss_capture is _NO_CAPTURE and not self._op_modes:  # no modes to enter
                 out = self._run_single(leaves, spec) if single else \
                     self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
             else:
-                with self._loss_capture, (MixedFloat() if self._mixed else _NO_CAPTURE):
+                with self._loss_capture, contextlib.ExitStack() as modes:
+                    for mode in self._op_modes:
+                        modes.enter_context(mode())
                     out = self._run_single(leaves, spec) if single else \
                         self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
             if self._training:
