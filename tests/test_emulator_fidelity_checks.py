@@ -137,6 +137,17 @@ def test_overlap_marks_only_model_inputs_and_returned_outputs():
     assert poptorch.inferenceModel(Fn(fine))(x).tolist() == [2.0, 2.0]
 
 
+def test_profiling_warns_that_no_report_is_written(capfd):
+    """python/options.py ``enableProfiling`` sets Poplar's ``autoReport`` engine options, for a
+    PopVision report of the compiled engine; the emulator has none: the model compiles and runs,
+    and the compile says no report is written."""
+    opts = poptorch.Options().enableProfiling("reports")
+    model = poptorch.inferenceModel(Fn(lambda x: x + 1), opts)
+    capfd.readouterr()
+    assert model(torch.zeros(2)).tolist() == [1.0, 1.0]
+    assert "writes no PopVision report" in capfd.readouterr().err
+
+
 # -- what PopTorch accepts -----------------------------------------------------------------------
 
 def test_a_loss_that_depends_on_no_trained_weight_trains_nothing():

@@ -25,6 +25,7 @@ and the IPUs they need (``check_stages``) and ``backward()`` on a model's output
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -310,7 +311,8 @@ def check_addresses(before: tuple[dict, dict], after: tuple[dict, dict]) -> None
 
 
 def check_options(options: Any) -> None:
-    """Options a compile on a host without IPU hardware rejects, and an offline target's."""
+    """Options a compile on a host without IPU hardware rejects, and an offline target's; a
+    warning where profiling is asked for (no Poplar engine, no report)."""
     if options.connection_type == ConnectionType.Never:  # useOfflineIpuTarget
         # PopTorch's createDevice: an offline target is a Poplar device of its own.
         if rules.uses_ipu_model(options):
@@ -320,6 +322,13 @@ def check_options(options: Any) -> None:
         if options.exists("ipu_id"):
             raise Error("Offline compilation targeting a specific id not supported: remove "
                         "Options.useIpuId() when using useOfflineIpuTarget().")
+    engine = options._Popart.options.get("engineOptions", {})
+    if any(k.startswith("autoReport.") for k in engine) or \
+            "autoReport." in os.environ.get("POPLAR_ENGINE_OPTIONS", ""):
+        _logging.logger.warning(
+            "Profiling is on (Options.enableProfiling or Poplar's autoReport engine options), "
+            "but the ipuloop emulator has no Poplar engine to profile and writes no PopVision "
+            "report: use ipuloop.callbacks.ProfileCapture or torch.profiler for a host trace.")
     if options._Popart.options.get("instrumentWithHardwareCycleCounter"):
         raise Error("Cycle count logging is only supported on actual IPU hardware. The ipuloop "
                     "emulator has no cycle counters: set poptorch.Options().logCycleCount(False) "
