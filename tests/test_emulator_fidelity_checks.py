@@ -53,6 +53,8 @@ def test_ops_poptorch_cannot_lower_are_refused_when_compiled(fn, x, message):
     assert counts.tolist() == [1, 1, 1] and one_hot.shape == (3, 3)
 
 
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+                    reason="torch < 2.1 does not show tensor indexing to function modes")
 def test_outputs_whose_shape_depends_on_the_data_are_refused_when_compiled():
     """PopTorch's dispatcher computes every output shape before the data exists, so a boolean
     mask index raises torch's ``DynamicOutputShapeException`` (tests/index_ops_test.py
@@ -149,6 +151,24 @@ def test_profiling_warns_that_no_report_is_written(capfd):
 
 
 # -- what PopTorch accepts -----------------------------------------------------------------------
+
+def test_indexing_a_graph_tensor_gives_a_graph_tensor():
+    """Indexing an input or weight inside ``forward`` (``x[0]``, ``x[:1]``) gives a device
+    tensor that may meet the other device tensors: only host tensors (a legacy constructor, a
+    plain attribute) raise PopTorch's "Expected an IPU tensor" (on torch 2.0, whose function
+    modes do not see basic indexing, too)."""
+
+    class Index(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.full((3,), 2.0))
+
+        def forward(self, x):
+            return x[0] * self.w + x[:1].sum() + self.w[1:].sum()
+
+    x = torch.arange(6.0).reshape(2, 3)
+    assert poptorch.inferenceModel(Index())(x).tolist() == [7.0, 9.0, 11.0]
+
 
 def test_a_loss_that_depends_on_no_trained_weight_trains_nothing():
     """A training model whose loss does not reach any weight that requires grad (an eval-mode

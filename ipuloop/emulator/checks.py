@@ -138,7 +138,15 @@ class TraceChecks(_LossMode):
             self._graph[t] = _NO_LOSSES
 
     def _in_graph(self, t: torch.Tensor) -> bool:
-        return t in self._graph or isinstance(t, torch.nn.Parameter)
+        if t in self._graph or isinstance(t, torch.nn.Parameter):
+            return True
+        # A view of a graph tensor is one: torch < 2.1 does not show basic indexing (x[0],
+        # x[:1]) to function modes, so its output is known by its base alone.
+        base = t._base
+        if base is not None and (base in self._graph or isinstance(base, torch.nn.Parameter)):
+            self._graph[t] = self._graph.get(base, _NO_LOSSES)
+            return True
+        return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

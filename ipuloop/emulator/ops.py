@@ -78,14 +78,15 @@ def _check_size(size: int) -> None:
                     "supported.")
 
 
-def _device_indices(start: torch.Tensor, size: int, length: int) -> torch.Tensor:
-    """The indices a device slice of ``size`` reads or writes from ``start`` along a
-    dimension of ``length``: the start is an unsigned 32-bit offset (PopTorch casts it to
-    UINT32), one beyond the dimension reads from 0, and the slice wraps round the dimension's
-    end (PopLibs' dynamic slice)."""
-    first = start.reshape(-1)[:1].long()
+def _device_indices(start: torch.Tensor, size: int, length: int, step: int = 1
+                    ) -> torch.Tensor:
+    """The indices a device slice of ``size`` (every ``step``-th kept) reads or writes from
+    ``start`` along a dimension of ``length``: the start is an unsigned 32-bit offset (PopTorch
+    casts it to UINT32), one beyond the dimension reads from 0, and the slice wraps round the
+    dimension's end (PopLibs' dynamic slice)."""
+    first = start.reshape(-1).narrow(0, 0, 1).long()
     first = torch.where((first >= 0) & (first < length), first, torch.zeros_like(first))
-    return (first + torch.arange(size, device=start.device)) % length
+    return (first + torch.arange(0, size, step, device=start.device)) % length
 
 
 def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
@@ -119,7 +120,7 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
     if length % size:
         raise Error(f"The size of the slice ({size}) must be a factor of the slicing dimension "
                     f"({length}).")
-    index = _device_indices(start.to(tensor.device), size, length)[::step]
+    index = _device_indices(start.to(tensor.device), size, length, step)
     return tensor.index_select(dim, index)
 
 
