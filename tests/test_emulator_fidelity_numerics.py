@@ -179,6 +179,34 @@ def test_float32_weights_computing_in_float16_scale_from_the_float16_cast_gradie
     assert model.w.dtype == torch.float32
 
 
+@NEEDS_CPU_HALF_BACKWARD
+def test_float16_weights_computing_in_float32_scale_from_their_gradients():
+    """tests/options_test.py ``test_automatic_loss_scaling``: a ``model.half()`` fed float32
+    inputs computes in float32 (the weights cast to the input's type), and the float16
+    gradient of each weight (the cast's gradient, which PopART tracks) drives the loss scale:
+    c = 100 crosses the bin edge at loss scale 128 as in the Dot model."""
+
+    class Float32Dot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 1))
+
+        def forward(self, c):
+            return poptorch.identity_loss((c @ self.w).sum(), reduction="sum")
+
+    model = Float32Dot().half()
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
+    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0,
+                                                                   loss_scaling=64.0))
+    finals = []
+    for _ in range(3):
+        out = train(torch.full((1, 4), 100.0))
+        finals.append(float(train.getAnchoredTensor("final")))
+    assert out.dtype == torch.float32 and finals == [64.0, 128.0, 64.0]
+
+
 def test_automatic_loss_scaling_needs_float16_gradients():
     """transforms/automaticlossscaling.cpp ``getToTrackTensorsAuto``: "No tracked gradient
     tensors of type fp16 were found" at compile for a float32 model; out of range settings

@@ -120,7 +120,7 @@ class TraceChecks(_LossMode):
         self.training = training
         self.losses: list[torch.Tensor] = []  # in creation order
         self.updated: list[str] = []  # names of parameters and buffers written in place
-        self.half_grads = False  # an op made a float16 tensor that requires grad
+        self.half_grads = False  # an op used or made a float16 tensor that requires grad
         self._multiconv: int | None = None  # convolutions in the open MultiConv scope
         # the model's input tensors (id -> position), those an op used, and what
         # set_overlap_for_output marked
@@ -181,9 +181,9 @@ class TraceChecks(_LossMode):
                 self.losses.append(out)
             for t in outputs:
                 self._graph[t] = losses
-            if not self.half_grads:  # its gradient will be float16 (automatic loss scaling)
+            if not self.half_grads:  # a float16 tensor the backward computes a gradient for
                 self.half_grads = any(t.dtype == torch.float16 and t.requires_grad
-                                      for t in outputs)
+                                      for t in (*inputs, *outputs))
         return out
 
     def multiconv(self, begin: bool) -> None:

@@ -66,7 +66,8 @@ def settings(options: Any) -> dict[str, float] | None:
 
 def check_float16_gradients(found: bool) -> None:
     """PopART's compile-time refusal of a model whose backward has no float16 gradient
-    (``found``: the trace saw a float16 tensor that requires grad)."""
+    (``found``: an op of the trace used or made a float16 tensor that requires grad, a float16
+    weight cast to float32 included)."""
     if not found:
         raise Error("[AutomaticLossScale transform] No tracked gradient tensors of type fp16 "
                     "were found. Training.setAutomaticLossScaling(True) adjusts the loss scale "
