@@ -69,11 +69,12 @@ def test_ipu_print_tensor_prints_value_and_gradient_only_when_the_device_runs(ca
     model = Printer()
     x, y = torch.tensor([1.0]), torch.tensor([0.0])
     model(x, y)  # host execution: an identity, prints nothing
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
     training = poptorch.trainingModel(model)
     training(x, y)  # compile-time trace prints nothing; the run prints value and gradient
-    lines = capsys.readouterr().out.splitlines()
-    assert lines == ["scaled: tensor([2.])", "scaled_gradient: tensor([6.])"]  # d/da (a+1)^2
+    # on stderr, in Poplar's default format: 4 digits, ", " between elements, ( and )
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("scaled")]
+    assert lines == ["scaled: (2.000)", "scaled_gradient: (6.000)"]  # d/da (a+1)^2
 
 
 def test_ipu_print_tensor_needs_a_tensor():
@@ -148,8 +149,6 @@ def test_cpu_op_multiconv_and_name_scope_run_their_body():
 @pytest.mark.parametrize("call, words", [
     (lambda: poptorch.custom_op([torch.ones(1)], "Cube", "com.acme", 1, [torch.ones(1)]),
      r"^poptorch.custom_op\('Cube'\) runs a PopART custom op"),
-    (lambda: poptorch.ctc_beam_search_decoder(torch.ones(2, 1, 3), torch.ones(1)),
-     "^poptorch.ctc_beam_search_decoder is a PopLibs op"),
     (lambda: poptorch.load("model.popef"), r"^poptorch.load\('model.popef'\) needs a Poplar"),
 ])
 def test_what_needs_ipu_binaries_is_refused_with_a_reason(call, words):

@@ -91,8 +91,12 @@ def test_update_period_and_bin_edge_location():
 @NEEDS_CPU_HALF_BACKWARD
 def test_final_loss_scale_is_clipped_at_2_pow_15():
     """popx/op/lossscaleupdatex.cpp ``clipOutput``: the factor stays at most 2**15 /
-    loss_scaling, so the final loss scale fits float16."""
-    finals, factor, _, _ = _als_run(torch.full((2,), 1e-3), 4, 2.0 ** 13)
+    loss_scaling, so the final loss scale fits float16. (The gradient of the sum below the
+    loss equals the loss scale and is counted too: binEdgeLocation 1 keeps 2**15 below the
+    edge.)"""
+    opts = poptorch.Options()
+    opts._Popart.set("automaticLossScalingSettings.binEdgeLocation", 1.0)
+    finals, factor, _, _ = _als_run(torch.full((2,), 1e-3), 4, 2.0 ** 13, opts)
     assert finals == [2.0 ** 13, 2.0 ** 14, 2.0 ** 15, 2.0 ** 15]
     assert factor == 4.0
 
@@ -139,6 +143,68 @@ def test_gradient_accumulation_counts_micro_batch_gradients():
     finals, factor, _, _ = _als_run(c, 3, 64.0, opts)
     assert finals == [64.0, 128.0, 64.0]  # as with GA = 1: 6400 < EDGE < 12800
     assert factor == 2.0
+
+
+class MixedDot(nn.Module):
+    """float32 master weights computing in float16: loss = sum(c @ w) with c float16, so the
+    matmul runs in float16 on a float16 cast of w (the emulator's MixedFloat, as PopTorch
+    computes an op in its first operand's type); d loss / d w16 = c (times the loss scale)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n, 1))
+
+    def forward(self, c):
+        return poptorch.identity_loss((c @ self.w).sum(), reduction="sum")
+
+
+@NEEDS_CPU_HALF_BACKWARD
+def test_float32_weights_computing_in_float16_scale_from_the_float16_cast_gradients():
+    """transforms/automaticlossscaling.cpp ``getToTrackTensorsAuto`` (PopART 3.4's default
+    ``AllNonViewChangingGradientTensors``): the float16 gradients of the backward pass are
+    counted whatever the weights' dtype, so float32 master weights used in float16 (the
+    Loop's "16-mixed") train with automatic loss scaling; the gradient of the float16 cast
+    of w (c * loss scale) crosses the bin edge as the Dot model's does."""
+    model = MixedDot(4)
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
+    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0,
+                                                                   loss_scaling=64.0))
+    finals = []
+    for _ in range(4):
+        train(torch.full((1, 4), 100.0).half())
+        finals.append(float(train.getAnchoredTensor("final")))
+    assert finals == [64.0, 128.0, 64.0, 128.0]  # 100 * 64 < EDGE < 100 * 128
+    assert model.w.dtype == torch.float32
+
+
+@NEEDS_CPU_HALF_BACKWARD
+def test_float16_weights_computing_in_float32_scale_from_their_gradients():
+    """tests/options_test.py ``test_automatic_loss_scaling``: a ``model.half()`` fed float32
+    inputs computes in float32 (the weights cast to the input's type), and the float16
+    gradient of each weight (the cast's gradient, which PopART tracks) drives the loss scale:
+    c = 100 crosses the bin edge at loss scale 128 as in the Dot model."""
+
+    class Float32Dot(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 1))
+
+        def forward(self, c):
+            return poptorch.identity_loss((c @ self.w).sum(), reduction="sum")
+
+    model = Float32Dot().half()
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
+    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0,
+                                                                   loss_scaling=64.0))
+    finals = []
+    for _ in range(3):
+        out = train(torch.full((1, 4), 100.0))
+        finals.append(float(train.getAnchoredTensor("final")))
+    assert out.dtype == torch.float32 and finals == [64.0, 128.0, 64.0]
 
 
 def test_automatic_loss_scaling_needs_float16_gradients():
@@ -214,3 +280,44 @@ def test_stochastic_rounding_keeps_tiny_float16_updates():
     assert abs(float(w.mean()) - expected) < 5 * sd
     assert torch.equal(w, _tiny_updates(steps, 0, stochastic=True))  # the seed fixes it
     assert not torch.equal(w, _tiny_updates(steps, 1, stochastic=True))
+
+
+# -- PopART options that change an op's math -----------------------------------------------------
+
+def test_strided_channel_grouping_of_group_norms():
+    """PopLibs popnn/GroupNorm.hpp (``groupNormStridedChannelGrouping``, which PopART passes on
+    from its session option, popx/op/groupnormx.cpp): group g holds channels g, g + G, ...;
+    without the option, torch's contiguous groups. Reference: each strided group normalised by
+    hand, then the per-channel affine; gradients reach the affine weights."""
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, 4)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    x = torch.randn(3, 4, 5)
+    expected = torch.empty_like(x)
+    for group in ([0, 2], [1, 3]):
+        part = x[:, group]
+        mean = part.mean(dim=(1, 2), keepdim=True)
+        var = part.var(dim=(1, 2), unbiased=False, keepdim=True)
+        expected[:, group] = (part - mean) / torch.sqrt(var + norm.eps)
+    expected = expected * norm.weight.detach()[None, :, None] + norm.bias.detach()[None, :, None]
+    opts = poptorch.Options()
+    opts._Popart.set("groupNormStridedChannelGrouping", True)
+    out = poptorch.inferenceModel(norm, opts)(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(poptorch.inferenceModel(norm)(x), norm(x))  # option off: torch's
+
+    class Trained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.GroupNorm(2, 4)
+
+        def forward(self, x):
+            return poptorch.identity_loss((self.norm(x) * torch.arange(4.0)[:, None]).sum(),
+                                          reduction="none")
+
+    model = Trained()
+    train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=1.0))
+    train(x)
+    # d loss / d bias_c = (number of elements in channel c) * c: the affine is per channel
+    assert torch.allclose(model.norm.bias.detach(), -torch.arange(4.0) * 15)

@@ -245,13 +245,14 @@ def test_inference_options_drop_training_only_settings():
     """``_TrainingOptions``: "You must not set these options for inference models"
     (``options.py``); PopART refuses automatic loss scaling for a session that does not train,
     and an inference graph has no gradients or updated weights to anchor. (Automatic loss
-    scaling needs float16 gradients: the loop trains in "16-true".)"""
+    scaling needs float16 gradients: the loop trains in "16-mixed", float32 weights computing
+    in float16.)"""
     opts = poptorch.Options()
     opts.Training.setAutomaticLossScaling(True)
     with pytest.raises(poptorch.Error, match="Automatic loss scaling is a training setting"):
         poptorch.inferenceModel(Net(), opts.clone())
     opts.anchorTensor("grad", "Gradient___net.0.weight")
-    loop = make_loop(opts=opts, precision="16-true")
+    loop = make_loop(opts=opts, precision="16-mixed")
     hist = loop.fit(DataLoader(data(), batch_size=4), val_loader=DataLoader(data(8), batch_size=4))
     assert "val_loss" in hist[-1]
     assert loop.train_model.getAnchoredTensor("grad").shape == (8, IN)

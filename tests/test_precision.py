@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ipuloop import Loop, poptorch
+from ipuloop import IPUConfig, Loop, poptorch
+from ipuloop.callbacks import Callback
 
 # torch 2.0's CPU has no float16 kernels for many backward and optimizer ops
 # ("mse_backward_cpu_out" not implemented for 'Half'): the emulator computes float16 forward
@@ -49,6 +50,32 @@ def test_mixed_and_pure_16_bit_train_close_to_32_bit():
     assert all(p.dtype == torch.float16 for p in half.parameters())  # pure: stays 16-bit
     logits = loop.predict(DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2))
     assert logits.shape == (8, 2)
+
+
+@NEEDS_CPU_HALF_BACKWARD
+def test_automatic_loss_scaling_with_mixed_precision():
+    """``IPUConfig(auto_loss_scaling=True)`` under "16-mixed": float32 weights computing in
+    float16 have float16 gradients, which PopART 3.4's automatic loss scaling counts (its
+    default tracks every float16 gradient of the backward pass), so the loss scale adjusts
+    each step and training ends as the 32-bit run does."""
+    _, _, h32 = fit("32")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    factors = []
+
+    class Factor(Callback):
+        def on_train_step_end(self, loop):  # the device optimizer's state, read by PopTorch
+            factors.append(float(opt.state_dict()["ipu_state"]["lossScaleUpdateFactor"]))
+
+    loop = Loop(model, IPUConfig(device_iterations=4, auto_loss_scaling=True),
+                loss_fn=nn.CrossEntropyLoss(), optimizer=opt, precision="16-mixed",
+                callbacks=[Factor()], progress=False)
+    hist = loop.fit(task(), epochs=5)
+    assert abs(hist[-1]["train_loss"] - h32[-1]["train_loss"]) < 0.05
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert factors[0] > 1.0  # small gradients: the loss scale rose from the optimizer's 1
+    assert len(set(factors)) > 1
 
 
 def test_mixed_precision_really_runs_in_16_bit():

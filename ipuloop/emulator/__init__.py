@@ -11,8 +11,9 @@ import torch
 from . import _pytree as pytree
 
 from . import _logging
-from ._logging import logger
 from . import checks as _checks
+from . import ctc as _ctc
+from ._logging import logger
 from . import optim
 from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
                      PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
@@ -27,6 +28,7 @@ from . import poptorch_core
 from .poptorch_core import RecoverableError, UnrecoverableError
 from .executor import (PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu,
                        registerPostCompileHook, registerPreCompileHook, trainingModel)
+from .ops import cond, dynamic_slice, dynamic_update, for_loop, ipu_print_tensor
 from .options import Options, TensorLocationSettings
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
@@ -40,7 +42,8 @@ __all__ = [
     "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
     "RecoverableError", "ReductionType", "UnrecoverableError", "logger", "poptorch_core",
     "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
-    "TensorLocationSettings", "VariableRetrievalMode", "ctc_beam_search_decoder", "custom_op",
+    "TensorLocationSettings", "VariableRetrievalMode", "cond", "ctc_beam_search_decoder",
+    "custom_op",
     "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
     "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
     "module_repr", "nop", "optim", "recomputationCheckpoint", "registerCustomArgParser",
@@ -107,26 +110,15 @@ def set_available_memory(tensor, available_memory_proportion: float):
     return tensor
 
 
-def ipu_print_tensor(tensor: torch.Tensor, title: str = "") -> torch.Tensor:
-    """Identity that prints ``tensor`` each time the device runs it, and its gradient
-    (titled ``<title>_gradient``) in the backward pass. Use the returned tensor."""
-    _check_tensor(tensor, "ipu print tensor")
-    if not isRunningOnIpu() or Block._trace is not None:
-        return tensor  # host (CPU) execution, or the compile-time trace: nothing runs on device
-    print(f"{title or 'tensor'}: {tensor.detach()}", flush=True)
-    out = tensor.view_as(tensor)  # its own autograd node: the hook sees this op's gradient only
-    if out.requires_grad:
-        out.register_hook(lambda g: print(f"{title or 'tensor'}_gradient: {g}", flush=True))
-    return out
-
-
 def _check_overlap(tensors: Any, mode: OverlapMode, what: str) -> Any:
     assert isinstance(mode, OverlapMode), (
         f"mode must be a poptorch.OverlapMode. Received: mode={mode!r}.")
-    for leaf in pytree.tree_leaves(tensors):
+    leaves = pytree.tree_leaves(tensors)
+    for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise Error(f"You may only set overlap for torch.tensor {what}. "
                         f"{type(leaf)} is not supported.")
+    _checks.note_overlap(leaves, what)  # a model input / output (checked when compiled)
     return tensors
 
 
@@ -148,57 +140,6 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializa
     assert isinstance(mode, MatMulSerializationMode), (
         f"mode must be a poptorch.MatMulSerializationMode. Received: mode={mode!r}.")
     return torch.matmul(lhs, rhs)
-
-
-def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
-                  step: int) -> torch.Tensor:
-    """``tensor`` sliced along ``dim`` from ``start`` (a tensor) to ``start + size`` by ``step``."""
-    _check_tensor(tensor, "dynamic_slice")
-    if not isinstance(dim, int):
-        raise Error("Dimension must be an integer.")
-    if not isinstance(start, torch.Tensor):
-        raise Error("Slice start argument to dynamic_slice must be a torch.tensor. "
-                    f"{type(start)} is not supported.")
-    if not isinstance(size, int):
-        raise Error("Size must be an integer.")
-    if not isinstance(step, int):
-        raise Error("Step must be an integer.")
-    index = start.reshape(()).long() + torch.arange(0, size, step, device=tensor.device)
-    return tensor.index_select(dim, index)
-
-
-def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,
-                   size: int) -> torch.Tensor:
-    """A copy of ``input`` with ``src`` written along ``dim`` at ``start`` (a tensor)."""
-    _check_tensor(input, "dynamic_update")
-    _check_tensor(src, "dynamic_update")
-    if not isinstance(start, torch.Tensor):
-        raise Error("Slice start argument to dynamic_update must be a torch.tensor. "
-                    f"{type(start)} is not supported.")
-    index = start.reshape(()).long() + torch.arange(size, device=input.device)
-    return input.index_copy(dim, index, src)
-
-
-def for_loop(count: int, body: Callable[..., Any], inputs: list[torch.Tensor]
-             ) -> list[torch.Tensor]:
-    """Run ``body`` ``count`` times, each iteration's outputs being the next one's inputs
-    (inference models only, as in PopTorch)."""
-    _checks.note_for_loop()
-    if not isinstance(inputs, list):
-        raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
-                         f"tensors. (Object is not list) Received: {type(inputs).__name__}.")
-    for i, t in enumerate(inputs):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
-                             f"tensors. (Object contained in list at index {i} is not "
-                             "torch.tensor)")
-    outputs = [t.clone() for t in inputs]  # the body gets its inputs by value
-    for _ in range(count):
-        outputs = body(*outputs)
-        if not isinstance(outputs, (list, tuple)):
-            outputs = [outputs]
-        outputs = list(outputs)
-    return outputs
 
 
 class CPU:
@@ -253,9 +194,12 @@ class MultiConv:
         return self._record("cycle_back_off", value)
 
     def __enter__(self) -> MultiConv:
+        _checks.note_multiconv(begin=True)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is None:  # a scope that raised reports its own error
+            _checks.note_multiconv(begin=False)
         return None
 
 
@@ -283,9 +227,11 @@ def custom_op(inputs: tuple, name: str, domain: str, domain_version: int,
 
 def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0,
                             beam_width: int = 100, top_paths: int = 1) -> list[torch.Tensor]:
-    """Not available on the emulator (a PopLibs op with no torch equivalent)."""
-    raise Error("poptorch.ctc_beam_search_decoder is a PopLibs op the ipuloop emulator does not "
-                "implement: decode on the host (e.g. torchaudio) for emulated runs.")
+    """The ``top_paths`` most likely CTC labellings of the log probabilities ``probs``
+    ([input_length, batch_size, num_classes]): their log probabilities, lengths and labels
+    (``ctc.py``); outside a wrapped model, PopTorch's CPU kernel (zeros of those shapes)."""
+    return _ctc.ctc_beam_search_decoder(probs, lengths, blank, beam_width, top_paths,
+                                        on_device=isRunningOnIpu())
 
 
 def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:

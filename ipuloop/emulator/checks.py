@@ -13,7 +13,9 @@ the data flow as PopTorch's graph does, to
   nothing (factory functions). Ops on CPU tensors alone run on the host, as in PopTorch;
 * see parameters and buffers written in place (``updated``), which replicas broadcasting their
   buffers cannot have (``check_replicated_updates``);
-* reject ``poptorch.for_loop`` in a training model.
+* reject ``poptorch.for_loop`` and ``poptorch.cond`` in a training model, the ops PopTorch
+  cannot compile (``unsupported``), a ``MultiConv`` nested or without a convolution, and
+  ``set_overlap_for_input`` / ``set_overlap_for_output`` on what is not a model input / output.
 
 It also holds the other checks of a compiled model: buffers and parameters removed or
 reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_options``),
@@ -23,6 +25,7 @@ and the IPUs they need (``check_stages``) and ``backward()`` on a model's output
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -34,12 +37,14 @@ from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
+from . import unsupported as _unsupported
 from .enums import ConnectionType
 from .errors import Error
 
 __all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
            "check_stages", "check_updatable_buffers",
-           "forbid_backward", "note_for_loop", "note_identity_loss", "tensor_addresses"]
+           "forbid_backward", "note_inference_only", "note_identity_loss", "note_multiconv",
+           "note_overlap", "tensor_addresses"]
 
 _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
@@ -48,6 +53,9 @@ _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
     "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
     "triplet_margin_with_distance_loss") if hasattr(F, name))
+
+_CONVOLUTIONS = frozenset(getattr(F, name) for name in (
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"))
 
 _NO_LOSSES: frozenset[int] = frozenset()
 _active: _LossMode | None = None
@@ -112,6 +120,13 @@ class TraceChecks(_LossMode):
         self.training = training
         self.losses: list[torch.Tensor] = []  # in creation order
         self.updated: list[str] = []  # names of parameters and buffers written in place
+        self.half_grads = False  # an op used or made a float16 tensor that requires grad
+        self._multiconv: int | None = None  # convolutions in the open MultiConv scope
+        # the model's input tensors (id -> position), those an op used, and what
+        # set_overlap_for_output marked
+        self._inputs = {id(t): i for i, t in enumerate(_tensors(inputs))}
+        self._used_inputs: set[int] = set()
+        self._overlap_outputs: list[torch.Tensor] = []
         self._graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> losses it uses
         named = [nt for model in models
                  for nt in [*model.named_parameters(), *model.named_buffers()]]
@@ -123,7 +138,15 @@ class TraceChecks(_LossMode):
             self._graph[t] = _NO_LOSSES
 
     def _in_graph(self, t: torch.Tensor) -> bool:
-        return t in self._graph or isinstance(t, torch.nn.Parameter)
+        if t in self._graph or isinstance(t, torch.nn.Parameter):
+            return True
+        # A view of a graph tensor is one: torch < 2.1 does not show basic indexing (x[0],
+        # x[:1]) to function modes, so its output is known by its base alone.
+        base = t._base
+        if base is not None and (base in self._graph or isinstance(base, torch.nn.Parameter)):
+            self._graph[t] = self._graph.get(base, _NO_LOSSES)
+            return True
+        return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,6 +161,13 @@ class TraceChecks(_LossMode):
                         "a legacy constructor (torch.LongTensor([...])), from numpy, or kept as "
                         "a plain module attribute stays on the host: make it with torch.tensor("
                         "...) or register it as a buffer.")
+        if all(in_graph):
+            _unsupported.check(func, args, kwargs)
+            if self._multiconv is not None and func in _CONVOLUTIONS:
+                self._multiconv += 1
+        for t in inputs:
+            if id(t) in self._inputs:
+                self._used_inputs.add(id(t))
         watched = [(t, t._version) for t in inputs if id(t) in self._names]
         out = func(*args, **kwargs)
         for t, version in watched:
@@ -151,7 +181,47 @@ class TraceChecks(_LossMode):
                 self.losses.append(out)
             for t in outputs:
                 self._graph[t] = losses
+            if not self.half_grads:  # a float16 tensor the backward computes a gradient for
+                self.half_grads = any(t.dtype == torch.float16 and t.requires_grad
+                                      for t in (*inputs, *outputs))
         return out
+
+    def multiconv(self, begin: bool) -> None:
+        """A ``MultiConv`` scope begins or ends (PopartLateCanonicalization.cpp)."""
+        if begin:
+            if self._multiconv is not None:
+                raise Error("Nested poptorch.MultiConv is not supported.")
+            self._multiconv = 0
+            return
+        if not self._multiconv:  # none open, or no convolution inside
+            raise Error("Unexpected end_multi_conv, is the IR malformed?")
+        self._multiconv = None
+
+    def overlap(self, tensors: list[torch.Tensor], what: str) -> None:
+        """``set_overlap_for_input`` / ``_output`` marks ``tensors`` (OverlappedIO.cpp)."""
+        if what == "outputs":
+            self._overlap_outputs.extend(tensors)
+            return
+        for t in tensors:
+            position = self._inputs.get(id(t))
+            if position is None:
+                raise Error("poptorch.set_overlap_for_input applied on a node which is not a "
+                            "tensor input to the model.")
+            if id(t) in self._used_inputs:
+                raise Error("poptorch.set_overlap_for_input must be the only op applied to an "
+                            f"input. This is not the case for input {position} to the model.")
+
+    def check_overlap_outputs(self, outputs: list[Any]) -> None:
+        """Each tensor ``set_overlap_for_output`` marked is returned, once."""
+        for t in self._overlap_outputs:
+            returned = sum(o is t for o in outputs)
+            if returned == 0:
+                raise Error("poptorch.set_overlap_for_output applied on a node which is not a "
+                            "tensor output to the model.")
+            if returned > 1:
+                raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that "
+                            "is returned twice. Please check all returned tensors including "
+                            "those nested in tuples/lists.")
 
     def note_loss(self, t: torch.Tensor) -> None:
         """``t`` is an ``identity_loss``: a loss of the graph."""
@@ -193,12 +263,23 @@ def note_identity_loss(t: torch.Tensor) -> None:
         _active.note_loss(t)
 
 
-def note_for_loop() -> None:
-    """Called by ``for_loop``: PopTorch compiles it for inference graphs only."""
+def note_multiconv(begin: bool) -> None:
+    """Called by ``MultiConv``'s ``__enter__`` (``begin``) and ``__exit__``."""
+    if isinstance(_active, TraceChecks):
+        _active.multiconv(begin)
+
+
+def note_overlap(tensors: list[torch.Tensor], what: str) -> None:
+    """Called by ``set_overlap_for_input`` (``what`` "inputs") and ``_output`` ("outputs")."""
+    if isinstance(_active, TraceChecks):
+        _active.overlap(tensors, what)
+
+
+def note_inference_only(op: str, fix: str) -> None:
+    """Called by ``for_loop`` and ``cond``: PopTorch compiles them for inference graphs only
+    (``op`` names it, ``fix`` says what to do instead)."""
     if isinstance(_active, TraceChecks) and _active.training:
-        raise Error("poptorch.for_loop() is only supported in inference. Use it in a model "
-                    "wrapped by poptorch.inferenceModel, or unroll the loop in Python for a "
-                    "trainingModel.")
+        raise Error(f"{op} is only supported in inference. {fix}")
 
 
 def check_replicated_updates(checks: TraceChecks, options: Any) -> None:
@@ -238,7 +319,8 @@ def check_addresses(before: tuple[dict, dict], after: tuple[dict, dict]) -> None
 
 
 def check_options(options: Any) -> None:
-    """Options a compile on a host without IPU hardware rejects, and an offline target's."""
+    """Options a compile on a host without IPU hardware rejects, and an offline target's; a
+    warning where profiling is asked for (no Poplar engine, no report)."""
     if options.connection_type == ConnectionType.Never:  # useOfflineIpuTarget
         # PopTorch's createDevice: an offline target is a Poplar device of its own.
         if rules.uses_ipu_model(options):
@@ -248,6 +330,13 @@ def check_options(options: Any) -> None:
         if options.exists("ipu_id"):
             raise Error("Offline compilation targeting a specific id not supported: remove "
                         "Options.useIpuId() when using useOfflineIpuTarget().")
+    engine = options._Popart.options.get("engineOptions", {})
+    if any(k.startswith("autoReport.") for k in engine) or \
+            "autoReport." in os.environ.get("POPLAR_ENGINE_OPTIONS", ""):
+        _logging.logger.warning(
+            "Profiling is on (Options.enableProfiling or Poplar's autoReport engine options), "
+            "but the ipuloop emulator has no Poplar engine to profile and writes no PopVision "
+            "report: use ipuloop.callbacks.ProfileCapture or torch.profiler for a host trace.")
     if options._Popart.options.get("instrumentWithHardwareCycleCounter"):
         raise Error("Cycle count logging is only supported on actual IPU hardware. The ipuloop "
                     "emulator has no cycle counters: set poptorch.Options().logCycleCount(False) "

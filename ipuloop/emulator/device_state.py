@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceWeights", "wrapped_class", "device_dtype", "emulator_device", "swap_rng"]
+__all__ = ["DeviceWeights", "wrapped_class", "device_dtype", "emulator_device", "rng_state",
+           "swap_rng"]
 
 
 def emulator_device() -> torch.device:
@@ -28,6 +29,13 @@ def emulator_device() -> torch.device:
         raise RuntimeError(f"IPULOOP_EMULATOR_DEVICE={name!r} asks for CUDA, but torch sees no CUDA "
                            "device. Unset it to emulate on the CPU.")
     return device
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator the device's random ops use."""
+    if device.type != "cpu":
+        return torch.cuda.get_rng_state(device)
+    return torch.default_generator.get_state()
 
 
 def swap_rng(state: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -38,7 +38,9 @@ from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
 from . import constants as _constants
+from . import group_norm as _group_norm
 from . import inputs as _inputs
+from . import loss_scaling as _loss_scaling
 from . import options as _options_mod
 from . import replica_groups as _replica_groups
 from .anchors import Anchors
@@ -109,7 +111,9 @@ class PoplarExecutor(HardwareOnly):
         self._compile_time = 0.0
         self._rng_state: torch.Tensor | None = None
         self._draws_random = True  # False once a trace drew no random numbers (``_trace``)
-        self._mixed = False  # an op mixed float16 and float32 in the trace: ``MixedFloat``
+        # the function modes each call's ops run in (``_trace``): ``MixedFloat`` if an op mixed
+        # float16 and float32 in the trace, ``StridedGroupNorm`` if the options ask for it
+        self._op_modes: tuple = ()
         self._ready: list | None = None  # see ``_compile`` and ``inputs.as_ready``
         self._loss_capture: Any = _NO_CAPTURE  # see ``_trace``
         self._attributes: _constants.Constants | None = None  # plain attributes calls freeze
@@ -309,6 +313,7 @@ class PoplarExecutor(HardwareOnly):
         # float16 and float32 operands in one op run as on an IPU; calls pay for it only if
         # the trace needed it (``__call__``).
         mixed = MixedFloat()
+        strided = _group_norm.strided(self._options)
         # forward's Python runs once on an IPU: what the trace changes stays changed on the
         # host, and each call sees the attributes as the trace found them (``constants``).
         before = _constants.capture(self._user_model,
@@ -321,7 +326,7 @@ class PoplarExecutor(HardwareOnly):
             addresses = _checks.tensor_addresses(self._user_model)
             _running_on_ipu = True
             with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    mixed, checks:
+                    mixed, (_group_norm.StridedGroupNorm() if strided else _NO_CAPTURE), checks:
                 out = self._user_model(*margs, **mkwargs)
             _checks.check_addresses(addresses, _checks.tensor_addresses(self._user_model))
         finally:
@@ -332,19 +337,23 @@ class PoplarExecutor(HardwareOnly):
                 for b, s in zip(weights.dev_buffers, saved):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
-        self._mixed = mixed.cast
+        self._op_modes = tuple(m for m, on in ((MixedFloat, mixed.cast),
+                                               (_group_norm.StridedGroupNorm, strided)) if on)
         self._attributes = _constants.settle(before)
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
         self._draws_random = not torch.equal(traced_rng, rng)
         _anchors.register_mappings(out)  # any dict of the outputs, as PopTorch takes dicts
         out_leaves, self._out_spec = _anchors.out_leaves(out)
+        checks.check_overlap_outputs(out_leaves)
         self._tensor_out = [isinstance(t, torch.Tensor) for t in out_leaves]
         if self._training:
             self._loss_index, nth = checks.find_loss(out_leaves)
             # A final loss the outputs only use is taken from each forward as it runs.
             self._loss_capture = _NO_CAPTURE if self._loss_index is not None else \
                 _checks.LossCapture(nth)
+            if _loss_scaling.settings(self._options) is not None:
+                _loss_scaling.check_float16_gradients(checks.half_grads)
         _checks.check_replicated_updates(checks, self._options)
         self.num_ipus = _checks.check_stages(trace, self._options, self._training, di, ga, rf)
         if self._anchors is not None:
@@ -413,9 +422,12 @@ class PoplarExecutor(HardwareOnly):
 
     # -- weights -----------------------------------------------------------------------------
     def copyWeightsToDevice(self) -> None:
-        """Push the host module's weights (and buffers, to every replica) to the device."""
+        """Push the host module's weights (and buffers, to every replica) to the device: the
+        host's as they are, stale after training included (PopTorch clears its dirty flag
+        first, so reading them does not sync the trained weights back)."""
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)
+        self._host_dirty = False
         self._weights.to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
@@ -513,11 +525,13 @@ class PoplarExecutor(HardwareOnly):
             buffers = self._weights.swap_in(self._training)
             if frozen is not None:
                 host_attributes = frozen.enter()
-            if self._loss_capture is _NO_CAPTURE and not self._mixed:  # no modes to enter
+            if self._loss_capture is _NO_CAPTURE and not self._op_modes:  # no modes to enter
                 out = self._run_single(leaves, spec) if single else \
                     self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
             else:
-                with self._loss_capture, (MixedFloat() if self._mixed else _NO_CAPTURE):
+                with self._loss_capture, contextlib.ExitStack() as modes:
+                    for mode in self._op_modes:
+                        modes.enter_context(mode())
                     out = self._run_single(leaves, spec) if single else \
                         self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
             if self._training:
@@ -605,9 +619,13 @@ class PoplarExecutor(HardwareOnly):
 
     def _backward(self, outs: list, scale: float) -> None:
         """Backward of one micro-batch's loss (an output leaf, or taken by ``_loss_capture``
-        when the outputs only use it), scaled by ``scale``."""
+        when the outputs only use it), scaled by ``scale``; none where the loss depends on no
+        weight that requires grad."""
         index = self._loss_index
         loss = outs[index] if index is not None else self._loss_capture.take()
+        als = self._opt.als
+        if als is not None:  # automatic loss scaling counts this backward's float16 gradients
+            als.track(loss)
         if loss.dim():
             loss = loss.sum()  # identity_loss(reduction="none")
         if scale != 1.0:
@@ -617,8 +635,10 @@ class PoplarExecutor(HardwareOnly):
             # seeds it (a fresh seed: autograd may keep it as a gradient and add to it)
             _run_backward((loss,), (torch.ones_like(loss),), False, False, (),
                           allow_unreachable=True, accumulate_grad=True)
-        else:
+        elif loss.requires_grad:
             loss.backward()
+        # else the loss depends on no trained weight (frozen, or not used): as on an IPU, the
+        # step has no gradients and leaves the weights as they are
 
     def _run_single(self, leaves: list, spec: Any) -> Any:
         """``_run`` for DI = GA = RF = 1, with its loops unrolled: the host batch is the one

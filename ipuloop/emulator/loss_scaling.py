@@ -2,8 +2,8 @@
 
 The loss scale a step uses is ``finalLossScale = loss_scaling * lossScaleUpdateFactor``: the
 optimizer's ``loss_scaling`` times a factor that starts at 1. Each micro-batch's float16
-gradients are counted in a two-bin histogram of their absolute values, split at the bin edge
-``65504 * binEdgeLocation`` (the float16 maximum times the location, 0.125 by default).
+gradient tensors are counted in a two-bin histogram of their absolute values, split at the bin
+edge ``65504 * binEdgeLocation`` (the float16 maximum times the location, 0.125 by default).
 After the step's update, with ``u`` the upper count and ``l`` the lower one, summed over the
 step's micro-batches (and replicas), and ``t = thresholdUpperCountProportion`` (1e-7):
 
@@ -16,8 +16,14 @@ counts) and holds in between. A non-finite gradient counts in the upper bin. Ste
 skipped: as on an IPU, a step whose gradients overflowed still updates the weights.
 
 The settings are PopART's, set as ``opts._Popart.set("automaticLossScalingSettings.NAME",
-value)``. The counted gradients are the float16 parameters' (PopART also counts the float16
-gradients between ops, which move with them); a model without float16 parameters is refused.
+value)``. The counted tensors are PopART 3.4's default choice
+(``GradientTensorTrackingMethod::AllNonViewChangingGradientTensors``): every float16 gradient
+the backward pass computes below the loss, whatever the parameters' dtype (float16 weights, or
+float32 master weights whose float16 casts feed float16 ops), except the outputs of view
+changes (reshapes, transposes, squeezes) and of the loss's own gradient op (PopART leaves out
+ops reading the loss scale); float32 gradients are not counted. PopART also leaves out a
+gradient op that reads a weight directly (a float16 weight's data gradient): the emulator
+counts those too. A model with no float16 gradient is refused at compile, with PopART's error.
 """
 from __future__ import annotations
 
@@ -28,12 +34,16 @@ import torch
 
 from .errors import Error
 
-__all__ = ["AutoLossScale", "settings"]
+__all__ = ["AutoLossScale", "check_float16_gradients", "settings"]
 
 _PREFIX = "automaticLossScalingSettings."
 _DEFAULTS = {"binEdgeLocation": 0.125, "thresholdUpperCountProportion": 1e-7, "updatePeriod": 1}
 _FP16_MAX = 65504.0
 _MAX_SCALE = 2.0 ** 15  # the largest power of two float16 holds: PopART's clip
+# Backward ops that only change a view (PopART's isInplaceViewChange/isOutplaceViewChange):
+# their gradients are not counted. Keyed by the autograd node's name without "Backward<n>".
+_VIEW_CHANGES = frozenset({"View", "UnsafeView", "Reshape", "ReshapeAlias", "T", "Transpose",
+                           "Permute", "Squeeze", "Unsqueeze", "Alias"})
 
 
 def settings(options: Any) -> dict[str, float] | None:
@@ -54,11 +64,24 @@ def settings(options: Any) -> dict[str, float] | None:
     return values
 
 
+def check_float16_gradients(found: bool) -> None:
+    """PopART's compile-time refusal of a model whose backward has no float16 gradient
+    (``found``: an op of the trace used or made a float16 tensor that requires grad, a float16
+    weight cast to float32 included)."""
+    if not found:
+        raise Error("[AutomaticLossScale transform] No tracked gradient tensors of type fp16 "
+                    "were found. Training.setAutomaticLossScaling(True) adjusts the loss scale "
+                    "from the float16 gradients of the backward pass, and this model computes "
+                    "none: compute in float16 (model.half(), or float16 inputs into float32 "
+                    "weights), or turn automatic loss scaling off.")
+
+
 class AutoLossScale:
     """The loss scale update factor of one training model and the histogram its steps fill.
 
-    ``watch(params)`` counts the gradients of the float16 ones among ``params`` (each
-    micro-batch's, through a tensor hook); ``after_step()`` applies the update rule."""
+    ``track(loss)`` counts the float16 gradients the backward of one micro-batch's ``loss``
+    computes (through hooks on its autograd graph); ``after_step()`` applies the update
+    rule."""
 
     def __init__(self, values: dict[str, float], micro_batch_scale: float) -> None:
         self.factor = 1.0  # lossScaleUpdateFactor
@@ -73,26 +96,30 @@ class AutoLossScale:
         self._undo = micro_batch_scale
         self._upper = 0
         self._total = 0
-        self._hooks: list[Any] = []
 
-    def watch(self, params: list[torch.Tensor]) -> None:
-        """Count the gradients of ``params``' float16 tensors (the device's tensors the
-        executor runs); raise where there are none."""
-        self.unwatch()
-        half = [p for p in params if p.dtype == torch.float16 and p.requires_grad]
-        if not half:
-            raise Error("Training.setAutomaticLossScaling(True): the model has no float16 "
-                        "parameters. On an IPU, PopART counts float16 gradients to adjust the "
-                        "loss scale and refuses a model without any ('[AutomaticLossScale "
-                        "transform] No tracked gradient tensors of type fp16 were found.'); "
-                        "the ipuloop emulator counts the float16 parameters' gradients. Convert "
-                        "the model with model.half(), or turn automatic loss scaling off.")
-        self._hooks = [p.register_hook(self._count) for p in half]
+    def track(self, loss: torch.Tensor) -> None:
+        """Count the float16 gradients the coming backward of ``loss`` computes: those of
+        every op below the loss's own, but view changes."""
+        node = loss.grad_fn
+        if node is None:
+            return
+        seen = {node}
+        todo = [n for n, _ in node.next_functions if n is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            name = type(node).__name__
+            if name != "AccumulateGrad" and name.rstrip("0123456789")[:-len("Backward")] \
+                    not in _VIEW_CHANGES:
+                node.register_hook(self._count_node)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
 
-    def unwatch(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+    def _count_node(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        for g in grad_inputs:
+            if g is not None and g.dtype == torch.float16:
+                self._count(g)
 
     def _count(self, grad: torch.Tensor) -> None:
         g = grad.detach()

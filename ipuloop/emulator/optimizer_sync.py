@@ -146,9 +146,10 @@ class OptimizerSync:
         self.loss_scaling = self._base_loss_scaling if self.als is None else \
             self.als.final(self._base_loss_scaling)
 
-    def _start_auto_loss_scaling(self, host_params: list[torch.Tensor]) -> None:
-        """``Training.setAutomaticLossScaling(True)``: count the float16 gradients of each
-        run (``loss_scaling``); the factor is the device's, kept across re-attaches."""
+    def _start_auto_loss_scaling(self) -> None:
+        """``Training.setAutomaticLossScaling(True)``: the executor counts the float16
+        gradients of each run (``loss_scaling``); the factor is the device's, kept across
+        re-attaches."""
         options = self._owner._options
         values = _loss_scaling.settings(options)
         if values is None:
@@ -165,14 +166,13 @@ class OptimizerSync:
             self.als = _loss_scaling.AutoLossScale(
                 values, float(t.gradient_accumulation * options.replication_factor) if mean
                 else 1.0)
-        self.als.watch(host_params)
 
     # -- uploads and downloads ---------------------------------------------------------------
     def upload(self, host_params: list[torch.Tensor]) -> None:
         """Copy the host optimizer to the device: its copy runs on ``host_params`` (the tensors
         the device's weights are swapped into for a run)."""
         opt = self.optimizer
-        self._start_auto_loss_scaling(host_params)
+        self._start_auto_loss_scaling()
         if self.dirty and isinstance(opt, _optim.Optimizer):  # a loaded state reaches the device
             _logging.logger.info("Writing optimiser state tensors from host to IPU memory.")
         memo = {id(h): h for h in host_params}  # runs on them, swapped in
@@ -254,8 +254,6 @@ class OptimizerSync:
         """The model is unwrapped: the host optimizer's own state_dict() again."""
         self.unpatch(self.optimizer)
         self.device = None
-        if self.als is not None:
-            self.als.unwatch()
 
     def set(self, optimizer: torch.optim.Optimizer, host_params: list[torch.Tensor]) -> None:
         """``setOptimizer``: push ``optimizer``'s hyper-parameters (and loaded state) to the

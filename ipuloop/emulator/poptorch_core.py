@@ -2,8 +2,10 @@
 
 PopTorch re-exports ``Error``, ``RecoverableError`` and ``UnrecoverableError`` from its C++
 module; programs catch them by either name. ``isCompilingWithDispatcher()`` says whether a
-model is being compiled (traced). The rest of that module drives the Poplar compiler (option
-validation, IR and test hooks) and is refused with ``poptorch.Error``.
+model is being compiled (traced); ``_throwTestError(TestErrorType)`` raises the error of each
+category as PopTorch's core reports it (what programs test their error handling with, as
+PopTorch's user guide does). The rest of that module drives the Poplar compiler (option
+validation, IR and the other test hooks) and is refused with ``poptorch.Error``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .blocks import Block
 from .errors import Error
 
 __all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType", "CoreOnlyError",
-           "isCompilingWithDispatcher"]
+           "isCompilingWithDispatcher", "_throwTestError"]
 
 
 class RecoverableError(Error):
@@ -39,6 +41,46 @@ class TestErrorType(enum.IntEnum):
     PoplarUnknown = 5
     PoplarRecoverableFullReset = 6
     PoplarLinkError = 7
+
+
+# TestErrorType -> (class, type, message, recovery action) of the error PopTorch's
+# ``throwTestError`` (popart_compiler/source/Compiler.cpp) raises, as its exception handling
+# (poptorch_err/source/ExceptionHandling.cpp) reports it.
+_TEST_ERRORS = {
+    TestErrorType.Poptorch: (Error, "poptorch_cpp_error", "This is a PopTorch error", ""),
+    TestErrorType.Popart: (Error, "popart_exception", "This is a Popart error", ""),
+    TestErrorType.PopartInternal: (Error, "popart_internal_exception", "This is a Popart error",
+                                   ""),
+    TestErrorType.Poplibs: (Error, "poplibs_exception", "This is a Poplibs error", ""),
+    TestErrorType.PoplarUnrecoverable: (UnrecoverableError,
+                                        "poplar_unrecoverable_runtime_error",
+                                        "This is not recoverable", ""),
+    TestErrorType.PoplarUnknown: (Error, "poplar_unknown_runtime_error",
+                                  "Don't know what happened", ""),
+    TestErrorType.PoplarRecoverableFullReset: (RecoverableError,
+                                               "poplar_recoverable_runtime_error",
+                                               "Reboot needed", "FULL_RESET"),
+    TestErrorType.PoplarLinkError: (Error, "poplar_link_error",
+                                    "Link error. Output: Library -lfoo not found\ncheck path",
+                                    ""),
+}
+
+
+def _throwTestError(error_type: TestErrorType) -> None:
+    """Raise the test error of ``error_type``'s category, with PopTorch's ``message``,
+    ``type``, ``location`` (the two contexts PopTorch's hook raises it in) and, for a
+    recoverable one, ``recovery_action``."""
+    cls, kind, message, action = _TEST_ERRORS.get(
+        error_type, (Error, "poptorch_cpp_error", "Unknown TestErrorType", ""))
+    location = " [0] throwTestError::topLevel\n [1] throwTestError::bottomLevel"
+    text = f"In Compiler.cpp: '{kind}': {message}"
+    if action:
+        text += f"\nRecovery action required: {action}"
+    error = cls(f"{text}\nError raised in:\n{location}", type=kind, location=location,
+                message=message)
+    if action:
+        error.recovery_action = action
+    raise error
 
 
 def isCompilingWithDispatcher() -> bool:
