@@ -1,12 +1,14 @@
-"""What a host call returns under each ``OutputMode``, turned into losses and metric inputs.
+"""What a model returns and what a host call returns: its loss, its output and the values it logs.
 
-A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns (poptorch-semantics
+``WithLoss`` gives a model and a loss function the ``(output, loss)`` return of a
+model-with-loss; ``Returns`` says where a model's return value holds its loss, its output and
+the scalars it logs. A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns (poptorch-semantics
 §2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d with (d+1) % N == 0;
 Final: the last micro-batch of each replica; Sum: per replica, the sum over DI*GA.
 A scalar loss becomes ``[n]`` only when that count n is > 1.
 
-``Returns`` says where a model's return value holds its loss, its output and the scalars it
-logs; ``Layout.step_loss`` reduces each of those scalars as it reduces the loss.
+``Layout`` is that shape of a host call, built from the options (``Layout.of``);
+``Layout.step_loss`` reduces the loss, and each logged scalar the same way, over a step.
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .errors import NonFiniteLossError
+from .backend import poptorch_module
+from .exceptions import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error", "FLOAT16_MAX",
-           "Returns", "check_logged", "RESERVED_LOGS"]
+__all__ = ["WithLoss", "Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error",
+           "FLOAT16_MAX", "Returns", "check_logged", "RESERVED_LOGS"]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
@@ -38,6 +41,49 @@ def map_tensors(x: Any, fn: Callable) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(map_tensors(v, fn) for v in x)
     return x
+
+
+class WithLoss(torch.nn.Module):
+    """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs[, labels])``.
+
+    Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
+    labels, it returns ``(output, loss_fn(output, labels))``. Called with keyword inputs (a
+    dict batch), the labels are the ``label_key`` one, if given: the model gets the others.
+    The loss runs after the model's
+    last layer, so it joins the block started last (``BeginBlock``/``Stage`` placement; after a
+    ``with poptorch.Block(...)`` has ended no op may run, so such a model computes its loss
+    itself, inside its last block). On the device the loss is marked
+    with ``identity_loss`` (reduction "none": the value unchanged), so that PopTorch finds it
+    whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1,
+                 label_key: str = "labels") -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+        self.label_key = label_key
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            if self.label_key not in kwargs:
+                return self.model(*args, **kwargs)
+            labels = kwargs.pop(self.label_key)  # (a dict of this call's own)
+            output = self.model(*args, **kwargs)
+        elif len(args) == self.num_inputs:
+            return self.model(*args)
+        elif len(args) != self.num_inputs + 1:
+            raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
+                            f"Received {len(args)} arguments.")
+        else:
+            labels = args[-1]
+            output = self.model(*args[:-1])
+        loss = self.loss_fn(output, labels)
+        pt = poptorch_module()
+        if pt.isRunningOnIpu():  # in the device graph, a loss PopTorch finds whatever loss_fn does
+            loss = pt.identity_loss(loss, reduction="none")
+        return output, loss
 
 
 # Names a logged value may not take: the loss and the counters (the logs' other keys in
@@ -155,6 +201,15 @@ class Layout:
     period: int = 1
     group: int = 1  # input replica group size g: replicas r read input group r // g
     orthogonal: bool = False  # CommGroupType.Orthogonal: replica r reads group r % (RF/g)
+
+    @classmethod
+    def of(cls, opts: Any, training: bool) -> Layout:
+        """The shape of one host call under ``opts`` (``poptorch.Options``)."""
+        return cls(opts.device_iterations,
+                   opts.Training.gradient_accumulation if training else 1,
+                   opts.replication_factor, opts.output_mode,
+                   max(opts.output_return_period, 1), opts.input_group_size,
+                   int(opts.input_cgt) == 2)
 
     @property
     def input_groups(self) -> int:

@@ -21,8 +21,8 @@ import torch
 from .. import checkpoint_io as cio
 from ..checkpoint_io import (FORMAT_VERSION, MANIFEST, STATE, TMP_PREFIX, CheckpointError,
                              load_checkpoint, read_manifest)
-from ..errors import NonFiniteLossError
-from .base import Callback, check_mode, check_monitor, monitored, overridden
+from ..exceptions import NonFiniteLossError
+from .base import Callback, LoopView, check_mode, check_monitor, monitored, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
            "FORMAT_VERSION"]
@@ -256,7 +256,7 @@ class ModelCheckpoint(Callback):
         self._best_weights = None
 
     # -- events --------------------------------------------------------------------------------
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's
@@ -301,23 +301,23 @@ class ModelCheckpoint(Callback):
                 cio.remove(self.dirpath / name)  # a crash between commit and rotation left it
         self._pending = []
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
             self.save(loop, at_step=True)
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         self._val_at = loop.state.step  # the val logs score the weights of this step
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         self._epoch_end_at = loop.state.step  # the epoch logs belong to this step's weights
         if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
             self.save(loop)
 
-    def on_preempt(self, loop: Any) -> None:
+    def on_preempt(self, loop: LoopView) -> None:
         if self._last != tuple(loop.state.counters().values()):  # not saved at this point yet
             self.save(loop, at_step=True, always=True)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         self._in_fit = False
         for name in self._deferred:  # the fit succeeded: the resumed-from one may go now
             try:
@@ -330,7 +330,7 @@ class ModelCheckpoint(Callback):
             self._load_best(loop)
         self._best_weights = None
 
-    def _load_best(self, loop: Any) -> None:
+    def _load_best(self, loop: LoopView) -> None:
         best = self.best_path
         if best is None:
             warnings.warn(f"{self!r}: load_best_at_end, but no checkpoint is ranked by "
@@ -343,7 +343,7 @@ class ModelCheckpoint(Callback):
             weights = load_checkpoint(best)["model"]
         loop.load_weights(weights)
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         if not (self.save_on_exception and self._in_fit):
             return
         self._in_fit = False
@@ -367,7 +367,7 @@ class ModelCheckpoint(Callback):
             return step == self._epoch_end_at
         return True
 
-    def _score(self, loop: Any, at_step: bool, always: bool) -> float | None:
+    def _score(self, loop: LoopView, at_step: bool, always: bool) -> float | None:
         """The save's rank: None without monitor, NaN for an unranked save."""
         monitor, st = self.monitor, loop.state
         if monitor is None:
@@ -420,7 +420,7 @@ class ModelCheckpoint(Callback):
                       f"{name + ('-exception' if exception is not None else '')!r}.")
         return name
 
-    def save(self, loop: Any, *, exception: BaseException | None = None,
+    def save(self, loop: LoopView, *, exception: BaseException | None = None,
              tainted: bool = False, at_step: bool = False, always: bool = False
              ) -> Path | None:
         """Write, commit, then rotate; returns the folder, or None when it is not kept.

@@ -6,7 +6,7 @@ import os
 import warnings
 from typing import Any
 
-from .base import Callback
+from .base import Callback, LoopView
 
 __all__ = ["CSVLogger"]
 
@@ -61,7 +61,7 @@ class CSVLogger(Callback):
             w.writerows(rows)
         os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half
 
-    def _write(self, loop: Any, logs: dict[str, Any]) -> None:
+    def _write(self, loop: LoopView, logs: dict[str, Any]) -> None:
         row = {**logs, "epoch": loop.state.epoch, "step": loop.state.step,
                "update": loop.state.update}
         new = [k for k in row if k not in self.columns]
@@ -73,7 +73,7 @@ class CSVLogger(Callback):
                 csv.DictWriter(f, self.columns, restval="").writerow(row)
         self.rows += 1
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         kept = self._read()[:self.rows]
         if self.rows and len(kept) < self.rows:
@@ -82,17 +82,17 @@ class CSVLogger(Callback):
         self.rows = len(kept)
         self._rewrite(kept)
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         self._val_at = loop.state.step
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
         validated = self._val_at == st.step  # a validation at this step: before this event
         if validated or self.every_n_steps and st.step % self.every_n_steps == 0:
             self._write(loop, {k: v for k, v in st.logs.items() if not k.startswith("train_")
                                and (validated or not k.startswith("val_"))})
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         self._write(loop, loop.state.logs)
 
     def state_dict(self) -> dict[str, Any]:

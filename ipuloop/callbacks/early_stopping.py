@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Callback, check_mode, check_monitor, monitored
+from .base import Callback, LoopView, check_mode, check_monitor, monitored
 
 __all__ = ["EarlyStopping"]
 
@@ -49,11 +49,11 @@ class EarlyStopping(Callback):
         self.reason = ""
         self._fitting = False  # (a validate() outside a fit is no check)
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "EarlyStopping")
         self._fitting = True
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         self._fitting = False
 
     on_exception = on_fit_end
@@ -63,16 +63,16 @@ class EarlyStopping(Callback):
         every = st.val_every_n_steps
         return bool(every and st.step and st.step % every == 0 and self.monitor.startswith("val_"))
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         st = loop.state
         if self._fitting and self._step_validated(st):
             self._check(loop, st.epoch + 1, f"at step {st.step} (epoch {st.epoch + 1})")
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         if not self._step_validated(loop.state):  # (else checked at that validation)
             self._check(loop, loop.state.epoch, f"after epoch {loop.state.epoch}")
 
-    def _check(self, loop: Any, epoch: int, where: str) -> None:
+    def _check(self, loop: LoopView, epoch: int, where: str) -> None:
         value = monitored(loop.state, self.monitor, "EarlyStopping")
         sign = self._sign
         if self.check_finite and not math.isfinite(value):

@@ -5,6 +5,7 @@ import time
 import warnings
 from typing import Any
 
+from .base import LoopView
 from .scalars import ScalarLogger, hyperparameters
 
 __all__ = ["MLFlowLogger"]
@@ -83,7 +84,7 @@ class MLFlowLogger(ScalarLogger):
             self.run_id = state.get("run_id")
         self._resumed = self.run_id is not None
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         super().on_fit_start(loop)
         if self.client is None:
             self.client = self._client_type(tracking_uri=self.tracking_uri)
@@ -139,11 +140,11 @@ class MLFlowLogger(ScalarLogger):
         for operations in queued:
             operations.wait()
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         super().on_train_step_end(loop)
         self._send()
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         super().on_epoch_end(loop)
         self._send()
         self._wait()  # the epoch's queued requests are done: the queue stays short
@@ -155,10 +156,10 @@ class MLFlowLogger(ScalarLogger):
             self._wait()  # the queued points first (if any)
             self.client.set_terminated(self.run_id, status=status)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         super().on_fit_end(loop)
         self._end("KILLED" if loop.state.preempted else "FINISHED")
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         super().on_exception(loop)
         self._end("FAILED")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .base import LoopView
 from .scalars import ScalarLogger
 
 __all__ = ["TensorBoardLogger"]
@@ -64,7 +65,7 @@ class TensorBoardLogger(ScalarLogger):
             self.writer.add_scalar(tag, value, global_step=update)
             self._written[tag] = value
 
-    def on_save_checkpoint(self, loop: Any) -> None:
+    def on_save_checkpoint(self, loop: LoopView) -> None:
         update = loop.state.update
         self._saved = {"update": update,
                        "scalars": dict(self._written) if update == self._update else {}}
@@ -75,7 +76,7 @@ class TensorBoardLogger(ScalarLogger):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed = dict(state) if "update" in state else None
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         super().on_fit_start(loop)
         resumed, self._resumed = self._resumed, None
         if self.writer is None and resumed is not None:
@@ -89,7 +90,7 @@ class TensorBoardLogger(ScalarLogger):
         elif self.writer is None:
             self.writer = self._writer_type(log_dir=self.log_dir)
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         super().on_epoch_end(loop)
         self.writer.flush()
 
@@ -98,10 +99,10 @@ class TensorBoardLogger(ScalarLogger):
             self.writer.close()
             self.writer = None
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         super().on_fit_end(loop)
         self._close()
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         super().on_exception(loop)
         self._close()

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics={"accuracy": accuracy}, callbacks=callbacks, seed=args.seed)
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
                                                shuffle=True, num_workers=args.workers)
-    from ipuloop.distributed import is_main_process, num_processes
+    from ipuloop.processes import is_main_process, num_processes
     say = print if is_main_process() else (lambda *a, **k: None)  # instance 0 speaks
     procs = num_processes()
     say(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
