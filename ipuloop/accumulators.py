@@ -123,7 +123,8 @@ class TrainEpoch:
         sums = self.processes.sum(sums, "summing the step's logged values")
         means = {}
         for i, name in enumerate(names):
-            total, count = sums[2 * i], sums[2 * i + 1]
+            total = sums[2 * i]
+            count = sums[2 * i + 1]
             means[name] = total / count
             acc = self.logged.setdefault(name, [0.0, 0])
             acc[0] += total
@@ -211,7 +212,9 @@ class Validation:
         output, loss, logs = self.returns.split(result)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == layout.micro_batches
                 and loss.is_floating_point()):  # not a loss per micro-batch: all output
-            output, loss, logs = result, None, None
+            output = result
+            loss = None
+            logs = None
         whole = valid // micro * micro  # samples in micro-batches without padding
         if loss is not None:
             loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
@@ -286,7 +289,8 @@ class Validation:
         logs = {"val_loss": total / count} if count else {}
         logs.update(metric_logs("val_", self.metrics))
         for i, name in enumerate(names):
-            total, count = values[4 + 2 * i], values[5 + 2 * i]
+            total = values[4 + 2 * i]
+            count = values[5 + 2 * i]
             if count:
                 logs["val_" + name] = total / count
         return logs

@@ -5,7 +5,7 @@ import contextlib
 import operator
 import time
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -116,6 +116,16 @@ class Executors:
         if rng_state is not None:
             executor.rng_state = rng_state
         return seconds
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """The model in eval mode while an inference executor is built and compiled: PopTorch's
+        wrapper shares its submodules and traces them in the mode they are in."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
 
     def inference_model(self, key: tuple, opts: Any) -> Any:
         """The inference executor for ``key`` (kind, samples per call, DI), built on first use.

@@ -144,7 +144,8 @@ class ResumableSampler(Sampler):
     def __iter__(self) -> Iterator[int]:
         if self._order is None:
             self.set_epoch()
-        order, self._order = self._order, None
+        order = self._order
+        self._order = None
         return iter(order)
 
     def __len__(self) -> int:
@@ -169,7 +170,10 @@ class ProcessSampler(ResumableSampler):
 
     def __init__(self, inner: Any, rank: int, size: int, iterations: int, share: int) -> None:
         super().__init__(inner)
-        self.rank, self.size, self.iterations, self.share = rank, size, iterations, share
+        self.rank = rank
+        self.size = size
+        self.iterations = iterations
+        self.share = share
         self.local_call = iterations * share
         self.global_call = self.local_call * size
 
@@ -201,7 +205,9 @@ class Padded(Dataset):
     """The dataset followed by copies of its last sample, up to ``total`` (for predict)."""
 
     def __init__(self, dataset: Dataset, total: int) -> None:
-        self.dataset, self.n, self.total = dataset, len(dataset), total
+        self.dataset = dataset
+        self.n = len(dataset)
+        self.total = total
 
     def __len__(self) -> int:
         return self.total
@@ -231,8 +237,8 @@ def _rows(batch: Any) -> int:
     """Samples in a collated batch: the length of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
-    parts = batch.values() if isinstance(batch, dict) else \
-        batch if isinstance(batch, (tuple, list)) else ()
+    parts = (batch.values() if isinstance(batch, dict)
+             else batch if isinstance(batch, (tuple, list)) else ())
     for part in parts:
         n = _rows(part)
         if n >= 0:
@@ -248,7 +254,8 @@ class StreamCalls:
     The torch iterator's attributes (``_workers``, ``_shutdown_workers``) show through."""
 
     def __init__(self, batches: Iterator[Any], combined: int) -> None:
-        self.batches, self.combined = batches, combined
+        self.batches = batches
+        self.combined = combined
         self.pending: list[Any] = []
         self.count = 0
         self.real = 0
@@ -314,8 +321,10 @@ class OneShape:
     batches per host call."""
 
     def __init__(self, name: str, sampler: Any, batch_size: int | None, per_call: int) -> None:
-        self.name, self.sampler = name, type(sampler).__name__
-        self.batch_size, self.per_call = batch_size, per_call
+        self.name = name
+        self.sampler = type(sampler).__name__
+        self.batch_size = batch_size
+        self.per_call = per_call
         self.first: Any = None
 
     def check(self, batch: Any, index: int, unit: str = "batch") -> None:
@@ -356,7 +365,10 @@ class HostCalls:
 
     def __init__(self, batches: Iterator[Any], count: int, shape: OneShape,
                  start: int = 0) -> None:
-        self.batches, self.count, self.shape, self.index = batches, count, shape, start
+        self.batches = batches
+        self.count = count
+        self.shape = shape
+        self.index = start
 
     def __iter__(self) -> HostCalls:
         return self
@@ -483,7 +495,8 @@ def prefetch_of(poptorch: Any, loader: Any, name: str,
 
 def _generators() -> tuple:
     """This process's global random states: torch's, python's, numpy's (when imported)."""
-    np, numpy_state = sys.modules.get("numpy"), None
+    np = sys.modules.get("numpy")
+    numpy_state = None
     if np is not None:
         _, keys, pos, has_gauss, cached = np.random.get_state()
         numpy_state = (keys.tobytes(), pos, has_gauss, cached)
@@ -523,7 +536,9 @@ class Prefetched:
     custom batch sampler, each host call its loader joined is checked (``OneShape``)."""
 
     def __init__(self, loader: Any, shape: OneShape | None = None, start: int = 0) -> None:
-        self.loader, self.shape, self.index = loader, shape, start
+        self.loader = loader
+        self.shape = shape
+        self.index = start
         self.batches = iter(loader)
 
     def __iter__(self) -> Prefetched:
@@ -550,7 +565,8 @@ def check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
     if not isinstance(batch_sampler, BatchSampler) or batch_sampler.drop_last:
         return
     try:
-        short, batches = len(batch_sampler.sampler) % batch_sampler.batch_size, len(batch_sampler)
+        short = len(batch_sampler.sampler) % batch_sampler.batch_size
+        batches = len(batch_sampler)
     except TypeError:  # a sampler without a length
         return
     if short and batches % count == 0:

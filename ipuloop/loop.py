@@ -230,8 +230,7 @@ class Loop:
                           f"Pass epochs={st.epoch + epochs} to train {epochs} more.", stacklevel=3)
         st.start_fit(plan.steps, max_steps, validates=val_plan is not None)
         self._resume.val_rng = None
-        with handle_signals(self._on_sigterm, self._kill_workers), \
-                self._running(plan, val_plan, fit=True):
+        with self._running(plan, val_plan, fit=True):
             try:
                 self._hooks.scope("on_fit_start", lambda: self._epochs(plan, val_plan, epochs),
                                   CancelFit)
@@ -368,17 +367,12 @@ class Loop:
     def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
         model = self.executors.inference.get(key)
-        if model is not None and model.isCompiled():
-            return model
-        module = self.model  # traced in eval mode (PopTorch's wrapper shares the submodules)
-        module.eval()
-        try:
-            model = self.executors.inference_model(key, plan.loader.options)
-            self._hooks.fire("on_compile_start")
-            self.state.compile_time[kind] = self.executors.compile(model, args, kwargs)
-        finally:
-            module.train()
-        self._hooks.fire("on_compile_end")
+        if model is None or not model.isCompiled():
+            with self.executors.eval_mode():
+                model = self.executors.inference_model(key, plan.loader.options)
+                self._hooks.fire("on_compile_start")
+                self.state.compile_time[kind] = self.executors.compile(model, args, kwargs)
+            self._hooks.fire("on_compile_end")
         return model
 
     def validate(self, loader: Any) -> dict[str, float]:
@@ -466,25 +460,28 @@ class Loop:
     def _running(self, *plans: Plan | None, fit: bool = False) -> Iterator[None]:
         """Any error fires ``on_exception`` once and propagates; a fit's also ends the other
         instances' fits first (what propagates may then name the instance that failed first)
-        and releases the device. The loader workers (and prefetching loaders) of ``plans``
-        stop when the call ends, however it ends."""
+        and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
+        The loader workers (and prefetching loaders) of ``plans`` stop when the call ends,
+        however it ends."""
         outer = self._reading  # (a validate() from a fit's hook reads beside the fit)
         reading = tuple(p for p in plans if p is not None)
         self._reading = outer + reading
-        try:
-            yield
-        except BaseException as caught:
-            error = self._processes.failed(caught, self.state) if fit else caught
-            self._hooks.report(error)
-            if fit:
-                self.executors.release()
-            if error is caught:
-                raise
-            raise error from caught
-        finally:
-            self._reading = outer
-            for plan in reading:
-                plan.close()
+        signals = handle_signals(self._on_sigterm, self._kill_workers) if fit else None
+        with signals or contextlib.nullcontext():
+            try:
+                yield
+            except BaseException as caught:
+                error = self._processes.failed(caught, self.state) if fit else caught
+                self._hooks.report(error)
+                if fit:
+                    self.executors.release()
+                if error is caught:
+                    raise
+                raise error from caught
+            finally:
+                self._reading = outer
+                for plan in reading:
+                    plan.close()
 
     def _on_sigterm(self) -> None:
         self._processes.on_sigterm(self.state)  # several processes: all stop at one boundary

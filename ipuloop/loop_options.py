@@ -117,8 +117,8 @@ def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int 
     if replicas == "auto":
         # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
         n = 1
-        while hardware and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS \
-                and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica)):
+        while (hardware and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS
+               and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica))):
             n *= 2
         replicas = n
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -168,8 +168,8 @@ def set_clipping(pt: Any, optimizer: Any, max_grad_norm: float) -> None:
         raise ValueError(f"max_grad_norm must be a number > 0. Received: "
                          f"max_grad_norm={max_grad_norm!r}.")
     if not isinstance(optimizer, (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW)):
-        name = "None" if optimizer is None else type(optimizer).__module__ + "." + \
-            type(optimizer).__qualname__
+        name = ("None" if optimizer is None
+                else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         raise ValueError(
             f"Gradient clipping runs on the device only with poptorch.optim.SGD, Adam or "
             f"AdamW (their max_grad_norm). Received: optimizer={name}. Build the optimizer "

@@ -105,8 +105,8 @@ class Returns:
     """
 
     def __init__(self, loss_key: str | int = "loss") -> None:
-        if not (isinstance(loss_key, str) and loss_key) and \
-                (not isinstance(loss_key, int) or isinstance(loss_key, bool)):
+        if not (isinstance(loss_key, str) and loss_key) and (
+                not isinstance(loss_key, int) or isinstance(loss_key, bool)):
             raise TypeError(f"loss_key must be a str (the loss's key in a dict-like output) or "
                             f"an int (its index in a tuple output, e.g. 0 for (loss, logits)). "
                             f"Received: loss_key={loss_key!r}.")

@@ -118,7 +118,8 @@ class Plan:
         # once either way, so a run resumed in a new process consumes the RNG as the original.
         loader = self.loader if loader is None else loader
         g = loader.generator
-        host, own = torch.get_rng_state(), g.get_state() if g is not None else None
+        host = torch.get_rng_state()
+        own = g.get_state() if g is not None else None
         if loader is self.stream:
             it = iter(loader)
         elif self.prefetch is not None:  # its own loader draws from a copy of the generator
@@ -212,7 +213,8 @@ class Plan:
 
     def close(self) -> None:
         """Stop the loader workers (or prefetching loader) of the epoch last started."""
-        reader, self.reader = self.reader, None
+        reader = self.reader
+        self.reader = None
         close(reader)
 
     def kill_workers(self) -> None:

@@ -80,11 +80,11 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, labels: Any, name: 
     saved = [b.clone() for b in model.buffers()]
     was_training = model.training
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model.train()
-            out = model(*args, **kwargs)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.train()
+                out = model(*args, **kwargs)
     except Exception as e:  # name what the model was given: usually the labels are wrong
         hint = ""
         if kwargs and isinstance(e, TypeError) and "keyword argument" in str(e):
@@ -110,8 +110,8 @@ def probe(model: torch.nn.Module, args: tuple, kwargs: dict, labels: Any, name: 
             "model with loss_fn=.")
     if loss.numel() != 1:
         hint = ""
-        if returns.key == "loss" and isinstance(out, (tuple, list)) and \
-                isinstance(output, torch.Tensor) and output.numel() == 1:
+        if (returns.key == "loss" and isinstance(out, (tuple, list))
+                and isinstance(output, torch.Tensor) and output.numel() == 1):
             hint = (" The first element is a scalar: a model returning (loss, logits), as "
                     "Transformers models do with return_dict=False, needs Loop(loss_key=0).")
         raise ValueError(f"The loss must be a scalar per micro-batch. Received a loss of "

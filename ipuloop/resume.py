@@ -90,7 +90,8 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
             f"Cannot resume: the checkpoint's optimizer is {theirs_type} with "
             f"{len(layout)} parameter group(s) of {layout} parameters, but the loop's is "
             f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. {fix}")
-    shapes, our_shapes = sd.get("optimizer_shapes"), group_shapes(ours)
+    shapes = sd.get("optimizer_shapes")
+    our_shapes = group_shapes(ours)
     if shapes is not None and [[list(s) for s in g] for g in shapes] != our_shapes:
         differ = [i for i, (a, b) in enumerate(zip(shapes, our_shapes))
                   if [list(s) for s in a] != b]
@@ -143,7 +144,8 @@ class Resume:
         """How the next training epoch draws its order: a loaded checkpoint's saved random
         state, once, or the random state as it is (``Plan.epoch`` records it, and a
         checkpoint reads it from the fit's plan)."""
-        draw, self._draw = self._draw, None
+        draw = self._draw
+        self._draw = None
         return draw if draw is not None else Draw()
 
     @contextlib.contextmanager
@@ -163,12 +165,14 @@ class Resume:
     def take_step_validation(self) -> bool:
         """Whether the loaded checkpoint was taken during a step's validation, once: the
         resumed fit runs it again, then that step's ``on_train_step_end``."""
-        pending, self._step_validation = self._step_validation, False
+        pending = self._step_validation
+        self._step_validation = False
         return pending
 
     def take_device_rng(self) -> torch.Tensor | None:
         """A loaded device random state, once: the compiled model continues it."""
-        rng, self._device_rng = self._device_rng, None
+        rng = self._device_rng
+        self._device_rng = None
         return rng
 
     def capture(self, model: torch.nn.Module, optimizer: Any, st: Any, epoch: Any,
@@ -261,8 +265,10 @@ class Resume:
 def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> None:
     """Continue the saved epoch at the same sample with the new factors (the whole run's),
     or raise naming each factor that changed."""
-    old, new = saved["factors"], now["factors"]
-    was, instances = saved.get("instances", 1), now["instances"]
+    old = saved["factors"]
+    new = now["factors"]
+    was = saved.get("instances", 1)
+    instances = now["instances"]
     if st.epoch_step and plan.samples is None and was != instances:
         raise ValueError(
             f"Cannot resume in the middle of epoch {st.epoch} with {instances} instance(s): "

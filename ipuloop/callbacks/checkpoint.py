@@ -176,10 +176,16 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(self.dirpath, "is a file: dirpath must be a folder (created "
                                   "if missing) for the checkpoint folders")
         _check_filename(filename, monitor, every_n_steps)
-        self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
-        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
-        self.save_last, self.save_on_exception = save_last, save_on_exception
-        self.filename, self.name, self.load_best_at_end = filename, name, load_best_at_end
+        self.every_n_epochs = every_n_epochs
+        self.every_n_steps = every_n_steps
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.save_on_exception = save_on_exception
+        self.filename = filename
+        self.name = name
+        self.load_best_at_end = load_best_at_end
         self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of regular saves
         self.resumed_from: str | None = None  # never deleted while this fit runs
         self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
@@ -260,9 +266,9 @@ class ModelCheckpoint(Callback):
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's
-            if other is not self and isinstance(other, ModelCheckpoint) \
-                    and other.filename == self.filename \
-                    and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath):
+            if (other is not self and isinstance(other, ModelCheckpoint)
+                    and other.filename == self.filename
+                    and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath)):
                 raise ValueError(
                     f"{self!r} and {other!r} would write the same checkpoint folders "
                     f"(dirpath={str(self.dirpath)!r}, filename={self.filename!r}), and each "
@@ -272,7 +278,8 @@ class ModelCheckpoint(Callback):
             self._clean_up()
         else:
             self._cleaned = True
-        self._in_fit, self._last = True, None
+        self._in_fit = True
+        self._last = None
         st = loop.state
         if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
             warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
@@ -325,7 +332,8 @@ class ModelCheckpoint(Callback):
             except OSError as err:
                 warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
                               f"({err}); a fit resumed from {self.latest()} deletes it.")
-        self._deferred, self.resumed_from = [], None
+        self._deferred = []
+        self.resumed_from = None
         if self.load_best_at_end and not loop.state.preempted:  # (preempted: the process exits)
             self._load_best(loop)
         self._best_weights = None
@@ -369,7 +377,8 @@ class ModelCheckpoint(Callback):
 
     def _score(self, loop: LoopView, at_step: bool, always: bool) -> float | None:
         """The save's rank: None without monitor, NaN for an unranked save."""
-        monitor, st = self.monitor, loop.state
+        monitor = self.monitor
+        st = loop.state
         if monitor is None:
             return None
         missing = monitor not in st.logs
@@ -441,8 +450,8 @@ class ModelCheckpoint(Callback):
             warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.")
             return None
         folder = self.dirpath / name
-        if self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept} \
-                and (folder / MANIFEST).is_file():
+        if (self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept}
+                and (folder / MANIFEST).is_file()):
             return folder  # saved at this point already: rewriting it would only risk it
         if not self._cleaned:  # a save before any fit: a killed process's leftovers go first
             self._clean_up()
@@ -466,8 +475,8 @@ class ModelCheckpoint(Callback):
             torch.save(sd, buf)
             data = buf.getvalue()
             best = self.best_path
-            if self.load_best_at_end and exception is None and best is not None \
-                    and best.name == name:  # for the fit's end (sd holds a copy already)
+            if (self.load_best_at_end and exception is None and best is not None
+                    and best.name == name):  # for the fit's end (sd holds a copy already)
                 best_weights: tuple | None = (name, sd["model"])
             else:
                 best_weights = None
@@ -486,7 +495,8 @@ class ModelCheckpoint(Callback):
                 cio.remove(folder)
             raise
         finally:
-            self._saving, self._rotating = None, []
+            self._saving = None
+            self._rotating = []
         self._last = tuple(st.counters().values())
         self._best_weights = best_weights or self._best_weights
         for e in old:  # rotate only after the commit
@@ -515,5 +525,5 @@ class ModelCheckpoint(Callback):
 
 
 def _is_score(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and not math.isnan(value)
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not math.isnan(value))

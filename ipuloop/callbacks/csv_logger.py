@@ -42,7 +42,8 @@ class CSVLogger(Callback):
                                           or isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be an int >= 1 or None. Received: "
                              f"every_n_steps={every_n_steps!r}.")
-        self.path, self.every_n_steps = os.fspath(path), every_n_steps
+        self.path = os.fspath(path)
+        self.every_n_steps = every_n_steps
         self.columns: list[str] = ["epoch", "step", "update"]
         self.rows = 0  # data rows in the file
         self._val_at: int | None = None  # the step of the last validation
@@ -99,4 +100,5 @@ class CSVLogger(Callback):
         return {"rows": self.rows, "columns": list(self.columns)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rows, self.columns = int(state["rows"]), list(state["columns"])
+        self.rows = int(state["rows"])
+        self.columns = list(state["columns"])

@@ -41,8 +41,11 @@ class EarlyStopping(Callback):
             raise ValueError(f"patience must be an int >= 1. Received: patience={patience!r}.")
         if not (min_delta >= 0):  # also rejects NaN
             raise ValueError(f"min_delta must be >= 0. Received: min_delta={min_delta!r}.")
-        self.monitor, self.patience, self.min_delta = monitor, patience, float(min_delta)
-        self.mode, self.check_finite = mode, check_finite
+        self.monitor = monitor
+        self.patience = patience
+        self.min_delta = float(min_delta)
+        self.mode = mode
+        self.check_finite = check_finite
         self.best = math.inf if mode == "min" else -math.inf
         self.wait = 0  # checks since the last improvement
         self.stopped_epoch: int | None = None  # 1-based epoch in (or after) which it stopped
@@ -78,7 +81,8 @@ class EarlyStopping(Callback):
         if self.check_finite and not math.isfinite(value):
             self.reason = f"{self.monitor} = {value} is not finite"
         elif sign * (self.best - value) > self.min_delta:
-            self.best, self.wait = value, 0
+            self.best = value
+            self.wait = 0
             return
         else:
             self.wait += 1
@@ -95,5 +99,6 @@ class EarlyStopping(Callback):
         return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.wait = float(state["best"]), int(state["wait"])
+        self.best = float(state["best"])
+        self.wait = int(state["wait"])
         self.stopped_epoch = state["stopped_epoch"]

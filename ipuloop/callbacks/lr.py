@@ -77,7 +77,9 @@ class LRScheduler(Callback):
             raise ValueError(f"monitor is only used with ReduceLROnPlateau; "
                              f"{type(scheduler).__name__} takes no metric. Received: "
                              f"monitor={monitor!r}.")
-        self.scheduler, self.interval, self.monitor = scheduler, interval, monitor
+        self.scheduler = scheduler
+        self.interval = interval
+        self.monitor = monitor
 
     def _step(self, *args: float) -> None:
         with warnings.catch_warnings():

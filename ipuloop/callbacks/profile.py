@@ -43,7 +43,9 @@ class ProfileCapture(Callback):
         for name, value, low in (("start_step", start_step, 0), ("num_steps", num_steps, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}.")
-        self.start_step, self.num_steps, self.dirpath = start_step, num_steps, os.fspath(dirpath)
+        self.start_step = start_step
+        self.num_steps = num_steps
+        self.dirpath = os.fspath(dirpath)
         self._prof: Any = None
         self._seen = 0  # steps completed in the window
         self._cuda = False  # the window also records CUDA kernels
@@ -77,7 +79,9 @@ class ProfileCapture(Callback):
         prof = profile(activities=acts, schedule=lambda _: ProfilerAction.RECORD)
         prof.step_num = loop.state.step  # markers carry the loop's step index
         prof.__enter__()
-        self._prof, self._seen, self._cuda = prof, 0, len(acts) > 1
+        self._prof = prof
+        self._seen = 0
+        self._cuda = len(acts) > 1
 
     def on_train_step_end(self, loop: LoopView) -> None:
         if self._prof is None:
@@ -97,7 +101,8 @@ class ProfileCapture(Callback):
         self._close()
 
     def _close(self) -> Any:
-        prof, self._prof = self._prof, None
+        prof = self._prof
+        self._prof = None
         if prof is not None:
             prof.__exit__(None, None, None)
         return prof

@@ -66,8 +66,8 @@ class ProgressBar(Callback):
             self._bar = None
         logs = loop.state.logs
         keys = [k for k in logs if k.startswith(("train_", "val_")) and k != "train_loss_exact"]
-        approx = "" if logs.get("train_loss_exact", 1.0) else " (train_loss estimated from " \
-            "the micro-batches the output mode returns)"
+        approx = ("" if logs.get("train_loss_exact", 1.0) else
+                  " (train_loss estimated from the micro-batches the output mode returns)")
         took = time.perf_counter() - self._start
         print(f"epoch {loop.state.epoch}: {_fmt(logs, keys)}  [{took:.1f}s]{approx}",
               file=self.stream or sys.stdout, flush=True)

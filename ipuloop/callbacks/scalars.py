@@ -45,7 +45,8 @@ class ScalarLogger(Callback):
         raise NotImplementedError
 
     def _restart_clock(self, loop: LoopView) -> None:
-        self._since, self._samples = time.perf_counter(), loop.state.samples
+        self._since = time.perf_counter()
+        self._samples = loop.state.samples
         self._paused = None
 
     # Subclasses that override these call them too (super()).

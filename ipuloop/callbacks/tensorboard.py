@@ -60,7 +60,8 @@ class TensorBoardLogger(ScalarLogger):
 
     def log_scalars(self, values: dict[str, float], update: int) -> None:
         if update != self._update:
-            self._update, self._written = update, {}
+            self._update = update
+            self._written = {}
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, global_step=update)
             self._written[tag] = value
@@ -78,7 +79,8 @@ class TensorBoardLogger(ScalarLogger):
 
     def on_fit_start(self, loop: LoopView) -> None:
         super().on_fit_start(loop)
-        resumed, self._resumed = self._resumed, None
+        resumed = self._resumed
+        self._resumed = None
         if self.writer is None and resumed is not None:
             # TensorBoard hides what earlier files hold from purge_step on: the updates the
             # interrupted run wrote after its checkpoint. Those at the checkpoint's own

@@ -21,7 +21,8 @@ import torch.nn as nn
 
 __all__ = ["Network", "TrainingModelWithLoss", "build_options", "load_mnist", "main"]
 
-MEAN, STD = 0.1307, 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
+MEAN = 0.1307
+STD = 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
 STAGES = 4  # blocks B1..B4, one IPU each
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                "t10k-labels-idx1-ubyte")
@@ -113,7 +114,8 @@ def check_factors(opts, inference, strategy: str, inference_pipelined: bool,
     ``names`` spells each factor as the user gave it (a flag, or an --ipu-config key).
     Raises ``ValueError`` naming the factor, its value and the fix.
     """
-    rf, ga = opts.replication_factor, opts.Training.gradient_accumulation
+    rf = opts.replication_factor
+    ga = opts.Training.gradient_accumulation
     ipus = rf * STAGES
     if not opts.auto_round_num_ipus and (ipus & (ipus - 1) or ipus > 64):
         raise ValueError(f"{names['replicas']} {rf}: {rf} replica(s) of {STAGES} IPUs is "
