@@ -82,7 +82,7 @@ class TrainEpoch:
         self.returns = returns
         self.processes = processes
         self.state = state  # the loop's State: the step an error names
-        self.layout: Layout | None = None  # the running fit's (set when it starts)
+        self.layout: Layout  # the running fit's (set when it starts)
         self.loss = EpochLoss()
         self.logged: dict[str, list] = {}  # name -> [sum of micro-batch values, how many]
 

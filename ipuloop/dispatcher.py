@@ -1,4 +1,4 @@
-"""``Dispatcher``: the loop's callbacks and, per event, the hooks that override it, fired with the loop's view.
+"""``Dispatcher``: the loop's callbacks and, per event, the hooks fired with the loop's view.
 
 The loop orders the events; the dispatcher fires one (each hook called with the loop's view,
 ``callbacks.base.LoopView``), brackets a scope (start event, body, end event: a Cancel*
@@ -11,7 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from .callbacks.base import EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, LoopView, overridden
+from .callbacks.base import (EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, LoopView,
+                             overridden)
 from .exceptions import add_note
 
 __all__ = ["Dispatcher"]
@@ -57,7 +58,7 @@ class Dispatcher:
                                 "loop.train_opts in a callback's on_configure.")
                 raise
 
-    def event(self, event: str, cancel: type) -> bool:
+    def event(self, event: str, cancel: type[BaseException]) -> bool:
         """Fire ``event``; False when a hook raised ``cancel`` (the later hooks skipped)."""
         try:
             self.fire(event)
@@ -65,7 +66,7 @@ class Dispatcher:
         except cancel:
             return False
 
-    def scope(self, start: str, body: Callable[[], Any], cancel: type,
+    def scope(self, start: str, body: Callable[[], Any], cancel: type[BaseException],
               end: str | None = None) -> None:
         """``start``, ``body``, ``end``: ``cancel`` from the first two skips to ``end`` (from
         ``end`` itself, it has nothing left to skip)."""
@@ -88,8 +89,8 @@ class Dispatcher:
         for cb, hook in self.hooks["on_exception"]:
             try:
                 hook(self.view)
-            except Exception as e:
-                warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}")
+            except Exception as e:  # noqa: BLE001 (the error being reported stays the one raised)
+                warnings.warn(f"{type(cb).__name__}.on_exception failed: {e!r}", stacklevel=2)
 
     def describe(self) -> str:
         """The loop's events, with the callbacks attached to each."""

@@ -1,4 +1,4 @@
-"""The loop's PopTorch executors: build and compile them, one attached at a time, push the optimizer."""
+"""The loop's PopTorch executors: built, compiled, one attached at a time; the optimizer pushed."""
 from __future__ import annotations
 
 import contextlib
@@ -170,7 +170,8 @@ class Executors:
             if not quiet:
                 raise
             # tearing down after an error: that error is the one to report
-            warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}")
+            warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}",
+                          stacklevel=2)
 
     def detach_inference(self) -> None:
         """Before the host's weights change: an attached inference executor would go on

@@ -1,14 +1,15 @@
-"""The loader machinery a plan is built from: resumable samplers, padding, host-call iterators, reading ahead.
+"""What a plan is built from: resumable samplers, padding, host-call iterators, reading ahead.
 
-Every loader given to the loop is rebuilt (``plan.build``) as a ``poptorch.DataLoader`` over the same dataset,
-micro-batch size, sampler (or shuffle and generator), workers and collate function, with the
-loop's options. Its sampler (or custom batch sampler) is wrapped so that each epoch's order is
-drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
-that a resumed epoch starts after the samples already seen without reading them (an
-``IterableDataset``, which has no order to skip into, is read up to there). A sampler with
-``set_epoch`` is told each training epoch's number before the epoch draws its order, as a
-DDP loop does; a ``DistributedSampler`` stands for its whole dataset (``whole_order``). Under
-several processes, each instance reads its share of one global order (``ProcessSampler``).
+Every loader given to the loop is rebuilt (``plan.build``) as a ``poptorch.DataLoader`` over
+the same dataset, micro-batch size, sampler (or shuffle and generator), workers and collate
+function, with the loop's options. Its sampler (or custom batch sampler) is wrapped so that
+each epoch's order is drawn at one defined moment (``set_epoch``), from random state the
+checkpoint records, and so that a resumed epoch starts after the samples already seen without
+reading them (an ``IterableDataset``, which has no order to skip into, is read up to there). A
+sampler with ``set_epoch`` is told each training epoch's number before the epoch draws its
+order, as a DDP loop does; a ``DistributedSampler`` stands for its whole dataset
+(``whole_order``). Under several processes, each instance reads its share of one global order
+(``ProcessSampler``).
 
 Validation and predict count every sample: a map-style dataset is padded to whole host calls
 with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
@@ -53,8 +54,10 @@ def built_micro_batch(loader: Any, opts: Any, training: bool, name: str,
     size); a ``ValueError`` when its host call is not the one the loop runs with ``opts``
     (``where``: " per instance" under several processes)."""
     combined = loader.combinedBatchSize
-    micro = combined // host_call_factor(loader.options, training) if combined else None
-    if combined is not None and combined != (micro or 0) * host_call_factor(opts, training):
+    if not combined:
+        return None
+    micro = combined // host_call_factor(loader.options, training)
+    if combined != micro * host_call_factor(opts, training):
         raise ValueError(
             f"{name} was built for {describe_factors(loader.options, micro, training)}, "
             f"but the loop runs {describe_factors(opts, micro, training)}{where}. Build the "
@@ -120,7 +123,7 @@ def tell_epoch(wrapped: Any, epoch: int) -> None:
 class ResumableSampler(Sampler):
     """Wraps a sampler: the epoch's order is drawn in ``set_epoch``, then skipped into."""
 
-    def __init__(self, inner: Sampler) -> None:
+    def __init__(self, inner: Any) -> None:  # (a sampler, or a batch sampler, with a length)
         self.inner = inner
         self._order: list[int] | None = None
 
@@ -146,7 +149,7 @@ class ResumableSampler(Sampler):
             self.set_epoch()
         order = self._order
         self._order = None
-        return iter(order)
+        return iter(order or ())
 
     def __len__(self) -> int:
         return len(self._order) if self._order is not None else len(self.inner)
@@ -204,7 +207,7 @@ class ProcessBatchSampler(ProcessSampler, ResumableBatchSampler):
 class Padded(Dataset):
     """The dataset followed by copies of its last sample, up to ``total`` (for predict)."""
 
-    def __init__(self, dataset: Dataset, total: int) -> None:
+    def __init__(self, dataset: Any, total: int) -> None:  # (a dataset with a length)
         self.dataset = dataset
         self.n = len(dataset)
         self.total = total
@@ -565,7 +568,8 @@ def check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
     if not isinstance(batch_sampler, BatchSampler) or batch_sampler.drop_last:
         return
     try:
-        short = len(batch_sampler.sampler) % batch_sampler.batch_size
+        sampler: Any = batch_sampler.sampler  # (with a length, or a TypeError)
+        short = len(sampler) % batch_sampler.batch_size
         batches = len(batch_sampler)
     except TypeError:  # a sampler without a length
         return

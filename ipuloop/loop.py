@@ -1,4 +1,4 @@
-"""``Loop``: wires options, plans, executors, accumulators and callbacks, and is the only place events are ordered.
+"""``Loop``: wires options, plans, executors, accumulators and callbacks; it alone orders events.
 
 Its ``Dispatcher`` fires the events (``ipuloop.dispatcher``); a process alone is a run of one
 instance (``processes.Processes``), so fit, validate and predict have one path for one
@@ -341,7 +341,7 @@ class Loop:
                 st.logs.update(epoch.add_logs(logs))
             if metrics:
                 epoch.update_metrics(output, labels)
-            if every is not None and st.step % every == 0:
+            if every is not None and st.step % every == 0 and val_plan is not None:
                 self._validate_in_fit(val_plan, in_step=True)
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
@@ -406,7 +406,7 @@ class Loop:
         this instance alone: ``validate()``)."""
         st = self.state
         self._hooks.fire("on_validation_start")
-        loss_fn = self.model.loss_fn if issubclass(type(self.model), WithLoss) else None
+        loss_fn = self.model.loss_fn if isinstance(self.model, WithLoss) else None
         run = Validation(plan, self.metrics, self._metric_output, loss_fn, self._warned,
                          self._returns)
         model = None

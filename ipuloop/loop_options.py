@@ -1,9 +1,9 @@
-"""``Loop``'s arguments resolved once: training and inference ``poptorch.Options``, precision, metrics.
+"""``Loop``'s arguments resolved once: training and inference ``Options``, precision, metrics.
 
 ``Loop`` resolves here what its arguments ask of the options (replicas, seed, precision,
-clipping, the output mode) and checks its metrics. The training options freeze when the first ``fit`` starts, after
-the ``on_configure`` hooks; from then on the loader, the output layout, the logs and the
-executor all read that one object.
+clipping, the output mode) and checks its model, metrics and ``fit``'s counts. The training
+options freeze when the first ``fit`` starts, after the ``on_configure`` hooks; from then on
+the loader, the output layout, the logs and the executor all read that one object.
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 ``WithLoss`` gives a model and a loss function the ``(output, loss)`` return of a
 model-with-loss; ``Returns`` says where a model's return value holds its loss, its output and
-the scalars it logs. A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns (poptorch-semantics
-§2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d with (d+1) % N == 0;
-Final: the last micro-batch of each replica; Sum: per replica, the sum over DI*GA.
-A scalar loss becomes ``[n]`` only when that count n is > 1.
+the scalars it logs. A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns
+(poptorch-semantics §2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d
+with (d+1) % N == 0; Final: the last micro-batch of each replica; Sum: per replica, the sum
+over DI*GA. A scalar loss becomes ``[n]`` only when that count n is > 1.
 
 ``Layout`` is that shape of a host call, built from the options (``Layout.of``);
 ``Layout.step_loss`` reduces the loss, and each logged scalar the same way, over a step.
@@ -121,7 +121,7 @@ class Returns:
         nothing."""
         if self._pairs and type(out) is tuple and len(out) == 2:  # the common case, first
             return out[0], out[1], None
-        key = self.key
+        key: Any = self.key  # an int (an index) unless a str (a key): ``_pairs``
         if not self._pairs:
             if isinstance(out, (tuple, list)) and -len(out) <= key < len(out):
                 rest = [v for i, v in enumerate(out) if i != key % len(out)]
@@ -134,8 +134,8 @@ class Returns:
                 return out[0], out[1], out[2]
             return out, None, None
         if isinstance(out, Mapping) and out.get(key) is not None:
-            rest = {k: v for k, v in out.items() if k != key and k != "logs"}
-            output = next(iter(rest.values())) if len(rest) == 1 else rest
+            kept = {k: v for k, v in out.items() if k != key and k != "logs"}
+            output = next(iter(kept.values())) if len(kept) == 1 else kept
             return output, out[key], out.get("logs")
         return out, None, None
 
@@ -182,7 +182,8 @@ def check_logged(logs: Any, metrics: Any = (), where: str = "") -> None:
 
 class StepLoss(NamedTuple):  # a tuple: made once per training step, at a tuple's cost
     total: float  # sum of the micro-batch losses this step's output stands for
-    count: int  # how many micro-batch losses ``total`` sums
+    count: int  # type: ignore[assignment]  # how many micro-batch losses ``total`` sums
+    # (a field of that name hides tuple.count, which a step loss has no use for)
     exact: bool  # False when the mode returns only some micro-batches (Final, EveryN>1)
 
     @property
@@ -289,7 +290,7 @@ class Layout:
         groups = self.input_groups
         slots = self.di * self.ga * groups
         if (self.rf == groups and labels.dim() and labels.shape[0] % slots == 0
-                and (self.mode == ALL or self.mode == EVERY_N and self.period == 1)):
+                and (self.mode == ALL or (self.mode == EVERY_N and self.period == 1))):
             return labels  # every micro-batch in host-batch order: the labels as they are
         b = labels.shape[0] // slots
         x = labels.reshape(self.di, self.ga, groups, b, *labels.shape[1:])
@@ -337,8 +338,8 @@ def _float16_cause(precision: str, loss_scaling: float | None, last_loss: float 
     text = (f"The step runs in float16 (precision={precision!r}), whose largest value is "
             f"{FLOAT16_MAX:g}, and its host batch is within that range: ")
     if loss_scaling is not None and loss_scaling > 1:
-        scaled = None if last_loss is None else abs(last_loss) * loss_scaling
-        if scaled is not None and math.isfinite(scaled) and scaled > FLOAT16_MAX:
+        scaled = math.inf if last_loss is None else abs(last_loss) * loss_scaling
+        if last_loss is not None and math.isfinite(scaled) and scaled > FLOAT16_MAX:
             return text + (
                 f"the last finite step loss, {last_loss:.6g}, times the optimizer's "
                 f"loss_scaling={loss_scaling:g} is {scaled:.6g}, beyond it, so the gradients "

@@ -1,4 +1,4 @@
-"""A loader as this process runs it (``Plan``): built once per fit, validation or predict, it hands out each epoch's batches.
+"""A loader as this process runs it (``Plan``): built once per call, it hands out the batches.
 
 ``build`` checks a loader against the options and rebuilds it as a ``poptorch.DataLoader``
 whose order it can draw and skip into (``loaders``): alone, or under several processes this
@@ -50,7 +50,8 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": _plain(random.getstate()), "torch": torch.get_rng_state()}
     with contextlib.suppress(ImportError):
         import numpy as np
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy: Any = np.random.get_state()  # (a tuple: the legacy MT19937 generator's)
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -119,17 +120,18 @@ class Plan:
         loader = self.loader if loader is None else loader
         g = loader.generator
         host = torch.get_rng_state()
-        own = g.get_state() if g is not None else None
+        own = g.get_state() if g is not None else host
         if loader is self.stream:
             it = iter(loader)
         elif self.prefetch is not None:  # its own loader draws from a copy of the generator
             own_g = torch.Generator()
-            own_g.set_state(own if g is not None else host)
+            own_g.set_state(own)
             it = Prefetched(self.prefetch.loader(self, own_g), self.shape,
-                             start // max(self.combined // self.micro, 1))
+                            start // max(self.combined // self.micro, 1))
         elif self.batches is not None:  # torch's iterator of micro-batches, joined here
+            assert self.shape is not None  # (a custom batch sampler's plan has one)
             it = HostCalls(DataLoader.__iter__(loader), self.combined // self.micro,
-                            self.shape, start)
+                           self.shape, start)
         else:
             it = iter(loader)
         torch.set_rng_state(host)
@@ -142,7 +144,7 @@ class Plan:
         """This epoch's host batches from its start, each with how many of its rows are
         samples: the rest (of the last call, or of a call past the samples, as several
         processes' validation runs) is padding."""
-        it = self.epoch()
+        it: Any = self.epoch()  # (a stream's says how many rows are samples: ``real``)
         left = self.samples if self.sampler is not None and self.samples else None
         for batch in it:
             if self.stream is not None:
@@ -232,7 +234,7 @@ class Feed:
 
     def __init__(self, model: torch.nn.Module, label_key: str, needs_labels: bool,
                  dtype: torch.dtype | None) -> None:
-        self.model = model
+        self.model: Any = model  # (a WithLoss's num_inputs is read and set)
         self.label_key = label_key
         self.needs_labels = needs_labels  # (the labels of a dict batch: for loss_fn, metrics)
         self.dtype = dtype
@@ -298,8 +300,9 @@ def _alone(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: b
         raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
                         f"Received: {name}={type(loader).__name__}.")
     factor = host_call_factor(opts, training)
-    dataset = loader.dataset
-    batch_sampler = loader.batch_sampler
+    dataset: Any = loader.dataset  # (a dataset, a sampler, a batch size: as the loader holds)
+    batch_sampler: Any = loader.batch_sampler
+    micro: Any
     # A batch sampler the user chose (a subclass, or a plain BatchSampler passed as
     # batch_sampler=, which leaves batch_size None), rather than the one torch built.
     custom_batches = batch_sampler is not None and (
@@ -450,11 +453,13 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
         iterations = opts.device_iterations * opts.Training.gradient_accumulation
         combined = whole.micro * host_call_factor(opts, True)
         if whole.batches is not None:  # a custom batch sampler: its batches shared out alike
+            assert whole.shape is not None  # (a custom batch sampler's plan has one)
             batches = ProcessBatchSampler(whole.batches.inner, rank, size, iterations, groups)
             built = _rebuilt(poptorch, opts, whole, view.dataset, batches)
             return Plan(built, None, whole.micro, combined, layout, whole.samples, name,
                         batches, shape=OneShape(name, whole.batches.inner,
                                                 whole.shape.batch_size, iterations * groups))
+        assert whole.sampler is not None  # (a map-style dataset's plan, read in an order)
         sampler = ProcessSampler(whole.sampler.inner, rank, size, iterations,
                                  groups * whole.micro)
         built = _rebuilt(poptorch, opts, whole, view.dataset, sampler)

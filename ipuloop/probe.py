@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .outputs import Returns, WithLoss, check_logged, map_tensors
+from .outputs import Returns, WithLoss, check_logged
 
 __all__ = ["shape", "probe", "probe_plan"]
 

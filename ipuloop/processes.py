@@ -1,4 +1,4 @@
-"""The instances of a run: one process alone, or a ``Loop`` per process under torchrun, mpirun or poprun.
+"""The instances of a run: a process alone, or a ``Loop`` per process (torchrun, mpirun, poprun).
 
 A process alone is a run of one instance (``Processes``): its sums return their input and its
 stop flags are its own, so the loop has one path for one process and for several. Started by a
@@ -193,7 +193,7 @@ def _default_store() -> Any:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
         return _get_default_store()
-    except Exception:  # (a private function): the others then learn only that it failed
+    except Exception:  # noqa: BLE001 (a private function: the others then only learn it failed)
         return None
 
 
@@ -357,7 +357,7 @@ class ProcessGroup(Processes):
         try:  # the store's host may have gone too: wait seconds, not the run's timeout
             self.store.set_timeout(datetime.timedelta(seconds=STORE_WAIT))
             return json.loads(self.store.compare_set(FAILURE_KEY, "", json.dumps(mine)))
-        except Exception:
+        except Exception:  # noqa: BLE001 (the store is gone or slow: the error is told undescribed)
             return None
 
     def _read(self) -> None:

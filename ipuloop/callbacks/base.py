@@ -87,7 +87,9 @@ class LoopView(Protocol):
     train_opts: Any  # poptorch.Options: settable in on_configure, frozen from fit on
     optimizer: Any  # the host optimizer (changes reach the device before the next step)
     callbacks: list[Callback]
-    exception: BaseException | None  # the same as state.exception
+
+    @property
+    def exception(self) -> BaseException | None: ...  # the same as state.exception
 
     def stop(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...  # fires on_save_checkpoint first

@@ -131,8 +131,9 @@ class ModelCheckpoint(Callback):
     the next save, and all kept with ``save_top_k=-1``. To keep the best by a validation
     log, save at epoch ends (``every_n_epochs``), or at the steps where the fit validates:
     with ``fit(val_every_n_steps=N)`` a validation runs before the ``on_train_step_end`` of
-    every N-th step, so ``every_n_steps`` a multiple of N ranks each step save by it. ``best_path``, ``best_score`` and
-    ``best_k`` give the ranked ones; ``last_path`` the newest regular save.
+    every N-th step, so ``every_n_steps`` a multiple of N ranks each step save by it.
+    ``best_path``, ``best_score`` and ``best_k`` give the ranked ones; ``last_path`` the newest
+    regular save.
 
     A save at a step that already has a checkpoint (the epoch-end save after the step save of
     the epoch's last step) replaces it, so one state is never kept under two names. The folder
@@ -331,7 +332,8 @@ class ModelCheckpoint(Callback):
                 cio.remove(self.dirpath / name)
             except OSError as err:
                 warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
-                              f"({err}); a fit resumed from {self.latest()} deletes it.")
+                              f"({err}); a fit resumed from {self.latest()} deletes it.",
+                              stacklevel=2)
         self._deferred = []
         self.resumed_from = None
         if self.load_best_at_end and not loop.state.preempted:  # (preempted: the process exits)
@@ -343,7 +345,7 @@ class ModelCheckpoint(Callback):
         if best is None:
             warnings.warn(f"{self!r}: load_best_at_end, but no checkpoint is ranked by "
                           f"monitor={self.monitor!r} (see the class docstring: ranking): the "
-                          "model keeps the last step's weights.")
+                          "model keeps the last step's weights.", stacklevel=2)
             return
         if self._best_weights is not None and self._best_weights[0] == best.name:
             weights = self._best_weights[1]  # saved by this fit: every instance holds it
@@ -426,7 +428,7 @@ class ModelCheckpoint(Callback):
                       f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
                       f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
                       f"{'it' if len(gone) == 1 else 'them'}, as "
-                      f"{name + ('-exception' if exception is not None else '')!r}.")
+                      f"{name + ('-exception' if exception is not None else '')!r}.", stacklevel=2)
         return name
 
     def save(self, loop: LoopView, *, exception: BaseException | None = None,
@@ -447,7 +449,8 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
                              f"plain folder name inside {self.dirpath}.")
         if name == self.resumed_from:
-            warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.")
+            warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.",
+                          stacklevel=2)
             return None
         folder = self.dirpath / name
         if (self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept}
@@ -510,7 +513,7 @@ class ModelCheckpoint(Callback):
                     self._deferred.append(e["name"])  # retried at fit end, recorded in saves
                     warnings.warn(f"ModelCheckpoint: could not rotate out "
                                   f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
-                                  "Retrying when the fit ends (or at a resume).")
+                                  "Retrying when the fit ends (or at a resume).", stacklevel=2)
         return folder
 
     # -- finding -------------------------------------------------------------------------------

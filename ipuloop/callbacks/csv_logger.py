@@ -79,7 +79,8 @@ class CSVLogger(Callback):
         kept = self._read()[:self.rows]
         if self.rows and len(kept) < self.rows:
             warnings.warn(f"CSVLogger: {self.path} has {len(kept)} rows but the checkpoint "
-                          f"recorded {self.rows}: appending after the rows there are.")
+                          f"recorded {self.rows}: appending after the rows there are.",
+                          stacklevel=2)
         self.rows = len(kept)
         self._rewrite(kept)
 
@@ -89,7 +90,7 @@ class CSVLogger(Callback):
     def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
         validated = self._val_at == st.step  # a validation at this step: before this event
-        if validated or self.every_n_steps and st.step % self.every_n_steps == 0:
+        if validated or (self.every_n_steps and st.step % self.every_n_steps == 0):
             self._write(loop, {k: v for k, v in st.logs.items() if not k.startswith("train_")
                                and (validated or not k.startswith("val_"))})
 

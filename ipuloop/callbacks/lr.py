@@ -137,8 +137,8 @@ class LRScheduler(Callback):
             return
         if not self.plateau:
             self._step()
-        else:
-            self._step(monitored(loop.state, self.monitor, "LRScheduler"))
+        else:  # (a plateau scheduler has a monitor: checked when built)
+            self._step(monitored(loop.state, str(self.monitor), "LRScheduler"))
 
     def state_dict(self) -> dict[str, Any]:
         # A method of the scheduler itself (torch 2.0's OneCycleLR keeps ``anneal_func``) is

@@ -95,7 +95,7 @@ class ProfileCapture(Callback):
             self._finish(loop)
         elif not self.written and backend_name() != "poptorch":
             warnings.warn(f"ProfileCapture: the fit ended before step {self.start_step}, so "
-                          "nothing was profiled. Lower start_step.")
+                          "nothing was profiled. Lower start_step.", stacklevel=2)
 
     def on_exception(self, loop: LoopView) -> None:
         self._close()

@@ -37,7 +37,8 @@ from .. import rules
 from .enums import ConnectionType
 from .errors import Error
 
-__all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
+__all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options",
+           "check_replicated_updates",
            "check_stages", "check_updatable_buffers",
            "forbid_backward", "note_for_loop", "note_identity_loss", "tensor_addresses"]
 

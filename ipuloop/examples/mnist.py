@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     import torchmetrics
 
-    from ipuloop import Loop, backend_name, poptorch
+    from ipuloop import Callback, Loop, backend_name, poptorch
 
     if args.ipu_config:
         try:
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(args.seed)
     model = Network()
-    callbacks = []
+    callbacks: list[Callback] = []
     if args.checkpoint_dir:
         from ipuloop.callbacks.checkpoint import ModelCheckpoint
         callbacks.append(ModelCheckpoint(args.checkpoint_dir))
