@@ -69,7 +69,7 @@ def _child(cfg: dict) -> None:
     steps = cfg["warmup"] + cfg["steps"]
     loop.fit(loader, epochs=-(-steps // max(Loop.num_updates(loader, opts) // cfg["di"], 1)),
              max_steps=steps)
-    from ipuloop.distributed import is_main_process, num_processes
+    from ipuloop.processes import is_main_process, num_processes
     if is_main_process():
         timed = marks[cfg["warmup"]:]
         per_step = cfg["micro"] * cfg["di"] * cfg["ga"] * cfg["replicas"] * num_processes()

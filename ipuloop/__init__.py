@@ -5,12 +5,21 @@ CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
 """
 from __future__ import annotations
 
+import sys
+
 from .backend import backend_name
 from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
 from .config import IPUConfig
 from .loop import Loop, NonFiniteLossError, WithLoss
 from .state import State
 from .version import __version__
+
+# The names these two modules had in 0.1.0's first layout, still importable:
+# ``ipuloop.distributed`` (process_index, is_main_process, ...) and ``ipuloop.errors``.
+from . import exceptions as _exceptions, processes as _processes
+
+sys.modules.setdefault(f"{__name__}.distributed", _processes)
+sys.modules.setdefault(f"{__name__}.errors", _exceptions)
 
 __all__ = ["Callback", "CancelEpoch", "CancelFit", "CancelStep", "IPUConfig", "Loop",
            "NonFiniteLossError", "ProgressBar", "State", "WithLoss", "backend_name", "poptorch",
@@ -22,4 +31,6 @@ def __getattr__(name: str):
     if name == "poptorch":
         from .backend import poptorch_module
         return poptorch_module()
+    if name in ("distributed", "errors"):
+        return sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module 'ipuloop' has no attribute {name!r}")

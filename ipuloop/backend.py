@@ -66,4 +66,5 @@ def poptorch_module() -> ModuleType:
 def backend_name() -> str:
     """"poptorch" (real IPUs) or "emulator" (CPU/CUDA emulation of PopTorch)."""
     poptorch_module()
+    assert _resolved is not None  # (resolved by poptorch_module)
     return _resolved[0]

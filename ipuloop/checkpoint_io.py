@@ -176,7 +176,7 @@ def load_checkpoint(path: str | os.PathLike, *, backend: str | None = None) -> d
     spath = _folder(path) / STATE
     try:
         sd = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:  # UnpicklingError, RuntimeError, EOFError...: all mean "untrusted"
+    except Exception as e:  # noqa: BLE001 (UnpicklingError, RuntimeError, EOFError...: all mean "untrusted")
         raise CheckpointError(spath, f"rejected by torch.load(weights_only=True): {e}") from None
     if not isinstance(sd, dict) or not {"model", "counters", "rng"} <= sd.keys():
         raise CheckpointError(spath, "not an ipuloop loop state (no model, counters or rng)")
@@ -278,8 +278,8 @@ def find_latest(dirpath: Path, include_tainted: bool = False) -> Path | None:
             continue
         if bad:
             warnings.warn(f"Skipped newer checkpoint(s) that failed verification "
-                          f"({'; '.join(bad)}); using {folder}.")
+                          f"({'; '.join(bad)}); using {folder}.", stacklevel=2)
         return folder
     if bad:
-        warnings.warn(f"No valid checkpoint in {dirpath}: {'; '.join(bad)}.")
+        warnings.warn(f"No valid checkpoint in {dirpath}: {'; '.join(bad)}.", stacklevel=2)
     return None

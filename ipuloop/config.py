@@ -33,7 +33,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -131,8 +131,8 @@ _FIELDS = {
 _SERIALISATION = tuple(f"{p}{k}" for p in ("", "inference_") for k in (
     "embedding_serialization_factor", "serialized_embedding_splits_per_ipu",
     "projection_serialization_factor", "serialized_projection_splits_per_ipu"))
-_OPTIMUM_ONLY: dict[str, tuple[Any, ...]] = {
-    **{k: (None, 1) for k in _SERIALISATION},
+_OPTIMUM_ONLY: dict[str, tuple[Any, ...] | None] = {
+    **dict.fromkeys(_SERIALISATION, (None, 1)),
     "explicit_ir_inference": (False,), "parallelize_kwargs": (None, {}),
     "inference_parallelize_kwargs": (None, {}), "execute_encoder_on_cpu_for_generation": (False,),
     "sharded_execution_for_inference": (None, False, True),  # inference is always sharded
@@ -172,7 +172,7 @@ class IPUConfig:
         given = {k: v for k, v in locals().items() if k in _FIELDS}
         dropped = {k: unknown.pop(k) for k in list(unknown) if k in _OPTIMUM_ONLY}
         active = {k: v for k, v in dropped.items()
-                  if _OPTIMUM_ONLY[k] is not None and v not in _OPTIMUM_ONLY[k]}
+                  if _OPTIMUM_ONLY[k] is not None and v not in (_OPTIMUM_ONLY[k] or ())}
         if active:
             names = ", ".join(f"{k}={v!r}" for k, v in sorted(active.items()))
             warnings.warn(f"IPUConfig ignores optimum-graphcore settings it does not implement: "
@@ -263,7 +263,7 @@ class IPUConfig:
                                              f"{p}layers_per_ipu={lpi}")
         if num_layers is None:
             return lpi
-        total = num_layers if _is_int(num_layers) else len(num_layers)
+        total = cast(int, num_layers) if _is_int(num_layers) else len(cast(Sequence, num_layers))
         if n == 1:  # everything on IPU 0; layers_per_ipu is ignored
             return [total]
         if lpi in ([-1], [-1] * n):

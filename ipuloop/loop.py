@@ -1,27 +1,31 @@
-"""``Loop``: wires options, data, executors and callbacks, and is the only place events are ordered.
+"""``Loop``: wires options, plans, executors, accumulators and callbacks; it alone orders events.
 
-How an event fires, a scope is bracketed and a stop flag is read: ``ipuloop.events``.
+Its ``Dispatcher`` fires the events (``ipuloop.dispatcher``); a process alone is a run of one
+instance (``processes.Processes``), so fit, validate and predict have one path for one
+process and for several.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .accumulators import Predictions, TrainEpoch, Validation
 from .backend import backend_name, poptorch_module
-from . import distributed, plans
 from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
-from .data import (Plan, Predictions, as_sent, async_settings, check_not_empty,
-                   first_micro_batch, no_host_call, predict_inputs, split_batch)
-from .device import Executors, WithLoss
-from .errors import NonFiniteLossError
-from .events import Events
-from .metrics import Validation, metric_logs, probe, resolve_metrics
-from .options import inference_options, resolve
-from .outputs import Returns, non_finite_error
+from .dispatcher import Dispatcher
+from .exceptions import NonFiniteLossError
+from .executors import Executors
+from .loaders import async_settings
+from .loop_options import check_fit_args, resolve
+from .outputs import WithLoss, non_finite_error
+from .plan import Feed, Plan, build, build_inference, no_host_call, num_updates
+from .probe import probe_plan
+from .processes import ALONE, Processes, join
 from .resume import Resume, check_resumable
 from .signals import Preempted, handle_signals
 from .state import State
@@ -29,7 +33,7 @@ from .state import State
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
 
 
-class Loop(Events):
+class Loop:
     """Train, validate and predict with a PopTorch model.
 
     Args:
@@ -54,7 +58,7 @@ class Loop(Events):
             PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
             the IPU Model), at most 64 IPUs, and no more than the system has.
         inference_opts: options for validation and predict; default: the training options
-            without their training-only settings (``ipuloop.options.inference_options``).
+            without their training-only settings (``ipuloop.loop_options.inference_options``).
         seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
         check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
         precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
@@ -75,7 +79,7 @@ class Loop(Events):
             keeps its own mode).
 
     Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
-    (Hugging Face's), fed as ``model(**batch)`` (``data.split_batch``). A model-with-loss may
+    (Hugging Face's), fed as ``model(**batch)`` (``plan.split_batch``). A model-with-loss may
     return scalars to log beside its loss (``outputs.Returns``): ``<name>`` per step,
     ``train_<name>`` per epoch, ``val_<name>``. Before compiling, the
     loop runs one micro-batch through the model on the host, so a label batch that differs
@@ -101,36 +105,41 @@ class Loop(Events):
                  precision: str | int = "32", label_key: str = "labels",
                  loss_key: str | int = "loss", async_data: bool | dict = False) -> None:
         self.poptorch = pt = poptorch_module()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
-        if not (isinstance(label_key, str) and label_key):
-            raise TypeError(f"label_key must be a non-empty str (the labels' key in a dict "
-                            f"batch). Received: label_key={label_key!r}.")
-        self.label_key, self._returns = label_key, Returns(loss_key)
-        self.model = WithLoss(model, loss_fn, label_key=label_key) if loss_fn is not None \
-            else model
-        self.metrics = resolve_metrics(metrics, metric_output)  # validation's; training: clones
-        r = resolve(pt, self.model, opts, inference_opts, replicas=replicas, seed=seed,
-                    optimizer=optimizer, max_grad_norm=max_grad_norm, precision=precision,
-                    metrics=self.metrics)
-        self.train_opts, self.optimizer, self.precision = r.train, r.optimizer, r.precision
-        self._user_inference_opts, self._input_dtype = r.inference, r.input_dtype
-        self._metric_output = metric_output
-        self._train_metrics = {k: m.clone() for k, m in self.metrics.items()}
-        self._needs_labels = loss_fn is not None or bool(self.metrics)  # (from a dict batch)
+        r = resolve(pt, model, opts, inference_opts, loss_fn=loss_fn, label_key=label_key,
+                    loss_key=loss_key, metrics=metrics, metric_output=metric_output,
+                    replicas=replicas, seed=seed, optimizer=optimizer,
+                    max_grad_norm=max_grad_norm, precision=precision)
+        self.label_key = label_key
+        self.model = r.model
+        self.metrics = r.metrics  # validation's; the training epoch's are clones
+        self.train_opts = r.train
+        self.optimizer = r.optimizer
+        self.precision = r.precision
         self.check_finite = check_finite
         self.state = State()
-        self.callbacks, self._hooks = arrange(callbacks, progress)
+        self.callbacks = arrange(callbacks, progress)
         self.executors = Executors(pt, self.model, self.optimizer)
+        self._inference_opts = r.inference  # the inference_opts given (a clone), or None
+        self._returns = r.returns
+        self._metric_output = metric_output
+        self._hooks = Dispatcher(self, self.callbacks)
+        # (the labels of a dict batch are needed for loss_fn or the metrics)
+        self._feed = Feed(self.model, label_key, loss_fn is not None or bool(self.metrics),
+                          r.input_dtype)
         self._resume = Resume()
-        self._batches: Any = None  # the running epoch's batch iterator
-        self._reading: Plan | None = None  # the running validation's or predict's loader
         self._async = async_settings(async_data)  # torch loaders read ahead: async_options
         self._warned: set[str] = set()  # one-time warnings given
         self._frozen = False  # train_opts: settable in on_configure, then frozen
-        self._num_inputs: int | None = None  # inputs per batch in the last fit or validate
-        # several processes (torchrun, mpirun, poprun): this loop is one instance of the run
-        self._dist = distributed.attach(self, replicas_given=replicas is not None)
+        self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
+        # The run this loop is an instance of: this process alone, or several (torchrun,
+        # mpirun, poprun), whose instances other than 0 show no progress and write no logs.
+        self._processes: Processes = join(self.train_opts, self._inference_opts,
+                                          replicas_given=replicas is not None)
+        self.state.instance = self._processes.rank
+        self.state.instances = self._processes.size
+        self._hooks.main_instance_only(self._processes.rank)
+        self._epoch = TrainEpoch(self.metrics, metric_output, self._returns, self._processes,
+                                 self.state)
 
     @property
     def train_model(self) -> Any:
@@ -142,8 +151,27 @@ class Loop(Events):
         """``setOptimizer`` calls made (only when a hyper-parameter changed)."""
         return self.executors.pushes
 
+    @property
+    def exception(self) -> BaseException | None:
+        """The error ``on_exception`` hooks are told of (``state.exception``)."""
+        return self.state.exception
+
+    @property
+    def exception_source(self) -> Callback | None:
+        """The callback whose hook raised ``exception``, if one did."""
+        return self.state.exception_source
+
+    num_updates = staticmethod(num_updates)
+
+    def describe(self) -> str:
+        """The loop's events, with the callbacks attached to each."""
+        return self._hooks.describe()
+
+    def stop(self) -> None:
+        """End the fit after the current step."""
+        self.state.stop_requested = True
+
     # -- fit ------------------------------------------------------------------------------------
-    @distributed.failing_together  # several processes: an error on one ends every instance's
     def fit(self, train_loader: Any, epochs: int = 1, val_loader: Any = None, *,
             resume_from: str | None = None, max_steps: int | None = None,
             val_every_n_steps: int | None = None) -> list[dict]:
@@ -159,8 +187,8 @@ class Loop(Events):
         other factors than the saved run, as ``ipuloop.resume`` says (a warning, or a
         ``ValueError`` naming each changed factor before any step). ``max_steps`` ends the
         fit after that many training steps in total (for smoke runs), like ``stop()``: an
-        epoch it cuts short is not counted as complete. A fit asked for no more epochs than ``state.epoch`` already
-        holds runs none, with a warning.
+        epoch it cuts short is not counted as complete. A fit asked for no more epochs than
+        ``state.epoch`` already holds runs none, with a warning.
 
         An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B the loader's
         batch size), each running DI optimizer updates; the remainder is dropped (with a
@@ -168,74 +196,70 @@ class Loop(Events):
         a ``ValueError`` naming every factor, raised before anything is compiled.
 
         With several processes, an error that ends it on one instance ends it on every
-        instance within seconds, naming that instance (``ipuloop.distributed``).
+        instance within seconds, naming that instance (``ipuloop.processes``).
         """
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
-        for k, v in (("max_steps", max_steps), ("val_every_n_steps", val_every_n_steps)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{k} must be an int >= 1 or None. Received: {k}={v!r}.")
-        if val_every_n_steps is not None and val_loader is None:
-            raise ValueError(f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
-                             "but this fit has none. Pass val_loader= too.")
+        # several processes: an error here, from the first check on, ends every instance's fit
+        with self._processes.failing_together(self.state):
+            return self._fit(train_loader, epochs, val_loader, resume_from, max_steps,
+                             val_every_n_steps)
+
+    def _fit(self, train_loader: Any, epochs: int, val_loader: Any, resume_from: str | None,
+             max_steps: int | None, val_every_n_steps: int | None) -> list[dict]:
+        check_fit_args(epochs, max_steps, val_every_n_steps, val_loader)
         if not self._frozen:
-            self._fire("on_configure")  # the one place where callbacks change train_opts
+            self._hooks.fire("on_configure")  # the one place where callbacks change train_opts
             self.train_opts._freeze()  # from here on the loader, outputs, logs and model agree
             self._frozen = True
         st = self.state
         st.val_every_n_steps = val_every_n_steps  # (the instances compare it)
-        plan = self._plan(train_loader, training=True, name="train_loader")
-        val_plan = self._val_plan(val_loader) if val_loader is not None else None
-        self._probe(plan)
-        if self._dist is not None:  # several processes: the same settings on each
-            self._dist.check_agreement(self, plan, val_plan, epochs, max_steps)
+        plan = build(self.poptorch, train_loader, self.train_opts, True, "train_loader",
+                     async_options=self._async)
+        val_plan = None if val_loader is None else self._inference_plan(val_loader, "val_loader")
+        probe_plan(self.model, plan, self._feed, copy_float=self.precision == "16-true",
+                   metrics=self.metrics, metric_output=self._metric_output,
+                   returns=self._returns)
+        self._processes.check_agreement(self, plan, val_plan, epochs, max_steps)
         if resume_from is not None:
             self.check_resumable()
             self._load(resume_from)
         self._resume.continue_at(plan, st)
+        self._epoch.layout = plan.layout
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
             warnings.warn(f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
                           "already complete, and epochs is the total, not a number to add. "
-                          f"Pass epochs={st.epoch + epochs} to train {epochs} more.", stacklevel=2)
-        st.stop_requested = st.preempted = False
-        st.exception = st.exception_source = None
-        st.max_steps, st.steps_per_epoch = max_steps, plan.steps
-        st.validates = val_plan is not None  # read by monitoring callbacks at on_fit_start
+                          f"Pass epochs={st.epoch + epochs} to train {epochs} more.", stacklevel=3)
+        st.start_fit(plan.steps, max_steps, validates=val_plan is not None)
         self._resume.val_rng = None
-        with handle_signals(self._on_sigterm, self._kill_workers), self._reporting(fit=True):
+        with self._running(plan, val_plan, fit=True):
             try:
-                self._with_events("on_fit_start", lambda: self._epochs(plan, val_plan, epochs),
+                self._hooks.scope("on_fit_start", lambda: self._epochs(plan, val_plan, epochs),
                                   CancelFit)
             except Preempted:
-                self._fire("on_preempt")
+                self._hooks.fire("on_preempt")
             self.executors.detach(self.train_model)  # weights and optimizer state to host
-            self._fire("on_fit_end")
+            self._hooks.fire("on_fit_end")
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
 
     def _epochs(self, plan: Plan, val_plan: Plan | None, epochs: int) -> None:
-        while self.state.epoch < epochs and not self._step_boundary():
+        st = self.state
+        while st.epoch < epochs and not self._processes.at_boundary(st):
             self._fit_epoch(plan, val_plan)
-        self._check_preempted()  # SIGTERM during the last epoch-end hooks
+        self._processes.check_preempted(st)  # SIGTERM during the last epoch-end hooks
 
     def _fit_epoch(self, plan: Plan, val_plan: Plan | None) -> None:
         st = self.state
         if st.epoch_step == 0:
-            st.epoch_loss, st.epoch_logs = [0.0, 0, True], {}
-            for m in self._train_metrics.values():
-                m.reset()
-        self._with_events("on_epoch_start", lambda: self._train_epoch(plan, val_plan),
+            self._epoch.reset()
+        self._hooks.scope("on_epoch_start", lambda: self._train_epoch(plan, val_plan),
                           CancelEpoch)
-        total, count, exact = st.epoch_loss
-        if count:
-            st.logs["train_loss"] = total / count
-            st.logs["train_loss_exact"] = float(exact)
-            st.logs.update(metric_logs("train_", self._train_metrics))  # host-side: no sync
-            st.logs.update({"train_" + k: t / n for k, (t, n) in st.epoch_logs.items() if n})
+        logs = self._epoch.logs()
+        if logs:
+            st.logs.update(logs)
         else:  # no step ran (cancelled): no train values, rather than the last epoch's
-            self.state.drop_logs("train_", self._logged())
-        if self._should_stop() and plan.steps and st.epoch_step < plan.steps:
+            st.drop_logs("train_", self._logged())
+        if st.should_stop() and plan.steps and st.epoch_step < plan.steps:
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         every = st.val_every_n_steps
         if val_plan is not None and not (every and st.step and st.step % every == 0):
@@ -243,13 +267,13 @@ class Loop(Events):
         st.epoch += 1
         st.epoch_step = 0
         st.history.append({"epoch": st.epoch, **st.logs})
-        self._event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing left to skip
+        self._hooks.event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing to skip
 
     def _validate_in_fit(self, val_plan: Plan, in_step: bool = False) -> None:
         """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
         try:
             with self._resume.validation(in_step):  # (a checkpoint in it resumes before it)
-                self._run_validation(val_plan)
+                self._run_validation(val_plan, self._processes, in_fit=True)
         except CancelEpoch:  # raised in a validation hook: no val logs this time
             self.state.drop_logs("val_", self._logged())
             if in_step:
@@ -260,46 +284,50 @@ class Loop(Events):
         return ("loss", "loss_exact", *self.metrics, *self._returns.logged)
 
     def _train_epoch(self, plan: Plan, val_plan: Plan | None) -> None:
-        st, layout, executors = self.state, plan.layout, self.executors
-        batches = self._batches = self._resume.epoch_batches(plan, st.epoch_step, st.epoch)
-        metrics, metric_output, check_finite = self._train_metrics, self._metric_output, \
-            self.check_finite
-        per_step_samples = plan.combined
-        per_step_updates, per_step_micro_batches = layout.di, layout.micro_batches
-        dist = self._dist
-        if dist is not None:  # several processes: the counters count the whole run
-            per_step_samples *= dist.size
-            per_step_micro_batches *= dist.size
-        step_start, step_end = self._hooks["on_train_step_start"], self._hooks["on_train_step_end"]
+        st = self.state
+        epoch = self._epoch
+        executors = self.executors
+        hooks = self._hooks
+        layout = plan.layout
+        batches = plan.epoch(st.epoch_step, st.epoch, self._resume.draw())
+        split = self._feed.split
+        returns = self._returns.split
+        check_finite = self.check_finite
+        metrics = bool(epoch.metrics)
+        instances = self._processes.size  # the counters count the whole run
+        per_step_samples = plan.combined * instances
+        per_step_micro_batches = layout.micro_batches * instances
+        per_step_updates = layout.di
+        boundary = self._processes.at_boundary
+        step_start = hooks.hooks["on_train_step_start"]
+        step_end = hooks.hooks["on_train_step_end"]
         if self._resume.take_step_validation():  # saved during a step's validation: finish it
             if val_plan is not None:
                 self._validate_in_fit(val_plan, in_step=True)
             if step_end:
-                self._event("on_train_step_end", CancelStep)
-            if self._step_boundary():
+                hooks.event("on_train_step_end", CancelStep)
+            if boundary(st):
                 return
         every = st.val_every_n_steps if val_plan is not None else None
-        epoch_loss, split = st.epoch_loss, self._returns.split
-        fresh, seen = st.epoch_step == 0, False
+        fresh = st.epoch_step == 0
+        seen = False
         for batch in batches:
             seen = True
             if st.preempted:  # SIGTERM while the batch was read: stop before the step
                 raise Preempted
-            args, kwargs, labels = self._split(batch, plan.name)
+            args, kwargs, labels = split(batch, plan.name)
             model = executors.train
             if model is None or not model.isCompiled():
                 model = self._compile_train(args, kwargs)
-            if step_start and not self._event("on_train_step_start", CancelStep):
+            if step_start and not hooks.event("on_train_step_start", CancelStep):
                 st.epoch_step += 1  # its batch is read: the resume position counts it
                 continue
             if executors.inference:  # validation or predict ran: their executors hold the device
                 executors.activate(model)
             executors.push_optimizer()
-            output, loss, logs = split(model(*args, **kwargs))
-            step_loss = layout.step_loss(loss)  # host tensor: reading it syncs nothing
-            if dist is not None:  # several processes: the run's loss, summed over them
-                step_loss = dist.step_loss(st, step_loss, check_finite)
-            if check_finite and not math.isfinite(step_loss.total):
+            output, loss, logs = returns(model(*args, **kwargs))
+            step = epoch.step_loss(loss, check_finite)  # the run's: host tensors, no sync
+            if check_finite and not math.isfinite(step.total):
                 raise non_finite_error(loss, layout, st.epoch, st.step, batch=batch,
                                        precision=self.precision, last_loss=st.logs.get("loss"),
                                        loss_scaling=getattr(self.optimizer, "loss_scaling", None))
@@ -308,96 +336,43 @@ class Loop(Events):
             st.update += per_step_updates
             st.micro_batch += per_step_micro_batches
             st.samples += per_step_samples
-            epoch_loss[0] += step_loss.total
-            epoch_loss[1] += step_loss.count
-            epoch_loss[2] = epoch_loss[2] and step_loss.exact
-            st.logs["loss"] = step_loss.mean
+            st.logs["loss"] = epoch.add(step)
             if logs is not None:  # values the model logs: reduced as the loss is
-                names, sums = self._returns.step_logs(logs, layout, self.metrics)
-                if dist is not None:
-                    sums = dist.sum(sums, f"summing step {st.step}'s logged values")
-                st.add_step_logs(names, sums)
+                st.logs.update(epoch.add_logs(logs))
             if metrics:
-                aligned = layout.align(labels)
-                if metric_output is not None:
-                    output = metric_output(output)
-                for m in metrics.values():
-                    m.update(output, aligned)
-            if every is not None and st.step % every == 0:
+                epoch.update_metrics(output, labels)
+            if every is not None and st.step % every == 0 and val_plan is not None:
                 self._validate_in_fit(val_plan, in_step=True)
             if step_end:
-                self._event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
-            if self._step_boundary():
+                hooks.event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
+            if boundary(st):
                 break
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call(plan, st.epoch)
 
     def _compile_train(self, args: tuple, kwargs: dict) -> Any:
-        executors = self.executors
-        model = executors.training_model(self.train_opts)
-        self._fire("on_compile_start")
-        self.state.compile_time["train"] = executors.compile(model, args, kwargs)
-        device_rng = self._resume.take_device_rng()
-        if device_rng is not None:  # resumed: the device continues the saved random stream
-            model.rng_state = device_rng
-        self._fire("on_compile_end")
+        model = self.executors.training_model(self.train_opts)
+        self._hooks.fire("on_compile_start")
+        # resumed: the device continues the saved random stream
+        self.state.compile_time["train"] = self.executors.compile(
+            model, args, kwargs, rng_state=self._resume.take_device_rng())
+        self._hooks.fire("on_compile_end")
         return model
 
-    num_updates = staticmethod(plans.num_updates)
-
-    # -- batches --------------------------------------------------------------------------------
-    def _plan(self, loader: Any, training: bool, name: str, opts: Any = None,
-              pad: bool = False, partition: bool = True) -> Plan:
-        opts = self.train_opts if opts is None else opts  # the one (frozen) options object
-        return plans.build(self.poptorch, loader, opts, training, name, pad, partition,
-                           self._async)
-
-    def _split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
-        """The model's call ``(*args, **kwargs)`` for ``batch``, and its labels."""
-        args, kwargs, labels = split_batch(batch, name, self.label_key, self._needs_labels)
-        if not kwargs:
-            n = self._num_inputs = len(args) - 1  # what predict feeds
-            model = self.model  # (issubclass: isinstance would read the wrapped __class__)
-            if issubclass(type(model), WithLoss) and model.num_inputs != n:
-                model.num_inputs = n  # (Module.__setattr__: only when it changes)
-        if self._input_dtype is not None and cast:
-            args, kwargs = as_sent(args, kwargs, self._input_dtype)
-            labels = kwargs.get(self.label_key) if kwargs else args[-1]
-        return args, kwargs, labels
-
-    def _probe(self, plan: Plan) -> None:
-        """Check one micro-batch on the host before anything is compiled."""
-        batch = first_micro_batch(plan)
-        if batch is not None:
-            args, kwargs, labels = self._split(batch, plan.name, cast=False)  # float32
-            probe(self.model, args, kwargs, labels, plan.name,
-                  copy_float=self.precision == "16-true", metrics=self.metrics,
-                  metric_output=self._metric_output, returns=self._returns,
-                  loop_loss=issubclass(type(self.model), WithLoss))
-
     # -- validation and predict -----------------------------------------------------------------
-    def _val_plan(self, loader: Any, *, pad: bool = True, name: str = "val_loader",
-                  partition: bool = True) -> Plan:
-        opts = inference_options(self.poptorch, self.train_opts, self._user_inference_opts,
-                                 loader)
-        check_not_empty(loader, name)
-        return self._plan(loader, training=False, name=name, opts=opts, pad=pad,
-                          partition=partition)
+    def _inference_plan(self, loader: Any, name: str, partition: bool = True) -> Plan:
+        return build_inference(self.poptorch, loader, self.train_opts, self._inference_opts,
+                               name, partition=partition, async_options=self._async)
 
     def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
         model = self.executors.inference.get(key)
-        if model is not None and model.isCompiled():
-            return model
-        module = self.model  # traced in eval mode (PopTorch's wrapper shares the submodules)
-        module.eval()
-        try:
-            model = self.executors.inference_model(key, plan.loader.options)
-            self._fire("on_compile_start")
-            self.state.compile_time[kind] = self.executors.compile(model, args, kwargs)
-        finally:
-            module.train()
-        self._fire("on_compile_end")
+        if model is None or not model.isCompiled():
+            with self.executors.eval_mode():
+                model = self.executors.inference_model(key, plan.loader.options)
+                self._hooks.fire("on_compile_start")
+                self.state.compile_time[kind] = self.executors.compile(model, args, kwargs)
+            self._hooks.fire("on_compile_end")
         return model
 
     def validate(self, loader: Any) -> dict[str, float]:
@@ -416,38 +391,39 @@ class Loop(Events):
         does: every sample, and metrics of its own samples only, waiting for no other
         instance (inside ``fit``, validation is shared out between the instances instead).
         """
-        self.state.exception = self.state.exception_source = None
-        alone = self._dist is not None
-        plan = self._val_plan(loader, partition=not alone)
-        with self._reporting(), distributed.unsynced(self.metrics, alone):
+        st = self.state
+        st.start_call()
+        plan = self._inference_plan(loader, "val_loader", partition=False)  # every sample
+        with self._running(plan), self._processes.unsynced(self.metrics):
             try:
-                return self._run_validation(plan, alone)
+                return self._run_validation(plan, ALONE, in_fit=False)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
-                self.state.drop_logs("val_", self._logged())
+                st.drop_logs("val_", self._logged())
                 return {}
 
-    def _run_validation(self, plan: Plan, alone: bool = False) -> dict[str, float]:
+    def _run_validation(self, plan: Plan, processes: Processes, in_fit: bool) -> dict[str, float]:
+        """A validation over ``plan``, its numbers summed over ``processes`` (the fit's, or
+        this instance alone: ``validate()``)."""
         st = self.state
-        self._fire("on_validation_start")
-        run = Validation(plan, self.metrics, self._metric_output, self.model.loss_fn
-                         if issubclass(type(self.model), WithLoss) else None, self._warned,
+        self._hooks.fire("on_validation_start")
+        loss_fn = self.model.loss_fn if isinstance(self.model, WithLoss) else None
+        run = Validation(plan, self.metrics, self._metric_output, loss_fn, self._warned,
                          self._returns)
-        model, self._reading = None, plan
+        model = None
         for batch, samples in plan.counted():
-            args, kwargs, labels = self._split(batch, plan.name)
+            args, kwargs, labels = self._feed.split(batch, plan.name)
             if model is None:
                 model = self._inference_model(plan, "validate", args, kwargs)
             self.executors.activate(model)
             run.add(model(*args, **kwargs), labels, samples)
-            self._fire("on_validation_step_end")
-            if not alone:  # (alone: no stop to agree on with the other instances)
-                self._check_preempted()
-        dist = None if alone else self._dist  # several processes: the numbers of all of them
-        logs = run.logs(None if dist is None else lambda v: dist.sum(v, "summing val logs"))
+            self._hooks.fire("on_validation_step_end")
+            if in_fit:  # a stop (SIGTERM, on any instance) ends it here
+                processes.check_preempted(st)
+        logs = run.logs(processes)
         if "val_loss" not in logs:
             st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
         st.logs.update(logs)
-        self._fire("on_validation_end")
+        self._hooks.fire("on_validation_end")
         return logs
 
     def predict(self, loader: Any) -> Any:
@@ -466,21 +442,53 @@ class Loop(Events):
         is fed as keyword inputs less its ``label_key`` entry. Float64 inputs run, and come
         back, as float32 (as on the device).
         """
-        self.state.exception = self.state.exception_source = None
-        run = Predictions(self._val_plan(loader, pad=True, name="loader", partition=False))
-        model, self._reading = None, run.plan
-        with self._reporting():
-            for batch in run.batches():
-                args, kwargs = predict_inputs(batch, self._num_inputs, run.plan.name,
-                                              self.label_key)
-                if model is None and isinstance(self.model, WithLoss) and not kwargs:
-                    self.model.num_inputs = len(args)
-                args, kwargs = as_sent(args, kwargs, self._input_dtype)
+        self.state.start_call()
+        plan = self._inference_plan(loader, "loader", partition=False)
+        run = Predictions(plan.layout, plan.loader.dataset)
+        model = None
+        with self._running(plan):
+            for batch, samples in plan.counted():
+                args, kwargs = self._feed.predict(batch, plan.name, first=model is None)
                 if model is None:
-                    model = self._inference_model(run.plan, "predict", args, kwargs)
+                    model = self._inference_model(plan, "predict", args, kwargs)
                 self.executors.activate(model)
-                run.outputs.append(model(*args, **kwargs))
+                run.add(model(*args, **kwargs), samples)
         return run.result()
+
+    # -- errors, signals and stops ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def _running(self, *plans: Plan | None, fit: bool = False) -> Iterator[None]:
+        """Any error fires ``on_exception`` once and propagates; a fit's also ends the other
+        instances' fits first (what propagates may then name the instance that failed first)
+        and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
+        The loader workers (and prefetching loaders) of ``plans`` stop when the call ends,
+        however it ends."""
+        outer = self._reading  # (a validate() from a fit's hook reads beside the fit)
+        reading = tuple(p for p in plans if p is not None)
+        self._reading = outer + reading
+        signals = handle_signals(self._on_sigterm, self._kill_workers) if fit else None
+        with signals or contextlib.nullcontext():
+            try:
+                yield
+            except BaseException as caught:
+                error = self._processes.failed(caught, self.state) if fit else caught
+                self._hooks.report(error)
+                if fit:
+                    self.executors.release()
+                if error is caught:
+                    raise
+                raise error from caught
+            finally:
+                self._reading = outer
+                for plan in reading:
+                    plan.close()
+
+    def _on_sigterm(self) -> None:
+        self._processes.on_sigterm(self.state)  # several processes: all stop at one boundary
+
+    def _kill_workers(self) -> None:  # a second Ctrl-C: the process exits at once
+        for plan in self._reading:
+            plan.kill_workers()
 
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
@@ -495,12 +503,11 @@ class Loop(Events):
         Fires ``on_save_checkpoint`` first (callbacks stash what their ``state_dict`` needs).
         A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
         self.check_resumable()
-        self._fire("on_save_checkpoint")
-        sd = self._resume.capture(self.model, self.optimizer, self.state, self._train_metrics,
+        self._hooks.fire("on_save_checkpoint")
+        sd = self._resume.capture(self.model, self.optimizer, self.state, self._epoch,
                                   self.callbacks, self.train_model)
-        if self._dist is not None:  # several processes: the run's metrics, each one's RNG
-            sd = self._dist.checkpoint_state(self.state, self._train_metrics, sd)
-        return sd
+        # several processes: the run's metrics, each instance's random streams
+        return self._processes.checkpoint_state(self.state, self._epoch.metrics, sd)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore a ``state_dict()``: the next ``fit`` continues where it was taken.
@@ -509,12 +516,11 @@ class Loop(Events):
         (checked before anything is restored). The next ``fit`` compares its loader's factors
         with the saved ones: see ``fit``.
         """
-        if self._dist is not None:  # several processes: this one's share and RNG
-            sd = self._dist.own_state(sd, self._train_metrics)
+        sd = self._processes.own_state(sd, self._epoch.metrics)  # several: this one's share
         self.executors.detach_inference()  # (validate, predict: to run the loaded weights)
-        self._resume.restore(sd, self.model, self.optimizer, self.state, self._train_metrics,
+        self._resume.restore(sd, self.model, self.optimizer, self.state, self._epoch,
                              self.callbacks, self.train_model)
-        self._fire("on_load_checkpoint")
+        self._hooks.fire("on_load_checkpoint")
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Load model weights only (``load_checkpoint(path)["model"]``), between fits: the

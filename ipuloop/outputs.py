@@ -1,13 +1,14 @@
-"""What a host call returns under each ``OutputMode``, turned into losses and metric inputs.
+"""What a model returns and what a host call returns: its loss, its output and the values it logs.
 
-A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns
-(docs/poptorch-semantics.md §2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N):
-iterations d with (d+1) % N == 0; Final: the last micro-batch of each replica; Sum: per
-replica, the sum over DI*GA.
-A scalar loss becomes ``[n]`` only when that count n is > 1.
+``WithLoss`` gives a model and a loss function the ``(output, loss)`` return of a
+model-with-loss; ``Returns`` says where a model's return value holds its loss, its output and
+the scalars it logs. A training call over a host batch laid out ``[DI, GA, RF/g, B]`` returns
+(docs/poptorch-semantics.md §2.2): All: every micro-batch, ``[DI, GA, RF]``; EveryN(N): iterations d
+with (d+1) % N == 0; Final: the last micro-batch of each replica; Sum: per replica, the sum
+over DI*GA. A scalar loss becomes ``[n]`` only when that count n is > 1.
 
-``Returns`` says where a model's return value holds its loss, its output and the scalars it
-logs; ``Layout.step_loss`` reduces each of those scalars as it reduces the loss.
+``Layout`` is that shape of a host call, built from the options (``Layout.of``);
+``Layout.step_loss`` reduces the loss, and each logged scalar the same way, over a step.
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .errors import NonFiniteLossError
+from .backend import poptorch_module
+from .exceptions import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-__all__ = ["Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error", "FLOAT16_MAX",
-           "Returns", "check_logged", "RESERVED_LOGS"]
+__all__ = ["WithLoss", "Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error",
+           "FLOAT16_MAX", "Returns", "check_logged", "RESERVED_LOGS"]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
@@ -39,6 +41,49 @@ def map_tensors(x: Any, fn: Callable) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(map_tensors(v, fn) for v in x)
     return x
+
+
+class WithLoss(torch.nn.Module):
+    """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs[, labels])``.
+
+    Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
+    labels, it returns ``(output, loss_fn(output, labels))``. Called with keyword inputs (a
+    dict batch), the labels are the ``label_key`` one, if given: the model gets the others.
+    The loss runs after the model's
+    last layer, so it joins the block started last (``BeginBlock``/``Stage`` placement; after a
+    ``with poptorch.Block(...)`` has ended no op may run, so such a model computes its loss
+    itself, inside its last block). On the device the loss is marked
+    with ``identity_loss`` (reduction "none": the value unchanged), so that PopTorch finds it
+    whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
+    """
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1,
+                 label_key: str = "labels") -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+        self.label_key = label_key
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            if self.label_key not in kwargs:
+                return self.model(*args, **kwargs)
+            labels = kwargs.pop(self.label_key)  # (a dict of this call's own)
+            output = self.model(*args, **kwargs)
+        elif len(args) == self.num_inputs:
+            return self.model(*args)
+        elif len(args) != self.num_inputs + 1:
+            raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
+                            f"Received {len(args)} arguments.")
+        else:
+            labels = args[-1]
+            output = self.model(*args[:-1])
+        loss = self.loss_fn(output, labels)
+        pt = poptorch_module()
+        if pt.isRunningOnIpu():  # in the device graph, a loss PopTorch finds whatever loss_fn does
+            loss = pt.identity_loss(loss, reduction="none")
+        return output, loss
 
 
 # Names a logged value may not take: the loss and the counters (the logs' other keys in
@@ -60,8 +105,8 @@ class Returns:
     """
 
     def __init__(self, loss_key: str | int = "loss") -> None:
-        if not (isinstance(loss_key, str) and loss_key) and \
-                (not isinstance(loss_key, int) or isinstance(loss_key, bool)):
+        if not (isinstance(loss_key, str) and loss_key) and (
+                not isinstance(loss_key, int) or isinstance(loss_key, bool)):
             raise TypeError(f"loss_key must be a str (the loss's key in a dict-like output) or "
                             f"an int (its index in a tuple output, e.g. 0 for (loss, logits)). "
                             f"Received: loss_key={loss_key!r}.")
@@ -76,7 +121,7 @@ class Returns:
         nothing."""
         if self._pairs and type(out) is tuple and len(out) == 2:  # the common case, first
             return out[0], out[1], None
-        key = self.key
+        key: Any = self.key  # an int (an index) unless a str (a key): ``_pairs``
         if not self._pairs:
             if isinstance(out, (tuple, list)) and -len(out) <= key < len(out):
                 rest = [v for i, v in enumerate(out) if i != key % len(out)]
@@ -89,8 +134,8 @@ class Returns:
                 return out[0], out[1], out[2]
             return out, None, None
         if isinstance(out, Mapping) and out.get(key) is not None:
-            rest = {k: v for k, v in out.items() if k != key and k != "logs"}
-            output = next(iter(rest.values())) if len(rest) == 1 else rest
+            kept = {k: v for k, v in out.items() if k != key and k != "logs"}
+            output = next(iter(kept.values())) if len(kept) == 1 else kept
             return output, out[key], out.get("logs")
         return out, None, None
 
@@ -137,7 +182,8 @@ def check_logged(logs: Any, metrics: Any = (), where: str = "") -> None:
 
 class StepLoss(NamedTuple):  # a tuple: made once per training step, at a tuple's cost
     total: float  # sum of the micro-batch losses this step's output stands for
-    count: int  # how many micro-batch losses ``total`` sums
+    count: int  # type: ignore[assignment]  # how many micro-batch losses ``total`` sums
+    # (a field of that name hides tuple.count, which a step loss has no use for)
     exact: bool  # False when the mode returns only some micro-batches (Final, EveryN>1)
 
     @property
@@ -156,6 +202,15 @@ class Layout:
     period: int = 1
     group: int = 1  # input replica group size g: replicas r read input group r // g
     orthogonal: bool = False  # CommGroupType.Orthogonal: replica r reads group r % (RF/g)
+
+    @classmethod
+    def of(cls, opts: Any, training: bool) -> Layout:
+        """The shape of one host call under ``opts`` (``poptorch.Options``)."""
+        return cls(opts.device_iterations,
+                   opts.Training.gradient_accumulation if training else 1,
+                   opts.replication_factor, opts.output_mode,
+                   max(opts.output_return_period, 1), opts.input_group_size,
+                   int(opts.input_cgt) == 2)
 
     @property
     def input_groups(self) -> int:
@@ -235,7 +290,7 @@ class Layout:
         groups = self.input_groups
         slots = self.di * self.ga * groups
         if (self.rf == groups and labels.dim() and labels.shape[0] % slots == 0
-                and (self.mode == ALL or self.mode == EVERY_N and self.period == 1)):
+                and (self.mode == ALL or (self.mode == EVERY_N and self.period == 1))):
             return labels  # every micro-batch in host-batch order: the labels as they are
         b = labels.shape[0] // slots
         x = labels.reshape(self.di, self.ga, groups, b, *labels.shape[1:])
@@ -283,8 +338,8 @@ def _float16_cause(precision: str, loss_scaling: float | None, last_loss: float 
     text = (f"The step runs in float16 (precision={precision!r}), whose largest value is "
             f"{FLOAT16_MAX:g}, and its host batch is within that range: ")
     if loss_scaling is not None and loss_scaling > 1:
-        scaled = None if last_loss is None else abs(last_loss) * loss_scaling
-        if scaled is not None and math.isfinite(scaled) and scaled > FLOAT16_MAX:
+        scaled = math.inf if last_loss is None else abs(last_loss) * loss_scaling
+        if last_loss is not None and math.isfinite(scaled) and scaled > FLOAT16_MAX:
             return text + (
                 f"the last finite step loss, {last_loss:.6g}, times the optimizer's "
                 f"loss_scaling={loss_scaling:g} is {scaled:.6g}, beyond it, so the gradients "

@@ -1,11 +1,13 @@
 """What an exact resume captures and restores beyond weights and counters: RNG points, data factors.
 
-The host random state is read at named points: ``epoch_rng`` as an epoch draws its sample
-order (with the loader's own generator, if any), ``val_rng`` as a validation inside a fit
+The host random state is read at named points, which this module records: ``epoch_rng`` as an
+epoch draws its sample order (with the loader's own generator, if any: the plan draws it,
+``plan.Plan.epoch``, and holds the state it drew from), ``val_rng`` as a validation inside a fit
 begins (a checkpoint taken during it resumes before it: the resumed fit runs that validation
 again from its start, and after a step's own validation, ``fit(val_every_n_steps=)``, that
-step's ``on_train_step_end``), and the state at the checkpointed step itself. A resumed mid-epoch fit replays the epoch's order from ``epoch_rng``, then goes
-on from the step's state. The device's random state is set once the training model compiles.
+step's ``on_train_step_end``), and the state at the checkpointed step itself. A resumed
+mid-epoch fit draws the epoch's order again from ``epoch_rng``, then goes on from the step's
+state (``plan.Draw``). The device's random state is set once the training model compiles.
 
 The data factors are those of the whole run: N processes of R replicas each count as one
 process with N*R replicas, whose host call is N times one instance's. So a checkpoint of
@@ -22,53 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
 import warnings
 from typing import Any, Iterator
 
 import torch
 
 from .callbacks.base import CancelEpoch, CancelFit
-from .metrics import metric_state
+from .plan import Draw, Plan, rng_state, set_rng_state
 from .rules import describe_factors
 
-__all__ = ["rng_state", "set_rng_state", "Resume", "check_resumable", "check_optimizer",
-           "group_shapes", "optimizer_extras"]
+__all__ = ["Resume", "check_resumable", "check_optimizer", "group_shapes", "optimizer_extras"]
 
 # poptorch.optim attributes outside optimizer.state_dict() that a fit may change (the others
 # are fixed when the optimizer is built): checkpointed, and set again before the next push
 OPTIMIZER_EXTRAS = ("loss_scaling", "max_grad_norm", "max_weight_norm")
-
-
-def _plain(x: Any) -> Any:
-    return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tuple(x: Any) -> Any:
-    return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
-
-
-def rng_state() -> dict[str, Any]:
-    """The host's random state (python, numpy when installed, torch, CUDA when in use)."""
-    state: dict[str, Any] = {"python": _plain(random.getstate()), "torch": torch.get_rng_state()}
-    with contextlib.suppress(ImportError):
-        import numpy as np
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def check_resumable(opt: torch.optim.Optimizer, poptorch: Any) -> None:
@@ -121,7 +90,8 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
             f"Cannot resume: the checkpoint's optimizer is {theirs_type} with "
             f"{len(layout)} parameter group(s) of {layout} parameters, but the loop's is "
             f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. {fix}")
-    shapes, our_shapes = sd.get("optimizer_shapes"), group_shapes(ours)
+    shapes = sd.get("optimizer_shapes")
+    our_shapes = group_shapes(ours)
     if shapes is not None and [[list(s) for s in g] for g in shapes] != our_shapes:
         differ = [i for i, (a, b) in enumerate(zip(shapes, our_shapes))
                   if [list(s) for s in a] != b]
@@ -135,7 +105,7 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
 
 def _data_factors(plan: Any) -> dict[str, Any]:
     """The training data factors of the whole run: ``plan`` is one instance's share of N, and
-    N instances of R replicas read as one process with N*R replicas (``ipuloop.distributed``)."""
+    N instances of R replicas read as one process with N*R replicas (``ipuloop.processes``)."""
     o = plan.loader.options
     n = o.Distributed.numProcesses
     return {"factors": {"micro-batch size": plan.micro,
@@ -161,46 +131,30 @@ class Resume:
     """The RNG points and data factors of one loop's running fit, saved and restored."""
 
     def __init__(self) -> None:
-        self.epoch_rng: dict[str, Any] | None = None  # as the running epoch drew its order
         self.val_rng: dict[str, Any] | None = None  # as the running validation began
         self.val_in_step = False  # the running validation is a step's (val_every_n_steps)
+        self.plan: Plan | None = None  # the running (or last) fit's: its epochs' draws
+        self._draw: Draw | None = None  # a loaded checkpoint's, until the next epoch draws
         self._step_validation = False  # a loaded checkpoint was taken during one: run it again
-        self._step_rng: dict[str, Any] | None = None  # a loaded mid-epoch step's, until replayed
-        self._sampler_rng: torch.Tensor | None = None  # a loaded epoch start's loader generator
         self._device_rng: torch.Tensor | None = None  # a loaded one, until the model compiles
-        self.sampler: Any = None  # the running fit's ResumableSampler (or batch sampler)
         self._train_data: dict[str, Any] | None = None  # the running fit's data factors
         self._loaded_data: dict[str, Any] | None = None  # a loaded checkpoint's, until fit
 
-    def epoch_batches(self, plan: Any, skip: int, number: int | None = None) -> Any:
-        """The epoch's batches after ``skip`` steps, its order drawn at the epoch's RNG point
-        (replayed from the saved one when a checkpoint resumes mid-epoch); ``number``: the
-        epoch's, for a sampler with ``set_epoch``."""
-        step_rng, self._step_rng = self._step_rng, None
-        sampler = plan.sampler if plan.batches is None else plan.batches  # its own generator
-        self.sampler = sampler
-        if step_rng is None:
-            if sampler is not None and self._sampler_rng is not None:
-                sampler.set_generator_state(self._sampler_rng)  # resumed at an epoch start
-            self._sampler_rng = None
-            self.epoch_rng = rng_state()
-            if sampler is not None:
-                self.epoch_rng["sampler"] = sampler.generator_state()
-        else:  # resuming: replay the epoch's order from its start state
-            set_rng_state(self.epoch_rng)
-            if sampler is not None:
-                sampler.set_generator_state(self.epoch_rng.get("sampler"))
-        batches = plan.epoch(skip, number)
-        if step_rng is not None:
-            set_rng_state(step_rng)
-        return batches
+    def draw(self) -> Draw:
+        """How the next training epoch draws its order: a loaded checkpoint's saved random
+        state, once, or the random state as it is (``Plan.epoch`` records it, and a
+        checkpoint reads it from the fit's plan)."""
+        draw = self._draw
+        self._draw = None
+        return draw if draw is not None else Draw()
 
     @contextlib.contextmanager
     def validation(self, in_step: bool) -> Iterator[None]:
         """A validation inside a fit (``in_step``: a step's, before its on_train_step_end): a
         checkpoint taken during it (SIGTERM, an error) resumes with the RNG as it was before
         it began, and the resumed fit runs it again from its start."""
-        self.val_rng, self.val_in_step = rng_state(), in_step
+        self.val_rng = rng_state()
+        self.val_in_step = in_step
         try:
             yield
         except (CancelEpoch, CancelFit):  # a hook ended it: nothing to run again
@@ -211,18 +165,21 @@ class Resume:
     def take_step_validation(self) -> bool:
         """Whether the loaded checkpoint was taken during a step's validation, once: the
         resumed fit runs it again, then that step's ``on_train_step_end``."""
-        pending, self._step_validation = self._step_validation, False
+        pending = self._step_validation
+        self._step_validation = False
         return pending
 
     def take_device_rng(self) -> torch.Tensor | None:
         """A loaded device random state, once: the compiled model continues it."""
-        rng, self._device_rng = self._device_rng, None
+        rng = self._device_rng
+        self._device_rng = None
         return rng
 
-    def capture(self, model: torch.nn.Module, optimizer: Any, st: Any,
-                metrics: dict[str, Any], callbacks: list, executor: Any) -> dict[str, Any]:
-        """A loop's ``state_dict``: its model, optimizer, counters, logs, train metrics,
-        callbacks and RNG points; ``executor`` is the training model (or None)."""
+    def capture(self, model: torch.nn.Module, optimizer: Any, st: Any, epoch: Any,
+                callbacks: list, executor: Any) -> dict[str, Any]:
+        """A loop's ``state_dict``: its model, optimizer, counters, logs, running epoch
+        (``accumulators.TrainEpoch``: sums and train metrics), callbacks and RNG points;
+        ``executor`` is the training model (or None)."""
         if executor is not None and executor.isAttachedToDevice():
             # the device holds the current weights (a detached model copied them back when it
             # detached, and reading from a device it no longer holds is undefined in PopTorch)
@@ -236,15 +193,12 @@ class Resume:
             "counters": st.counters(),
             "history": [dict(h) for h in st.history],
             "logs": dict(st.logs),  # an epoch ending right after a resume logs these
-            "epoch_loss": list(st.epoch_loss),
-            "epoch_logs": {k: list(v) for k, v in st.epoch_logs.items()},
+            **epoch.state_dict(),  # epoch_loss, epoch_logs, metrics
             "rng": self.val_rng if self.val_rng is not None else rng_state(),
             "step_validation": self.val_rng is not None and self.val_in_step,
             "optimizer_extras": optimizer_extras(optimizer),
-            "sampler_rng": self.sampler.generator_state() if self.sampler is not None else None,
-            "epoch_rng": self.epoch_rng,
-            "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
-                            for n, v in metric_state(m).items()} for k, m in metrics.items()},
+            "sampler_rng": self._sampler_rng(),
+            "epoch_rng": self._epoch_rng(),
             "callbacks": {cb.state_key: cb.state_dict() for cb in callbacks},
         }
         if executor is not None and executor.isCompiled():
@@ -253,8 +207,21 @@ class Resume:
             sd["device_rng"] = self._device_rng
         return copy.deepcopy(sd)
 
+    def _sampler_rng(self) -> torch.Tensor | None:
+        """The loader generator's state: a loaded epoch start's, until the epoch draws; else
+        that of the fit's plan (as it is now)."""
+        if self._draw is not None and self._draw.order is None:
+            return self._draw.sampler
+        return self.plan.generator_state() if self.plan is not None else None
+
+    def _epoch_rng(self) -> dict[str, Any] | None:
+        """The state the running epoch drew its order from (a loaded one until it draws)."""
+        if self._draw is not None and self._draw.order is not None:
+            return self._draw.order
+        return self.plan.drawn_from if self.plan is not None else None
+
     def restore(self, sd: dict[str, Any], model: torch.nn.Module, optimizer: Any, st: Any,
-                metrics: dict[str, Any], callbacks: list, executor: Any) -> None:
+                epoch: Any, callbacks: list, executor: Any) -> None:
         """Put back what ``capture`` took (the optimizer checked first: ``check_optimizer``)."""
         check_optimizer(sd, optimizer)
         (executor or model).load_state_dict(sd["model"])
@@ -265,12 +232,8 @@ class Resume:
         st.load_counters(sd["counters"])
         st.history = [dict(h) for h in sd["history"]]
         st.logs = dict(sd.get("logs", {}))
-        st.epoch_loss = list(sd["epoch_loss"])
-        st.epoch_logs = {k: list(v) for k, v in sd.get("epoch_logs", {}).items()}
+        epoch.load_state_dict(sd)
         self._step_validation = bool(sd.get("step_validation", False))
-        for k, m in metrics.items():
-            for n, v in sd.get("metrics", {}).get(k, {}).items():
-                setattr(m, n, v)
         for cb in callbacks:
             if cb.state_key in sd["callbacks"]:
                 cb.load_state_dict(sd["callbacks"][cb.state_key])
@@ -281,26 +244,31 @@ class Resume:
                 executor.rng_state = sd["device_rng"]
             else:
                 self._device_rng = sd["device_rng"]
-        if st.epoch_step:
-            self.epoch_rng, self._step_rng = sd["epoch_rng"], sd["rng"]
+        if st.epoch_step:  # the epoch's order drawn again, then the saved step's state
+            self._draw = Draw(order=sd["epoch_rng"], then=sd["rng"])
         else:
             set_rng_state(sd["rng"])
-            self._sampler_rng = sd.get("sampler_rng")  # the loader's own generator, if any
+            self._draw = Draw(sampler=sd.get("sampler_rng"))  # the loader's own generator
 
-    def continue_at(self, plan: Any, state: Any) -> None:
-        """The training data factors of this fit; after a load (that recorded them), checked
-        by ``_align`` first. A failed check keeps the loaded ones for the next fit."""
+    def continue_at(self, plan: Plan, state: Any) -> None:
+        """A fit starts with the training ``plan``: its data factors, after a load (that
+        recorded them) checked by ``_align`` first (a failed check keeps the loaded ones for
+        the next fit); its epochs' draws, which a checkpoint records."""
         now = _data_factors(plan)
         if self._loaded_data is not None:
             _align(self._loaded_data, now, plan, state)
-        self._loaded_data, self._train_data = None, now
+        self._loaded_data = None
+        self._train_data = now
+        self.plan = plan
 
 
 def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> None:
     """Continue the saved epoch at the same sample with the new factors (the whole run's),
     or raise naming each factor that changed."""
-    old, new = saved["factors"], now["factors"]
-    was, instances = saved.get("instances", 1), now["instances"]
+    old = saved["factors"]
+    new = now["factors"]
+    was = saved.get("instances", 1)
+    instances = now["instances"]
     if st.epoch_step and plan.samples is None and was != instances:
         raise ValueError(
             f"Cannot resume in the middle of epoch {st.epoch} with {instances} instance(s): "

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 __all__ = ["FINAL", "EVERY_N", "ALL", "SUM", "DEFAULT", "MAX_IPUS", "OPTIMIZER_GLOBALS",
-           "uses_ipu_model", "input_groups", "host_call_factor", "describe_factors", "reserved_ipus",
+           "uses_ipu_model", "input_groups", "host_call_factor", "describe_factors",
+           "reserved_ipus",
            "ipu_count_error", "return_periods", "check_return_period", "returned_iterations",
            "returned_rows", "plain_hyperparameter", "optimizer_hyperparameters",
            "DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "dist_timeout", "leave_process_group"]
@@ -180,7 +181,8 @@ def optimizer_hyperparameters(opt: torch.optim.Optimizer) -> dict:
     "global": {name: value for each of OPTIMIZER_GLOBALS the optimizer has}}``. Tensor values
     (and tensors in tuples) are read as numbers (host tensors: no device sync). A fresh
     snapshot each call: nothing in it aliases the optimizer's own mutable state."""
-    groups = [{k: plain_hyperparameter(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    groups = [{k: plain_hyperparameter(v) for k, v in g.items() if k != "params"}
+              for g in opt.param_groups]
     extras = {}
     for k in OPTIMIZER_GLOBALS:
         v = getattr(opt, k, _ABSENT)
@@ -222,9 +224,9 @@ def leave_process_group() -> None:
     if dist.get_backend() == "gloo":
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
-        except Exception:  # an instance has gone or hangs: leaving anyway
+        except Exception:  # noqa: BLE001 (an instance has gone or hangs: leaving anyway)
             pass
     try:
         dist.destroy_process_group()
-    except Exception:  # leaving anyway
+    except Exception:  # noqa: BLE001 (leaving anyway)
         pass

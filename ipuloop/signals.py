@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 __all__ = ["Preempted", "handle_signals"]
 
@@ -37,13 +37,13 @@ def handle_signals(on_term: Callable[[], None],
     prev_term = signal.getsignal(signal.SIGTERM)
     prev_int = signal.getsignal(signal.SIGINT)
 
-    def term(signum: int, frame: object) -> None:
+    def term(signum: int, frame: Any) -> None:
         on_term()
         if callable(prev_term):
             prev_term(signum, frame)
 
-    def interrupt(signum: int, frame: object) -> None:
-        def again(signum: int, frame: object) -> None:
+    def interrupt(signum: int, frame: Any) -> None:
+        def again(signum: int, frame: Any) -> None:
             try:
                 sys.stderr.write("\nSecond interrupt: exiting now.\n")
                 sys.stderr.flush()

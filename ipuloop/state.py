@@ -1,4 +1,8 @@
-"""``State``: the loop's counters and logs, owned by the ``Loop`` and read by callbacks."""
+"""``State``: the loop's counters and logs, owned by the ``Loop`` and read by callbacks.
+
+The running epoch's sums (its loss, the values the model logs) are the training epoch's
+accumulator's (``accumulators.TrainEpoch``); ``logs`` holds what they give.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,16 +40,32 @@ class State:
     validates: bool = False  # the fit has a val_loader: val_ logs are written at epoch ends
     val_every_n_steps: int | None = None  # fit(val_every_n_steps=): also a validation at each
     # step that is a multiple of it, before that step's on_train_step_end
-    epoch_loss: list = field(default_factory=lambda: [0.0, 0, True])  # the running epoch's
-    # [sum of micro-batch losses, how many, whether every micro-batch's loss was returned]
-    epoch_logs: dict[str, list] = field(default_factory=dict)  # the running epoch's sums of
-    # the values the model logs: name -> [sum of micro-batch values, how many]
     # Flags, read at step boundaries:
     stop_requested: bool = False  # set by Loop.stop(); the fit ends after the current step
     preempted: bool = False  # set by SIGTERM; the fit ends after the current step, exit 143
     # The error being handled (on_exception), and the callback whose hook raised it, if any:
     exception: BaseException | None = None
     exception_source: Any = None
+
+    def start_call(self) -> None:
+        """A fit, validation or predict starts: no error is being handled."""
+        self.exception = None
+        self.exception_source = None
+
+    def start_fit(self, steps_per_epoch: int | None, max_steps: int | None,
+                  validates: bool) -> None:
+        """A fit starts: its settings, no stop flag and no error yet."""
+        self.start_call()
+        self.stop_requested = False
+        self.preempted = False
+        self.steps_per_epoch = steps_per_epoch
+        self.max_steps = max_steps
+        self.validates = validates
+
+    def should_stop(self) -> bool:
+        """Whether the fit ends after this step: ``stop()`` was called or ``max_steps`` is
+        reached (SIGTERM is ``preempted``)."""
+        return self.stop_requested or (self.max_steps is not None and self.step >= self.max_steps)
 
     def drop_logs(self, prefix: str, names: Any) -> None:
         """Remove the logs ``<prefix><name>`` (and ``<prefix><name>_<part>``) of ``names``."""
@@ -54,20 +74,12 @@ class State:
             for k in [k for k in self.logs if k == key or k.startswith(key + "_")]:
                 del self.logs[k]
 
-    def add_step_logs(self, names: list[str], sums: list[float]) -> None:
-        """Log a step's values (``outputs.Returns.step_logs``: ``[sum, count]`` of each) as
-        ``<name>``, and add them to the epoch's sums."""
-        for i, name in enumerate(names):
-            total, count = sums[2 * i], sums[2 * i + 1]
-            self.logs[name] = total / count
-            acc = self.epoch_logs.setdefault(name, [0.0, 0])
-            acc[0] += total
-            acc[1] += count
-
     def counters(self) -> dict[str, int]:
+        """The counters by name, as a checkpoint holds them."""
         return {k: getattr(self, k) for k in
                 ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")}
 
     def load_counters(self, counters: dict[str, Any]) -> None:
+        """Set the counters a checkpoint holds (``counters``)."""
         for k, v in counters.items():
             setattr(self, k, int(v))

@@ -29,7 +29,7 @@ from ipuloop import Callback, NonFiniteLossError, backend_name
 from ipuloop import checkpoint_io as ck
 from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
                                           read_manifest)
-from ipuloop.data import ResumableSampler
+from ipuloop.loaders import ResumableSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
 
@@ -145,7 +145,7 @@ def resumed_elsewhere(tmp_path_factory):
 
 
 def _forget_rng(sd):
-    from ipuloop.resume import rng_state as _rng_state
+    from ipuloop.plan import rng_state as _rng_state
     sd.pop("device_rng")
     sd["rng"] = _rng_state()
     sd["epoch_rng"] = {**_rng_state(), "sampler": None}

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
 
-from ipuloop import Callback, Loop, plans, poptorch
+from ipuloop import Callback, Loop, poptorch
+from ipuloop.plan import build as build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 IN, OUT = 6, 3
@@ -52,13 +53,15 @@ def readers_alive() -> set[int]:
 
 
 class Reads(Callback):
-    """Each training step: the loop's epoch iterator and whether a prefetching thread runs."""
+    """Each training step: the running epoch's iterator (the last of ``epochs``, the
+    ``epoch_readers`` fixture) and whether a prefetching thread runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, epochs: list) -> None:
+        self.epochs = epochs
         self.seen: list = []
 
     def on_train_step_end(self, loop) -> None:
-        self.seen.append((loop._batches, bool(readers_alive())))
+        self.seen.append((self.epochs[-1], bool(readers_alive())))
 
 
 def train(make_loader, *, async_data=False, opts=None, epochs=2, max_steps=None, sd=None,
@@ -81,9 +84,9 @@ def shuffled(n: int = 48, workers: int = 0, ds: Dataset | None = None):
 
 
 # -- 5. torch loaders read ahead ---------------------------------------------------------------
-def test_async_data_reads_the_same_batches_and_resumes_exactly():
+def test_async_data_reads_the_same_batches_and_resumes_exactly(epoch_readers):
     _, sync = train(shuffled())
-    reads = Reads()
+    reads = Reads(epoch_readers)
     loop, ahead = train(shuffled(), async_data={"buffer_size": 5}, callbacks=[reads])
     assert_equal(sync, ahead)  # the same samples in the same order, the same dropout masks
     assert reads.seen and all(alive for _, alive in reads.seen)  # read ahead, in a thread
@@ -135,12 +138,12 @@ def test_a_dataset_drawing_random_numbers_is_not_read_ahead_without_workers():
     sync_loop.fit(shuffled(ds=Noisy())())  # read synchronously: in the loop's order, exact
 
 
-def test_async_data_settings_are_checked_and_a_poptorch_loader_keeps_its_mode():
+def test_async_data_settings_are_checked_and_a_poptorch_loader_keeps_its_mode(epoch_readers):
     with pytest.raises(ValueError, match=r"\['load_indefinitely'\]"):
         Loop(network(), async_data={"load_indefinitely": True})
     with pytest.raises(TypeError, match="async_data must be a bool or a dict"):
         Loop(network(), async_data="yes")
-    reads = Reads()
+    reads = Reads(epoch_readers)
     sync_loader = poptorch.DataLoader(options(di=2), dataset(24), batch_size=3)
     loop = Loop(network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
                 async_data=True, callbacks=[reads])
@@ -156,7 +159,7 @@ class Exit(Callback):
 
     def _leave(self, loop) -> None:
         if self.how.startswith("second_ctrl_c"):
-            loop._kill_workers()  # what the second Ctrl-C runs before the process exits
+            self.second_ctrl_c[-1]()  # what it runs before the process exits
             assert not readers_alive() - self.before
             raise RuntimeError("exited")
         if self.how in ("exception", "validation"):
@@ -183,10 +186,11 @@ class Exit(Callback):
 
 @pytest.mark.parametrize("how", ["end", "stop", "exception", "ctrl_c", "sigterm", "validation",
                                  "second_ctrl_c", "second_ctrl_c_in_validation"])
-def test_the_read_ahead_thread_stops_on_every_exit_path(how):
+def test_the_read_ahead_thread_stops_on_every_exit_path(how, second_ctrl_c):
     before = readers_alive()
     exit_ = Exit(how)
     exit_.before = before
+    exit_.second_ctrl_c = second_ctrl_c
     net = network()
     loop = Loop(net, options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
                 async_data={"buffer_size": 1}, callbacks=[exit_])
@@ -383,8 +387,8 @@ def test_each_instance_reads_the_batches_its_replicas_read_in_one_process():
     ds, b, di, ga = dataset(100), 2, 2, 2
 
     def host_calls(opts, skip=0):
-        plan = plans.build(poptorch, DataLoader(ds, batch_sampler=Shuffled(100, b)), opts, True,
-                           "train_loader")
+        plan = build_plan(poptorch, DataLoader(ds, batch_sampler=Shuffled(100, b)), opts, True,
+                          "train_loader")
         return plan, [x for x, _ in plan.epoch(skip)]
 
     whole, calls = host_calls(options(di, 4, ga))

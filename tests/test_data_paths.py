@@ -147,14 +147,16 @@ def regressor() -> nn.Module:
 
 
 class Readers(Callback):
-    """The loader each training step was read from (the loop's epoch iterator)."""
+    """The loader each training step was read from: the running epoch's iterator (the last
+    of ``epochs``, the ``epoch_readers`` fixture)."""
 
-    def __init__(self) -> None:
+    def __init__(self, epochs: list) -> None:
+        self.epochs = epochs
         self.seen: list = []
 
     def on_train_step_end(self, loop) -> None:
         threads = {t.name for t in threading.enumerate()}
-        self.seen.append((loop._batches, "poptorch.AsynchronousDataAccessor" in threads))
+        self.seen.append((self.epochs[-1], "poptorch.AsynchronousDataAccessor" in threads))
 
 
 def train(mode, async_options=None, worker_size=None, epochs=2, max_steps=None, sd=None,
@@ -178,8 +180,8 @@ def train(mode, async_options=None, worker_size=None, epochs=2, max_steps=None, 
     return loop, [p.detach().clone() for p in net.parameters()]
 
 
-def test_async_mode_and_its_options_are_kept():
-    readers = Readers()
+def test_async_mode_and_its_options_are_kept(epoch_readers):
+    readers = Readers(epoch_readers)
     train(poptorch.DataLoaderMode.Async, {"buffer_size": 5, "early_preload": True},
           callbacks=[readers])
     assert readers.seen and all(prefetching for _, prefetching in readers.seen)
@@ -192,8 +194,8 @@ def test_async_mode_and_its_options_are_kept():
         assert acc.rebatched_size is None and acc._channel is None  # stopped at epoch end
 
 
-def test_async_rebatched_and_its_worker_size_are_kept():
-    readers = Readers()
+def test_async_rebatched_and_its_worker_size_are_kept(epoch_readers):
+    readers = Readers(epoch_readers)
     train(poptorch.DataLoaderMode.AsyncRebatched, worker_size=2, epochs=1,
           callbacks=[readers])
     loader = readers.seen[0][0].loader
@@ -256,7 +258,7 @@ class FakePopTorchAccessor:
 
 
 def test_async_settings_are_read_from_poptorchs_accessor_layout():
-    from ipuloop.data import prefetch_of
+    from ipuloop.loaders import prefetch_of
 
     loader = poptorch.DataLoader(options(di=2), regression_data(), batch_size=3)
     assert prefetch_of(poptorch, loader, "loader") is None  # Sync

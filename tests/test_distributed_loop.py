@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ipuloop import distributed
+from ipuloop import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,26 +133,26 @@ def _result(out: Path, rank: int = 0) -> dict:
 
 # -- the launcher's environment ---------------------------------------------------------------
 def test_detect_reads_torchrun_mpirun_and_poprun():
-    assert distributed.detect({}) is None
-    assert distributed.detect({"RANK": "0", "WORLD_SIZE": "1"}) is None  # alone
-    t = distributed.detect({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert processes.detect({}) is None
+    assert processes.detect({"RANK": "0", "WORLD_SIZE": "1"}) is None  # alone
+    t = processes.detect({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
     assert (t.rank, t.size, t.local_rank, t.launcher) == (1, 4, 1, "torchrun")
-    m = distributed.detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"})
+    m = processes.detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"})
     assert (m.rank, m.size, m.launcher) == (2, 3, "mpirun")
     # poprun runs mpirun: its own variables win, and give the local replicas
-    p = distributed.detect({"POPDIST_NUM_TOTAL_REPLICAS": "8", "POPDIST_NUM_LOCAL_REPLICAS": "2",
+    p = processes.detect({"POPDIST_NUM_TOTAL_REPLICAS": "8", "POPDIST_NUM_LOCAL_REPLICAS": "2",
                             "POPDIST_REPLICA_INDEX_OFFSET": "6", "OMPI_COMM_WORLD_RANK": "3",
                             "OMPI_COMM_WORLD_SIZE": "4"})
     assert (p.rank, p.size, p.launcher, p.local_replicas) == (3, 4, "poprun", 2)
     with pytest.raises(ValueError, match="instance index 4 of 2"):
-        distributed.detect({"RANK": "4", "WORLD_SIZE": "2"})
+        processes.detect({"RANK": "4", "WORLD_SIZE": "2"})
 
 
 def test_timeout_comes_from_the_environment():
-    assert distributed.timeout_seconds({}) == distributed.DEFAULT_TIMEOUT
-    assert distributed.timeout_seconds({"IPULOOP_DIST_TIMEOUT": "2.5"}) == 2.5
+    assert processes.timeout_seconds({}) == processes.DEFAULT_TIMEOUT
+    assert processes.timeout_seconds({"IPULOOP_DIST_TIMEOUT": "2.5"}) == 2.5
     with pytest.raises(ValueError, match="IPULOOP_DIST_TIMEOUT='soon'"):
-        distributed.timeout_seconds({"IPULOOP_DIST_TIMEOUT": "soon"})
+        processes.timeout_seconds({"IPULOOP_DIST_TIMEOUT": "soon"})
 
 
 # -- two processes as one run -----------------------------------------------------------------

@@ -950,13 +950,13 @@ def test_ctrl_c(sigint_runs, case):
     assert not any(p.name.endswith("-exception") for p in dirpath.iterdir())
 
 
-def test_loader_workers_stop_when_fit_is_interrupted():
+def test_loader_workers_stop_when_fit_is_interrupted(epoch_readers):
     """The workers end with the fit, not later when the iterator is collected."""
     workers = []
 
     class Interrupt(Callback):
         def on_train_step_end(self, loop) -> None:
-            workers.extend(loop._batches._workers)
+            workers.extend(epoch_readers[-1]._workers)  # the running epoch's
             if loop.state.step == 2:
                 raise KeyboardInterrupt  # what the first Ctrl-C raises
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ipuloop import Callback, Loop, poptorch
+from ipuloop import Callback, CancelFit, Loop, poptorch
 from ipuloop.callbacks.checkpoint import ModelCheckpoint, load_checkpoint
 
 IN, OUT = 6, 3
@@ -284,21 +284,23 @@ def test_the_emulator_counts_a_batch_samplers_batches():
 
 
 class _Workers(Callback):
-    """Records the running epoch's loader worker processes."""
+    """Records the running epoch's loader worker processes (its iterator: the last of
+    ``epochs``, the ``epoch_readers`` fixture)."""
 
-    def __init__(self) -> None:
+    def __init__(self, epochs: list) -> None:
+        self.epochs = epochs
         self.workers = []
 
     def on_train_step_end(self, loop):
-        self.workers += getattr(loop._batches, "_workers", [])
+        self.workers += getattr(self.epochs[-1], "_workers", [])
 
 
 @pytest.mark.parametrize("max_steps", [None, 3])
-def test_a_custom_batch_sampler_counts_host_calls(max_steps):
+def test_a_custom_batch_sampler_counts_host_calls(max_steps, epoch_readers):
     """DI 2 and 2-sample batches: 32 samples are 16 batches, 8 host calls an epoch; the
     progress total, the counters and epoch completion count host calls, and the loader's
     worker processes end with the fit."""
-    workers = _Workers()
+    workers = _Workers(epoch_readers)
     loop = make_loop(opts=poptorch.Options().deviceIterations(2), callbacks=[workers])
     loader = DataLoader(data(32), batch_sampler=_Pairs(32), num_workers=1)
     hist = loop.fit(loader, epochs=2, max_steps=max_steps)
@@ -324,7 +326,7 @@ class _Seen(TensorDataset):
 
 
 def _process_plan(rank: int, loader: DataLoader, replicas: int = 1):
-    from ipuloop.plans import build
+    from ipuloop.plan import build
     opts = poptorch.Options().replicationFactor(replicas).randomSeed(0)
     opts.Distributed.configureProcessId(rank, 2)
     opts.outputMode(poptorch.OutputMode.All)
@@ -384,11 +386,17 @@ def test_the_host_probe_computes_in_float32(precision):
     """Before compiling, the loop runs one micro-batch on the host: in float32, whatever the
     precision, since the host may lack float16 kernels; the device gets float16 inputs."""
     seen = []
+
+    class BeforeCompiling(Callback):  # the fit ends there: what ran is the probe alone
+        def on_compile_start(self, loop) -> None:
+            raise CancelFit
+
     model = _HostFloat32()
     model.lin.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
     loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
-                precision=precision, progress=False)
-    loop._probe(loop._plan(DataLoader(data(8), batch_size=4), training=True, name="train"))
+                precision=precision, progress=False, callbacks=[BeforeCompiling()])
+    loop.fit(DataLoader(data(8), batch_size=4))
+    assert loop.state.step == 0 and not loop.train_model.isCompiled()
     assert seen == [torch.float32]
     assert model.lin.weight.dtype == (torch.float16 if precision == "16-true" else torch.float32)
 

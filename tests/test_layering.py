@@ -1,22 +1,30 @@
-"""Imports inside ``ipuloop`` point down: no import circle, and none of the forbidden edges.
+"""Imports inside ``ipuloop`` point down the layers: no import circle, no forbidden edge.
 
 Every import of every module is read with ``ast``, relative and function-local ones included.
-The layers (docs: architecture): leaves (``rules``, ``errors``, ``state``, ``signals``,
-``version``) < ``emulator`` (imports nothing of ipuloop but ``rules``), ``outputs``,
-``checkpoint_io``, ``callbacks.base`` < ``backend``, ``config``, ``data``, ``metrics``,
-``distributed``, the callbacks < ``options``, ``device``, ``resume``, ``plans``, ``events`` <
-``loop`` < ``__init__``, ``emulate`` (docs/layout.md).
+The layers are read from the table in docs/layout.md (leaves < PopTorch and what every part
+reads < parts < wiring < the loop < entry points): a module imports its own layer or lower
+ones. No two modules share a basename. And at run time, a batch's way from the loader to the
+logged loss crosses few modules and takes no detour (``batch_way``).
 """
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 import ipuloop
+from batch_way import trace
+from ipuloop import Loop, poptorch
 
 ROOT = Path(ipuloop.__file__).parent
+LAYOUT = ROOT.parent / "docs" / "layout.md"
 
 
 def module_names() -> dict[str, Path]:
@@ -98,8 +106,8 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
                     b.startswith("ipuloop.emulator") or b == "ipuloop.rules"):
                 bad.append(f"{a} -> {b} (the emulator imports nothing of ipuloop but rules)")
             if a.startswith("ipuloop.callbacks") and b in (
-                    "ipuloop.loop", "ipuloop.device", "ipuloop.options"):
-                bad.append(f"{a} -> {b} (callbacks reach the loop only through base.Loop)")
+                    "ipuloop.loop", "ipuloop.executors", "ipuloop.loop_options", "ipuloop.plan"):
+                bad.append(f"{a} -> {b} (callbacks reach the loop only through base.LoopView)")
             if a == "ipuloop.loop" and b.startswith("ipuloop.callbacks") \
                     and b != "ipuloop.callbacks.base":
                 bad.append(f"{a} -> {b} (the loop names no concrete callback)")
@@ -143,8 +151,9 @@ def test_cycle_checker(edges, expected):
 @pytest.mark.parametrize("edge", [
     ("ipuloop.emulator.executor", "ipuloop.backend"),
     ("ipuloop.callbacks.lr", "ipuloop.loop"),
-    ("ipuloop.callbacks.checkpoint", "ipuloop.device"),
-    ("ipuloop.callbacks.profile", "ipuloop.options"),
+    ("ipuloop.callbacks.checkpoint", "ipuloop.executors"),
+    ("ipuloop.callbacks.profile", "ipuloop.loop_options"),
+    ("ipuloop.callbacks.progress", "ipuloop.plan"),
     ("ipuloop.loop", "ipuloop.callbacks.progress"),
     ("ipuloop.loop", "ipuloop.callbacks"),
 ])
@@ -158,3 +167,159 @@ def test_allowed_edges_pass():
     assert forbidden({"ipuloop.emulator.data": {"ipuloop.rules", "ipuloop.emulator.options"},
                       "ipuloop.loop": {"ipuloop.callbacks.base"},
                       "ipuloop.callbacks.checkpoint": {"ipuloop.checkpoint_io"}}) == []
+
+
+# -- the layers of docs/layout.md ----------------------------------------------------------------
+def layers() -> dict[str, int]:
+    """docs/layout.md's table: each module's layer (a pattern ending in "/" or "/*" stands for
+    the modules under it, "__init__.py" for the package), longest pattern first."""
+    out: dict[str, int] = {}
+    layer = 0
+    text = LAYOUT.read_text()
+    section = text[text.index("## Modules by layer"):]
+    end = section.find("\n## ")
+    if end != -1:  # the next section
+        section = section[:end]
+    for row in section.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if not row.startswith("|") or len(cells) < 3 or (cells[0] and set(cells[0]) <= set("-")):
+            continue  # not a row, or the header's rule
+        number = re.match(r"(\d+)\.", cells[0])
+        if number:
+            layer = int(number.group(1))
+        for name in re.findall(r"`([\w/.*]+)`", cells[1]):
+            name = name.rstrip("*")
+            if name.endswith(".py"):
+                name = name[:-3]
+            key = "ipuloop" if name == "__init__" else "ipuloop." + name.replace("/", ".")
+            out[key] = layer
+    return dict(sorted(out.items(), key=lambda kv: -len(kv[0])))
+
+
+def layer_of(module: str, table: dict[str, int]) -> int | None:
+    for pattern, layer in table.items():
+        if module == pattern.rstrip(".") or (pattern.endswith(".") and module.startswith(pattern)):
+            return layer
+    return None
+
+
+def test_every_module_is_in_the_layout_and_imports_down():
+    table = layers()
+    assert table, "docs/layout.md has no layer table"
+    edges = graph()
+    unplaced = sorted(m for m in edges if layer_of(m, table) is None)
+    assert unplaced == [], f"modules missing from docs/layout.md: {unplaced}"
+    upward = [f"{a} (layer {layer_of(a, table)}) -> {b} (layer {layer_of(b, table)})"
+              for a, targets in edges.items() for b in sorted(targets)
+              if layer_of(b, table) > layer_of(a, table)]
+    assert upward == []
+
+
+def test_the_layer_table_is_read():  # the table's patterns, as the test reads them
+    table = layers()
+    assert table["ipuloop.rules"] == 1 and table["ipuloop.loop"] == 5
+    assert layer_of("ipuloop.emulator.executor", table) == 2
+    assert layer_of("ipuloop.callbacks.base", table) == 2
+    assert layer_of("ipuloop.callbacks.progress", table) == 3
+    assert layer_of("ipuloop", table) == 6
+    assert layer_of("ipuloop.examples.mnist", table) == 6
+
+
+def test_no_basename_twice():
+    """``ipuloop/`` and its subpackages (the emulator's names follow PopTorch's own) name
+    each module once: ``data.py`` is not both the loop's loaders and PopTorch's."""
+    seen: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+# -- a batch's way -------------------------------------------------------------------------------
+class _Net(torch.nn.Module):
+    """A model-with-loss that may log a value beside its loss."""
+
+    def __init__(self, log: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.log = log
+
+    def forward(self, x, labels=None):
+        out = self.lin(x)
+        if labels is None:
+            return out
+        loss = torch.nn.functional.cross_entropy(out, labels)
+        if self.log:
+            return out, loss, {"hits": (out.argmax(-1) == labels).float().mean()}
+        return out, loss
+
+
+def _fit(kind: str):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(48, 4), torch.randint(0, 3, (48,)))
+    val = DataLoader(ds, batch_size=4)
+    if kind == "custom":  # a batch sampler of its own: host calls joined from its batches
+        train = DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 4, drop_last=True))
+    else:
+        train = DataLoader(ds, batch_size=4, shuffle=True)
+    if kind == "widest":
+        loop = Loop(_Net(log=True), poptorch.Options().deviceIterations(2), progress=False,
+                    metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=3)})
+        way = trace(lambda: loop.fit(train, epochs=2, val_loader=val), [train, val])
+    else:
+        loop = Loop(_Net(), progress=False)
+        way = trace(lambda: loop.fit(train, epochs=2), [train])
+    return loop, way
+
+
+# What carries a batch's values from the loader to the logs (docs/layout.md): loop.py, which
+# calls each in turn, and state.py, whose logs they land in, are counted with them.
+WAY = {"loop", "plan", "loaders", "outputs", "accumulators", "processes", "state"}
+
+
+@pytest.mark.parametrize("kind", ["plain", "custom", "widest"])
+def test_a_batch_s_way(kind):
+    """The modules that hand on what ends in the logged loss (and, in the widest fit, the
+    logged value, the metric and val_loss) are those of docs/layout.md, at most 8, and none
+    passes on what another module made for it (no detour: loop -> resume -> data -> resume)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loop, way = _fit(kind)
+    logs = loop.state.logs
+    logged = ["loss", "train_loss"] + (
+        ["val_loss", "hits", "train_hits", "val_hits", "train_acc", "val_acc"]
+        if kind == "widest" else [])
+    assert set(logged) <= set(logs)
+    modules = set(way.modules([logs[k] for k in logged])) | {"loop", "state"}
+    assert {"plan", "outputs", "accumulators"} <= modules  # (the walk finds them)
+    assert modules <= WAY and len(modules) <= 8, sorted(modules)
+    assert way.relays == []
+
+
+def test_the_way_finds_a_detour():  # a module passing on another's value is a detour
+    import batch_way
+
+    values = [object()]
+    way = batch_way.Way(values)
+    way.records = [("resume", "epoch_batches", (id(values[0]),)), ("plan", "epoch", ())]
+    way.spans = [[1, 4], [2, 3]]
+    result = [1, 2]
+    way._follow(result, 1)
+    way._check_relay(0, result)
+    assert way.relays == ["resume.epoch_batches passes on plan.epoch's value"]
+    way.relays = []
+    way._check_relay(0, values[0])  # what it was given: no detour
+    assert way.relays == []
+
+
+def test_the_first_layout_s_public_modules_still_import():
+    """``ipuloop.distributed`` and ``ipuloop.errors`` are the names 0.1.0 documented for what
+    ``processes`` and ``exceptions`` hold: code written against them still runs."""
+    code = ("import ipuloop, ipuloop.processes as p, ipuloop.exceptions as e\n"
+            "from ipuloop.distributed import is_main_process, process_index\n"
+            "from ipuloop.errors import InstanceFailedError, NonFiniteLossError\n"
+            "assert ipuloop.distributed is p and ipuloop.errors is e\n"
+            "assert is_main_process is p.is_main_process and process_index() == 0\n"
+            "assert InstanceFailedError is e.InstanceFailedError\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -16,6 +16,6 @@ __all__: list = []
 if importlib.util.find_spec("ipuloop") is None:  # e.g. a subprocess in another folder
     sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from ipuloop.emulate import install  # noqa: E402 (the path above first)
+from ipuloop.emulate import install  # (the path above first)
 
 install()

@@ -63,7 +63,7 @@ from typing import Any, Callable, Protocol
 
 from ..state import State
 
-__all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS", "Loop",
+__all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS", "LoopView",
            "register_default", "arrange", "resume_path", "check_mode", "monitored", "overridden",
            "check_monitor", "LIGHTNING_HOOKS"]
 
@@ -75,8 +75,9 @@ EVENTS = (
 )
 
 
-class Loop(Protocol):
-    """What a callback may use of the loop it is given (``ipuloop.Loop`` provides it).
+class LoopView(Protocol):
+    """The view of the loop a callback is given: what a hook may use of it (``ipuloop.Loop``
+    provides it).
 
     Callbacks read ``state`` (counters, logs, steps per epoch, the exception being handled)
     and end the fit with ``stop()`` or a Cancel* exception; nothing else of the loop.
@@ -86,7 +87,9 @@ class Loop(Protocol):
     train_opts: Any  # poptorch.Options: settable in on_configure, frozen from fit on
     optimizer: Any  # the host optimizer (changes reach the device before the next step)
     callbacks: list[Callback]
-    exception: BaseException | None  # the same as state.exception
+
+    @property
+    def exception(self) -> BaseException | None: ...  # the same as state.exception
 
     def stop(self) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...  # fires on_save_checkpoint first
@@ -148,22 +151,22 @@ class Callback:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
-    def on_configure(self, loop: Loop) -> None: ...
-    def on_fit_start(self, loop: Loop) -> None: ...
-    def on_epoch_start(self, loop: Loop) -> None: ...
-    def on_compile_start(self, loop: Loop) -> None: ...
-    def on_compile_end(self, loop: Loop) -> None: ...
-    def on_train_step_start(self, loop: Loop) -> None: ...
-    def on_train_step_end(self, loop: Loop) -> None: ...
-    def on_validation_start(self, loop: Loop) -> None: ...
-    def on_validation_step_end(self, loop: Loop) -> None: ...
-    def on_validation_end(self, loop: Loop) -> None: ...
-    def on_epoch_end(self, loop: Loop) -> None: ...
-    def on_fit_end(self, loop: Loop) -> None: ...
-    def on_save_checkpoint(self, loop: Loop) -> None: ...
-    def on_load_checkpoint(self, loop: Loop) -> None: ...
-    def on_preempt(self, loop: Loop) -> None: ...
-    def on_exception(self, loop: Loop) -> None: ...
+    def on_configure(self, loop: LoopView) -> None: ...
+    def on_fit_start(self, loop: LoopView) -> None: ...
+    def on_epoch_start(self, loop: LoopView) -> None: ...
+    def on_compile_start(self, loop: LoopView) -> None: ...
+    def on_compile_end(self, loop: LoopView) -> None: ...
+    def on_train_step_start(self, loop: LoopView) -> None: ...
+    def on_train_step_end(self, loop: LoopView) -> None: ...
+    def on_validation_start(self, loop: LoopView) -> None: ...
+    def on_validation_step_end(self, loop: LoopView) -> None: ...
+    def on_validation_end(self, loop: LoopView) -> None: ...
+    def on_epoch_end(self, loop: LoopView) -> None: ...
+    def on_fit_end(self, loop: LoopView) -> None: ...
+    def on_save_checkpoint(self, loop: LoopView) -> None: ...
+    def on_load_checkpoint(self, loop: LoopView) -> None: ...
+    def on_preempt(self, loop: LoopView) -> None: ...
+    def on_exception(self, loop: LoopView) -> None: ...
 
     def resume_path(self) -> Any:
         """Not an event: override it to answer ``fit(resume_from="last")`` with the checkpoint
@@ -281,10 +284,9 @@ def register_default(factory: Callable[[list, Any], Callback | None]) -> None:
     _DEFAULTS.append(factory)
 
 
-def arrange(callbacks: Any, progress: Any) -> tuple[list[Callback], dict[str, list]]:
+def arrange(callbacks: Any, progress: Any) -> list[Callback]:
     """A loop's callbacks, checked, with the registered defaults they lack (for a loop built
-    with ``progress``), sorted by ``order`` once; and per event, the (callback, hook) pairs
-    of the callbacks that override it."""
+    with ``progress``), sorted by ``order`` once."""
     cbs = list(callbacks)
     for cb in cbs:
         if not isinstance(cb, Callback):
@@ -300,7 +302,7 @@ def arrange(callbacks: Any, progress: Any) -> tuple[list[Callback], dict[str, li
                          f"({', '.join(same)}), so a checkpoint could not tell their states "
                          "apart. Give each its own: ModelCheckpoint(..., name='best') sets it; "
                          "another Callback class overrides its state_key property.")
-    return cbs, {e: [(cb, getattr(cb, e)) for cb in cbs if overridden(cb, e)] for e in EVENTS}
+    return cbs
 
 
 def _describe(cb: Callback) -> str:
@@ -334,7 +336,7 @@ def check_mode(mode: str) -> float:
     return 1.0 if mode == "min" else -1.0
 
 
-def check_monitor(state: Any, monitor: str | None, who: str) -> None:
+def check_monitor(state: State, monitor: str | None, who: str) -> None:
     """At fit start: a ``ValueError`` when ``monitor`` is a validation log (``val_...``) and
     the fit has no ``val_loader``, so it would never exist (found before any step rather than
     at the first epoch end)."""
@@ -345,7 +347,7 @@ def check_monitor(state: Any, monitor: str | None, who: str) -> None:
             "training (e.g. 'train_loss').")
 
 
-def monitored(state: Any, monitor: str, who: str) -> float:
+def monitored(state: State, monitor: str, who: str) -> float:
     """The value of the log ``monitor`` in ``state.logs``; a ``ValueError`` naming ``who``,
     the epoch and step, and the logs there are when it is missing."""
     logs = state.logs

@@ -21,8 +21,8 @@ import torch
 from .. import checkpoint_io as cio
 from ..checkpoint_io import (FORMAT_VERSION, MANIFEST, STATE, TMP_PREFIX, CheckpointError,
                              load_checkpoint, read_manifest)
-from ..errors import NonFiniteLossError
-from .base import Callback, check_mode, check_monitor, monitored, overridden
+from ..exceptions import NonFiniteLossError
+from .base import Callback, LoopView, check_mode, check_monitor, monitored, overridden
 
 __all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
            "FORMAT_VERSION"]
@@ -131,8 +131,9 @@ class ModelCheckpoint(Callback):
     the next save, and all kept with ``save_top_k=-1``. To keep the best by a validation
     log, save at epoch ends (``every_n_epochs``), or at the steps where the fit validates:
     with ``fit(val_every_n_steps=N)`` a validation runs before the ``on_train_step_end`` of
-    every N-th step, so ``every_n_steps`` a multiple of N ranks each step save by it. ``best_path``, ``best_score`` and
-    ``best_k`` give the ranked ones; ``last_path`` the newest regular save.
+    every N-th step, so ``every_n_steps`` a multiple of N ranks each step save by it.
+    ``best_path``, ``best_score`` and ``best_k`` give the ranked ones; ``last_path`` the newest
+    regular save.
 
     A save at a step that already has a checkpoint (the epoch-end save after the step save of
     the epoch's last step) replaces it, so one state is never kept under two names. The folder
@@ -176,10 +177,16 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(self.dirpath, "is a file: dirpath must be a folder (created "
                                   "if missing) for the checkpoint folders")
         _check_filename(filename, monitor, every_n_steps)
-        self.every_n_epochs, self.every_n_steps = every_n_epochs, every_n_steps
-        self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
-        self.save_last, self.save_on_exception = save_last, save_on_exception
-        self.filename, self.name, self.load_best_at_end = filename, name, load_best_at_end
+        self.every_n_epochs = every_n_epochs
+        self.every_n_steps = every_n_steps
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.save_on_exception = save_on_exception
+        self.filename = filename
+        self.name = name
+        self.load_best_at_end = load_best_at_end
         self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of regular saves
         self.resumed_from: str | None = None  # never deleted while this fit runs
         self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
@@ -256,13 +263,13 @@ class ModelCheckpoint(Callback):
         self._best_weights = None
 
     # -- events --------------------------------------------------------------------------------
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's
-            if other is not self and isinstance(other, ModelCheckpoint) \
-                    and other.filename == self.filename \
-                    and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath):
+            if (other is not self and isinstance(other, ModelCheckpoint)
+                    and other.filename == self.filename
+                    and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath)):
                 raise ValueError(
                     f"{self!r} and {other!r} would write the same checkpoint folders "
                     f"(dirpath={str(self.dirpath)!r}, filename={self.filename!r}), and each "
@@ -272,7 +279,8 @@ class ModelCheckpoint(Callback):
             self._clean_up()
         else:
             self._cleaned = True
-        self._in_fit, self._last = True, None
+        self._in_fit = True
+        self._last = None
         st = loop.state
         if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
             warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
@@ -301,41 +309,43 @@ class ModelCheckpoint(Callback):
                 cio.remove(self.dirpath / name)  # a crash between commit and rotation left it
         self._pending = []
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         if self.every_n_steps and loop.state.step % self.every_n_steps == 0:
             self.save(loop, at_step=True)
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         self._val_at = loop.state.step  # the val logs score the weights of this step
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         self._epoch_end_at = loop.state.step  # the epoch logs belong to this step's weights
         if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
             self.save(loop)
 
-    def on_preempt(self, loop: Any) -> None:
+    def on_preempt(self, loop: LoopView) -> None:
         if self._last != tuple(loop.state.counters().values()):  # not saved at this point yet
             self.save(loop, at_step=True, always=True)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         self._in_fit = False
         for name in self._deferred:  # the fit succeeded: the resumed-from one may go now
             try:
                 cio.remove(self.dirpath / name)
             except OSError as err:
                 warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
-                              f"({err}); a fit resumed from {self.latest()} deletes it.")
-        self._deferred, self.resumed_from = [], None
+                              f"({err}); a fit resumed from {self.latest()} deletes it.",
+                              stacklevel=2)
+        self._deferred = []
+        self.resumed_from = None
         if self.load_best_at_end and not loop.state.preempted:  # (preempted: the process exits)
             self._load_best(loop)
         self._best_weights = None
 
-    def _load_best(self, loop: Any) -> None:
+    def _load_best(self, loop: LoopView) -> None:
         best = self.best_path
         if best is None:
             warnings.warn(f"{self!r}: load_best_at_end, but no checkpoint is ranked by "
                           f"monitor={self.monitor!r} (see the class docstring: ranking): the "
-                          "model keeps the last step's weights.")
+                          "model keeps the last step's weights.", stacklevel=2)
             return
         if self._best_weights is not None and self._best_weights[0] == best.name:
             weights = self._best_weights[1]  # saved by this fit: every instance holds it
@@ -343,7 +353,7 @@ class ModelCheckpoint(Callback):
             weights = load_checkpoint(best)["model"]
         loop.load_weights(weights)
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         if not (self.save_on_exception and self._in_fit):
             return
         self._in_fit = False
@@ -367,9 +377,10 @@ class ModelCheckpoint(Callback):
             return step == self._epoch_end_at
         return True
 
-    def _score(self, loop: Any, at_step: bool, always: bool) -> float | None:
+    def _score(self, loop: LoopView, at_step: bool, always: bool) -> float | None:
         """The save's rank: None without monitor, NaN for an unranked save."""
-        monitor, st = self.monitor, loop.state
+        monitor = self.monitor
+        st = loop.state
         if monitor is None:
             return None
         missing = monitor not in st.logs
@@ -417,10 +428,10 @@ class ModelCheckpoint(Callback):
                       f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
                       f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
                       f"{'it' if len(gone) == 1 else 'them'}, as "
-                      f"{name + ('-exception' if exception is not None else '')!r}.")
+                      f"{name + ('-exception' if exception is not None else '')!r}.", stacklevel=2)
         return name
 
-    def save(self, loop: Any, *, exception: BaseException | None = None,
+    def save(self, loop: LoopView, *, exception: BaseException | None = None,
              tainted: bool = False, at_step: bool = False, always: bool = False
              ) -> Path | None:
         """Write, commit, then rotate; returns the folder, or None when it is not kept.
@@ -438,11 +449,12 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
                              f"plain folder name inside {self.dirpath}.")
         if name == self.resumed_from:
-            warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.")
+            warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.",
+                          stacklevel=2)
             return None
         folder = self.dirpath / name
-        if self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept} \
-                and (folder / MANIFEST).is_file():
+        if (self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept}
+                and (folder / MANIFEST).is_file()):
             return folder  # saved at this point already: rewriting it would only risk it
         if not self._cleaned:  # a save before any fit: a killed process's leftovers go first
             self._clean_up()
@@ -466,8 +478,8 @@ class ModelCheckpoint(Callback):
             torch.save(sd, buf)
             data = buf.getvalue()
             best = self.best_path
-            if self.load_best_at_end and exception is None and best is not None \
-                    and best.name == name:  # for the fit's end (sd holds a copy already)
+            if (self.load_best_at_end and exception is None and best is not None
+                    and best.name == name):  # for the fit's end (sd holds a copy already)
                 best_weights: tuple | None = (name, sd["model"])
             else:
                 best_weights = None
@@ -486,7 +498,8 @@ class ModelCheckpoint(Callback):
                 cio.remove(folder)
             raise
         finally:
-            self._saving, self._rotating = None, []
+            self._saving = None
+            self._rotating = []
         self._last = tuple(st.counters().values())
         self._best_weights = best_weights or self._best_weights
         for e in old:  # rotate only after the commit
@@ -500,7 +513,7 @@ class ModelCheckpoint(Callback):
                     self._deferred.append(e["name"])  # retried at fit end, recorded in saves
                     warnings.warn(f"ModelCheckpoint: could not rotate out "
                                   f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
-                                  "Retrying when the fit ends (or at a resume).")
+                                  "Retrying when the fit ends (or at a resume).", stacklevel=2)
         return folder
 
     # -- finding -------------------------------------------------------------------------------
@@ -515,5 +528,5 @@ class ModelCheckpoint(Callback):
 
 
 def _is_score(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and not math.isnan(value)
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and not math.isnan(value))

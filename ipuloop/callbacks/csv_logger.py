@@ -6,7 +6,7 @@ import os
 import warnings
 from typing import Any
 
-from .base import Callback
+from .base import Callback, LoopView
 
 __all__ = ["CSVLogger"]
 
@@ -42,7 +42,8 @@ class CSVLogger(Callback):
                                           or isinstance(every_n_steps, bool) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be an int >= 1 or None. Received: "
                              f"every_n_steps={every_n_steps!r}.")
-        self.path, self.every_n_steps = os.fspath(path), every_n_steps
+        self.path = os.fspath(path)
+        self.every_n_steps = every_n_steps
         self.columns: list[str] = ["epoch", "step", "update"]
         self.rows = 0  # data rows in the file
         self._val_at: int | None = None  # the step of the last validation
@@ -61,7 +62,7 @@ class CSVLogger(Callback):
             w.writerows(rows)
         os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half
 
-    def _write(self, loop: Any, logs: dict[str, Any]) -> None:
+    def _write(self, loop: LoopView, logs: dict[str, Any]) -> None:
         row = {**logs, "epoch": loop.state.epoch, "step": loop.state.step,
                "update": loop.state.update}
         new = [k for k in row if k not in self.columns]
@@ -73,30 +74,32 @@ class CSVLogger(Callback):
                 csv.DictWriter(f, self.columns, restval="").writerow(row)
         self.rows += 1
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         kept = self._read()[:self.rows]
         if self.rows and len(kept) < self.rows:
             warnings.warn(f"CSVLogger: {self.path} has {len(kept)} rows but the checkpoint "
-                          f"recorded {self.rows}: appending after the rows there are.")
+                          f"recorded {self.rows}: appending after the rows there are.",
+                          stacklevel=2)
         self.rows = len(kept)
         self._rewrite(kept)
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         self._val_at = loop.state.step
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
         validated = self._val_at == st.step  # a validation at this step: before this event
-        if validated or self.every_n_steps and st.step % self.every_n_steps == 0:
+        if validated or (self.every_n_steps and st.step % self.every_n_steps == 0):
             self._write(loop, {k: v for k, v in st.logs.items() if not k.startswith("train_")
                                and (validated or not k.startswith("val_"))})
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         self._write(loop, loop.state.logs)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rows": self.rows, "columns": list(self.columns)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rows, self.columns = int(state["rows"]), list(state["columns"])
+        self.rows = int(state["rows"])
+        self.columns = list(state["columns"])

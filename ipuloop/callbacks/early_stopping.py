@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Callback, check_mode, check_monitor, monitored
+from .base import Callback, LoopView, check_mode, check_monitor, monitored
 
 __all__ = ["EarlyStopping"]
 
@@ -41,19 +41,22 @@ class EarlyStopping(Callback):
             raise ValueError(f"patience must be an int >= 1. Received: patience={patience!r}.")
         if not (min_delta >= 0):  # also rejects NaN
             raise ValueError(f"min_delta must be >= 0. Received: min_delta={min_delta!r}.")
-        self.monitor, self.patience, self.min_delta = monitor, patience, float(min_delta)
-        self.mode, self.check_finite = mode, check_finite
+        self.monitor = monitor
+        self.patience = patience
+        self.min_delta = float(min_delta)
+        self.mode = mode
+        self.check_finite = check_finite
         self.best = math.inf if mode == "min" else -math.inf
         self.wait = 0  # checks since the last improvement
         self.stopped_epoch: int | None = None  # 1-based epoch in (or after) which it stopped
         self.reason = ""
         self._fitting = False  # (a validate() outside a fit is no check)
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "EarlyStopping")
         self._fitting = True
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         self._fitting = False
 
     on_exception = on_fit_end
@@ -63,22 +66,23 @@ class EarlyStopping(Callback):
         every = st.val_every_n_steps
         return bool(every and st.step and st.step % every == 0 and self.monitor.startswith("val_"))
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         st = loop.state
         if self._fitting and self._step_validated(st):
             self._check(loop, st.epoch + 1, f"at step {st.step} (epoch {st.epoch + 1})")
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         if not self._step_validated(loop.state):  # (else checked at that validation)
             self._check(loop, loop.state.epoch, f"after epoch {loop.state.epoch}")
 
-    def _check(self, loop: Any, epoch: int, where: str) -> None:
+    def _check(self, loop: LoopView, epoch: int, where: str) -> None:
         value = monitored(loop.state, self.monitor, "EarlyStopping")
         sign = self._sign
         if self.check_finite and not math.isfinite(value):
             self.reason = f"{self.monitor} = {value} is not finite"
         elif sign * (self.best - value) > self.min_delta:
-            self.best, self.wait = value, 0
+            self.best = value
+            self.wait = 0
             return
         else:
             self.wait += 1
@@ -95,5 +99,6 @@ class EarlyStopping(Callback):
         return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.wait = float(state["best"]), int(state["wait"])
+        self.best = float(state["best"])
+        self.wait = int(state["wait"])
         self.stopped_epoch = state["stopped_epoch"]

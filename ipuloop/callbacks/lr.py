@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Callback, check_monitor, monitored
+from .base import Callback, LoopView, check_monitor, monitored
 
 __all__ = ["LRScheduler"]
 
@@ -77,14 +77,16 @@ class LRScheduler(Callback):
             raise ValueError(f"monitor is only used with ReduceLROnPlateau; "
                              f"{type(scheduler).__name__} takes no metric. Received: "
                              f"monitor={monitor!r}.")
-        self.scheduler, self.interval, self.monitor = scheduler, interval, monitor
+        self.scheduler = scheduler
+        self.interval = interval
+        self.monitor = monitor
 
     def _step(self, *args: float) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_ORDER_WARNING)
             self.scheduler.step(*args)
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "LRScheduler")
         if self.scheduler.optimizer is not loop.optimizer:
             raise ValueError("LRScheduler: the scheduler drives another optimizer than the "
@@ -125,18 +127,18 @@ class LRScheduler(Callback):
                 f"{name} every update, but {name} cannot change after compilation: {why}. "
                 f"To cycle it, {fix} build the scheduler with cycle_momentum=False.")
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         if self.interval == "update":
             for _ in range(loop.train_opts.device_iterations):  # DI updates ran in this step
                 self._step()
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         if self.interval != "epoch":
             return
         if not self.plateau:
             self._step()
-        else:
-            self._step(monitored(loop.state, self.monitor, "LRScheduler"))
+        else:  # (a plateau scheduler has a monitor: checked when built)
+            self._step(monitored(loop.state, str(self.monitor), "LRScheduler"))
 
     def state_dict(self) -> dict[str, Any]:
         # A method of the scheduler itself (torch 2.0's OneCycleLR keeps ``anneal_func``) is

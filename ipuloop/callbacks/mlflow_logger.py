@@ -5,6 +5,7 @@ import time
 import warnings
 from typing import Any
 
+from .base import LoopView
 from .scalars import ScalarLogger, hyperparameters
 
 __all__ = ["MLFlowLogger"]
@@ -62,12 +63,16 @@ class MLFlowLogger(ScalarLogger):
             raise ImportError(f"MLFlowLogger needs MLflow, which is not installed ({e}). "
                               f"Install it with: {INSTALL}") from e
         super().__init__()
-        self._metric, self._param = Metric, Param
+        self._metric = Metric
+        self._param = Param
         self._client_type = MlflowClient
-        self.experiment_name, self.run_name = experiment_name, run_name
-        self.tracking_uri, self.tags = tracking_uri, dict(tags or {})
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self.tracking_uri = tracking_uri
+        self.tags = dict(tags or {})
         self.run_id = run_id
-        self.log_hparams, self.synchronous = log_hparams, synchronous
+        self.log_hparams = log_hparams
+        self.synchronous = synchronous
         self.client: Any = None  # the MlflowClient, from the first fit on
         self._resumed = False  # load_state_dict ran: this fit continues the run's metrics
         self._last: dict[str, int] = {}  # per metric, the last step the run has (resumed fit)
@@ -83,22 +88,24 @@ class MLFlowLogger(ScalarLogger):
             self.run_id = state.get("run_id")
         self._resumed = self.run_id is not None
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         super().on_fit_start(loop)
         if self.client is None:
             self.client = self._client_type(tracking_uri=self.tracking_uri)
         c = self.client
         if self.run_id is None:
             exp = c.get_experiment_by_name(self.experiment_name)
-            exp_id = exp.experiment_id if exp is not None else \
-                c.create_experiment(self.experiment_name)
+            exp_id = (exp.experiment_id if exp is not None
+                      else c.create_experiment(self.experiment_name))
             run = c.create_run(exp_id, run_name=self.run_name, tags=self.tags)
             self.run_id = run.info.run_id
         else:
             run = c.get_run(self.run_id)
             if run.info.status != "RUNNING":
                 c.update_run(self.run_id, status="RUNNING")
-        self._open, self._last, self._pending = True, {}, []
+        self._open = True
+        self._last = {}
+        self._pending = []
         if self._resumed:  # the points the run has from the interrupted fit are not sent again
             self._last = {key: max(m.step for m in c.get_metric_history(self.run_id, key))
                           for key in run.data.metrics}
@@ -126,7 +133,8 @@ class MLFlowLogger(ScalarLogger):
     def _send(self) -> None:
         """One request for the points gathered: a step's LR goes with the step's end values."""
         if self._pending:
-            points, self._pending = self._pending, []
+            points = self._pending
+            self._pending = []
             queued = self.client.log_batch(self.run_id, metrics=points,
                                            synchronous=self.synchronous)
             if queued is not None:
@@ -135,15 +143,16 @@ class MLFlowLogger(ScalarLogger):
     def _wait(self) -> None:
         """Wait for the queued requests. (Through each request: ``mlflow.flush_async_logging``
         would open MLflow's default store, a ``mlflow.db`` in the working directory.)"""
-        queued, self._queued = self._queued, []
+        queued = self._queued
+        self._queued = []
         for operations in queued:
             operations.wait()
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         super().on_train_step_end(loop)
         self._send()
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         super().on_epoch_end(loop)
         self._send()
         self._wait()  # the epoch's queued requests are done: the queue stays short
@@ -155,10 +164,10 @@ class MLFlowLogger(ScalarLogger):
             self._wait()  # the queued points first (if any)
             self.client.set_terminated(self.run_id, status=status)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         super().on_fit_end(loop)
         self._end("KILLED" if loop.state.preempted else "FINISHED")
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         super().on_exception(loop)
         self._end("FAILED")

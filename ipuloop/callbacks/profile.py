@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..backend import backend_name
-from .base import Callback
+from .base import Callback, LoopView
 
 __all__ = ["ProfileCapture"]
 
@@ -43,19 +43,21 @@ class ProfileCapture(Callback):
         for name, value, low in (("start_step", start_step, 0), ("num_steps", num_steps, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}.")
-        self.start_step, self.num_steps, self.dirpath = start_step, num_steps, os.fspath(dirpath)
+        self.start_step = start_step
+        self.num_steps = num_steps
+        self.dirpath = os.fspath(dirpath)
         self._prof: Any = None
         self._seen = 0  # steps completed in the window
         self._cuda = False  # the window also records CUDA kernels
         self.written: list[str] = []  # the files of the last capture (PopVision: the folder)
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         try:
             os.makedirs(self.dirpath, exist_ok=True)
         except OSError as e:
             raise self._error(e) from e
 
-    def on_configure(self, loop: Any) -> None:  # before the options freeze (the first fit)
+    def on_configure(self, loop: LoopView) -> None:  # before the options freeze (the first fit)
         if backend_name() != "poptorch" or self.written:
             return
         loop.train_opts.enableProfiling(self.dirpath)  # autoReport.all, autoReport.directory
@@ -63,7 +65,7 @@ class ProfileCapture(Callback):
         print(f"ProfileCapture: PopVision reports go to {self.dirpath} (open them with the "
               "PopVision Graph Analyser).", flush=True)
 
-    def on_train_step_start(self, loop: Any) -> None:
+    def on_train_step_start(self, loop: LoopView) -> None:
         if self._prof is not None:
             self._prof.step()  # ends the previous ProfilerStep, starts this step's
             return
@@ -77,32 +79,35 @@ class ProfileCapture(Callback):
         prof = profile(activities=acts, schedule=lambda _: ProfilerAction.RECORD)
         prof.step_num = loop.state.step  # markers carry the loop's step index
         prof.__enter__()
-        self._prof, self._seen, self._cuda = prof, 0, len(acts) > 1
+        self._prof = prof
+        self._seen = 0
+        self._cuda = len(acts) > 1
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         if self._prof is None:
             return
         self._seen += 1
         if self._seen == self.num_steps:
             self._finish(loop)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         if self._prof is not None:  # the fit ended inside the window
             self._finish(loop)
         elif not self.written and backend_name() != "poptorch":
             warnings.warn(f"ProfileCapture: the fit ended before step {self.start_step}, so "
-                          "nothing was profiled. Lower start_step.")
+                          "nothing was profiled. Lower start_step.", stacklevel=2)
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         self._close()
 
     def _close(self) -> Any:
-        prof, self._prof = self._prof, None
+        prof = self._prof
+        self._prof = None
         if prof is not None:
             prof.__exit__(None, None, None)
         return prof
 
-    def _finish(self, loop: Any) -> None:
+    def _finish(self, loop: LoopView) -> None:
         prof = self._close()
         if not self._seen:  # no step of the window completed: nothing worth writing
             return

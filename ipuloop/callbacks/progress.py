@@ -5,7 +5,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .base import Callback, register_default
+from .base import Callback, LoopView, register_default
 
 __all__ = ["ProgressBar"]
 
@@ -35,7 +35,7 @@ class ProgressBar(Callback):
         s = self.stream or sys.stderr
         return hasattr(s, "isatty") and s.isatty()
 
-    def on_epoch_start(self, loop: Any) -> None:
+    def on_epoch_start(self, loop: LoopView) -> None:
         self._steps = loop.state.steps_per_epoch
         self._start = time.perf_counter()
         self._t0_step = loop.state.step
@@ -45,7 +45,7 @@ class ProgressBar(Callback):
                              desc=f"Epoch {loop.state.epoch + 1}", file=self.stream or sys.stderr,
                              leave=True, dynamic_ncols=True)
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
         if self._bar is not None:
             every = self.every or 1
@@ -60,19 +60,19 @@ class ProgressBar(Callback):
             print(f"epoch {st.epoch + 1} step {st.epoch_step}{total}  loss {st.logs['loss']:.4f}"
                   f"  {rate:.2f} steps/s", file=self.stream or sys.stdout, flush=True)
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         logs = loop.state.logs
         keys = [k for k in logs if k.startswith(("train_", "val_")) and k != "train_loss_exact"]
-        approx = "" if logs.get("train_loss_exact", 1.0) else " (train_loss estimated from " \
-            "the micro-batches the output mode returns)"
+        approx = ("" if logs.get("train_loss_exact", 1.0) else
+                  " (train_loss estimated from the micro-batches the output mode returns)")
         took = time.perf_counter() - self._start
         print(f"epoch {loop.state.epoch}: {_fmt(logs, keys)}  [{took:.1f}s]{approx}",
               file=self.stream or sys.stdout, flush=True)
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None

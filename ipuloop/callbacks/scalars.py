@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .base import Callback
+from .base import Callback, LoopView
 
 __all__ = ["ScalarLogger", "hyperparameters"]
 
@@ -44,31 +44,32 @@ class ScalarLogger(Callback):
         """Record ``values`` at x = ``update`` (each subclass writes to its backend)."""
         raise NotImplementedError
 
-    def _restart_clock(self, loop: Any) -> None:
-        self._since, self._samples = time.perf_counter(), loop.state.samples
+    def _restart_clock(self, loop: LoopView) -> None:
+        self._since = time.perf_counter()
+        self._samples = loop.state.samples
         self._paused = None
 
     # Subclasses that override these call them too (super()).
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         self._fitting = True
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         self._fitting = False
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         self._fitting = False
 
-    def on_epoch_start(self, loop: Any) -> None:
+    def on_epoch_start(self, loop: LoopView) -> None:
         self._restart_clock(loop)
 
-    def on_compile_end(self, loop: Any) -> None:
+    def on_compile_end(self, loop: LoopView) -> None:
         if self._paused is None:  # (a validation's compilation: its time is left out anyway)
             self._restart_clock(loop)
 
-    def on_validation_start(self, loop: Any) -> None:
+    def on_validation_start(self, loop: LoopView) -> None:
         self._paused = time.perf_counter()
 
-    def on_validation_end(self, loop: Any) -> None:
+    def on_validation_end(self, loop: LoopView) -> None:
         if self._paused is not None and self._since is not None:  # the step's time goes on
             self._since += time.perf_counter() - self._paused
         self._paused = None
@@ -78,13 +79,13 @@ class ScalarLogger(Callback):
             if values:
                 self.log_scalars(values, st.update)
 
-    def on_train_step_start(self, loop: Any) -> None:
+    def on_train_step_start(self, loop: LoopView) -> None:
         groups = loop.optimizer.param_groups if loop.optimizer is not None else []
         if groups:
             self.log_scalars({"lr" if len(groups) == 1 else f"lr/group{i}": float(g["lr"])
                               for i, g in enumerate(groups)}, loop.state.update)
 
-    def on_train_step_end(self, loop: Any) -> None:
+    def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
         values = {k: float(v) for k, v in st.logs.items() if not k.startswith(("train_", "val_"))}
         now = time.perf_counter()
@@ -94,7 +95,7 @@ class ScalarLogger(Callback):
         if values:
             self.log_scalars(values, st.update)
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         st = loop.state
         values = {k: float(v) for k, v in st.logs.items()
                   if k.startswith("train_") and not k.endswith("_exact")}
@@ -102,7 +103,7 @@ class ScalarLogger(Callback):
             self.log_scalars(values, st.update)
 
 
-def hyperparameters(loop: Any) -> dict[str, Any]:
+def hyperparameters(loop: LoopView) -> dict[str, Any]:
     """The run's settings a logger records once per fit: the options' factors, the number of
     processes, and the optimizer's class with its scalar defaults (``optimizer.lr``, ...)."""
     opts = loop.train_opts

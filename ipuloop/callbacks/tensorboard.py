@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .base import LoopView
 from .scalars import ScalarLogger
 
 __all__ = ["TensorBoardLogger"]
@@ -59,12 +60,13 @@ class TensorBoardLogger(ScalarLogger):
 
     def log_scalars(self, values: dict[str, float], update: int) -> None:
         if update != self._update:
-            self._update, self._written = update, {}
+            self._update = update
+            self._written = {}
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, global_step=update)
             self._written[tag] = value
 
-    def on_save_checkpoint(self, loop: Any) -> None:
+    def on_save_checkpoint(self, loop: LoopView) -> None:
         update = loop.state.update
         self._saved = {"update": update,
                        "scalars": dict(self._written) if update == self._update else {}}
@@ -75,9 +77,10 @@ class TensorBoardLogger(ScalarLogger):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed = dict(state) if "update" in state else None
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         super().on_fit_start(loop)
-        resumed, self._resumed = self._resumed, None
+        resumed = self._resumed
+        self._resumed = None
         if self.writer is None and resumed is not None:
             # TensorBoard hides what earlier files hold from purge_step on: the updates the
             # interrupted run wrote after its checkpoint. Those at the checkpoint's own
@@ -89,7 +92,7 @@ class TensorBoardLogger(ScalarLogger):
         elif self.writer is None:
             self.writer = self._writer_type(log_dir=self.log_dir)
 
-    def on_epoch_end(self, loop: Any) -> None:
+    def on_epoch_end(self, loop: LoopView) -> None:
         super().on_epoch_end(loop)
         self.writer.flush()
 
@@ -98,10 +101,10 @@ class TensorBoardLogger(ScalarLogger):
             self.writer.close()
             self.writer = None
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         super().on_fit_end(loop)
         self._close()
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         super().on_exception(loop)
         self._close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .base import LoopView
 from .scalars import ScalarLogger, hyperparameters
 
 __all__ = ["WandbLogger"]
@@ -77,7 +78,7 @@ class WandbLogger(ScalarLogger):
         if self.run_id is None:  # an id or run given to the logger is the one to log to
             self.run_id = state.get("run_id")
 
-    def on_fit_start(self, loop: Any) -> None:
+    def on_fit_start(self, loop: LoopView) -> None:
         super().on_fit_start(loop)
         if self.run is None:
             kwargs = dict(self._init)
@@ -102,10 +103,10 @@ class WandbLogger(ScalarLogger):
             self.run.finish(exit_code=exit_code)
             self.run = None
 
-    def on_fit_end(self, loop: Any) -> None:
+    def on_fit_end(self, loop: LoopView) -> None:
         super().on_fit_end(loop)
         self._finish(143 if loop.state.preempted else 0)
 
-    def on_exception(self, loop: Any) -> None:
+    def on_exception(self, loop: LoopView) -> None:
         super().on_exception(loop)
         self._finish(1)

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import sys
+from typing import ClassVar
 
 __all__ = ["logger", "setLogLevel", "setPopartLogLevel", "popart_log_level", "LEVEL_NAMES",
            "show_compilation_progress"]
@@ -83,7 +84,7 @@ class _Formatter(logging.Formatter):
     """PopTorch's console format: lower-case level names, milliseconds, and colours only when
     both stdout and stderr are terminals."""
 
-    _COLOURS = {logging.DEBUG: "\033[36m", logging.INFO: "\033[0m",
+    _COLOURS: ClassVar[dict[int, str]] = {logging.DEBUG: "\033[36m", logging.INFO: "\033[0m",
                 logging.WARNING: "\033[1;33m", logging.ERROR: "\033[1;31m",
                 logging.CRITICAL: "\033[1;31m"}
     _FMT = "[%(asctime)s] [%(name)s] [%(levelname)s] %(message)s"

@@ -41,7 +41,8 @@ from . import unsupported as _unsupported
 from .enums import ConnectionType
 from .errors import Error
 
-__all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options", "check_replicated_updates",
+__all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options",
+           "check_replicated_updates",
            "check_stages", "check_updatable_buffers",
            "forbid_backward", "note_inference_only", "note_identity_loss", "note_multiconv",
            "note_overlap", "tensor_addresses"]

@@ -29,14 +29,15 @@ def _decode(log_probs: list[list[float]], blank: int, beam_width: int
     labelling, the labelling). Each beam holds the probability of its prefix ending in a blank
     and in a label; a label repeated without a blank between merges into the prefix."""
     beams: dict[tuple[int, ...], tuple[float, float]] = {(): (0.0, _NEG_INF)}
+    grown: dict[tuple[int, ...], list[float]] = {}
+
+    def add(prefix: tuple[int, ...], ends_blank: bool, p: float) -> None:
+        entry = grown.setdefault(prefix, [_NEG_INF, _NEG_INF])
+        i = 0 if ends_blank else 1
+        entry[i] = _logaddexp(entry[i], p)
+
     for step in log_probs:
-        grown: dict[tuple[int, ...], list[float]] = {}
-
-        def add(prefix: tuple[int, ...], ends_blank: bool, p: float) -> None:
-            entry = grown.setdefault(prefix, [_NEG_INF, _NEG_INF])
-            i = 0 if ends_blank else 1
-            entry[i] = _logaddexp(entry[i], p)
-
+        grown.clear()
         for prefix, (p_blank, p_label) in beams.items():
             total = _logaddexp(p_blank, p_label)
             last = prefix[-1] if prefix else None
@@ -44,10 +45,10 @@ def _decode(log_probs: list[list[float]], blank: int, beam_width: int
                 if c == blank:
                     add(prefix, True, total + p)
                 elif c == last:
-                    add(prefix + (c,), False, p_blank + p)  # a repeat after a blank
+                    add((*prefix, c), False, p_blank + p)  # a repeat after a blank
                     add(prefix, False, p_label + p)  # the same label continued
                 else:
-                    add(prefix + (c,), False, total + p)
+                    add((*prefix, c), False, total + p)
         ranked = sorted(grown.items(), key=lambda kv: -_logaddexp(*kv[1]))[:beam_width]
         beams = {prefix: (pb, pl) for prefix, (pb, pl) in ranked}
     scored = [(_logaddexp(pb, pl), prefix) for prefix, (pb, pl) in beams.items()]

@@ -528,7 +528,7 @@ class _WorkerProcess:
             yield payload
 
     def _next(self) -> tuple[int, int, Any]:
-        while not self._out._poll(0.05):  # noqa: SLF001 - SimpleQueue's own poll
+        while not self._out._poll(0.05):  # (SimpleQueue's own poll)
             if self.process.exitcode is not None or self._stopped:
                 raise EOFError("the AsynchronousDataAccessor worker process ended")
         return self._out.get()
@@ -813,8 +813,8 @@ class AsynchronousDataAccessor:
         with channel.cond:
             if not channel.started:
                 channel.started = True
-            elif self._consumed and not (self._at_eof and self._load_indefinitely) or \
-                    self._at_eof and not self._load_indefinitely:
+            elif ((self._consumed and not (self._at_eof and self._load_indefinitely))
+                    or (self._at_eof and not self._load_indefinitely)):
                 channel.gen += 1  # restart: abandon what was prefetched
                 channel.buf.clear()
             channel.cond.notify_all()

@@ -26,8 +26,8 @@ def emulator_device() -> torch.device:
     name = os.environ.get("IPULOOP_EMULATOR_DEVICE", "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"IPULOOP_EMULATOR_DEVICE={name!r} asks for CUDA, but torch sees no CUDA "
-                           "device. Unset it to emulate on the CPU.")
+        raise RuntimeError(f"IPULOOP_EMULATOR_DEVICE={name!r} asks for CUDA, but torch sees "
+                           "no CUDA device. Unset it to emulate on the CPU.")
     return device
 
 

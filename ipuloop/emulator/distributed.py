@@ -10,7 +10,8 @@ gloo on the CPU, NCCL when the emulator runs on CUDA: give each process its own 
 this module created, gives up after ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an
 instance that died or stopped calling makes the others raise ``poptorch.Error`` instead of
 hanging. A group this module created is destroyed at exit, the instances meeting first (left
-to the interpreter, gloo's teardown can abort the process). Inference models need no reduction and join nothing.
+to the interpreter, gloo's teardown can abort the process). Inference models need no
+reduction and join nothing.
 
 Replicas (as PopTorch sets PopART's ``globalReplicationFactor`` = N*R and
 ``globalReplicaOffset`` = processId*R): process p's local replica r is global replica
@@ -114,7 +115,7 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
             torch.cuda.set_device(device)
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        except Exception as e:  # noqa: BLE001 - a store timeout, a refused connection, ...
+        except Exception as e:  # a store timeout, a refused connection, ...
             raise Error(
                 f"{_where(pid, n)} could not join the other instances within {timeout:g} s "
                 f"({backend} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
@@ -180,11 +181,11 @@ def _check_agreement(dist: Any, pid: int, n: int, record: dict[str, Any],
     records: list[Any] = [None] * n
     try:
         dist.all_gather_object(records, (record, weights))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _collective_error(pid, n, "comparing options", e) from e
     first, first_weights = records[0]
     for other in range(1, n):
-        rec, w = records[other]
+        rec, _ = records[other]
         for key in sorted(set(first) | set(rec), key=lambda k: (k not in first, k)):
             if first.get(key) != rec.get(key):
                 raise Error(
@@ -243,7 +244,7 @@ class GradientReducer:
         sent = flat.cpu() if self._via_host else flat
         try:
             self._dist.all_reduce(sent)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _collective_error(self._pid, self._n, "the gradient all-reduce", e) from e
         self.collectives += 1
         if sent is not flat:

@@ -27,7 +27,7 @@ import collections
 import contextlib
 import datetime
 import time
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch.autograd.variable import Variable
@@ -82,8 +82,8 @@ class PoplarExecutor(HardwareOnly):
 
     # registerPreCompileHook / registerPostCompileHook: handle id -> hook, in registration order
     # (OrderedDicts: a RemovableHandle holds its dict by weak reference, which dict refuses)
-    _precompile_hooks: dict[int, Callable[[], Any]] = collections.OrderedDict()
-    _postcompile_hooks: dict[int, Callable[[], Any]] = collections.OrderedDict()
+    _precompile_hooks: ClassVar[dict[int, Callable[[], Any]]] = collections.OrderedDict()
+    _postcompile_hooks: ClassVar[dict[int, Callable[[], Any]]] = collections.OrderedDict()
 
     def __init__(self, model: torch.nn.Module, options: Any, training: bool,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -246,7 +246,7 @@ class PoplarExecutor(HardwareOnly):
         o = self._options
         _checks.check_options(o)
         di, ga, rf, rfg = self._factors()
-        if self._training and ga < 1 or di < 1 or rf < 1:
+        if (self._training and ga < 1) or di < 1 or rf < 1:
             raise Error(f"deviceIterations, replicationFactor and gradientAccumulation must be "
                         f">= 1. Received: {di}, {rf}, {ga}.")
         mode = OutputMode(o.output_mode)
@@ -319,7 +319,8 @@ class PoplarExecutor(HardwareOnly):
         before = _constants.capture(self._user_model,
                                     [*weights.host_params, *weights.host_buffers])
         try:
-            weights.swap_in(self._training)  # the checks see the device's tensors in the user's module
+            # the checks see the device's tensors in the user's module
+            weights.swap_in(self._training)
             if self._grouped is not None:
                 self._grouped.use(0)  # PopTorch traces a grouped weight's first slice
             checks = _checks.TraceChecks([self._user_model], micro, self._training)
@@ -563,7 +564,7 @@ class PoplarExecutor(HardwareOnly):
 
     def _run(self, leaves: list, chunks: list, spec: Any, di: int, ga: int, rf: int,
              rfg: int, buffers: list[torch.Tensor]) -> Any:
-        mode, period, grouped, g, mean = self._consts[4:]
+        mode, _, grouped, g, mean = self._consts[4:]
         model = self._user_model
         training = self._training
         if training:

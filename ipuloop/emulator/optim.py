@@ -16,7 +16,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -68,7 +68,7 @@ class Optimizer:
     PopTorch's extra arguments, their pickling, and the unscale/clip before the update."""
 
     _extras: tuple[str, ...] = ()  # global (not per group) attributes, stored on the instance
-    _extra_defaults: dict[str, Any] = {}  # every PopTorch-only argument, with its default
+    _extra_defaults: ClassVar[dict[str, Any]] = {}  # every PopTorch-only argument, its default
 
     def _setup(self, init: Callable, args: dict[str, Any]) -> None:
         # ``args`` is the constructor's locals(). As in PopTorch, arguments passed explicitly
@@ -227,8 +227,8 @@ def float32_step(optimizer: torch.optim.Optimizer,
 
 
 _F32 = torch.float32
-_ADAM_EXTRAS = dict(loss_scaling=1.0, accum_type=_F32, first_order_momentum_accum_type=_F32,
-                    second_order_momentum_accum_type=_F32)
+_ADAM_EXTRAS = {"loss_scaling": 1.0, "accum_type": _F32, "first_order_momentum_accum_type": _F32,
+                "second_order_momentum_accum_type": _F32}
 
 
 class SGD(Optimizer, torch.optim.SGD):
@@ -242,8 +242,9 @@ class SGD(Optimizer, torch.optim.SGD):
 
     _extras = ("loss_scaling", "use_combined_accum", "accum_type", "velocity_accum_type",
                "max_grad_norm")
-    _extra_defaults = dict(loss_scaling=1.0, velocity_scaling=1.0, use_combined_accum=False,
-                           accum_type=_F32, velocity_accum_type=_F32, max_grad_norm=math.inf)
+    _extra_defaults: ClassVar[dict[str, Any]] = {
+        "loss_scaling": 1.0, "velocity_scaling": 1.0, "use_combined_accum": False,
+        "accum_type": _F32, "velocity_accum_type": _F32, "max_grad_norm": math.inf}
 
     def __init__(self, params: Iterable, lr: float, momentum: float | None = None,
                  dampening: float | None = None, weight_decay: float | None = None,
@@ -295,7 +296,7 @@ class Adam(Optimizer, torch.optim.Adam):
     """
 
     _extras = (*_ADAM_EXTRAS, "max_grad_norm")
-    _extra_defaults = {**_ADAM_EXTRAS, "max_grad_norm": math.inf}
+    _extra_defaults: ClassVar[dict[str, Any]] = {**_ADAM_EXTRAS, "max_grad_norm": math.inf}
 
     def __init__(self, params: Iterable, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
@@ -319,7 +320,7 @@ class AdamW(Optimizer, torch.optim.AdamW):
     """
 
     _extras = (*Adam._extras, "bias_correction")
-    _extra_defaults = {**Adam._extra_defaults, "bias_correction": True}
+    _extra_defaults: ClassVar[dict[str, Any]] = {**Adam._extra_defaults, "bias_correction": True}
 
     def __init__(self, params: Iterable, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
@@ -363,7 +364,7 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
     """
 
     _extras = (*_ADAM_EXTRAS, "use_tf_variant")
-    _extra_defaults = {**_ADAM_EXTRAS, "use_tf_variant": False}
+    _extra_defaults: ClassVar[dict[str, Any]] = {**_ADAM_EXTRAS, "use_tf_variant": False}
 
     def __init__(self, params: Iterable, lr: float | None = None, alpha: float | None = None,
                  eps: float | None = None, weight_decay: float | None = None,
@@ -420,7 +421,8 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     """
 
     _extras = (*_ADAM_EXTRAS, "bias_correction", "max_weight_norm")
-    _extra_defaults = {**_ADAM_EXTRAS, "bias_correction": True, "max_weight_norm": 65500.0}
+    _extra_defaults: ClassVar[dict[str, Any]] = {**_ADAM_EXTRAS, "bias_correction": True,
+                                                  "max_weight_norm": 65500.0}
 
     def __init__(self, params: Iterable, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
@@ -430,8 +432,8 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                  first_order_momentum_accum_type: torch.dtype | None = None,
                  second_order_momentum_accum_type: torch.dtype | None = None) -> None:
         self._setup(_optimizer_init, locals())
-        for name, value in dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                                max_weight_norm=self.max_weight_norm).items():
+        for name, value in {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
+                            "max_weight_norm": self.max_weight_norm}.items():
             self._group_default(name, value)
 
     def _update(self) -> None:

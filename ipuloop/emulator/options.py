@@ -1,4 +1,4 @@
-"""``poptorch.Options``: PopTorch's option storage, groups and setters (docs/poptorch-semantics.md §1).
+"""``poptorch.Options``: PopTorch's option storage, groups and setters (poptorch-semantics §1).
 
 Options that only tune hardware are accepted and recorded (``toDict()`` shows them) but have no
 effect on the emulator. Setters keep PopTorch's names, checks and chaining.

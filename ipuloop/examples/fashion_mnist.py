@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torchmetrics
 
-    from ipuloop import Loop, backend_name, poptorch
+    from ipuloop import Callback, Loop, backend_name, poptorch
     from ipuloop.callbacks import CSVLogger, TensorBoardLogger
 
     data_dir = data_dir_arg(args.data_dir)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     except MissingData as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    callbacks = []
+    callbacks: list[Callback] = []
     if args.csv:
         callbacks.append(CSVLogger(args.csv, every_n_steps=1))
     if args.tensorboard:

@@ -21,7 +21,8 @@ import torch.nn as nn
 
 __all__ = ["Network", "TrainingModelWithLoss", "build_options", "load_mnist", "main"]
 
-MEAN, STD = 0.1307, 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
+MEAN = 0.1307
+STD = 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
 STAGES = 4  # blocks B1..B4, one IPU each
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                "t10k-labels-idx1-ubyte")
@@ -113,7 +114,8 @@ def check_factors(opts, inference, strategy: str, inference_pipelined: bool,
     ``names`` spells each factor as the user gave it (a flag, or an --ipu-config key).
     Raises ``ValueError`` naming the factor, its value and the fix.
     """
-    rf, ga = opts.replication_factor, opts.Training.gradient_accumulation
+    rf = opts.replication_factor
+    ga = opts.Training.gradient_accumulation
     ipus = rf * STAGES
     if not opts.auto_round_num_ipus and (ipus & (ipus - 1) or ipus > 64):
         raise ValueError(f"{names['replicas']} {rf}: {rf} replica(s) of {STAGES} IPUs is "
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     import torchmetrics
 
-    from ipuloop import Loop, backend_name, poptorch
+    from ipuloop import Callback, Loop, backend_name, poptorch
 
     if args.ipu_config:
         try:
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(args.seed)
     model = Network()
-    callbacks = []
+    callbacks: list[Callback] = []
     if args.checkpoint_dir:
         from ipuloop.callbacks.checkpoint import ModelCheckpoint
         callbacks.append(ModelCheckpoint(args.checkpoint_dir))
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics={"accuracy": accuracy}, callbacks=callbacks, seed=args.seed)
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
                                                shuffle=True, num_workers=args.workers)
-    from ipuloop.distributed import is_main_process, num_processes
+    from ipuloop.processes import is_main_process, num_processes
     say = print if is_main_process() else (lambda *a, **k: None)  # instance 0 speaks
     procs = num_processes()
     say(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "

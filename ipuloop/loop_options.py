@@ -1,9 +1,9 @@
-"""The loop's options, resolved once: training and inference ``poptorch.Options`` and their layouts.
+"""``Loop``'s arguments resolved once: training and inference ``Options``, precision, metrics.
 
 ``Loop`` resolves here what its arguments ask of the options (replicas, seed, precision,
-clipping, the output mode). The training options freeze when the first ``fit`` starts, after
-the ``on_configure`` hooks; from then on the loader, the output layout, the logs and the
-executor all read that one object.
+clipping, the output mode) and checks its model, metrics and ``fit``'s counts. The training
+options freeze when the first ``fit`` starts, after the ``on_configure`` hooks; from then on
+the loader, the output layout, the logs and the executor all read that one object.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from .config import IPUConfig
-from .outputs import MODE_NAMES, Layout
+from .outputs import MODE_NAMES, Returns, WithLoss
 from .rules import (ALL, DEFAULT, EVERY_N, MAX_IPUS, SUM, check_return_period, input_groups,
                     ipu_count_error, reserved_ipus, uses_ipu_model)
 
-__all__ = ["Resolved", "resolve", "PRECISIONS", "resolve_options", "resolve_precision", "set_replicas", "seed_options",
-           "check_optimizer_arg", "set_clipping", "resolve_output_mode", "layout",
-           "inference_options"]
+__all__ = ["Resolved", "resolve", "PRECISIONS", "resolve_options", "resolve_precision",
+           "set_replicas", "seed_options", "check_optimizer_arg", "set_clipping",
+           "resolve_output_mode", "resolve_metrics", "inference_options", "check_fit_args"]
 
 PRECISIONS = ("32", "16-mixed", "16-true")
 # Lightning's spellings: PL 1.x took 16/32 (16 = mixed), lightning-graphcore "32-true"/"16-mixed".
@@ -33,6 +33,9 @@ _PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", 16: "16-mixed", "16
 class Resolved:
     """What ``Loop``'s arguments resolve to, once."""
 
+    model: torch.nn.Module  # the model-with-loss (the model given, or it with loss_fn)
+    returns: Returns  # where its return value holds the loss (loss_key)
+    metrics: dict[str, Any]  # the metrics given, as a dict
     train: Any  # the training options (a clone; frozen when the first fit starts)
     inference: Any  # the inference_opts given (a clone), or None: derived per loader
     precision: str  # one of PRECISIONS
@@ -40,10 +43,21 @@ class Resolved:
     optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
 
 
-def resolve(pt: Any, model: torch.nn.Module, opts: Any, inference_opts: Any, *, replicas: Any,
-            seed: int | None, optimizer: Any, max_grad_norm: float | None, precision: Any,
-            metrics: dict[str, Any]) -> Resolved:
-    """``Loop``'s options and option-like arguments, checked before anything compiles."""
+def resolve(pt: Any, model: Any, opts: Any, inference_opts: Any, *, loss_fn: Any,
+            label_key: Any, loss_key: Any, metrics: Any, metric_output: Any, replicas: Any,
+            seed: int | None, optimizer: Any, max_grad_norm: float | None,
+            precision: Any) -> Resolved:
+    """``Loop``'s arguments, checked before anything compiles (each error names its
+    argument)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
+    if not (isinstance(label_key, str) and label_key):
+        raise TypeError(f"label_key must be a non-empty str (the labels' key in a dict "
+                        f"batch). Received: label_key={label_key!r}.")
+    returns = Returns(loss_key)
+    if loss_fn is not None:
+        model = WithLoss(model, loss_fn, label_key=label_key)
+    metrics = resolve_metrics(metrics, metric_output)
     precision = resolve_precision(precision)
     # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
     # also makes the weights float16, "16-mixed" keeps them float32 (see ``Loop``).
@@ -60,7 +74,7 @@ def resolve(pt: Any, model: torch.nn.Module, opts: Any, inference_opts: Any, *, 
     if optimizer is None:  # PopTorch's default, made here rather than inside trainingModel,
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
-    return Resolved(train, inference, precision,
+    return Resolved(model, returns, metrics, train, inference, precision,
                     None if precision == "32" else torch.float16, optimizer)
 
 
@@ -103,8 +117,8 @@ def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int 
     if replicas == "auto":
         # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
         n = 1
-        while hardware and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS \
-                and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica)):
+        while (hardware and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS
+               and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica))):
             n *= 2
         replicas = n
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
@@ -154,8 +168,8 @@ def set_clipping(pt: Any, optimizer: Any, max_grad_norm: float) -> None:
         raise ValueError(f"max_grad_norm must be a number > 0. Received: "
                          f"max_grad_norm={max_grad_norm!r}.")
     if not isinstance(optimizer, (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW)):
-        name = "None" if optimizer is None else type(optimizer).__module__ + "." + \
-            type(optimizer).__qualname__
+        name = ("None" if optimizer is None
+                else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         raise ValueError(
             f"Gradient clipping runs on the device only with poptorch.optim.SGD, Adam or "
             f"AdamW (their max_grad_norm). Received: optimizer={name}. Build the optimizer "
@@ -180,13 +194,34 @@ def resolve_output_mode(pt: Any, opts: Any, metrics: dict[str, Any]) -> None:
         check_return_period(opts.output_return_period, opts.device_iterations)
 
 
-def layout(opts: Any, training: bool) -> Layout:
-    """The shape of one host call under ``opts``."""
-    return Layout(opts.device_iterations,
-                  opts.Training.gradient_accumulation if training else 1,
-                  opts.replication_factor, opts.output_mode,
-                  max(opts.output_return_period, 1), opts.input_group_size,
-                  int(opts.input_cgt) == 2)
+def resolve_metrics(metrics: Any, metric_output: Any = None) -> dict[str, Any]:
+    """``Loop``'s ``metrics`` as a dict, checked with its ``metric_output``."""
+    if metric_output is not None and not callable(metric_output):
+        raise TypeError(f"metric_output must be a function of the model's output. "
+                        f"Received: metric_output={metric_output!r}.")
+    if metrics is None:
+        return {}
+    if not hasattr(metrics, "items"):
+        raise TypeError("metrics must be a dict of torchmetrics metrics or a "
+                        f"MetricCollection. Received: {type(metrics).__name__}.")
+    out = dict(metrics.items())
+    for name, m in out.items():
+        if not (hasattr(m, "update") and hasattr(m, "compute") and hasattr(m, "reset")):
+            raise TypeError(f"metrics[{name!r}] must be a torchmetrics Metric. Received: "
+                            f"{type(m).__name__}.")
+    return out
+
+
+def check_fit_args(epochs: Any, max_steps: Any, val_every_n_steps: Any, val_loader: Any) -> None:
+    """``Loop.fit``'s counts, checked before anything is built."""
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
+    for k, v in (("max_steps", max_steps), ("val_every_n_steps", val_every_n_steps)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{k} must be an int >= 1 or None. Received: {k}={v!r}.")
+    if val_every_n_steps is not None and val_loader is None:
+        raise ValueError(f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
+                         "but this fit has none. Pass val_loader= too.")
 
 
 def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:

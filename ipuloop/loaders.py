@@ -1,13 +1,15 @@
-"""Loaders as the loop runs them: rebuilt as ``poptorch.DataLoader`` with a resumable order.
+"""What a plan is built from: resumable samplers, padding, host-call iterators, reading ahead.
 
-Every loader given to the loop is rebuilt as a ``poptorch.DataLoader`` over the same dataset,
-micro-batch size, sampler (or shuffle and generator), workers and collate function, with the
-loop's options. Its sampler (or custom batch sampler) is wrapped so that each epoch's order is
-drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
-that a resumed epoch starts after the samples already seen without reading them (an
-``IterableDataset``, which has no order to skip into, is read up to there). A sampler with
-``set_epoch`` is told each training epoch's number before the epoch draws its order, as a
-DDP loop does; a ``DistributedSampler`` stands for its whole dataset (``whole_order``).
+Every loader given to the loop is rebuilt (``plan.build``) as a ``poptorch.DataLoader`` over
+the same dataset, micro-batch size, sampler (or shuffle and generator), workers and collate
+function, with the loop's options. Its sampler (or custom batch sampler) is wrapped so that
+each epoch's order is drawn at one defined moment (``set_epoch``), from random state the
+checkpoint records, and so that a resumed epoch starts after the samples already seen without
+reading them (an ``IterableDataset``, which has no order to skip into, is read up to there). A
+sampler with ``set_epoch`` is told each training epoch's number before the epoch draws its
+order, as a DDP loop does; a ``DistributedSampler`` stands for its whole dataset
+(``whole_order``). Under several processes, each instance reads its share of one global order
+(``ProcessSampler``).
 
 Validation and predict count every sample: a map-style dataset is padded to whole host calls
 with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
@@ -27,7 +29,6 @@ import contextlib
 import random
 import sys
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -35,15 +36,13 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
                               IterableDataset, Sampler)
 
-from .outputs import Layout, map_tensors
+from .outputs import map_tensors
 from .rules import describe_factors, host_call_factor
 
-__all__ = ["Plan", "ResumableSampler", "ResumableBatchSampler", "build_plan", "split_batch",
-           "as_sent",
-           "first_micro_batch", "predict_inputs", "concat", "kill_workers", "close",
-           "Predictions", "check_not_empty", "count_updates", "no_host_call", "built_micro_batch",
-           "loader_kwargs", "Prefetch", "prefetch_of", "whole_order", "async_settings",
-           "OneShape"]
+__all__ = ["ResumableSampler", "ResumableBatchSampler", "ProcessSampler", "ProcessBatchSampler",
+           "Padded", "StreamCalls", "HostCalls", "OneShape", "Prefetch", "Prefetched",
+           "built_micro_batch", "loader_kwargs", "whole_order", "tell_epoch", "check_last_batch",
+           "prefetch_of", "async_settings", "kill_workers", "close"]
 
 _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
          "multiprocessing_context", "generator", "persistent_workers")
@@ -55,8 +54,10 @@ def built_micro_batch(loader: Any, opts: Any, training: bool, name: str,
     size); a ``ValueError`` when its host call is not the one the loop runs with ``opts``
     (``where``: " per instance" under several processes)."""
     combined = loader.combinedBatchSize
-    micro = combined // host_call_factor(loader.options, training) if combined else None
-    if combined is not None and combined != (micro or 0) * host_call_factor(opts, training):
+    if not combined:
+        return None
+    micro = combined // host_call_factor(loader.options, training)
+    if combined != micro * host_call_factor(opts, training):
         raise ValueError(
             f"{name} was built for {describe_factors(loader.options, micro, training)}, "
             f"but the loop runs {describe_factors(opts, micro, training)}{where}. Build the "
@@ -109,7 +110,7 @@ def whole_order(sampler: Sampler, instances: int, name: str) -> Sampler:
                               seed=sampler.seed)
 
 
-def _tell_epoch(wrapped: Any, epoch: int) -> None:
+def tell_epoch(wrapped: Any, epoch: int) -> None:
     """``set_epoch(epoch)`` on the sampler (and a batch sampler's sampler) ``wrapped`` holds,
     where it has one: samplers that draw each epoch's order from its number."""
     inner = getattr(wrapped, "inner", None)
@@ -122,7 +123,7 @@ def _tell_epoch(wrapped: Any, epoch: int) -> None:
 class ResumableSampler(Sampler):
     """Wraps a sampler: the epoch's order is drawn in ``set_epoch``, then skipped into."""
 
-    def __init__(self, inner: Sampler) -> None:
+    def __init__(self, inner: Any) -> None:  # (a sampler, or a batch sampler, with a length)
         self.inner = inner
         self._order: list[int] | None = None
 
@@ -146,8 +147,9 @@ class ResumableSampler(Sampler):
     def __iter__(self) -> Iterator[int]:
         if self._order is None:
             self.set_epoch()
-        order, self._order = self._order, None
-        return iter(order)
+        order = self._order
+        self._order = None
+        return iter(order or ())
 
     def __len__(self) -> int:
         return len(self._order) if self._order is not None else len(self.inner)
@@ -163,11 +165,52 @@ class ResumableBatchSampler(ResumableSampler):
         return getattr(self.inner, name)
 
 
-class _Padded(Dataset):
+class ProcessSampler(ResumableSampler):
+    """This instance's share of a global order: of each global host call laid out
+    ``[DI*GA, N, share]``, the ``share`` items (its replicas' micro-batches: samples, or a
+    batch sampler's batches) at index ``rank``; the remainder of the epoch that makes no whole
+    global call is dropped."""
+
+    def __init__(self, inner: Any, rank: int, size: int, iterations: int, share: int) -> None:
+        super().__init__(inner)
+        self.rank = rank
+        self.size = size
+        self.iterations = iterations
+        self.share = share
+        self.local_call = iterations * share
+        self.global_call = self.local_call * size
+
+    def set_epoch(self, skip: int = 0) -> None:
+        order = list(iter(self.inner))
+        steps = len(order) // self.global_call
+        skip_steps = skip // self.local_call
+        if steps <= skip_steps:
+            self._order = []
+            return
+        at = torch.arange(steps * self.global_call).view(
+            steps, self.iterations, self.size, self.share)[skip_steps:, :, self.rank]
+        self._order = [order[i] for i in at.reshape(-1).tolist()]
+
+    def items(self) -> int:
+        return len(self.inner) // self.global_call * self.local_call
+
+    def __len__(self) -> int:
+        return len(self._order) if self._order is not None else self.items()
+
+
+class ProcessBatchSampler(ProcessSampler, ResumableBatchSampler):
+    """``ProcessSampler`` over a custom batch sampler's batches, whose attributes show
+    through: instance p reads the batches its replicas would read in one process with N*R
+    replicas."""
+
+
+class Padded(Dataset):
     """The dataset followed by copies of its last sample, up to ``total`` (for predict)."""
 
-    def __init__(self, dataset: Dataset, total: int) -> None:
-        self.dataset, self.n, self.total = dataset, len(dataset), total
+    def __init__(self, dataset: Any, total: int) -> None:  # (a dataset with a length)
+        self.dataset = dataset
+        self.n = len(dataset)
+        self.total = total
 
     def __len__(self) -> int:
         return self.total
@@ -197,8 +240,8 @@ def _rows(batch: Any) -> int:
     """Samples in a collated batch: the length of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
-    parts = batch.values() if isinstance(batch, dict) else \
-        batch if isinstance(batch, (tuple, list)) else ()
+    parts = (batch.values() if isinstance(batch, dict)
+             else batch if isinstance(batch, (tuple, list)) else ())
     for part in parts:
         n = _rows(part)
         if n >= 0:
@@ -206,7 +249,7 @@ def _rows(batch: Any) -> int:
     return -1
 
 
-class _StreamCalls:
+class StreamCalls:
     """Host calls of ``combined`` samples cut from a stream's batches, in the order its loader
     yields them (its workers' batches in turn); the last call is padded with copies of the
     last sample. ``real``: the samples of the call last returned (the rest is padding).
@@ -214,13 +257,14 @@ class _StreamCalls:
     The torch iterator's attributes (``_workers``, ``_shutdown_workers``) show through."""
 
     def __init__(self, batches: Iterator[Any], combined: int) -> None:
-        self.batches, self.combined = batches, combined
+        self.batches = batches
+        self.combined = combined
         self.pending: list[Any] = []
         self.count = 0
         self.real = 0
         self.ended = False
 
-    def __iter__(self) -> _StreamCalls:
+    def __iter__(self) -> StreamCalls:
         return self
 
     def __next__(self) -> Any:
@@ -280,8 +324,10 @@ class OneShape:
     batches per host call."""
 
     def __init__(self, name: str, sampler: Any, batch_size: int | None, per_call: int) -> None:
-        self.name, self.sampler = name, type(sampler).__name__
-        self.batch_size, self.per_call = batch_size, per_call
+        self.name = name
+        self.sampler = type(sampler).__name__
+        self.batch_size = batch_size
+        self.per_call = per_call
         self.first: Any = None
 
     def check(self, batch: Any, index: int, unit: str = "batch") -> None:
@@ -310,7 +356,7 @@ class OneShape:
             "(BatchSampler(..., drop_last=True)).")
 
 
-class _HostCalls:
+class HostCalls:
     """A custom batch sampler's micro-batches, ``count`` at a time, joined into host batches.
 
     PopTorch's DataLoader does this in a plain generator (``_utils.combined_batch_generator``),
@@ -322,9 +368,12 @@ class _HostCalls:
 
     def __init__(self, batches: Iterator[Any], count: int, shape: OneShape,
                  start: int = 0) -> None:
-        self.batches, self.count, self.shape, self.index = batches, count, shape, start
+        self.batches = batches
+        self.count = count
+        self.shape = shape
+        self.index = start
 
-    def __iter__(self) -> _HostCalls:
+    def __iter__(self) -> HostCalls:
         return self
 
     def __next__(self) -> Any:
@@ -402,7 +451,7 @@ class Prefetch:
     options: dict  # async_options
     worker_size: int | None  # rebatched_worker_size; None: the combined batch size
 
-    def loader(self, plan: Plan, generator: torch.Generator) -> Any:
+    def loader(self, plan: Any, generator: torch.Generator) -> Any:
         """``plan``'s loader in this mode, reading with ``generator`` (in the state the
         synchronous loader's would be in: its workers get the seeds they would get there)."""
         src = plan.loader
@@ -449,7 +498,8 @@ def prefetch_of(poptorch: Any, loader: Any, name: str,
 
 def _generators() -> tuple:
     """This process's global random states: torch's, python's, numpy's (when imported)."""
-    np, numpy_state = sys.modules.get("numpy"), None
+    np = sys.modules.get("numpy")
+    numpy_state = None
     if np is not None:
         _, keys, pos, has_gauss, cached = np.random.get_state()
         numpy_state = (keys.tobytes(), pos, has_gauss, cached)
@@ -484,15 +534,17 @@ def _check_no_draws(dataset: Any, name: str) -> None:
         "(async_data=False, or DataLoaderMode.Sync).")
 
 
-class _Prefetched:
+class Prefetched:
     """One epoch read through its own prefetching loader, stopped when the epoch ends; with a
     custom batch sampler, each host call its loader joined is checked (``OneShape``)."""
 
     def __init__(self, loader: Any, shape: OneShape | None = None, start: int = 0) -> None:
-        self.loader, self.shape, self.index = loader, shape, start
+        self.loader = loader
+        self.shape = shape
+        self.index = start
         self.batches = iter(loader)
 
-    def __iter__(self) -> _Prefetched:
+    def __iter__(self) -> Prefetched:
         return self
 
     def __next__(self) -> Any:
@@ -510,180 +562,15 @@ class _Prefetched:
         self.loader.terminate()
 
 
-@dataclass
-class Plan:
-    """A loader the loop can run, with what it needs to know about it."""
-
-    loader: Any  # poptorch.DataLoader
-    sampler: ResumableSampler | None  # None: iterable dataset or custom batch sampler
-    micro: int  # micro-batch size B
-    combined: int  # samples per host call
-    layout: Layout
-    samples: int | None  # dataset length, when known
-    name: str
-    batches: ResumableBatchSampler | None = None  # a custom batch sampler, wrapped
-    prefetch: Prefetch | None = None  # read ahead: the user's Async mode, or async_data
-    stream: Any = None  # validation and predict over a stream: a torch loader yielding it in
-    # its own loader's order (drop_last=False), cut into host calls as it is read
-    shape: OneShape | None = None  # a custom batch sampler's: the shape its batches keep
-    reader: Any = None  # the iterator of the epoch last started (stopped when a call ends)
-
-    @property
-    def steps(self) -> int | None:
-        """Host calls per epoch (PopTorch's ``len`` counts a custom batch sampler's batches)."""
-        try:
-            if self.batches is not None:
-                return self.batches.items() // (self.combined // self.micro)
-            return len(self.loader)
-        except TypeError:
-            return None
-
-    def _iter(self, loader: Any = None, start: int = 0) -> Iterator[Any]:
-        # A new torch iterator draws its workers' base seed from the RNG; a persistent-workers
-        # loader reuses its iterator from the second epoch on and draws nothing. Draw exactly
-        # once either way, so a run resumed in a new process consumes the RNG as the original.
-        loader = self.loader if loader is None else loader
-        g = loader.generator
-        host, own = torch.get_rng_state(), g.get_state() if g is not None else None
-        if loader is self.stream:
-            it = iter(loader)
-        elif self.prefetch is not None:  # its own loader draws from a copy of the generator
-            own_g = torch.Generator()
-            own_g.set_state(own if g is not None else host)
-            it = _Prefetched(self.prefetch.loader(self, own_g), self.shape,
-                             start // max(self.combined // self.micro, 1))
-        elif self.batches is not None:  # torch's iterator of micro-batches, joined here
-            it = _HostCalls(DataLoader.__iter__(loader), self.combined // self.micro,
-                            self.shape, start)
-        else:
-            it = iter(loader)
-        torch.set_rng_state(host)
-        if g is not None:
-            g.set_state(own)
-        torch.empty((), dtype=torch.int64).random_(generator=g)  # the same draw iter() makes
-        return it
-
-    def counted(self) -> Iterator[tuple[Any, int]]:
-        """This epoch's host batches from its start, each with how many of its rows are
-        samples: the rest (of the last call, or of a call past the samples, as several
-        processes' validation runs) is padding."""
-        it = self.epoch()
-        left = self.samples if self.sampler is not None and self.samples else None
-        for batch in it:
-            if self.stream is not None:
-                real = it.real
-            elif left is not None:
-                real = min(self.combined, left)
-                left -= real
-            else:
-                real = self.combined
-            yield batch, real
-
-    def epoch(self, skip_steps: int = 0, number: int | None = None) -> Iterator[Any]:
-        """An iterator over this epoch's host batches, after ``skip_steps`` of them; a
-        sampler with ``set_epoch`` is given the epoch's ``number`` first, when there is one."""
-        if number is not None:
-            _tell_epoch(self.sampler if self.sampler is not None else self.batches, number)
-        if self.stream is not None:  # validation or predict: read from its start
-            it: Any = _StreamCalls(self._iter(self.stream), self.combined)
-        elif self.sampler is not None:
-            self.sampler.set_epoch(skip_steps * self.combined)
-            it = self._iter()
-        elif self.batches is not None:  # a host call is combined // micro of its batches
-            skip = skip_steps * (self.combined // self.micro)
-            self.batches.set_epoch(skip)
-            it = self._iter(start=skip)
-        else:
-            it = self._iter()
-            for _ in range(skip_steps):  # an IterableDataset: nothing to skip into, read it
-                next(it, None)
-        self.reader = it
-        return it
-
-
-def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
-               name: str, pad: bool = False, sequential: bool = False,
-               instances: int = 1, async_options: dict[str, Any] | None = None) -> Plan:
-    """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader``
-    (one process: ``ipuloop.distributed.build_plan`` shares a loader out between several,
-    the ``instances`` of the run); ``async_options``: read a torch loader ahead in ``Async``
-    mode (``prefetch_of``)."""
-    if not isinstance(loader, torch.utils.data.DataLoader):
-        raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
-                        f"Received: {name}={type(loader).__name__}.")
-    factor = host_call_factor(opts, training)
-    dataset = loader.dataset
-    batch_sampler = loader.batch_sampler
-    # A batch sampler the user chose (a subclass, or a plain BatchSampler passed as
-    # batch_sampler=, which leaves batch_size None), rather than the one torch built.
-    custom_batches = batch_sampler is not None and (
-        type(batch_sampler) is not BatchSampler
-        or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None))
-    if isinstance(loader, poptorch.DataLoader):
-        micro = built_micro_batch(loader, opts, training, name)
-        if custom_batches:
-            batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)
-    else:
-        micro = loader.batch_size
-        if micro is None and not custom_batches:
-            raise ValueError(f"{name} has batch_size=None: the loop needs micro-batches. "
-                             "Pass the micro-batch size as batch_size.")
-    if custom_batches:  # each micro-batch of a host call, each replica's too, one batch
-        declared = getattr(batch_sampler, "batch_size", None)
-        micro = declared or micro or 1
-        _check_last_batch(batch_sampler, factor, name)
-    kwargs = loader_kwargs(loader)
-    iterable = isinstance(dataset, IterableDataset)
-    samples = None if iterable else len(dataset)
-    sampler = None
-    if pad and samples is not None:
-        combined = micro * factor
-        dataset = _Padded(dataset, -(-samples // combined) * combined)
-    batches = None
-    if custom_batches:
-        kwargs["batch_sampler"] = batches = ResumableBatchSampler(batch_sampler)
-        micro_arg = 1
-    else:
-        micro_arg = micro
-        if not iterable:
-            inner = (torch.utils.data.SequentialSampler(dataset) if sequential or pad
-                     else whole_order(loader.sampler, instances, name))
-            sampler = ResumableSampler(inner)
-            kwargs["sampler"] = sampler
-    if samples is not None and not pad and not custom_batches:
-        combined = micro * factor
-        if samples < combined:
-            raise ValueError(
-                f"{name} has {samples} samples, fewer than one host call needs: "
-                f"{describe_factors(opts, micro, training)}. Lower the micro-batch size, "
-                "deviceIterations, gradientAccumulation or replicas, or use more data.")
-        if samples % combined:
-            warnings.warn(f"{name}: {samples % combined} of {samples} samples are dropped each "
-                          f"epoch ({describe_factors(opts, micro, training)}).", stacklevel=3)
-    if custom_batches:
-        kwargs.pop("generator", None)
-    built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
-    plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches,
-                prefetch_of(poptorch, loader, name, async_options))
-    if custom_batches:
-        plan.shape = OneShape(name, batch_sampler, declared, factor)
-    if iterable and pad:  # the stream as its loader yields it: its batches, every sample
-        stream = loader_kwargs(loader)
-        plan.stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False,
-                                 **stream)
-    if samples is not None and plan.steps == 0:
-        raise ValueError(f"{name} is empty: {samples} samples make no host call of "
-                         f"{describe_factors(opts, micro, training)}.")
-    return plan
-
-
-def _check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
+def check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
     """A ``BatchSampler(drop_last=False)`` whose short last batch a host call would read (its
     batches make whole host calls of ``count``) is refused before any step."""
     if not isinstance(batch_sampler, BatchSampler) or batch_sampler.drop_last:
         return
     try:
-        short, batches = len(batch_sampler.sampler) % batch_sampler.batch_size, len(batch_sampler)
+        sampler: Any = batch_sampler.sampler  # (with a length, or a TypeError)
+        short = len(sampler) % batch_sampler.batch_size
+        batches = len(batch_sampler)
     except TypeError:  # a sampler without a length
         return
     if short and batches % count == 0:
@@ -713,144 +600,3 @@ def close(batches: Any) -> None:
         shutdown()
 
 
-def split_batch(batch: Any, name: str, label_key: str = "labels",
-                need_labels: bool = True) -> tuple[tuple, dict, Any]:
-    """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
-
-    A tuple ``(inputs..., labels)`` is called ``model(inputs..., labels)``, the labels last;
-    a dict (any mapping: a Hugging Face batch) ``model(**batch)``, the labels included, found
-    under ``label_key`` (a Transformers model takes them as ``labels=`` and returns its loss).
-    A dict without ``label_key`` has no labels: a ``ValueError`` naming its keys when
-    ``need_labels`` (the loop computes the loss or metrics from them).
-    """
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return tuple(batch), _NO_KWARGS, batch[-1]
-    if isinstance(batch, Mapping):
-        kwargs = batch if type(batch) is dict else dict(batch)
-        if label_key in kwargs:
-            return (), kwargs, kwargs[label_key]
-        if need_labels:
-            raise ValueError(
-                f"{name} yields dict batches without the labels' key label_key={label_key!r} "
-                f"(keys {list(kwargs)}), but the loop needs the labels (for loss_fn or the "
-                "metrics). Pass Loop(label_key=...) naming the key that holds them.")
-        return (), kwargs, None
-    raise ValueError(f"{name} must yield (inputs..., labels) tuples (the last element "
-                     f"is the labels) or dicts of keyword inputs. Received a "
-                     f"{type(batch).__name__}"
-                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-                     + ". Return (x, y) from the dataset's __getitem__.")
-
-
-_NO_KWARGS: dict = {}  # a tuple batch's keyword inputs (never written to)
-
-
-def as_sent(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
-    """A call's inputs with their float tensors as ``dtype`` (16-bit precision: the device
-    gets float inputs as half); unchanged for None."""
-    if dtype is None:
-        return args, kwargs
-
-    def cast(x: Any) -> Any:
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
-
-
-def first_micro_batch(plan: Plan) -> Any:
-    """The first micro-batch of ``plan``'s dataset, as the device receives it (float64 as
-    float32), for the host probe; None when the dataset cannot be indexed."""
-    if plan.samples is None or plan.sampler is None:
-        return None
-    ds = plan.loader.dataset
-    batch = plan.loader.collate_fn([ds[i] for i in range(min(plan.micro, plan.samples))])
-    return map_tensors(batch, lambda x: x.float() if x.dtype == torch.float64 else x)
-
-
-def predict_inputs(batch: Any, num_inputs: int | None, name: str,
-                   label_key: str = "labels") -> tuple[tuple, dict]:
-    """The model's inputs in a predict batch, as ``(args, kwargs)``: all of its elements, or
-    all but the labels.
-
-    After a fit or validate with N inputs, a batch of N elements is N inputs and one of
-    N + 1 is N inputs and the labels; before, a batch of two or more elements is taken
-    as (inputs..., labels). A dict is keyword inputs, less its ``label_key`` entry.
-    """
-    if isinstance(batch, Mapping):
-        return (), {k: v for k, v in batch.items() if k != label_key}
-    if not isinstance(batch, (tuple, list)):
-        return (batch,), _NO_KWARGS
-    n = num_inputs
-    if n is None:
-        return (tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)), _NO_KWARGS
-    if len(batch) in (n, n + 1):
-        return tuple(batch[:n]), _NO_KWARGS
-    raise ValueError(f"{name} yields batches of {len(batch)} elements, but the model "
-                     f"was fit with {n} input(s): predict takes (inputs...) or "
-                     "(inputs..., labels) batches of those inputs.")
-
-
-def concat(parts: list, keep: Any, rows: Any) -> Any:
-    """Per-call outputs (tensors, or tuples, lists, namedtuples and dicts of them) joined
-    along the samples, each call's rows put in host-batch order by ``rows``, then indexed
-    by ``keep`` (a slice, or a boolean mask over the rows)."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([rows(p).reshape(-1) if p.dim() == 0 else rows(p)
-                          for p in parts])[keep]
-    if isinstance(first, dict):
-        return type(first)((k, concat([p[k] for p in parts], keep, rows)) for k in first)
-    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple
-        return type(first)(*(concat(list(col), keep, rows) for col in zip(*parts)))
-    if isinstance(first, (tuple, list)):
-        return type(first)(concat(list(col), keep, rows) for col in zip(*parts))
-    return parts  # not a tensor: one value per call, as returned
-
-
-class Predictions:
-    """A predict run over ``plan``: each call's outputs collected, then joined in sample order
-    without the padding (which only the last call holds: ``Plan.counted``)."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        self.outputs: list[Any] = []
-        self.samples = 0
-
-    def batches(self) -> Iterator[Any]:
-        for batch, real in self.plan.counted():
-            self.samples += real
-            yield batch
-
-    def result(self) -> Any:
-        plan = self.plan
-        if not self.outputs:
-            raise ValueError(f"loader yielded no samples: {type(plan.loader.dataset).__name__} "
-                             "was empty. predict needs at least one sample.")
-        return concat(self.outputs, slice(None, self.samples), plan.layout.input_rows)
-
-
-def check_not_empty(loader: Any, name: str) -> None:
-    try:
-        empty = len(loader.dataset) == 0
-    except TypeError:  # an IterableDataset: its length is unknown
-        empty = False
-    if empty:
-        raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
-                         "to run. Pass a loader over a dataset with at least one sample.")
-
-
-def count_updates(plan: Plan, opts: Any, epochs: int) -> int:
-    """``Loop.num_updates``: epochs x steps per epoch x DI, ``plan`` the training loader."""
-    if plan.steps is None:
-        raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
-                         "length is unknown, so neither is its number of updates. Count "
-                         "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI.")
-    return epochs * plan.steps * opts.device_iterations
-
-
-def no_host_call(plan: Plan, epoch: int) -> ValueError:
-    """An IterableDataset that yielded less than one host call in an epoch."""
-    return ValueError(
-        f"{plan.name} yielded no complete host call in epoch {epoch}: one host call takes "
-        f"{describe_factors(plan.loader.options, plan.micro, True)}. An IterableDataset must "
-        "yield at least that many samples each time it is iterated (a generator can be "
-        "iterated only once).")

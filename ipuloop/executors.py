@@ -1,64 +1,17 @@
-"""The loop's PopTorch executors: build and compile them, one attached at a time, push the optimizer.
-
-Also ``WithLoss``, which makes a model and a loss function one model-with-loss.
-"""
+"""The loop's PopTorch executors: built, compiled, one attached at a time; the optimizer pushed."""
 from __future__ import annotations
 
 import contextlib
 import operator
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Iterator
 
 import torch
 
-from .backend import poptorch_module
 from .rules import OPTIMIZER_GLOBALS, optimizer_hyperparameters
 
-__all__ = ["WithLoss", "Executors"]
-
-
-class WithLoss(torch.nn.Module):
-    """``model`` plus ``loss_fn`` as a model-with-loss: ``forward(*inputs[, labels])``.
-
-    Called with ``num_inputs`` inputs it returns ``output``; with one more argument, the
-    labels, it returns ``(output, loss_fn(output, labels))``. Called with keyword inputs (a
-    dict batch), the labels are the ``label_key`` one, if given: the model gets the others.
-    The loss runs after the model's
-    last layer, so it joins the block started last (``BeginBlock``/``Stage`` placement; after a
-    ``with poptorch.Block(...)`` has ended no op may run, so such a model computes its loss
-    itself, inside its last block). On the device the loss is marked
-    with ``identity_loss`` (reduction "none": the value unchanged), so that PopTorch finds it
-    whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
-    """
-
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1,
-                 label_key: str = "labels") -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.num_inputs = num_inputs
-        self.label_key = label_key
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            if self.label_key not in kwargs:
-                return self.model(*args, **kwargs)
-            labels = kwargs.pop(self.label_key)  # (a dict of this call's own)
-            output = self.model(*args, **kwargs)
-        elif len(args) == self.num_inputs:
-            return self.model(*args)
-        elif len(args) != self.num_inputs + 1:
-            raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
-                            f"Received {len(args)} arguments.")
-        else:
-            labels = args[-1]
-            output = self.model(*args[:-1])
-        loss = self.loss_fn(output, labels)
-        pt = poptorch_module()
-        if pt.isRunningOnIpu():  # in the device graph, a loss PopTorch finds whatever loss_fn does
-            loss = pt.identity_loss(loss, reduction="none")
-        return output, loss
+__all__ = ["Executors"]
 
 
 @contextlib.contextmanager
@@ -128,7 +81,9 @@ class Executors:
 
     def __init__(self, poptorch: Any, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
-        self.poptorch, self.model, self.optimizer = poptorch, model, optimizer
+        self.poptorch = poptorch
+        self.model = model
+        self.optimizer = optimizer
         self.train: Any = None
         self.inference: dict[tuple, Any] = {}
         self.pushes = 0
@@ -147,15 +102,30 @@ class Executors:
                                                          optimizer=self.optimizer)
         return self.train
 
-    def compile(self, executor: Any, args: tuple, kwargs: dict) -> float:
-        """Compile ``executor`` for the call ``(*args, **kwargs)``; returns the seconds it
-        took."""
+    def compile(self, executor: Any, args: tuple, kwargs: dict,
+                rng_state: torch.Tensor | None = None) -> float:
+        """Compile ``executor`` for the call ``(*args, **kwargs)``, then set its device
+        random state to ``rng_state`` when given; returns the seconds it took."""
         start = time.perf_counter()
         self.activate(executor)
         executor.compile(*args, **kwargs)
         if executor is self.train:
-            self._pushed, self._seen = optimizer_hyperparameters(self.optimizer), None
-        return time.perf_counter() - start
+            self._pushed = optimizer_hyperparameters(self.optimizer)
+            self._seen = None
+        seconds = time.perf_counter() - start
+        if rng_state is not None:
+            executor.rng_state = rng_state
+        return seconds
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """The model in eval mode while an inference executor is built and compiled: PopTorch's
+        wrapper shares its submodules and traces them in the mode they are in."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
 
     def inference_model(self, key: tuple, opts: Any) -> Any:
         """The inference executor for ``key`` (kind, samples per call, DI), built on first use.
@@ -200,7 +170,8 @@ class Executors:
             if not quiet:
                 raise
             # tearing down after an error: that error is the one to report
-            warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}")
+            warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}",
+                          stacklevel=2)
 
     def detach_inference(self) -> None:
         """Before the host's weights change: an attached inference executor would go on

@@ -17,7 +17,8 @@ class InstanceFailedError(RuntimeError):
 
     def __init__(self, message: str, instance: int, error: str) -> None:
         super().__init__(message)
-        self.instance, self.error = instance, error
+        self.instance = instance
+        self.error = error
 
     def __reduce__(self) -> tuple:
         return type(self), (str(self), self.instance, self.error)

@@ -1,6 +1,8 @@
-"""Several processes as one run: a ``Loop`` per process under torchrun, mpirun or poprun.
+"""The instances of a run: a process alone, or a ``Loop`` per process (torchrun, mpirun, poprun).
 
-Started by a launcher (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, mpirun's
+A process alone is a run of one instance (``Processes``): its sums return their input and its
+stop flags are its own, so the loop has one path for one process and for several. Started by a
+launcher (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, mpirun's
 ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, poprun's ``POPDIST_*``), each process's
 ``Loop`` is one instance of a run with N instances of R replicas each (``replicas=`` stays per
 process, as PopDist's local replicas), and needs no change to the program:
@@ -16,7 +18,7 @@ process, as PopDist's local replicas), and needs no change to the program:
   batch sampler's batches are shared out alike, a batch per micro-batch; a
   ``poptorch.DataLoader`` used outside the loop keeps PopTorch's per-process slices. A
   ``DistributedSampler`` (DDP's idiom) is read as the order of its whole dataset
-  (``data.whole_order``), with the epoch set each epoch;
+  (``loaders.whole_order``), with the epoch set each epoch (``plan`` builds the loaders);
 - validation inside ``fit`` gives each instance a contiguous slice of the samples, padded
   so that every instance runs the same number of host calls, and counts each sample once;
   ``validate()`` and predict run every sample on each instance that calls them, alone;
@@ -31,16 +33,14 @@ process, as PopDist's local replicas), and needs no change to the program:
   length, epochs...) and an instance that differs is an error naming it;
 - an error that ends ``fit`` on one instance ends it on every instance within seconds: the
   first to fail leaves its error in the process group's store and leaves the group, and
-  the others raise ``InstanceFailedError`` naming it (``Processes.failed``).
+  the others raise ``InstanceFailedError`` naming it (``ProcessGroup.failed``).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import datetime
-import functools
 import json
-import math
 import os
 import time
 import warnings
@@ -49,17 +49,16 @@ from typing import Any, Iterator
 
 import torch
 
-from .data import (OneShape, Plan, ResumableBatchSampler, ResumableSampler, _Padded,
-                   build_plan as _build_plan, built_micro_batch, loader_kwargs, prefetch_of)
-from .errors import InstanceFailedError, NonFiniteLossError
-from .rules import (DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, host_call_factor,
-                    leave_process_group)
+from .exceptions import InstanceFailedError
+from .signals import Preempted
+from .rules import DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, leave_process_group
 
 __all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
-           "timeout_seconds", "ProcessSampler", "ProcessBatchSampler", "TIMEOUT_ENV",
-           "failing_together", "unsynced"]
+           "timeout_seconds", "TIMEOUT_ENV", "DEFAULT_TIMEOUT", "Processes", "ProcessGroup",
+           "ALONE", "join", "configured"]
 
-TIMEOUT_ENV, DEFAULT_TIMEOUT = DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT
+TIMEOUT_ENV = DIST_TIMEOUT_ENV
+DEFAULT_TIMEOUT = DEFAULT_DIST_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -172,8 +171,8 @@ def _init_group(rank: int, size: int) -> None:
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT", "29500")
     # env:// where the launcher set MASTER_*: under torchrun it joins the launcher's own store
-    method = "env://" if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ \
-        else f"tcp://{addr}:{port}"
+    launched = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+    method = "env://" if launched else f"tcp://{addr}:{port}"
     seconds = timeout_seconds()
     try:
         dist.init_process_group("gloo", init_method=method, rank=rank,
@@ -194,19 +193,90 @@ def _default_store() -> Any:
     try:
         from torch.distributed.distributed_c10d import _get_default_store
         return _get_default_store()
-    except Exception:  # (a private function): the others then learn only that it failed
+    except Exception:  # noqa: BLE001 (a private function: the others then only learn it failed)
         return None
 
 
-FAILURE_KEY, SEEN_KEY = "ipuloop/failure", "ipuloop/failure_seen"
+FAILURE_KEY = "ipuloop/failure"
+SEEN_KEY = "ipuloop/failure_seen"
 STORE_WAIT = 3.0  # seconds a failing instance waits on the store and for the others to read
 
 
 class Processes:
-    """The instances of a run, as one ``Loop`` sees them (``loop._dist``)."""
+    """A run of one instance: this process alone. Every reduction returns its input, and a
+    SIGTERM stops the fit at the next step boundary; ``ProcessGroup`` is the run of several."""
+
+    rank = 0
+    size = 1
+    launcher: str | None = None
+
+    def sum(self, values: list[float], what: str) -> list[float]:
+        """``values`` summed over the instances: here, ``values`` (``what``: for errors)."""
+        return values
+
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        """``obj`` of every instance, in instance order."""
+        return [obj]
+
+    def failed(self, error: BaseException, st: Any) -> BaseException:
+        """``error`` is ending this instance's fit; returns what to raise: ``error``."""
+        return error
+
+    @contextlib.contextmanager
+    def failing_together(self, st: Any) -> Iterator[None]:
+        """An error escaping the block ends every instance's fit (here: this one's)."""
+        yield
+
+    def on_sigterm(self, st: Any) -> None:
+        """SIGTERM: the fit stops at the next step boundary (``st``: the loop's ``State``)."""
+        st.preempted = True
+
+    def agree_on_stop(self, st: Any) -> None:
+        """At a step boundary: the instances agree on ``st``'s stop flags (here: its own)."""
+
+    def check_preempted(self, st: Any) -> None:
+        """Raise ``Preempted`` when a SIGTERM (on any instance) stops the fit here."""
+        self.agree_on_stop(st)
+        if st.preempted:
+            raise Preempted
+
+    def at_boundary(self, st: Any) -> bool:
+        """Between two steps: a SIGTERM preempts the fit here (``check_preempted``); True
+        when it should stop (``State.should_stop``, agreed by the instances)."""
+        self.check_preempted(st)
+        return st.should_stop()
+
+    def check_agreement(self, loop: Any, plan: Any, val_plan: Any, epochs: int,
+                        max_steps: int | None) -> None:
+        """Before the first step: the instances compare their settings (here: none to)."""
+
+    def checkpoint_state(self, st: Any, train_metrics: dict[str, Any],
+                         sd: dict[str, Any]) -> dict[str, Any]:
+        """The run's state for a checkpoint: here, ``sd``."""
+        return sd
+
+    def own_state(self, sd: dict[str, Any], train_metrics: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint's state for this instance: here, ``sd``."""
+        return sd
+
+    @contextlib.contextmanager
+    def unsynced(self, metrics: dict[str, Any]) -> Iterator[None]:
+        """While this instance works alone (``Loop.validate``), its metrics compute from its
+        own states (here: the only ones)."""
+        yield
+
+
+ALONE = Processes()  # a run of one instance: what validate() and predict() run as
+
+
+class ProcessGroup(Processes):
+    """The instances of a run started by a launcher, as one ``Loop`` sees them: sums, settings
+    and stop flags agreed over a torch.distributed process group, a failure told to all."""
 
     def __init__(self, rank: int, size: int, launcher: str) -> None:
-        self.rank, self.size, self.launcher = rank, size, launcher
+        self.rank = rank
+        self.size = size
+        self.launcher = launcher
         self.term_pending = False  # SIGTERM seen here, not yet agreed on
         self.store: Any = None  # the group's store, taken at a failure (None: not described)
         self.failure: tuple[BaseException, BaseException] | None = None  # (error, raised)
@@ -287,7 +357,7 @@ class Processes:
         try:  # the store's host may have gone too: wait seconds, not the run's timeout
             self.store.set_timeout(datetime.timedelta(seconds=STORE_WAIT))
             return json.loads(self.store.compare_set(FAILURE_KEY, "", json.dumps(mine)))
-        except Exception:
+        except Exception:  # noqa: BLE001 (the store is gone or slow: the error is told undescribed)
             return None
 
     def _read(self) -> None:
@@ -309,23 +379,28 @@ class Processes:
         term, stop = self.sum([float(self.term_pending or st.preempted),
                                float(st.stop_requested)], f"ending step {st.step}")
         if term:
-            st.preempted, self.term_pending = True, False
+            st.preempted = True
+            self.term_pending = False
         if stop:
             st.stop_requested = True
 
-    def step_loss(self, st: Any, mine: Any, check_finite: bool) -> Any:
-        """The step's loss over every instance (a ``StepLoss``); a non-finite one elsewhere
-        stops this instance too."""
-        total, count = self.sum([mine.total, mine.count], f"summing step {st.step}'s loss")
-        if check_finite and not math.isfinite(total) and math.isfinite(mine.total):
-            raise NonFiniteLossError(
-                f"Non-finite loss {total} at epoch {st.epoch}, step {st.step} "
-                "(0-based host call) on another instance (this one's was finite): that "
-                "instance names the micro-batch. Lower the learning rate, check the data, or "
-                "pass check_finite=False.")
-        return type(mine)(total, int(count), mine.exact)
+    def on_sigterm(self, st: Any) -> None:
+        """SIGTERM here: every instance stops at the next boundary they agree on."""
+        self.term_pending = True
 
-    def check_agreement(self, loop: Any, plan: Plan, val_plan: Plan | None, epochs: int,
+    @contextlib.contextmanager
+    def failing_together(self, st: Any) -> Iterator[None]:
+        """An error escaping the block (``Loop.fit``, from its first check to its last hook)
+        on one instance ends the others' fits within seconds, naming it (``failed``)."""
+        try:
+            yield
+        except BaseException as error:
+            raised = self.failed(error, st)
+            if raised is error:
+                raise
+            raise raised from error
+
+    def check_agreement(self, loop: Any, plan: Any, val_plan: Any, epochs: int,
                         max_steps: int | None) -> None:
         """Compare what every instance must share; an instance that differs is named."""
         o = loop.train_opts
@@ -396,13 +471,22 @@ class Processes:
                 m.reset()
         return sd
 
-    def silence(self, loop: Any) -> None:
-        """Instances other than 0 show no progress and write no logs."""
-        if self.rank == 0:
-            return
-        loop._hooks = {e: [(cb, h) for cb, h in hooks
-                           if not getattr(cb, "main_instance_only", False)]
-                       for e, hooks in loop._hooks.items()}
+    @contextlib.contextmanager
+    def unsynced(self, metrics: dict[str, Any]) -> Iterator[None]:
+        """While this instance works alone (``Loop.validate``), torchmetrics metrics (and
+        the metrics inside them) compute from its own states, without gathering the other
+        instances' over the process group."""
+        saved = []
+        for metric in metrics.values():
+            for m in metric.modules() if isinstance(metric, torch.nn.Module) else (metric,):
+                if hasattr(m, "distributed_available_fn"):
+                    saved.append((m, m.distributed_available_fn))
+                    m.distributed_available_fn = _no_group
+        try:
+            yield
+        finally:
+            for m, fn in saved:
+                m.distributed_available_fn = fn
 
 
 def _leave_group() -> None:
@@ -414,64 +498,31 @@ def _leave_group() -> None:
             dist.destroy_process_group()
 
 
-def failing_together(fit: Any) -> Any:
-    """``Loop.fit`` under several processes: an error escaping it on one instance, from its
-    first check to its last hook, ends the others' fits within seconds, naming it
-    (``Processes.failed``)."""
-    @functools.wraps(fit)
-    def run(loop: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fit(loop, *args, **kwargs)
-        except BaseException as error:
-            if loop._dist is None:
-                raise
-            raised = loop._dist.failed(error, loop.state)
-            if raised is error:
-                raise
-            raise raised from error
-    return run
-
-
 def _no_group() -> bool:
     return False
 
 
-@contextlib.contextmanager
-def unsynced(metrics: dict[str, Any], alone: bool) -> Iterator[None]:
-    """While ``alone``: torchmetrics metrics (and the metrics inside them) compute from this
-    instance's states only, without gathering the other instances' over the process group,
-    for work one instance does alone (``Loop.validate``)."""
-    saved = []
-    if alone:
-        for metric in metrics.values():
-            for m in metric.modules() if isinstance(metric, torch.nn.Module) else (metric,):
-                if hasattr(m, "distributed_available_fn"):
-                    saved.append((m, m.distributed_available_fn))
-                    m.distributed_available_fn = _no_group
-    try:
-        yield
-    finally:
-        for m, fn in saved:
-            m.distributed_available_fn = fn
-
-
-def attach(loop: Any, replicas_given: bool) -> Processes | None:
-    """Make ``loop`` one instance of a run started by a launcher; None when alone."""
-    opts = loop.train_opts
+def join(opts: Any, inference_opts: Any, replicas_given: bool) -> Processes:
+    """The run this process is an instance of: alone (``Processes``), or one of a run started
+    by a launcher (``ProcessGroup``), whose process id and count ``opts`` (and the
+    ``inference_opts`` given, if any) then get, and whose process group it joins."""
     launch = detect()
     procs = opts.Distributed.numProcesses
     if procs > 1:  # set by the program (configureProcessId) or read by Options (mpirun)
-        rank, size, launcher = opts.Distributed.processId, procs, \
-            launch.launcher if launch else "the options"
+        rank = opts.Distributed.processId
+        size = procs
+        launcher = launch.launcher if launch else "the options"
         if launch is not None and (launch.rank, launch.size) != (rank, size):
             raise ValueError(
                 f"The options say process {rank} of {size}, but {launch.launcher} started "
                 f"instance {launch.rank} of {launch.size}. Leave opts.Distributed unset: the "
                 "loop reads the launcher's environment.")
     elif launch is None:
-        return None
+        return ALONE
     else:
-        rank, size, launcher = launch.rank, launch.size, launch.launcher
+        rank = launch.rank
+        size = launch.size
+        launcher = launch.launcher
         opts.Distributed.configureProcessId(rank, size)
     if launch is not None and launch.local_replicas is not None:  # poprun: replicas per instance
         if opts.replication_factor == 1 and not replicas_given:
@@ -483,14 +534,10 @@ def attach(loop: Any, replicas_given: bool) -> Processes | None:
                 "poprun (its --num-replicas / --num-instances decide), or pass the same number.")
     if launch is not None and launch.launcher == "poprun":
         _check_popdist_options(opts)
-    inf = loop._user_inference_opts
-    if inf is not None and inf.Distributed.numProcesses == 1:
-        inf.Distributed.configureProcessId(rank, size)
+    if inference_opts is not None and inference_opts.Distributed.numProcesses == 1:
+        inference_opts.Distributed.configureProcessId(rank, size)
     _init_group(rank, size)
-    dist = Processes(rank, size, launcher)
-    loop.state.instance, loop.state.instances = rank, size
-    dist.silence(loop)
-    return dist
+    return ProcessGroup(rank, size, launcher)
 
 
 def _check_popdist_options(opts: Any) -> None:
@@ -517,152 +564,3 @@ def configured(opts: Any) -> Any:
     opts = opts.clone()
     opts.Distributed.configureProcessId(launch.rank, launch.size)
     return opts
-
-
-# -- data -------------------------------------------------------------------------------------
-class ProcessSampler(ResumableSampler):
-    """This instance's share of a global order: of each global host call laid out
-    ``[DI*GA, N, share]``, the ``share`` items (its replicas' micro-batches: samples, or a
-    batch sampler's batches) at index ``rank``; the remainder of the epoch that makes no whole
-    global call is dropped."""
-
-    def __init__(self, inner: Any, rank: int, size: int, iterations: int, share: int) -> None:
-        super().__init__(inner)
-        self.rank, self.size, self.iterations, self.share = rank, size, iterations, share
-        self.local_call = iterations * share
-        self.global_call = self.local_call * size
-
-    def set_epoch(self, skip: int = 0) -> None:
-        order = list(iter(self.inner))
-        steps = len(order) // self.global_call
-        skip_steps = skip // self.local_call
-        if steps <= skip_steps:
-            self._order = []
-            return
-        at = torch.arange(steps * self.global_call).view(
-            steps, self.iterations, self.size, self.share)[skip_steps:, :, self.rank]
-        self._order = [order[i] for i in at.reshape(-1).tolist()]
-
-    def items(self) -> int:
-        return len(self.inner) // self.global_call * self.local_call
-
-    def __len__(self) -> int:
-        return len(self._order) if self._order is not None else self.items()
-
-
-class ProcessBatchSampler(ProcessSampler, ResumableBatchSampler):
-    """``ProcessSampler`` over a custom batch sampler's batches, whose attributes show
-    through: instance p reads the batches its replicas would read in one process with N*R
-    replicas."""
-
-
-def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str) -> tuple:
-    """The whole dataset behind ``loader`` and its micro-batch size."""
-    dataset = loader.dataset
-    if isinstance(loader, poptorch.DataLoader):
-        micro = built_micro_batch(loader, opts, training, name, " per instance")
-        dataset = getattr(dataset, "_dataset", dataset)  # PopTorch's per-process slice
-        shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler) or \
-            bool(getattr(loader, "_shuffle_distributed", False))
-        if type(loader.batch_sampler) is not torch.utils.data.BatchSampler:  # a custom one
-            view = torch.utils.data.DataLoader(dataset, batch_sampler=loader.batch_sampler,
-                                               collate_fn=loader.collate_fn,
-                                               num_workers=loader.num_workers)
-            return view, micro
-        view = torch.utils.data.DataLoader(dataset, batch_size=micro, shuffle=shuffle,
-                                           collate_fn=loader.collate_fn,
-                                           num_workers=loader.num_workers)
-        return view, micro
-    return loader, loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
-
-
-def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -> Any:
-    """``plan``'s loader again, with this instance's options and order (``sampler``: of
-    samples, or a custom batch sampler's batches), unpartitioned."""
-    kwargs, micro = loader_kwargs(plan.loader), plan.micro
-    if isinstance(sampler, ResumableBatchSampler):
-        kwargs["batch_sampler"], micro = sampler, 1
-        kwargs.pop("generator", None)
-    elif sampler is not None:
-        kwargs["sampler"] = sampler
-    return poptorch.DataLoader(opts, dataset, batch_size=micro, drop_last=True,
-                               auto_distributed_partitioning=False, **kwargs)
-
-
-def build_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
-               name: str, pad: bool = False, sequential: bool = False,
-               partition: bool = True, async_options: dict[str, Any] | None = None) -> Plan:
-    """``data.build_plan`` for one of N instances (``opts.Distributed.numProcesses`` N);
-    its warnings (dropped samples...) are given on instance 0 only."""
-    with warnings.catch_warnings():
-        if opts.Distributed.processId != 0:
-            warnings.simplefilter("ignore")
-        plan = _process_plan(poptorch, loader, opts, layout, training=training, name=name,
-                             pad=pad, sequential=sequential, partition=partition)
-        plan.prefetch = prefetch_of(poptorch, loader, name, async_options)  # as read alone
-        return plan
-
-
-def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
-                  name: str, pad: bool, sequential: bool, partition: bool) -> Plan:
-    size, rank = opts.Distributed.numProcesses, opts.Distributed.processId
-    alone = opts.clone()
-    alone.Distributed.disable()
-    if not isinstance(loader, torch.utils.data.DataLoader):  # the usual error
-        return _build_plan(poptorch, loader, alone, layout, training=training, name=name,
-                           pad=pad, sequential=sequential)
-    view, micro = _dataset_of(poptorch, loader, opts, training, name)
-    dataset = view.dataset
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not partition:
-        # a stream has no order to share out: each instance reads its own (shard it in
-        # __iter__, e.g. by ipuloop.distributed.process_index()); predict reads everything
-        plan = _build_plan(poptorch, view, alone, layout, training=training, name=name,
-                           pad=pad, sequential=sequential)
-        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset,
-                               plan.sampler if plan.batches is None else plan.batches)
-        return plan
-    if training:
-        if opts.replication_factor % opts.input_group_size:
-            raise ValueError(
-                f"{name}: input replica groups of {opts.input_group_size} with "
-                f"{opts.replication_factor} replicas per instance cannot be shared out "
-                "between instances: use groups that divide the replicas of an instance.")
-        every = alone.clone()
-        every.replicationFactor(opts.replication_factor * size)
-        try:
-            whole = _build_plan(poptorch, view, every, layout, training=True, name=name,
-                                sequential=sequential, instances=size)
-        except ValueError as e:
-            raise ValueError(f"{e} (replicationFactor {opts.replication_factor * size}: "
-                             f"{opts.replication_factor} replica(s) on each of {size} "
-                             "instances)") from None
-        groups = max(opts.replication_factor // opts.input_group_size, 1)
-        iterations = opts.device_iterations * opts.Training.gradient_accumulation
-        combined = whole.micro * host_call_factor(opts, True)
-        if whole.batches is not None:  # a custom batch sampler: its batches shared out alike
-            batches = ProcessBatchSampler(whole.batches.inner, rank, size, iterations, groups)
-            built = _rebuilt(poptorch, opts, whole, view.dataset, batches)
-            return Plan(built, None, whole.micro, combined, layout, whole.samples, name,
-                        batches, shape=OneShape(name, whole.batches.inner,
-                                                whole.shape.batch_size, iterations * groups))
-        sampler = ProcessSampler(whole.sampler.inner, rank, size, iterations,
-                                 groups * whole.micro)
-        built = _rebuilt(poptorch, opts, whole, view.dataset, sampler)
-        return Plan(built, sampler, whole.micro, combined, layout, whole.samples, name)
-    # validation: a contiguous slice each, padded to the same number of host calls
-    n = len(dataset)
-    if n < size:
-        raise ValueError(f"{name} has {n} samples, fewer than the {size} instances: every "
-                         "instance needs at least one.")
-    cuts = [n * p // size for p in range(size + 1)]
-    combined = micro * host_call_factor(opts, training)
-    longest = max(b - a for a, b in zip(cuts, cuts[1:]))
-    total = -(-longest // combined) * combined
-    mine = torch.utils.data.Subset(dataset, range(cuts[rank], cuts[rank + 1]))
-    view = torch.utils.data.DataLoader(_Padded(mine, total), batch_size=micro,
-                                       collate_fn=view.collate_fn, num_workers=view.num_workers)
-    plan = _build_plan(poptorch, view, alone, layout, training=False, name=name,
-                       sequential=True)
-    plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
-    plan.samples = cuts[rank + 1] - cuts[rank]
-    return plan

@@ -1,0 +1,41 @@
+"""Fixtures that show a test what a running fit reads, through the parts it is built from."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+import ipuloop.loop
+from ipuloop.plan import Plan
+
+
+@pytest.fixture
+def epoch_readers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The iterator each training epoch reads (``Plan.epoch`` given a ``Draw``), in the order
+    the epochs start: its loader workers, its prefetching loader."""
+    readers: list[Any] = []
+    epoch = Plan.epoch
+
+    def recorded(self: Plan, *args: Any, **kwargs: Any) -> Any:
+        it = epoch(self, *args, **kwargs)
+        if (args[2:] or [kwargs.get("draw")])[0] is not None:  # a training epoch's
+            readers.append(it)
+        return it
+
+    monkeypatch.setattr(Plan, "epoch", recorded)
+    return readers
+
+
+@pytest.fixture
+def second_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
+    """What a second Ctrl-C runs before the process exits (the ``on_abort`` each fit gives
+    ``signals.handle_signals``), one per fit: ``second_ctrl_c[-1]()`` runs the last fit's."""
+    aborts: list[Callable[[], None]] = []
+    handle_signals = ipuloop.loop.handle_signals
+
+    def recorded(on_term: Callable[[], None], on_abort: Callable[[], None]) -> Any:
+        aborts.append(on_abort)
+        return handle_signals(on_term, on_abort)
+
+    monkeypatch.setattr(ipuloop.loop, "handle_signals", recorded)
+    return aborts
