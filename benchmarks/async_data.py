@@ -24,6 +24,7 @@ variant must end with bitwise the weights of ``sync`` (same batches, same order)
 every repeat. Medians over repeats; ratios are variant / sync of the medians, and the
 per-repeat paired ratios are in the JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a file from a checkout without installing
     sys.path.insert(0, str(HERE.parent))
 VARIANTS = ("sync", "async", "batch_sampler")
-LABELS = {"sync": "synchronous (default)", "async": "`async_data=True`",
-          "batch_sampler": "`batch_sampler=BatchSampler(...)`"}
+LABELS = {
+    "sync": "synchronous (default)",
+    "async": "`async_data=True`",
+    "batch_sampler": "`batch_sampler=BatchSampler(...)`",
+}
 WORKLOADS = {  # batch size, device iterations, gradient accumulation, steps, warm-up steps
     "mnist": (40, 10, 10, 14, 2),
     "mlp": (32, 1, 1, 500, 50),
@@ -56,10 +60,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="mnist")
     p.add_argument("--mnist-dir", default=None, help="folder holding MNIST/raw (real MNIST)")
-    p.add_argument("--synthetic", type=int, default=60000,
-                   help="samples of random MNIST-shaped data when --mnist-dir is not given")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma list of {','.join(VARIANTS)} (sync always runs)")
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        default=60000,
+        help="samples of random MNIST-shaped data when --mnist-dir is not given",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma list of {','.join(VARIANTS)} (sync always runs)",
+    )
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--device-iterations", type=int, default=None)
     p.add_argument("--gradient-accumulation", type=int, default=None)
@@ -70,12 +81,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", default=None, help="default: benchmarks/async_data_<workload>.json")
-    p.add_argument("--readme", default=str(HERE.parent / "docs" / "performance.md"),
-                   help="the page to write the table into; '' to leave it alone")
+    p.add_argument(
+        "--readme",
+        default=str(HERE.parent / "docs" / "performance.md"),
+        help="the page to write the table into; '' to leave it alone",
+    )
     args = p.parse_args(argv)
     defaults = WORKLOADS[args.workload]
-    for name, value in zip(("batch_size", "device_iterations", "gradient_accumulation", "steps",
-                            "warmup"), defaults):
+    for name, value in zip(
+        ("batch_size", "device_iterations", "gradient_accumulation", "steps", "warmup"), defaults
+    ):
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.repeats is None:
@@ -94,22 +109,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_data(args: argparse.Namespace) -> Any:
     import torch
+
     g = torch.Generator().manual_seed(0)
     if args.workload == "mlp":
-        return torch.utils.data.TensorDataset(torch.randn(16000, 32, generator=g),
-                                              torch.randint(0, 10, (16000,), generator=g))
+        return torch.utils.data.TensorDataset(
+            torch.randn(16000, 32, generator=g), torch.randint(0, 10, (16000,), generator=g)
+        )
     if args.mnist_dir:
         from ipuloop.examples.mnist import load_mnist
+
         return load_mnist(args.mnist_dir, train=True)
-    return torch.utils.data.TensorDataset(torch.randn(args.synthetic, 1, 28, 28, generator=g),
-                                          torch.randint(0, 10, (args.synthetic,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(args.synthetic, 1, 28, 28, generator=g),
+        torch.randint(0, 10, (args.synthetic,), generator=g),
+    )
 
 
 def network(args: argparse.Namespace) -> Any:
     import torch.nn as nn
+
     if args.workload == "mlp":
         return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
     from ipuloop.examples.mnist import Network
+
     return Network()
 
 
@@ -118,24 +140,39 @@ def make_loop(args: argparse.Namespace, net: Any, callbacks: list, variant: str)
     import torchmetrics
 
     from ipuloop import Loop, poptorch
+
     opts = poptorch.Options().deviceIterations(args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
     if args.workload == "mlp":
         import torch
-        return Loop(net, opts, loss_fn=nn.CrossEntropyLoss(), seed=args.seed, progress=False,
-                    optimizer=torch.optim.SGD(net.parameters(), lr=0.01), callbacks=callbacks,
-                    async_data=variant == "async")
+
+        return Loop(
+            net,
+            opts,
+            loss_fn=nn.CrossEntropyLoss(),
+            seed=args.seed,
+            progress=False,
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+            callbacks=callbacks,
+            async_data=variant == "async",
+        )
     from ipuloop.examples.mnist import TrainingModelWithLoss, _strategy
+
     opts.setExecutionStrategy(_strategy("pipelined"))
-    return Loop(TrainingModelWithLoss(net), opts, seed=args.seed, progress=False,
-                optimizer=poptorch.optim.AdamW(net.parameters(), lr=1e-3),
-                metrics={"accuracy": torchmetrics.Accuracy(task="multiclass", num_classes=10)},
-                callbacks=callbacks, async_data=variant == "async")
+    return Loop(
+        TrainingModelWithLoss(net),
+        opts,
+        seed=args.seed,
+        progress=False,
+        optimizer=poptorch.optim.AdamW(net.parameters(), lr=1e-3),
+        metrics={"accuracy": torchmetrics.Accuracy(task="multiclass", num_classes=10)},
+        callbacks=callbacks,
+        async_data=variant == "async",
+    )
 
 
 def run_fit(args: argparse.Namespace, dataset: Any, init: dict, variant: str) -> dict:
     """One fit of ``args.steps`` steps; its clocks and final weights."""
-    import torch
     from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
     from ipuloop import Callback
@@ -160,23 +197,31 @@ def run_fit(args: argparse.Namespace, dataset: Any, init: dict, variant: str) ->
     clock = Clock()
     loop = make_loop(args, net, [clock], variant)
     if variant == "batch_sampler":  # the shuffled micro-batches of the other variants
-        loader = DataLoader(dataset, batch_sampler=BatchSampler(RandomSampler(dataset),
-                                                                args.batch_size, True),
-                            num_workers=args.workers)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=BatchSampler(RandomSampler(dataset), args.batch_size, True),
+            num_workers=args.workers,
+        )
     else:
-        loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True,
-                            num_workers=args.workers)
-    loop.fit(loader, epochs=10 ** 6, max_steps=args.steps)
-    w, c = clock.wall[args.warmup:], clock.cpu[args.warmup:]
+        loader = DataLoader(
+            dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+        )
+    loop.fit(loader, epochs=10**6, max_steps=args.steps)
+    w, c = clock.wall[args.warmup :], clock.cpu[args.warmup :]
     n = len(w) - 1
     # waiting for the next host batch: from one step's end to the next step's start
-    wait = sum(s - e for s, e in zip(clock.start[args.warmup + 1:], w)) / n
-    return {"step_s": (w[-1] - w[0]) / n, "cpu_step_s": (c[-1] - c[0]) / n, "wait_s": wait,
-            "weights": {k: v.detach().clone() for k, v in net.state_dict().items()}}
+    wait = sum(s - e for s, e in zip(clock.start[args.warmup + 1 :], w)) / n
+    return {
+        "step_s": (w[-1] - w[0]) / n,
+        "cpu_step_s": (c[-1] - c[0]) / n,
+        "wait_s": wait,
+        "weights": {k: v.detach().clone() for k, v in net.state_dict().items()},
+    }
 
 
 def measure(args: argparse.Namespace) -> dict:
     import torch
+
     torch.set_num_threads(args.threads)
 
     dataset = load_data(args)
@@ -186,19 +231,24 @@ def measure(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {v: [] for v in names}
     same: list[bool] = []
     for r in range(args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         results = {}
         for variant in order:
             res = results[variant] = run_fit(args, dataset, init, variant)
-            print(f"repeat {r + 1}/{args.repeats} {variant:13s}: {res['step_s'] * 1e3:8.3f} "
-                  f"ms/step, {res['cpu_step_s'] * 1e3:8.3f} CPU ms/step, "
-                  f"{res['wait_s'] * 1e3:7.3f} ms/step waiting for data", flush=True)
+            print(
+                f"repeat {r + 1}/{args.repeats} {variant:13s}: {res['step_s'] * 1e3:8.3f} "
+                f"ms/step, {res['cpu_step_s'] * 1e3:8.3f} CPU ms/step, "
+                f"{res['wait_s'] * 1e3:7.3f} ms/step waiting for data",
+                flush=True,
+            )
         ref = results["sync"]["weights"]
-        same.append(all(torch.equal(ref[k], res["weights"][k])
-                        for res in results.values() for k in ref))
+        same.append(
+            all(torch.equal(ref[k], res["weights"][k]) for res in results.values() for k in ref)
+        )
         for variant in names:
-            runs[variant].append({k: results[variant][k]
-                                  for k in ("step_s", "cpu_step_s", "wait_s")})
+            runs[variant].append(
+                {k: results[variant][k] for k in ("step_s", "cpu_step_s", "wait_s")}
+            )
     out: dict[str, Any] = {"variants": {}, "same_weights": all(same), "ratios": {}}
     per_step = args.batch_size * args.device_iterations * args.gradient_accumulation
     for variant in names:
@@ -206,18 +256,24 @@ def measure(args: argparse.Namespace) -> dict:
         cpus = [x["cpu_step_s"] for x in runs[variant]]
         waits = [x["wait_s"] for x in runs[variant]]
         out["variants"][variant] = {
-            "step_s": statistics.median(steps), "cpu_step_s": statistics.median(cpus),
-            "wait_s": statistics.median(waits), "steps_per_s": 1 / statistics.median(steps),
+            "step_s": statistics.median(steps),
+            "cpu_step_s": statistics.median(cpus),
+            "wait_s": statistics.median(waits),
+            "steps_per_s": 1 / statistics.median(steps),
             "samples_per_s": per_step / statistics.median(steps),
-            "step_s_repeats": steps, "cpu_step_s_repeats": cpus, "wait_s_repeats": waits}
+            "step_s_repeats": steps,
+            "cpu_step_s_repeats": cpus,
+            "wait_s_repeats": waits,
+        }
     s = out["variants"]["sync"]
     for variant in names[1:]:
         v = out["variants"][variant]
         out["ratios"][variant] = {
-            "wall": v["step_s"] / s["step_s"], "cpu": v["cpu_step_s"] / s["cpu_step_s"],
+            "wall": v["step_s"] / s["step_s"],
+            "cpu": v["cpu_step_s"] / s["cpu_step_s"],
             "paired wall": [x / y for x, y in zip(v["step_s_repeats"], s["step_s_repeats"])],
-            "paired cpu": [x / y for x, y in zip(v["cpu_step_s_repeats"],
-                                                 s["cpu_step_s_repeats"])]}
+            "paired cpu": [x / y for x, y in zip(v["cpu_step_s_repeats"], s["cpu_step_s_repeats"])],
+        }
     return out
 
 
@@ -226,8 +282,11 @@ def table(res: dict) -> str:
     if args["workload"] == "mlp":
         data = "the tiny MLP on 16,000 random samples"
     else:
-        data = ("the MNIST example on real MNIST" if args["mnist_dir"] else
-                f"the MNIST example on {args['synthetic']} random MNIST-shaped samples")
+        data = (
+            "the MNIST example on real MNIST"
+            if args["mnist_dir"]
+            else f"the MNIST example on {args['synthetic']} random MNIST-shaped samples"
+        )
     lines = [
         f"Measured {meta['date']} on {meta['machine']} ({meta['cpus']} CPUs, torch threads "
         f"{args['threads']}, load average at start {meta['load']}), Python {meta['python']}, "
@@ -238,17 +297,28 @@ def table(res: dict) -> str:
         "",
         "| reading | ms / step | steps / s | samples / s | CPU ms / step | waiting for data, "
         "ms / step | wall / sync (paired: min-max) | CPU / sync |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name in args["variants"]:
         x = out["variants"][name]
         r = out["ratios"].get(name)
-        ratio = (f"{r['wall']:.3f} ({min(r['paired wall']):.2f}-{max(r['paired wall']):.2f}) | "
-                 f"{r['cpu']:.3f}") if r else "1 | 1"
-        lines.append(f"| {LABELS[name]} | {x['step_s'] * 1e3:.3f} | {x['steps_per_s']:,.2f} | "
-                     f"{x['samples_per_s']:,.0f} | {x['cpu_step_s'] * 1e3:.3f} | "
-                     f"{x['wait_s'] * 1e3:.3f} | {ratio} |")
-    lines += ["", "Same weights as `sync` after every repeat: "
-              f"{'yes' if out['same_weights'] else 'NO'}."]
+        ratio = (
+            (
+                f"{r['wall']:.3f} ({min(r['paired wall']):.2f}-{max(r['paired wall']):.2f}) | "
+                f"{r['cpu']:.3f}"
+            )
+            if r
+            else "1 | 1"
+        )
+        lines.append(
+            f"| {LABELS[name]} | {x['step_s'] * 1e3:.3f} | {x['steps_per_s']:,.2f} | "
+            f"{x['samples_per_s']:,.0f} | {x['cpu_step_s'] * 1e3:.3f} | "
+            f"{x['wait_s'] * 1e3:.3f} | {ratio} |"
+        )
+    lines += [
+        "",
+        f"Same weights as `sync` after every repeat: {'yes' if out['same_weights'] else 'NO'}.",
+    ]
     return "\n".join(lines)
 
 
@@ -266,14 +336,24 @@ def write_readme(path: str, workload: str, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
-    start_load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") \
-        else "n/a"
+
+    start_load = (
+        " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    )
     results = measure(args)
-    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
-                    "torch": torch.__version__, "machine": f"{platform.machine()} "
-                    f"{platform.system()}", "cpus": os.cpu_count(), "load": start_load,
-                    "command": "python benchmarks/async_data.py " + " ".join(sys.argv[1:])},
-           "args": vars(args), "results": results}
+    res = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": f"{platform.machine()} {platform.system()}",
+            "cpus": os.cpu_count(),
+            "load": start_load,
+            "command": "python benchmarks/async_data.py " + " ".join(sys.argv[1:]),
+        },
+        "args": vars(args),
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     text = table(res)
     print(text)

@@ -9,6 +9,7 @@ update per micro-batch), epochs and NLL loss, with the usual ``zero_grad`` / ``b
 ``step`` loop, the test accuracy after every epoch (the example validates on the test set),
 then the final test accuracy. Prints its output in the example's format.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,18 @@ import time
 import torch
 import torch.nn as nn
 
-from ipuloop.examples.fashion_mnist import (ClassificationModel, MissingData, data_dir_arg,
-                                            load_fashion_mnist)
+from ipuloop.examples.fashion_mnist import (
+    ClassificationModel,
+    MissingData,
+    data_dir_arg,
+    load_fashion_mnist,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data-dir", default=None)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16)
@@ -44,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     loss_fn = nn.NLLLoss()
     opt = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
-                                               shuffle=True, drop_last=True)
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.batch_size, shuffle=True, drop_last=True
+    )
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.batch_size)
 
     def test_accuracy() -> float:
@@ -71,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             if steps == args.max_steps:
                 break
         # the example validates on the test set every epoch: so does this program
-        print(f"epoch {epoch + 1}: train_loss {total / count:.4g}  "
-              f"val_accuracy {test_accuracy() / 100:.4g}", flush=True)
+        print(
+            f"epoch {epoch + 1}: train_loss {total / count:.4g}  "
+            f"val_accuracy {test_accuracy() / 100:.4g}",
+            flush=True,
+        )
     train_time = time.perf_counter() - start
     acc = test_accuracy()
     print(f"trained {steps} updates ({steps * args.batch_size} samples) in {train_time:.1f}s")

@@ -19,6 +19,7 @@ training time into data (from the end of one step to the start of the next: read
 collating the next host batch) and compute (the training model's call and the loop's
 per-step work).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,14 @@ ACC = re.compile(r"Accuracy on test set: ([0-9.]+)%")
 # ---------------------------------------------------------------------------------------------
 # B: the hand-written program
 
+
 def hand(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
     from ipuloop.examples.mnist import Network, TrainingModelWithLoss, _data_dir, load_mnist
+
     data_dir = _data_dir(args.data_dir)
     train_set = load_mnist(data_dir, train=True)
     test_set = load_mnist(data_dir, train=False)
@@ -83,8 +86,11 @@ def hand(args: argparse.Namespace) -> int:
             count += len(losses)
             t = time.perf_counter()
             compute_s += t - t1
-        print(f"epoch {epoch + 1}: train_loss {total / count:.4g}  train_accuracy "
-              f"{correct / (count * b):.4g}", flush=True)
+        print(
+            f"epoch {epoch + 1}: train_loss {total / count:.4g}  train_accuracy "
+            f"{correct / (count * b):.4g}",
+            flush=True,
+        )
     t_trained = time.perf_counter()
     model.eval()
     preds = []
@@ -93,14 +99,24 @@ def hand(args: argparse.Namespace) -> int:
             preds.append(model(x).argmax(1))
     acc = (torch.cat(preds) == test_set.tensors[1]).double().mean().item() * 100
     t_end = time.perf_counter()
-    print(json.dumps({"setup_s": t_loaded - t0, "train_s": t_trained - t_loaded,
-                      "data_s": data_s, "compute_s": compute_s, "test_s": t_end - t_trained}))
+    print(
+        json.dumps(
+            {
+                "setup_s": t_loaded - t0,
+                "train_s": t_trained - t_loaded,
+                "data_s": data_s,
+                "compute_s": compute_s,
+                "test_s": t_end - t_trained,
+            }
+        )
+    )
     print(f"Accuracy on test set: {acc:0.2f}%")
     return 0
 
 
 # ---------------------------------------------------------------------------------------------
 # The example, in this process, with a timing callback (data vs compute)
+
 
 def breakdown(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
@@ -148,27 +164,39 @@ def breakdown(args: argparse.Namespace) -> int:
         init(self, *a, callbacks=[*callbacks, timer], **k)
 
     ipuloop.loop.Loop.__init__ = patched  # type: ignore[method-assign]
-    rc = mnist.main(["--data-dir", args.data_dir, "--epochs", str(args.epochs),
-                     *args.example_args])
+    rc = mnist.main(["--data-dir", args.data_dir, "--epochs", str(args.epochs), *args.example_args])
     t_end = time.perf_counter()
     fit_s = timer.fit[1] - timer.fit[0]
-    print(json.dumps({"rc": rc, "setup_s": timer.fit[0] - t0, "fit_s": fit_s,
-                      "data_s": timer.data, "compute_s": timer.compute,
-                      "compile_s": timer.compile_s, "steps": timer.steps,
-                      "other_fit_s": fit_s - timer.data - timer.compute - timer.compile_s,
-                      "after_fit_s": t_end - timer.fit[1]}))
+    print(
+        json.dumps(
+            {
+                "rc": rc,
+                "setup_s": timer.fit[0] - t0,
+                "fit_s": fit_s,
+                "data_s": timer.data,
+                "compute_s": timer.compute,
+                "compile_s": timer.compile_s,
+                "steps": timer.steps,
+                "other_fit_s": fit_s - timer.data - timer.compute - timer.compile_s,
+                "after_fit_s": t_end - timer.fit[1],
+            }
+        )
+    )
     return rc
 
 
 # ---------------------------------------------------------------------------------------------
+
 
 def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - start
     if proc.returncode:
-        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-4000:]}")
+        raise SystemExit(
+            f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-2000:]}\n"
+            f"{proc.stderr[-4000:]}"
+        )
     return wall, proc.stdout
 
 
@@ -189,41 +217,56 @@ def _accuracy(out: str) -> float:
 def readme_section(res: dict[str, Any]) -> str:
     m, a, b = res["meta"], res["example"], res["hand"]
     bd = res.get("breakdown")
-    lines = [README_BEGIN, "",
-             f"Measured {m['date']} on {m['machine']} ({m['cpus']} CPUs, OMP_NUM_THREADS="
-             f"{m['threads']}, load average at start {m['loadavg']}), torch {m['torch']}. "
-             f"Command: `{m['command']}`; {res['epochs']} epochs, runs in the order "
-             f"{' '.join(res['order'])} after a dropped warm-up pair A B "
-             f"({res['warmup_s']['A']:.1f} s, {res['warmup_s']['B']:.1f} s).", "",
-             "| program | wall time per run (s) | median (s) | test accuracy (%) |",
-             "| --- | --- | ---: | --- |",
-             f"| A: `python -m ipuloop.examples.mnist` | "
-             f"{', '.join(f'{x:.1f}' for x in a['wall_s'])} | {a['median_s']:.1f} | "
-             f"{', '.join(f'{x:.2f}' for x in a['accuracy'])} |",
-             f"| B: hand-written torch loop, same math | "
-             f"{', '.join(f'{x:.1f}' for x in b['wall_s'])} | {b['median_s']:.1f} | "
-             f"{', '.join(f'{x:.2f}' for x in b['accuracy'])} |", "",
-             f"**Wall-time ratio A / B = {res['ratio']:.3f}** (target <= 1.10: "
-             f"{'met' if res['ratio'] <= 1.10 else '**missed**'}); paired per repeat: "
-             f"{', '.join(f'{x:.3f}' for x in res['paired_ratios'])}.", ""]
+    lines = [
+        README_BEGIN,
+        "",
+        f"Measured {m['date']} on {m['machine']} ({m['cpus']} CPUs, OMP_NUM_THREADS="
+        f"{m['threads']}, load average at start {m['loadavg']}), torch {m['torch']}. "
+        f"Command: `{m['command']}`; {res['epochs']} epochs, runs in the order "
+        f"{' '.join(res['order'])} after a dropped warm-up pair A B "
+        f"({res['warmup_s']['A']:.1f} s, {res['warmup_s']['B']:.1f} s).",
+        "",
+        "| program | wall time per run (s) | median (s) | test accuracy (%) |",
+        "| --- | --- | ---: | --- |",
+        f"| A: `python -m ipuloop.examples.mnist` | "
+        f"{', '.join(f'{x:.1f}' for x in a['wall_s'])} | {a['median_s']:.1f} | "
+        f"{', '.join(f'{x:.2f}' for x in a['accuracy'])} |",
+        f"| B: hand-written torch loop, same math | "
+        f"{', '.join(f'{x:.1f}' for x in b['wall_s'])} | {b['median_s']:.1f} | "
+        f"{', '.join(f'{x:.2f}' for x in b['accuracy'])} |",
+        "",
+        f"**Wall-time ratio A / B = {res['ratio']:.3f}** (target <= 1.10: "
+        f"{'met' if res['ratio'] <= 1.10 else '**missed**'}); paired per repeat: "
+        f"{', '.join(f'{x:.3f}' for x in res['paired_ratios'])}.",
+        "",
+    ]
     if b.get("phases"):
         p = b["phases"]
-        lines += [f"B's own split (median run): setup {p['setup_s']:.1f} s, training "
-                  f"{p['train_s']:.1f} s (data {p['data_s']:.2f} s, compute {p['compute_s']:.1f}"
-                  f" s), test {p['test_s']:.1f} s.", ""]
+        lines += [
+            f"B's own split (median run): setup {p['setup_s']:.1f} s, training "
+            f"{p['train_s']:.1f} s (data {p['data_s']:.2f} s, compute {p['compute_s']:.1f}"
+            f" s), test {p['test_s']:.1f} s.",
+            "",
+        ]
     if bd:
         share = bd["data_s"] / max(bd["data_s"] + bd["compute_s"], 1e-9) * 100
-        lines += ["Data time against compute time in the example (one more run, a timing "
-                  "callback added):", "",
-                  "| phase | seconds |", "| --- | ---: |",
-                  f"| imports, data loading, model and loop setup | {bd['setup_s']:.1f} |",
-                  f"| fit: data (reading and collating host batches) | {bd['data_s']:.2f} |",
-                  f"| fit: compute ({bd['steps']} training-model calls and per-step work) "
-                  f"| {bd['compute_s']:.1f} |",
-                  f"| fit: compile | {bd['compile_s']:.2f} |",
-                  f"| fit: other (epoch ends, progress lines) | {bd['other_fit_s']:.2f} |",
-                  f"| after fit: predict on the test set, printing | {bd['after_fit_s']:.1f} |",
-                  "", f"Data is {share:.1f}% of data + compute during the fit.", ""]
+        lines += [
+            "Data time against compute time in the example (one more run, a timing "
+            "callback added):",
+            "",
+            "| phase | seconds |",
+            "| --- | ---: |",
+            f"| imports, data loading, model and loop setup | {bd['setup_s']:.1f} |",
+            f"| fit: data (reading and collating host batches) | {bd['data_s']:.2f} |",
+            f"| fit: compute ({bd['steps']} training-model calls and per-step work) "
+            f"| {bd['compute_s']:.1f} |",
+            f"| fit: compile | {bd['compile_s']:.2f} |",
+            f"| fit: other (epoch ends, progress lines) | {bd['other_fit_s']:.2f} |",
+            f"| after fit: predict on the test set, printing | {bd['after_fit_s']:.1f} |",
+            "",
+            f"Data is {share:.1f}% of data + compute during the fit.",
+            "",
+        ]
     lines.append(README_END)
     return "\n".join(lines)
 
@@ -242,14 +285,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "mnist"))
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=4,
-                   help="A B pairs, alternated, after one warm-up pair that is dropped")
-    p.add_argument("--threads", type=int, default=1,
-                   help="OMP_NUM_THREADS for both programs (0: leave torch's default)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=4,
+        help="A B pairs, alternated, after one warm-up pair that is dropped",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS for both programs (0: leave torch's default)",
+    )
     p.add_argument("--no-breakdown", action="store_true", help="skip the data/compute run")
     p.add_argument("--out", default=str(HERE / "mnist_vs_torch.json"))
-    p.add_argument("--readme", default=str(ROOT / "docs" / "performance.md"),
-                   help="the page to write the table into; '' to leave it alone")
+    p.add_argument(
+        "--readme",
+        default=str(ROOT / "docs" / "performance.md"),
+        help="the page to write the table into; '' to leave it alone",
+    )
     p.add_argument("--_hand", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_breakdown", action="store_true", help=argparse.SUPPRESS)
     # the example's defaults, for the hand-written program
@@ -274,22 +328,45 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    example = [sys.executable, "-m", "ipuloop.examples.mnist", "--data-dir", args.data_dir,
-               "--epochs", str(args.epochs), *args.example_args]
-    hand_cmd = [sys.executable, __file__, "--_hand", "--data-dir", args.data_dir,
-                "--epochs", str(args.epochs)]
+    example = [
+        sys.executable,
+        "-m",
+        "ipuloop.examples.mnist",
+        "--data-dir",
+        args.data_dir,
+        "--epochs",
+        str(args.epochs),
+        *args.example_args,
+    ]
+    hand_cmd = [
+        sys.executable,
+        __file__,
+        "--_hand",
+        "--data-dir",
+        args.data_dir,
+        "--epochs",
+        str(args.epochs),
+    ]
     import torch
-    res: dict[str, Any] = {"meta": {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
-        "torch": torch.__version__, "machine": platform.machine() + " " + platform.system(),
-        "cpus": os.cpu_count(), "threads": args.threads or "torch default",
-        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "command": "python benchmarks/mnist_vs_torch.py " + " ".join(
-            argv if argv is not None else sys.argv[1:])},
-        "epochs": args.epochs, "commands": {"A": " ".join(example[1:]),
-                                            "B": " ".join(hand_cmd[1:])},
-        "order": [], "example": {"wall_s": [], "accuracy": []},
-        "hand": {"wall_s": [], "accuracy": [], "phases_runs": []}}
+
+    res: dict[str, Any] = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine() + " " + platform.system(),
+            "cpus": os.cpu_count(),
+            "threads": args.threads or "torch default",
+            "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "command": "python benchmarks/mnist_vs_torch.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+        },
+        "epochs": args.epochs,
+        "commands": {"A": " ".join(example[1:]), "B": " ".join(hand_cmd[1:])},
+        "order": [],
+        "example": {"wall_s": [], "accuracy": []},
+        "hand": {"wall_s": [], "accuracy": [], "phases_runs": []},
+    }
     for name, cmd in (("A", example), ("B", hand_cmd)):  # warm-up pair: file caches, .pyc
         wall, out = _run(cmd, env)
         res.setdefault("warmup_s", {})[name] = wall
@@ -303,23 +380,39 @@ def main(argv: list[str] | None = None) -> int:
             if name == "B":
                 res["hand"]["phases_runs"].append(_last_json(out))
             res["order"].append(name)
-            print(f"run {r + 1}/{args.repeats} {name}: {wall:.1f} s, accuracy "
-                  f"{res[key]['accuracy'][-1]:.2f}%", flush=True)
+            print(
+                f"run {r + 1}/{args.repeats} {name}: {wall:.1f} s, accuracy "
+                f"{res[key]['accuracy'][-1]:.2f}%",
+                flush=True,
+            )
     for key in ("example", "hand"):
         res[key]["median_s"] = statistics.median(res[key]["wall_s"])
     runs = res["hand"]["phases_runs"]
     res["hand"]["phases"] = sorted(runs, key=lambda p: p["train_s"])[len(runs) // 2]
     res["ratio"] = res["example"]["median_s"] / res["hand"]["median_s"]
-    res["paired_ratios"] = [a / b for a, b in zip(res["example"]["wall_s"],
-                                                   res["hand"]["wall_s"])]
+    res["paired_ratios"] = [a / b for a, b in zip(res["example"]["wall_s"], res["hand"]["wall_s"])]
     print(f"wall-time ratio example / hand-written = {res['ratio']:.3f} (target <= 1.10)")
     if not args.no_breakdown:
-        _, out = _run([sys.executable, __file__, "--_breakdown", "--data-dir", args.data_dir,
-                       "--epochs", str(args.epochs), *args.example_args], env)
+        _, out = _run(
+            [
+                sys.executable,
+                __file__,
+                "--_breakdown",
+                "--data-dir",
+                args.data_dir,
+                "--epochs",
+                str(args.epochs),
+                *args.example_args,
+            ],
+            env,
+        )
         res["breakdown"] = bd = _last_json(out)
-        print(f"example: data {bd['data_s']:.2f} s, compute {bd['compute_s']:.1f} s, compile "
-              f"{bd['compile_s']:.2f} s, setup {bd['setup_s']:.1f} s, after fit "
-              f"{bd['after_fit_s']:.1f} s", flush=True)
+        print(
+            f"example: data {bd['data_s']:.2f} s, compute {bd['compute_s']:.1f} s, compile "
+            f"{bd['compile_s']:.2f} s, setup {bd['setup_s']:.1f} s, after fit "
+            f"{bd['after_fit_s']:.1f} s",
+            flush=True,
+        )
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out}")
     if args.readme:

@@ -36,6 +36,7 @@ same initial weights on the same data and must end with the hand-written loop's 
 The DI x GA sweep runs each (configuration, variant) in its own subprocess, for peak memory
 (see ``_peak_child``), repeats them interleaved, and reports medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,6 +76,7 @@ README_BEGIN, README_END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
 
 # ---------------------------------------------------------------------------------------------
 # Workloads
+
 
 class MLPWithLoss(nn.Module):
     """The host-bound workload: Linear(32, 32), ReLU, Linear(32, 10) and cross-entropy."""
@@ -149,14 +151,16 @@ def collate(batch: Any) -> Any:
     return list(batch) if isinstance(batch, _Rows) else default_collate(batch)
 
 
-def _data(kind: str, n: int, mnist_dir: str | None, seed: int = 0,
-          batched: bool = False) -> TensorDataset:
+def _data(
+    kind: str, n: int, mnist_dir: str | None, seed: int = 0, batched: bool = False
+) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     cls = BatchedTensorDataset if batched else TensorDataset
     if kind == "mlp":
         return cls(torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
     if mnist_dir:
         from ipuloop.examples.mnist import load_mnist
+
         full = load_mnist(mnist_dir, train=True)
         x, y = full.tensors
         reps = -(-n // len(x))
@@ -165,9 +169,17 @@ def _data(kind: str, n: int, mnist_dir: str | None, seed: int = 0,
     return cls(torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def make_workload(kind: str, di: int, ga: int, steps: int, mnist_dir: str | None = None,
-                  micro: int | None = None, batched: bool = False) -> Workload:
+def make_workload(
+    kind: str,
+    di: int,
+    ga: int,
+    steps: int,
+    mnist_dir: str | None = None,
+    micro: int | None = None,
+    batched: bool = False,
+) -> Workload:
     from ipuloop import poptorch
+
     torch.manual_seed(0)
     if kind == "mlp":
         b = micro or 32
@@ -179,13 +191,21 @@ def make_workload(kind: str, di: int, ga: int, steps: int, mnist_dir: str | None
             return o
 
         return Workload(
-            "mlp", b, di, ga, _data("mlp", steps * b * di * ga, None, batched=batched),
+            "mlp",
+            b,
+            di,
+            ga,
+            _data("mlp", steps * b * di * ga, None, batched=batched),
             MLPWithLoss,
             copy.deepcopy(net.state_dict()),
-            lambda p: torch.optim.SGD(p, lr=0.01), lambda p: poptorch.optim.SGD(p, lr=0.01), opts,
-            f"tiny MLP 32-32-10, cross-entropy, SGD lr 0.01, B={b}, DI={di}, GA={ga}")
+            lambda p: torch.optim.SGD(p, lr=0.01),
+            lambda p: poptorch.optim.SGD(p, lr=0.01),
+            opts,
+            f"tiny MLP 32-32-10, cross-entropy, SGD lr 0.01, B={b}, DI={di}, GA={ga}",
+        )
     if kind == "cnn":
         from ipuloop.examples.mnist import Network, TrainingModelWithLoss, build_options
+
         b = micro or 40
         net = TrainingModelWithLoss(Network())
 
@@ -195,23 +215,37 @@ def make_workload(kind: str, di: int, ga: int, steps: int, mnist_dir: str | None
         strategy = "pipelined" if ga >= 7 else "sharded"
 
         def opts() -> Any:
-            args = argparse.Namespace(device_iterations=di, gradient_accumulation=ga, replicas=1,
-                                      strategy=strategy, offload_optimiser=False,
-                                      inference_iterations=100)
+            args = argparse.Namespace(
+                device_iterations=di,
+                gradient_accumulation=ga,
+                replicas=1,
+                strategy=strategy,
+                offload_optimiser=False,
+                inference_iterations=100,
+            )
             return build_options(args)[0]
 
         data = "real MNIST (" + mnist_dir + ")" if mnist_dir else "synthetic MNIST-shaped data"
         return Workload(
-            "cnn", b, di, ga, _data("cnn", steps * b * di * ga, mnist_dir, batched=batched),
-            lambda: TrainingModelWithLoss(Network()), copy.deepcopy(net.state_dict()),
-            lambda p: torch.optim.AdamW(p, lr=1e-3), lambda p: poptorch.optim.AdamW(p, lr=1e-3),
-            opts, f"MNIST CNN of ipuloop.examples.mnist (4 {strategy} blocks), AdamW lr 1e-3, "
-                  f"B={b}, DI={di}, GA={ga}, {data}")
+            "cnn",
+            b,
+            di,
+            ga,
+            _data("cnn", steps * b * di * ga, mnist_dir, batched=batched),
+            lambda: TrainingModelWithLoss(Network()),
+            copy.deepcopy(net.state_dict()),
+            lambda p: torch.optim.AdamW(p, lr=1e-3),
+            lambda p: poptorch.optim.AdamW(p, lr=1e-3),
+            opts,
+            f"MNIST CNN of ipuloop.examples.mnist (4 {strategy} blocks), AdamW lr 1e-3, "
+            f"B={b}, DI={di}, GA={ga}, {data}",
+        )
     raise ValueError(f"unknown workload {kind!r}")
 
 
 # ---------------------------------------------------------------------------------------------
 # The clock: a collate function that stamps each host batch
+
 
 class Stamps:
     """``collate_fn`` recording when each batch is collated; one clock read per batch."""
@@ -230,11 +264,13 @@ class Stamps:
 # Variants: each trains ``epochs`` epochs from the workload's initial weights and returns the
 # trained model-with-loss (weights readable on the host) and how many collates make one step.
 
+
 def run_hand(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.Module, int]:
     net = wl.fresh()
     opt = wl.torch_opt(net.parameters())
-    loader = DataLoader(wl.dataset, batch_size=wl.combined, shuffle=False, drop_last=True,
-                        collate_fn=collate)
+    loader = DataLoader(
+        wl.dataset, batch_size=wl.combined, shuffle=False, drop_last=True, collate_fn=collate
+    )
     b, di, ga = wl.micro, wl.di, wl.ga
     scale = 1.0 / ga  # Mean reduction over GA * RF micro-batches (RF = 1)
     for _ in range(epochs):
@@ -256,6 +292,7 @@ def run_hand(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.Module, int
 
 def run_raw(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.Module, int]:
     from ipuloop import poptorch
+
     net = wl.fresh()
     opts = wl.options()
     model = poptorch.trainingModel(net, opts, optimizer=wl.poptorch_opt(net.parameters()))
@@ -268,17 +305,33 @@ def run_raw(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.Module, int]
     return net, 1  # reading ``net`` copies the device weights back
 
 
-def _loop_fit(wl: Workload, epochs: int, collate: Stamps, *, callbacks: list, metrics: Any,
-              mode: str | None = None) -> nn.Module:
+def _loop_fit(
+    wl: Workload,
+    epochs: int,
+    collate: Stamps,
+    *,
+    callbacks: list,
+    metrics: Any,
+    mode: str | None = None,
+) -> nn.Module:
     from ipuloop import Loop, poptorch
+
     net = wl.fresh()
     opts = wl.options()
     if mode is not None:
         opts.outputMode(getattr(poptorch.OutputMode, mode))
-    loop = Loop(net, opts, optimizer=wl.poptorch_opt(net.parameters()), progress=False,
-                callbacks=callbacks, metrics=metrics)
-    loop.fit(DataLoader(wl.dataset, batch_size=wl.micro, shuffle=False, collate_fn=collate),
-             epochs=epochs)
+    loop = Loop(
+        net,
+        opts,
+        optimizer=wl.poptorch_opt(net.parameters()),
+        progress=False,
+        callbacks=callbacks,
+        metrics=metrics,
+    )
+    loop.fit(
+        DataLoader(wl.dataset, batch_size=wl.micro, shuffle=False, collate_fn=collate),
+        epochs=epochs,
+    )
     return loop.model
 
 
@@ -294,11 +347,14 @@ def checkpoint_class() -> Any:
     if "cls" not in _CHECKPOINT:
         try:
             from ipuloop.callbacks.checkpoint import ModelCheckpoint
+
             _CHECKPOINT.update(cls=ModelCheckpoint, status="ModelCheckpoint every epoch")
         except ImportError as e:
             _CHECKPOINT.update(cls=None, status=f"skipped: cannot import ModelCheckpoint ({e})")
-            print(f"note: loop_callbacks runs WITHOUT a checkpoint: {_CHECKPOINT['status']}",
-                  flush=True)
+            print(
+                f"note: loop_callbacks runs WITHOUT a checkpoint: {_CHECKPOINT['status']}",
+                flush=True,
+            )
     return _CHECKPOINT["cls"]
 
 
@@ -306,6 +362,7 @@ def run_loop_callbacks(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.M
     import torchmetrics
 
     from ipuloop import ProgressBar
+
     callbacks: list = [ProgressBar(stream=io.StringIO())]  # a non-terminal stream: plain lines
     cls = checkpoint_class()
     with tempfile.TemporaryDirectory(prefix="ipuloop-bench-") as tmp:
@@ -318,15 +375,18 @@ def run_loop_callbacks(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.M
 def lightning_available() -> str | None:
     try:
         import lightning
+
         return lightning.__version__
     except ImportError:
         return None
 
 
-def _run_lightning(wl: Workload, epochs: int, collate: Stamps, barebones: bool
-                   ) -> tuple[nn.Module, int]:
+def _run_lightning(
+    wl: Workload, epochs: int, collate: Stamps, barebones: bool
+) -> tuple[nn.Module, int]:
     import lightning.pytorch as pl
     import torchmetrics
+
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -334,8 +394,9 @@ def _run_lightning(wl: Workload, epochs: int, collate: Stamps, barebones: bool
         def __init__(self, net: nn.Module) -> None:
             super().__init__()
             self.net = net
-            self.acc = None if barebones else torchmetrics.Accuracy(task="multiclass",
-                                                                    num_classes=10)
+            self.acc = (
+                None if barebones else torchmetrics.Accuracy(task="multiclass", num_classes=10)
+            )
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -352,12 +413,19 @@ def _run_lightning(wl: Workload, epochs: int, collate: Stamps, barebones: bool
     net = wl.fresh()
     module = Module(net)
     loader = DataLoader(wl.dataset, batch_size=wl.micro, shuffle=False, collate_fn=collate)
-    with tempfile.TemporaryDirectory(prefix="ipuloop-bench-pl-") as tmp, \
-            warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
-            contextlib.redirect_stdout(io.StringIO()):
+    with tempfile.TemporaryDirectory(
+        prefix="ipuloop-bench-pl-"
+    ) as tmp, warnings.catch_warnings(), contextlib.redirect_stderr(
+        io.StringIO()
+    ), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        kw: dict[str, Any] = dict(max_epochs=epochs, accelerator="cpu", devices=1,
-                                  accumulate_grad_batches=wl.ga, default_root_dir=tmp)
+        kw: dict[str, Any] = dict(
+            max_epochs=epochs,
+            accelerator="cpu",
+            devices=1,
+            accumulate_grad_batches=wl.ga,
+            default_root_dir=tmp,
+        )
         trainer = pl.Trainer(barebones=True, **kw) if barebones else pl.Trainer(**kw)
         trainer.fit(module, loader)  # the bar writes to the redirected (non-terminal) stderr
     return net, wl.di * wl.ga  # Lightning reads micro-batches: DI*GA collates per step
@@ -374,19 +442,26 @@ def run_pl_defaults(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.Modu
 def _sweep_loop(mode: str) -> Callable:
     def run(wl: Workload, epochs: int, collate: Stamps) -> tuple[nn.Module, int]:
         return _loop_fit(wl, epochs, collate, callbacks=[], metrics=None, mode=mode), 1
+
     return run
 
 
 RUNNERS: dict[str, Callable] = {
-    "hand": run_hand, "raw": run_raw, "loop": run_loop, "loop_callbacks": run_loop_callbacks,
-    "pl_barebones": run_pl_barebones, "pl_defaults": run_pl_defaults,
-    "loop_sum": _sweep_loop("Sum"), "loop_final": _sweep_loop("Final"),
+    "hand": run_hand,
+    "raw": run_raw,
+    "loop": run_loop,
+    "loop_callbacks": run_loop_callbacks,
+    "pl_barebones": run_pl_barebones,
+    "pl_defaults": run_pl_defaults,
+    "loop_sum": _sweep_loop("Sum"),
+    "loop_final": _sweep_loop("Final"),
     "loop_all": _sweep_loop("All"),
 }
 
 
 # ---------------------------------------------------------------------------------------------
 # Measurement
+
 
 def timed_fit(variant: str, wl: Workload, epochs: int, warmup: int) -> dict[str, float]:
     """One fit; the time per step over the steps after ``warmup`` (see the module doc)."""
@@ -396,16 +471,20 @@ def timed_fit(variant: str, wl: Workload, epochs: int, warmup: int) -> dict[str,
     _, per_step = RUNNERS[variant](wl, epochs, collate)
     total = time.perf_counter() - start
     steps = wl.steps_per_epoch * epochs
-    stamps = collate.t[-steps * per_step::per_step]  # the last ones: skips the Loop's probe
-    cpu = collate.cpu[-steps * per_step::per_step]
+    stamps = collate.t[-steps * per_step :: per_step]  # the last ones: skips the Loop's probe
+    cpu = collate.cpu[-steps * per_step :: per_step]
     if len(stamps) != steps:
         raise RuntimeError(f"{variant}: expected {steps} host batches, saw {len(stamps)}")
     window, cpu = stamps[warmup:], cpu[warmup:]
     if len(window) < 2:
         raise ValueError(f"{variant}: {steps} steps leave no window after {warmup} warm-up steps")
     gaps = [b - a for a, b in zip(window, window[1:])]
-    return {"step_s": (window[-1] - window[0]) / len(gaps), "median_gap_s": statistics.median(gaps),
-            "cpu_step_s": (cpu[-1] - cpu[0]) / len(gaps), "fit_s": total}
+    return {
+        "step_s": (window[-1] - window[0]) / len(gaps),
+        "median_gap_s": statistics.median(gaps),
+        "cpu_step_s": (cpu[-1] - cpu[0]) / len(gaps),
+        "fit_s": total,
+    }
 
 
 def max_weight_diff(a: nn.Module, b: nn.Module) -> float:
@@ -433,51 +512,75 @@ def measure_workload(kind: str, args: argparse.Namespace, variants: list[str]) -
     else:
         wl = make_workload("cnn", 10, 10, args.cnn_steps, args.mnist_dir)
         epochs, warmup, reps = 2, args.cnn_warmup, args.cnn_repeats
-    print(f"\n== {kind}: {wl.description}; {wl.steps_per_epoch} steps/epoch x {epochs} epochs, "
-          f"warm-up {warmup} steps, {reps} repeats", flush=True)
+    print(
+        f"\n== {kind}: {wl.description}; {wl.steps_per_epoch} steps/epoch x {epochs} epochs, "
+        f"warm-up {warmup} steps, {reps} repeats",
+        flush=True,
+    )
     eq = check_equivalence(wl, variants, args.check_steps if kind == "mlp" else 2)
     for v, d in eq.items():
-        print(f"   same math: {v:15s} max |w - w_hand| = {d:.2e}"
-              + ("" if d <= TOL else "   <-- DIFFERS"), flush=True)
+        print(
+            f"   same math: {v:15s} max |w - w_hand| = {d:.2e}"
+            + ("" if d <= TOL else "   <-- DIFFERS"),
+            flush=True,
+        )
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(reps):
-        order = variants[r % len(variants):] + variants[:r % len(variants)]  # rotate
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotate
         for v in order:
             runs[v].append(timed_fit(v, wl, epochs, warmup))
-        print(f"   repeat {r + 1}/{reps}: " + "  ".join(
-            f"{v} {runs[v][-1]['step_s'] * 1e3:.3f}/{runs[v][-1]['cpu_step_s'] * 1e3:.3f}"
-            for v in variants) + "  (ms/step wall/cpu)",
-            flush=True)
+        print(
+            f"   repeat {r + 1}/{reps}: "
+            + "  ".join(
+                f"{v} {runs[v][-1]['step_s'] * 1e3:.3f}/{runs[v][-1]['cpu_step_s'] * 1e3:.3f}"
+                for v in variants
+            )
+            + "  (ms/step wall/cpu)",
+            flush=True,
+        )
     res: dict[str, Any] = {
-        "description": wl.description, "micro_batch": wl.micro, "device_iterations": wl.di,
-        "gradient_accumulation": wl.ga, "samples_per_step": wl.combined,
-        "steps_per_epoch": wl.steps_per_epoch, "epochs": epochs, "warmup_steps": warmup,
-        "repeats": reps, "equivalence_max_abs_diff": eq,
-        "equivalent": all(d <= TOL for d in eq.values()), "variants": {}}
+        "description": wl.description,
+        "micro_batch": wl.micro,
+        "device_iterations": wl.di,
+        "gradient_accumulation": wl.ga,
+        "samples_per_step": wl.combined,
+        "steps_per_epoch": wl.steps_per_epoch,
+        "epochs": epochs,
+        "warmup_steps": warmup,
+        "repeats": reps,
+        "equivalence_max_abs_diff": eq,
+        "equivalent": all(d <= TOL for d in eq.values()),
+        "variants": {},
+    }
     for v in variants:
         steps = [x["step_s"] for x in runs[v]]
         res["variants"][v] = {
-            "step_s": statistics.median(steps), "step_s_repeats": steps,
+            "step_s": statistics.median(steps),
+            "step_s_repeats": steps,
             "median_gap_s": statistics.median(x["median_gap_s"] for x in runs[v]),
             "cpu_step_s": statistics.median(x["cpu_step_s"] for x in runs[v]),
             "fit_s": statistics.median(x["fit_s"] for x in runs[v]),
-            "time_per_sample_us": statistics.median(steps) / wl.combined * 1e6}
+            "time_per_sample_us": statistics.median(steps) / wl.combined * 1e6,
+        }
     med = {v: res["variants"][v]["step_s"] for v in variants}
     ratios: dict[str, float] = {}
     for v in variants:
         if v != "hand":
             ratios[f"{v}/hand"] = med[v] / med["hand"]
             ratios[f"{v}/hand_paired"] = statistics.median(
-                a["step_s"] / b["step_s"] for a, b in zip(runs[v], runs["hand"]))
-            ratios[f"{v}/hand_cpu"] = res["variants"][v]["cpu_step_s"] / res["variants"]["hand"][
-                "cpu_step_s"]
+                a["step_s"] / b["step_s"] for a, b in zip(runs[v], runs["hand"])
+            )
+            ratios[f"{v}/hand_cpu"] = (
+                res["variants"][v]["cpu_step_s"] / res["variants"]["hand"]["cpu_step_s"]
+            )
     for base in ("pl_barebones", "pl_defaults"):
         if base in med:
             for v in ("loop", "loop_callbacks"):
                 if v in med:
                     ratios[f"{v}/{base}"] = med[v] / med[base]
-                    ratios[f"{v}/{base}_cpu"] = (res["variants"][v]["cpu_step_s"]
-                                                 / res["variants"][base]["cpu_step_s"])
+                    ratios[f"{v}/{base}_cpu"] = (
+                        res["variants"][v]["cpu_step_s"] / res["variants"][base]["cpu_step_s"]
+                    )
     res["ratios"] = ratios
     res["overhead_us_per_step"] = {v: (med[v] - med["hand"]) * 1e6 for v in variants if v != "hand"}
     return res
@@ -485,6 +588,7 @@ def measure_workload(kind: str, args: argparse.Namespace, variants: list[str]) -
 
 # ---------------------------------------------------------------------------------------------
 # Sweep: one subprocess per (configuration, variant), for its peak memory
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
@@ -509,6 +613,7 @@ def _peak() -> int:
     except OSError:
         pass
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -525,8 +630,14 @@ def _peak_child(spec: dict[str, Any]) -> dict[str, Any]:
     allows it, else the process's lifetime peak (getrusage ru_maxrss) is used.
     """
     torch.set_num_threads(spec["threads"])
-    wl = make_workload(spec["workload"], spec["di"], spec["ga"], spec["steps"],
-                       spec.get("mnist_dir"), batched=spec["batched"])
+    wl = make_workload(
+        spec["workload"],
+        spec["di"],
+        spec["ga"],
+        spec["steps"],
+        spec.get("mnist_dir"),
+        batched=spec["batched"],
+    )
     # A first short fit pays for imports and lazy initialisation outside the measured one.
     RUNNERS[spec["variant"]](wl.subset(1), 1, Stamps())
     gc.collect()
@@ -535,11 +646,16 @@ def _peak_child(spec: dict[str, Any]) -> dict[str, Any]:
     t = timed_fit(spec["variant"], wl, 1, spec["warmup"])
     peak = _peak()
     sample_bytes = sum(x[0].numel() * x.element_size() for x in wl.dataset.tensors)
-    return {"step_s": t["step_s"], "time_per_sample_us": t["step_s"] / wl.combined * 1e6,
-            "cpu_per_sample_us": t["cpu_step_s"] / wl.combined * 1e6,
-            "peak_delta_mb": max(peak - base, 0) / 2**20, "base_rss_mb": base / 2**20,
-            "host_batch_mb": sample_bytes * wl.combined / 2**20, "peak_reset": reset,
-            "samples_per_step": wl.combined}
+    return {
+        "step_s": t["step_s"],
+        "time_per_sample_us": t["step_s"] / wl.combined * 1e6,
+        "cpu_per_sample_us": t["cpu_step_s"] / wl.combined * 1e6,
+        "peak_delta_mb": max(peak - base, 0) / 2**20,
+        "base_rss_mb": base / 2**20,
+        "host_batch_mb": sample_bytes * wl.combined / 2**20,
+        "peak_reset": reset,
+        "samples_per_step": wl.combined,
+    }
 
 
 def sweep(args: argparse.Namespace, kinds: list[str]) -> dict[str, list[dict[str, Any]]]:
@@ -554,25 +670,45 @@ def sweep(args: argparse.Namespace, kinds: list[str]) -> dict[str, list[dict[str
             steps = max(args.sweep_min_steps, -(-target // combined))
             warmup = max(1, steps // 10)
             for v in args.sweep_variants:
-                jobs.append(dict(workload=kind, di=di, ga=ga, variant=v, steps=steps,
-                                 warmup=warmup, threads=args.threads, mnist_dir=args.mnist_dir,
-                                 batched=args.sweep_data == "batched"))
+                jobs.append(
+                    dict(
+                        workload=kind,
+                        di=di,
+                        ga=ga,
+                        variant=v,
+                        steps=steps,
+                        warmup=warmup,
+                        threads=args.threads,
+                        mnist_dir=args.mnist_dir,
+                        batched=args.sweep_data == "batched",
+                    )
+                )
         reps = args.sweep_repeats if kind == "mlp" else args.sweep_repeats_cnn
-        print(f"\n== sweep {kind}: DI {args.sweep_di} x GA {args.sweep_ga}, variants "
-              f"{list(args.sweep_variants)}, {reps} repeat(s), one process each", flush=True)
+        print(
+            f"\n== sweep {kind}: DI {args.sweep_di} x GA {args.sweep_ga}, variants "
+            f"{list(args.sweep_variants)}, {reps} repeat(s), one process each",
+            flush=True,
+        )
         results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(jobs))}
         # glibc raises its mmap threshold (up to 32 MB) each time a large block is freed, after
         # which freed multi-MB host batches stay in the heap: resident memory then depends on
         # allocation history (a 12 MB spread between repeats of one configuration). A fixed
         # threshold returns every block >= 1 MB to the system when freed, so peaks are stable.
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_",
-                                                                      "1048576")}
+        env = {
+            **os.environ,
+            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576"),
+        }
         for r in range(reps):
             order = list(range(len(jobs)))
             shift = (r * 7) % len(jobs)
             for i in order[shift:] + order[:shift]:
-                proc = subprocess.run([sys.executable, __file__, "--_child", json.dumps(jobs[i])],
-                                      capture_output=True, text=True, cwd=ROOT, env=env)
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--_child", json.dumps(jobs[i])],
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                    env=env,
+                )
                 if proc.returncode:  # recorded and reported; the other configurations go on
                     err = (proc.stderr.strip().splitlines() or ["?"])[-1]
                     print(f"   FAILED {jobs[i]}: {err}", flush=True)
@@ -598,9 +734,12 @@ def sweep(args: argparse.Namespace, kinds: list[str]) -> dict[str, list[dict[str
             row["samples_per_step"] = rs[0]["samples_per_step"]
             row["peak_reset"] = all(x["peak_reset"] for x in rs)
             rows.append(row)
-            print(f"   DI {job['di']:3d} GA {job['ga']:2d} {job['variant']:10s} "
-                  f"{row['time_per_sample_us']:8.2f} us/sample  peak +{row['peak_delta_mb']:7.1f} MB"
-                  f"  (host batch {row['host_batch_mb']:.1f} MB)", flush=True)
+            print(
+                f"   DI {job['di']:3d} GA {job['ga']:2d} {job['variant']:10s} "
+                f"{row['time_per_sample_us']:8.2f} us/sample  peak +{row['peak_delta_mb']:7.1f} MB"
+                f"  (host batch {row['host_batch_mb']:.1f} MB)",
+                flush=True,
+            )
         hand = {(r["di"], r["ga"]): r for r in rows if r["variant"] == "hand"}
         for row in rows:
             h = hand.get((row["di"], row["ga"]))
@@ -615,6 +754,7 @@ def sweep(args: argparse.Namespace, kinds: list[str]) -> dict[str, list[dict[str
 # ---------------------------------------------------------------------------------------------
 # Targets, JSON, README, plot
 
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     t: list[dict[str, Any]] = []
     w = results["workloads"]
@@ -622,26 +762,44 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     def ratio(kind: str, key: str, limit: float, what: str) -> None:
         if kind in w and key in w[kind]["ratios"]:
             v = w[kind]["ratios"][key]
-            cpu = w[kind]["ratios"].get(key.replace("/hand", "/hand_cpu") if key.endswith("/hand")
-                                        else key + "_cpu")
-            t.append({"target": what, "value": round(v, 4), "limit": limit, "met": v <= limit,
-                      "value_cpu": None if cpu is None else round(cpu, 4)})
+            cpu = w[kind]["ratios"].get(
+                key.replace("/hand", "/hand_cpu") if key.endswith("/hand") else key + "_cpu"
+            )
+            t.append(
+                {
+                    "target": what,
+                    "value": round(v, 4),
+                    "limit": limit,
+                    "met": v <= limit,
+                    "value_cpu": None if cpu is None else round(cpu, 4),
+                }
+            )
 
     ratio("cnn", "loop/hand", 1.05, "Loop.fit (no callbacks) / hand-written, MNIST CNN")
     ratio("mlp", "loop/hand", 1.05, "Loop.fit (no callbacks) / hand-written, tiny MLP")
-    ratio("cnn", "loop_callbacks/hand", 1.10, "Loop.fit (usual callbacks) / hand-written, MNIST CNN")
+    ratio(
+        "cnn", "loop_callbacks/hand", 1.10, "Loop.fit (usual callbacks) / hand-written, MNIST CNN"
+    )
     ratio("mlp", "loop/pl_barebones", 0.6, "Loop.fit / Lightning barebones, tiny MLP")
     ratio("mlp", "raw/hand", 1.05, "emulator step (raw trainingModel) / hand-written, tiny MLP")
     ratio("cnn", "raw/hand", 1.05, "emulator step (raw trainingModel) / hand-written, MNIST CNN")
     for kind, rows in results.get("sweep", {}).items():
         if kind.endswith("_failed"):
-            t.append({"target": f"sweep configurations that failed ({kind})",
-                      "value": len(rows), "limit": 0, "met": False, "value_cpu": None})
+            t.append(
+                {
+                    "target": f"sweep configurations that failed ({kind})",
+                    "value": len(rows),
+                    "limit": 0,
+                    "met": False,
+                    "value_cpu": None,
+                }
+            )
             continue
         for v in [x for x in SWEEP_VARIANTS if x != "hand"]:
             for ga in sorted({r["ga"] for r in rows}):
-                line = sorted((r for r in rows if r["variant"] == v and r["ga"] == ga),
-                              key=lambda r: r["di"])
+                line = sorted(
+                    (r for r in rows if r["variant"] == v and r["ga"] == ga), key=lambda r: r["di"]
+                )
                 if len(line) < 2:
                     continue
                 # "Grows with DI": the time per sample at the largest DI over the smallest.
@@ -651,31 +809,55 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 span = f"DI={first['di']} to DI={last['di']}"
                 growth = last["cpu_per_sample_us"] / first["cpu_per_sample_us"]
                 wall = last["time_per_sample_us"] / first["time_per_sample_us"]
-                t.append({"target": f"CPU time per sample does not grow with DI ({kind}, {v}, "
-                                    f"GA={ga}): {span}", "value": round(growth, 4),
-                          "limit": 1.10, "met": growth <= 1.10, "value_wall": round(wall, 4),
-                          "value_cpu": None})
+                t.append(
+                    {
+                        "target": f"CPU time per sample does not grow with DI ({kind}, {v}, "
+                        f"GA={ga}): {span}",
+                        "value": round(growth, 4),
+                        "limit": 1.10,
+                        "met": growth <= 1.10,
+                        "value_wall": round(wall, 4),
+                        "value_cpu": None,
+                    }
+                )
                 hand = {r["di"]: r for r in rows if r["variant"] == "hand" and r["ga"] == ga}
                 if first["di"] in hand and last["di"] in hand:
-                    rel = (growth / (hand[last["di"]]["cpu_per_sample_us"]
-                                     / hand[first["di"]]["cpu_per_sample_us"]))
-                    rel_wall = wall / (hand[last["di"]]["time_per_sample_us"]
-                                       / hand[first["di"]]["time_per_sample_us"])
-                    t.append({"target": f"... and relative to the hand-written loop at the same "
-                                        f"DI ({kind}, {v}, GA={ga})", "value": round(rel, 4),
-                              "limit": 1.10, "met": rel <= 1.10, "value_wall": round(rel_wall, 4),
-                              "value_cpu": None})
+                    rel = growth / (
+                        hand[last["di"]]["cpu_per_sample_us"]
+                        / hand[first["di"]]["cpu_per_sample_us"]
+                    )
+                    rel_wall = wall / (
+                        hand[last["di"]]["time_per_sample_us"]
+                        / hand[first["di"]]["time_per_sample_us"]
+                    )
+                    t.append(
+                        {
+                            "target": f"... and relative to the hand-written loop at the same "
+                            f"DI ({kind}, {v}, GA={ga})",
+                            "value": round(rel, 4),
+                            "limit": 1.10,
+                            "met": rel <= 1.10,
+                            "value_wall": round(rel_wall, 4),
+                            "value_cpu": None,
+                        }
+                    )
                 if v in ("loop_sum", "loop_final"):
                     # Host batches grow with DI by definition (DI*GA*B samples per call); what
                     # must not grow is the Loop's memory beyond the hand-written loop's.
                     extra = [r["peak_over_hand_mb"] for r in line]
                     growth_mb = extra[-1] - extra[0]
                     allow = 8.0 + 0.25 * line[-1]["host_batch_mb"]
-                    t.append({"target": f"peak memory over the hand-written loop does not grow "
-                                        f"with DI ({kind}, {v}, GA={ga}): MB added from DI="
-                                        f"{line[0]['di']} to DI={line[-1]['di']}",
-                              "value": round(growth_mb, 2), "limit": round(allow, 2),
-                              "met": growth_mb <= allow, "value_cpu": None})
+                    t.append(
+                        {
+                            "target": f"peak memory over the hand-written loop does not grow "
+                            f"with DI ({kind}, {v}, GA={ga}): MB added from DI="
+                            f"{line[0]['di']} to DI={line[-1]['di']}",
+                            "value": round(growth_mb, 2),
+                            "limit": round(allow, 2),
+                            "met": growth_mb <= allow,
+                            "value_cpu": None,
+                        }
+                    )
     return t
 
 
@@ -685,82 +867,124 @@ def _fmt_ms(s: float) -> str:
 
 def readme_section(results: dict[str, Any]) -> str:
     m = results["meta"]
-    lines = [README_BEGIN, "",
-             f"Measured {m['date']} on {m['machine']} ({m['cpus']} CPUs, torch threads "
-             f"{m['threads']}, load average at start {m['loadavg']}), Python {m['python']}, "
-             f"torch {m['torch']}, lightning {m['lightning'] or 'not installed'}. "
-             f"Command: `{m['command']}`.", ""]
+    lines = [
+        README_BEGIN,
+        "",
+        f"Measured {m['date']} on {m['machine']} ({m['cpus']} CPUs, torch threads "
+        f"{m['threads']}, load average at start {m['loadavg']}), Python {m['python']}, "
+        f"torch {m['torch']}, lightning {m['lightning'] or 'not installed'}. "
+        f"Command: `{m['command']}`.",
+        "",
+    ]
     lines += ["### Time per training step (median over interleaved repeats)", ""]
-    names = {"hand": "(a) hand-written torch loop", "raw": "(b) raw poptorch.trainingModel loop",
-             "loop": "(c) Loop.fit, no callbacks", "loop_callbacks": "(d) Loop.fit, usual callbacks",
-             "pl_barebones": "(e) Lightning Trainer(barebones=True)",
-             "pl_defaults": "(e) Lightning Trainer defaults"}
+    names = {
+        "hand": "(a) hand-written torch loop",
+        "raw": "(b) raw poptorch.trainingModel loop",
+        "loop": "(c) Loop.fit, no callbacks",
+        "loop_callbacks": "(d) Loop.fit, usual callbacks",
+        "pl_barebones": "(e) Lightning Trainer(barebones=True)",
+        "pl_defaults": "(e) Lightning Trainer defaults",
+    }
     for kind, res in results["workloads"].items():
-        lines += [f"**{kind}**: {res['description']}; {res['samples_per_step']} samples per step, "
-                  f"{res['steps_per_epoch']} steps per epoch x {res['epochs']} epochs, first "
-                  f"{res['warmup_steps']} step(s) dropped, {res['repeats']} repeats. Same weights "
-                  f"as (a) after training: "
-                  + ("yes" if res["equivalent"] else "**NO**") + " (max |w - w_hand| "
-                  + ", ".join(f"{v} {d:.1e}" for v, d in res["equivalence_max_abs_diff"].items())
-                  + ").", ""]
-        lines += ["| variant | ms / step | us / sample | / hand-written | overhead us / step "
-                  "| CPU ms / step | CPU / hand-written |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            f"**{kind}**: {res['description']}; {res['samples_per_step']} samples per step, "
+            f"{res['steps_per_epoch']} steps per epoch x {res['epochs']} epochs, first "
+            f"{res['warmup_steps']} step(s) dropped, {res['repeats']} repeats. Same weights "
+            f"as (a) after training: "
+            + ("yes" if res["equivalent"] else "**NO**")
+            + " (max |w - w_hand| "
+            + ", ".join(f"{v} {d:.1e}" for v, d in res["equivalence_max_abs_diff"].items())
+            + ").",
+            "",
+        ]
+        lines += [
+            "| variant | ms / step | us / sample | / hand-written | overhead us / step "
+            "| CPU ms / step | CPU / hand-written |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for v, r in res["variants"].items():
             ratio = "1" if v == "hand" else f"{res['ratios'][f'{v}/hand']:.3f}"
             cpu = "1" if v == "hand" else f"{res['ratios'][f'{v}/hand_cpu']:.3f}"
             over = "" if v == "hand" else f"{res['overhead_us_per_step'][v]:+.0f}"
-            lines.append(f"| {names.get(v, v)} | {_fmt_ms(r['step_s'])} | "
-                         f"{r['time_per_sample_us']:.2f} | {ratio} | {over} | "
-                         f"{_fmt_ms(r['cpu_step_s'])} | {cpu} |")
+            lines.append(
+                f"| {names.get(v, v)} | {_fmt_ms(r['step_s'])} | "
+                f"{r['time_per_sample_us']:.2f} | {ratio} | {over} | "
+                f"{_fmt_ms(r['cpu_step_s'])} | {cpu} |"
+            )
         extra = {k: v for k, v in res["ratios"].items() if "/pl_" in k and "_cpu" not in k}
         if extra:
-            lines += ["", "Against Lightning: " + ", ".join(f"{k} = {v:.3f}"
-                                                            for k, v in extra.items()) + "."]
+            lines += [
+                "",
+                "Against Lightning: " + ", ".join(f"{k} = {v:.3f}" for k, v in extra.items()) + ".",
+            ]
         lines.append("")
     if results.get("checkpoint"):
         lines += [f"(d) checkpoint: {results['checkpoint']}.", ""]
     if results.get("sweep"):
-        lines += ["### DI x GA sweep (one process per configuration; medians)", "",
-                  "Peak = peak resident memory during the fit minus the resident memory "
-                  "before it; host batch = the bytes of one host call's input (DI x GA x B "
-                  "samples), which any loop holds.", ""]
+        lines += [
+            "### DI x GA sweep (one process per configuration; medians)",
+            "",
+            "Peak = peak resident memory during the fit minus the resident memory "
+            "before it; host batch = the bytes of one host call's input (DI x GA x B "
+            "samples), which any loop holds.",
+            "",
+        ]
         for kind, rows in results["sweep"].items():
             if kind.endswith("_failed"):
-                lines += [f"Failed ({kind}): " + "; ".join(
-                    f"DI {r['di']} GA {r['ga']} {r['variant']}: {r['error']}" for r in rows), ""]
+                lines += [
+                    f"Failed ({kind}): "
+                    + "; ".join(
+                        f"DI {r['di']} GA {r['ga']} {r['variant']}: {r['error']}" for r in rows
+                    ),
+                    "",
+                ]
                 continue
-            lines += [f"**{kind}**", "",
-                      "| DI | GA | variant | us / sample | CPU us / sample | peak MB "
-                      "| peak over hand-written MB | host batch MB |",
-                      "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [
+                f"**{kind}**",
+                "",
+                "| DI | GA | variant | us / sample | CPU us / sample | peak MB "
+                "| peak over hand-written MB | host batch MB |",
+                "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+            ]
             for r in sorted(rows, key=lambda r: (r["ga"], r["variant"], r["di"])):
-                lines.append(f"| {r['di']} | {r['ga']} | {r['variant']} | "
-                             f"{r['time_per_sample_us']:.2f} | "
-                             f"{r.get('cpu_per_sample_us', float('nan')):.2f} | "
-                             f"{r['peak_delta_mb']:.1f} | "
-                             f"{r.get('peak_over_hand_mb', 0):+.1f} | {r['host_batch_mb']:.2f} |")
+                lines.append(
+                    f"| {r['di']} | {r['ga']} | {r['variant']} | "
+                    f"{r['time_per_sample_us']:.2f} | "
+                    f"{r.get('cpu_per_sample_us', float('nan')):.2f} | "
+                    f"{r['peak_delta_mb']:.1f} | "
+                    f"{r.get('peak_over_hand_mb', 0):+.1f} | {r['host_batch_mb']:.2f} |"
+                )
             lines.append("")
         if results.get("plot"):
             lines += [f"![time per sample against DI]({results['plot']})", ""]
     if results.get("targets"):
-        lines += ["### Targets", "", "The step ratios are judged on wall time (CPU time beside "
-                  "them); the DI sweep on CPU time (wall time beside it).", "",
-                  "| target | measured | limit | met | other clock |",
-                  "| --- | ---: | ---: | :---: | ---: |"]
+        lines += [
+            "### Targets",
+            "",
+            "The step ratios are judged on wall time (CPU time beside "
+            "them); the DI sweep on CPU time (wall time beside it).",
+            "",
+            "| target | measured | limit | met | other clock |",
+            "| --- | ---: | ---: | :---: | ---: |",
+        ]
         for t in results["targets"]:
             other = t.get("value_wall", t.get("value_cpu"))
-            lines.append(f"| {t['target']} | {t['value']} | {t['limit']} | "
-                         f"{'yes' if t['met'] else '**no**'} | "
-                         f"{'' if other is None else other} |")
+            lines.append(
+                f"| {t['target']} | {t['value']} | {t['limit']} | "
+                f"{'yes' if t['met'] else '**no**'} | "
+                f"{'' if other is None else other} |"
+            )
         lines.append("")
     lines.append(README_END)
     return "\n".join(lines)
 
 
 def write_readme(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n" + README_BEGIN + "\n" + \
-        README_END + "\n"
+    text = (
+        path.read_text()
+        if path.exists()
+        else "# Benchmarks\n\n" + README_BEGIN + "\n" + README_END + "\n"
+    )
     if README_BEGIN in text and README_END in text:
         head, rest = text.split(README_BEGIN, 1)
         tail = rest.split(README_END, 1)[1]
@@ -773,6 +997,7 @@ def write_readme(path: Path, section: str) -> None:
 def plot(results: dict[str, Any], path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -780,16 +1005,27 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         return False
     sw = {k: v for k, v in results["sweep"].items() if not k.endswith("_failed")}
     fig, axes = plt.subplots(1, len(sw), figsize=(6.2 * len(sw), 5.0), squeeze=False)
-    styles = {"hand": ("black", "o", "hand-written torch"), "loop_sum": ("C0", "s", "Loop (Sum)"),
-              "loop_final": ("C2", "^", "Loop (Final)"), "loop_all": ("C3", "v", "Loop (All)")}
+    styles = {
+        "hand": ("black", "o", "hand-written torch"),
+        "loop_sum": ("C0", "s", "Loop (Sum)"),
+        "loop_final": ("C2", "^", "Loop (Final)"),
+        "loop_all": ("C3", "v", "Loop (All)"),
+    }
     for ax, (kind, rows) in zip(axes[0], sw.items()):
         for ga, dash in zip(sorted({r["ga"] for r in rows}), ("-", "--", ":")):
             for v in [x for x in styles if any(r["variant"] == x for r in rows)]:
-                line = sorted((r for r in rows if r["variant"] == v and r["ga"] == ga),
-                              key=lambda r: r["di"])
+                line = sorted(
+                    (r for r in rows if r["variant"] == v and r["ga"] == ga), key=lambda r: r["di"]
+                )
                 color, marker, label = styles[v]
-                ax.plot([r["di"] for r in line], [r["time_per_sample_us"] for r in line],
-                        linestyle=dash, color=color, marker=marker, label=f"{label}, GA={ga}")
+                ax.plot(
+                    [r["di"] for r in line],
+                    [r["time_per_sample_us"] for r in line],
+                    linestyle=dash,
+                    color=color,
+                    marker=marker,
+                    label=f"{label}, GA={ga}",
+                )
         ax.set_xscale("log")
         ax.set_xticks(sorted({r["di"] for r in rows}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -801,8 +1037,10 @@ def plot(results: dict[str, Any], path: Path) -> bool:
         ax.grid(True, alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle("Time per training sample against device iterations (lower is better; "
-                 "solid GA=1, dashed GA=10)")
+    fig.suptitle(
+        "Time per training sample against device iterations (lower is better; "
+        "solid GA=1, dashed GA=10)"
+    )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -811,6 +1049,7 @@ def plot(results: dict[str, Any], path: Path) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -818,7 +1057,9 @@ def _ints(s: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="mlp,cnn", help="comma list of mlp, cnn")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ",".join(VARIANTS))
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma list of " + ",".join(VARIANTS)
+    )
     p.add_argument("--no-lightning", action="store_true", help="skip the Lightning variants")
     p.add_argument("--repeats", type=int, default=15, help="interleaved repeats (MLP)")
     p.add_argument("--cnn-repeats", type=int, default=5)
@@ -826,31 +1067,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mlp-warmup", type=int, default=50)
     p.add_argument("--cnn-steps", type=int, default=3, help="CNN steps per epoch (2 epochs)")
     p.add_argument("--cnn-warmup", type=int, default=1)
-    p.add_argument("--check-steps", type=int, default=20, help="MLP steps per epoch of the "
-                   "same-math check (CNN: 2)")
-    p.add_argument("--mnist-dir", default=None, help="real MNIST (DIR/MNIST/raw) for the CNN "
-                   "instead of synthetic MNIST-shaped tensors")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: "
-                   "a small shared host; ratios are what this measures)")
+    p.add_argument(
+        "--check-steps",
+        type=int,
+        default=20,
+        help="MLP steps per epoch of the same-math check (CNN: 2)",
+    )
+    p.add_argument(
+        "--mnist-dir",
+        default=None,
+        help="real MNIST (DIR/MNIST/raw) for the CNN instead of synthetic MNIST-shaped tensors",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: "
+        "a small shared host; ratios are what this measures)",
+    )
     p.add_argument("--sweep-workloads", default="mlp", help="comma list; empty: no sweep")
     p.add_argument("--sweep-di", type=_ints, default=[1, 10, 100])
     p.add_argument("--sweep-ga", type=_ints, default=[1, 10])
     p.add_argument("--sweep-variants", default=",".join(SWEEP_VARIANTS))
     p.add_argument("--sweep-repeats", type=int, default=3)
     p.add_argument("--sweep-repeats-cnn", type=int, default=5)
-    p.add_argument("--sweep-data", choices=("batched", "per-sample"), default="batched",
-                   help="how the sweep reads its TensorDataset (see BatchedTensorDataset)")
-    p.add_argument("--sweep-samples-mlp", type=int, default=128000,
-                   help="samples per sweep run (at least --sweep-min-steps steps)")
+    p.add_argument(
+        "--sweep-data",
+        choices=("batched", "per-sample"),
+        default="batched",
+        help="how the sweep reads its TensorDataset (see BatchedTensorDataset)",
+    )
+    p.add_argument(
+        "--sweep-samples-mlp",
+        type=int,
+        default=128000,
+        help="samples per sweep run (at least --sweep-min-steps steps)",
+    )
     p.add_argument("--sweep-samples-cnn", type=int, default=8000)
     p.add_argument("--sweep-min-steps", type=int, default=4)
     p.add_argument("--out", default=str(HERE / "results.json"))
-    p.add_argument("--readme", default=str(ROOT / "docs" / "performance.md"),
-                   help="the page to write the tables into; '' to leave it alone")
-    p.add_argument("--plot", default=str(ROOT / "docs" / "time_per_sample.png"),
-                   help="'' for no plot")
-    p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
-                   help="only redraw --plot from an earlier results file")
+    p.add_argument(
+        "--readme",
+        default=str(ROOT / "docs" / "performance.md"),
+        help="the page to write the tables into; '' to leave it alone",
+    )
+    p.add_argument(
+        "--plot", default=str(ROOT / "docs" / "time_per_sample.png"), help="'' for no plot"
+    )
+    p.add_argument(
+        "--replot",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only redraw --plot from an earlier results file",
+    )
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sweep_variants = [v for v in args.sweep_variants.split(",") if v]
@@ -878,19 +1147,29 @@ def main(argv: list[str] | None = None) -> int:
         dropped = [v for v in variants if v.startswith("pl_")]
         variants = [v for v in variants if not v.startswith("pl_")]
         if dropped and not args.no_lightning:
-            print("lightning is not installed: Lightning variants skipped "
-                  "(pip install -e '.[bench]')", flush=True)
+            print(
+                "lightning is not installed: Lightning variants skipped "
+                "(pip install -e '.[bench]')",
+                flush=True,
+            )
     if "loop_callbacks" in variants:
         checkpoint_class()
-    results: dict[str, Any] = {"meta": {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
-        "torch": torch.__version__, "lightning": pl_version, "machine": platform.machine() + " "
-        + platform.system(), "cpus": os.cpu_count(), "threads": args.threads,
-        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-        "command": "python benchmarks/overhead.py " + " ".join(
-            a for a in (argv if argv is not None else sys.argv[1:]))},
+    results: dict[str, Any] = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lightning": pl_version,
+            "machine": platform.machine() + " " + platform.system(),
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "command": "python benchmarks/overhead.py "
+            + " ".join(a for a in (argv if argv is not None else sys.argv[1:])),
+        },
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "workloads": {}}
+        "workloads": {},
+    }
     if "loop_callbacks" in variants:
         results["checkpoint"] = _CHECKPOINT["status"]
     partial = Path(args.out).with_suffix(".partial.json")  # kept only if a later phase fails
@@ -901,13 +1180,15 @@ def main(argv: list[str] | None = None) -> int:
     if kinds:
         results["sweep"] = sweep(args, kinds)
         if args.plot and plot(results, Path(args.plot)):
-            results["plot"] = os.path.relpath(args.plot, Path(args.readme).parent
-                                              if args.readme else HERE)
+            results["plot"] = os.path.relpath(
+                args.plot, Path(args.readme).parent if args.readme else HERE
+            )
     results["targets"] = targets(results)
     print("\n== targets")
     for t in results["targets"]:
-        print(f"   {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['value']} "
-              f"(limit {t['limit']})")
+        print(
+            f"   {'met ' if t['met'] else 'MISS'}  {t['target']}: {t['value']} (limit {t['limit']})"
+        )
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     partial.unlink(missing_ok=True)
     print(f"\nwrote {args.out}", flush=True)

@@ -3,10 +3,15 @@
 ``from ipuloop import poptorch`` gives the real poptorch when it is installed, else the
 CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
 """
+
 from __future__ import annotations
 
 import sys
 
+# The names these two modules had in 0.1.0's first layout, still importable:
+# ``ipuloop.distributed`` (process_index, is_main_process, ...) and ``ipuloop.errors``.
+from . import exceptions as _exceptions
+from . import processes as _processes
 from .backend import backend_name
 from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
 from .config import IPUConfig
@@ -14,22 +19,31 @@ from .loop import Loop, NonFiniteLossError, WithLoss
 from .state import State
 from .version import __version__
 
-# The names these two modules had in 0.1.0's first layout, still importable:
-# ``ipuloop.distributed`` (process_index, is_main_process, ...) and ``ipuloop.errors``.
-from . import exceptions as _exceptions, processes as _processes
-
 sys.modules.setdefault(f"{__name__}.distributed", _processes)
 sys.modules.setdefault(f"{__name__}.errors", _exceptions)
 
-__all__ = ["Callback", "CancelEpoch", "CancelFit", "CancelStep", "IPUConfig", "Loop",
-           "NonFiniteLossError", "ProgressBar", "State", "WithLoss", "backend_name", "poptorch",
-           "__version__"]
+__all__ = [
+    "Callback",
+    "CancelEpoch",
+    "CancelFit",
+    "CancelStep",
+    "IPUConfig",
+    "Loop",
+    "NonFiniteLossError",
+    "ProgressBar",
+    "State",
+    "WithLoss",
+    "backend_name",
+    "poptorch",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
     # Resolved on first use, so importing ipuloop imports no poptorch and has no side effects.
     if name == "poptorch":
         from .backend import poptorch_module
+
         return poptorch_module()
     if name in ("distributed", "errors"):
         return sys.modules[f"{__name__}.{name}"]

@@ -6,6 +6,7 @@ logs and the train metrics; ``Validation`` a validation's val_loss, metrics and 
 (``outputs.Layout``) and over the run's instances (``processes.Processes.sum``: one instance,
 its input), and gives the phase's logs. How a loss is reduced lives here and in ``outputs``.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,15 @@ import torch
 from .exceptions import NonFiniteLossError
 from .outputs import Layout, Returns, StepLoss, check_logged, map_tensors
 
-__all__ = ["EpochLoss", "TrainEpoch", "Validation", "Predictions", "metric_logs",
-           "metric_state", "concat"]
+__all__ = [
+    "EpochLoss",
+    "TrainEpoch",
+    "Validation",
+    "Predictions",
+    "metric_logs",
+    "metric_state",
+    "concat",
+]
 
 
 def metric_logs(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
@@ -32,10 +40,10 @@ def metric_logs(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
         if isinstance(value, dict):
             for k, v in value.items():
                 put(f"{key}_{k}", v)
-        elif isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor)
-                                                  and value.numel() != 1):
-            for i, v in enumerate(value.reshape(-1) if isinstance(value, torch.Tensor)
-                                  else value):
+        elif isinstance(value, (tuple, list)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1
+        ):
+            for i, v in enumerate(value.reshape(-1) if isinstance(value, torch.Tensor) else value):
                 put(f"{key}_{i}", v)
         else:
             logs[key] = float(value)
@@ -75,8 +83,14 @@ class TrainEpoch:
     output mode returns); each step's reduced over the step (``layout``, the fit's) and over
     the run's instances (``processes``)."""
 
-    def __init__(self, metrics: dict[str, Any], metric_output: Callable | None,
-                 returns: Returns, processes: Any, state: Any) -> None:
+    def __init__(
+        self,
+        metrics: dict[str, Any],
+        metric_output: Callable | None,
+        returns: Returns,
+        processes: Any,
+        state: Any,
+    ) -> None:
         self.metrics = {k: m.clone() for k, m in metrics.items()}
         self.metric_output = metric_output
         self.returns = returns
@@ -105,7 +119,8 @@ class TrainEpoch:
                 f"Non-finite loss {total} at epoch {st.epoch}, step {st.step} "
                 "(0-based host call) on another instance (this one's was finite): that "
                 "instance names the micro-batch. Lower the learning rate, check the data, or "
-                "pass check_finite=False.")
+                "pass check_finite=False."
+            )
         return StepLoss(total, int(count), mine.exact)
 
     def add(self, step: StepLoss) -> float:
@@ -155,9 +170,13 @@ class TrainEpoch:
         return {
             "epoch_loss": self.loss.to_list(),
             "epoch_logs": {k: list(v) for k, v in self.logged.items()},
-            "metrics": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v
-                            for n, v in metric_state(m).items()}
-                        for k, m in self.metrics.items()},
+            "metrics": {
+                k: {
+                    n: v.clone() if isinstance(v, torch.Tensor) else v
+                    for n, v in metric_state(m).items()
+                }
+                for k, m in self.metrics.items()
+            },
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -185,8 +204,15 @@ class Validation:
     training). ``warned`` holds the one-time warnings already given by this loop.
     """
 
-    def __init__(self, plan: Any, metrics: dict[str, Any], metric_output: Callable | None,
-                 loss_fn: Callable | None, warned: set, returns: Returns) -> None:
+    def __init__(
+        self,
+        plan: Any,
+        metrics: dict[str, Any],
+        metric_output: Callable | None,
+        loss_fn: Callable | None,
+        warned: set,
+        returns: Returns,
+    ) -> None:
         self.layout = plan.layout
         self.micro = plan.micro
         self.combined = plan.combined
@@ -210,8 +236,11 @@ class Validation:
         micro = self.micro
         combined = self.combined
         output, loss, logs = self.returns.split(result)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == layout.micro_batches
-                and loss.is_floating_point()):  # not a loss per micro-batch: all output
+        if not (
+            isinstance(loss, torch.Tensor)
+            and loss.numel() == layout.micro_batches
+            and loss.is_floating_point()
+        ):  # not a loss per micro-batch: all output
             output = result
             loss = None
             logs = None
@@ -219,12 +248,14 @@ class Validation:
         if loss is not None:
             loss = layout.input_rows(loss.reshape(-1))  # one per micro-batch of samples
             if valid < combined:  # the padded call: its whole micro-batches of samples
-                loss = loss[:valid // micro]
+                loss = loss[: valid // micro]
             self.total += float(loss.double().sum()) * micro  # host tensor: no device sync
             self.count += whole
             if valid > whole and self.loss_fn is not None:  # the rest: exactly, on the host
-                part = map_tensors(output, lambda t: t if t.dim() == 0 else
-                                   _float32(layout.input_rows(t)[whole:valid]))
+                part = map_tensors(
+                    output,
+                    lambda t: t if t.dim() == 0 else _float32(layout.input_rows(t)[whole:valid]),
+                )
                 with torch.no_grad():
                     rest = self.loss_fn(part, map_tensors(labels, lambda t: t[whole:valid]))
                 self.total += float(rest) * (valid - whole)
@@ -234,24 +265,27 @@ class Validation:
         elif "no_val_loss" not in self.warned:
             # e.g. ``if self.training: return x, loss`` / ``return x``: no loss in eval mode
             self.warned.add("no_val_loss")
-            warnings.warn("In eval mode the model returns its output without a loss, so "
-                          "validation logs no val_loss (metrics are still computed). "
-                          "Return (output, loss) whenever labels are given to get one.",
-                          stacklevel=3)
+            warnings.warn(
+                "In eval mode the model returns its output without a loss, so "
+                "validation logs no val_loss (metrics are still computed). "
+                "Return (output, loss) whenever labels are given to get one.",
+                stacklevel=3,
+            )
         if logs is not None:
             if logs.keys() != self.logged.keys():
                 check_logged(logs, self.metrics, "validation: ")
                 self.returns.logged.update(logs)
             for name, value in logs.items():
-                rows = layout.input_rows(value.reshape(-1))[:valid // micro]  # host tensor
+                rows = layout.input_rows(value.reshape(-1))[: valid // micro]  # host tensor
                 acc = self.logged.setdefault(name, [0.0, 0])
                 acc[0] += float(rows.double().sum())
                 acc[1] += rows.numel()
             self.unlogged += valid - whole
         if self.metrics and valid:  # All mode, [DI, RF, B]: the host batch's order, per input
             # group (several processes: a call may be all padding)
-            output = map_tensors(output, lambda t: t if t.dim() == 0
-                                 else layout.input_rows(t)[:valid])
+            output = map_tensors(
+                output, lambda t: t if t.dim() == 0 else layout.input_rows(t)[:valid]
+            )
             if valid < combined:
                 labels = map_tensors(labels, lambda t: t[:valid])
             if self.metric_output is not None:
@@ -263,8 +297,13 @@ class Validation:
         """val_loss (when any sample has a loss), ``val_<metric>`` and ``val_<logged name>``,
         each summed over the instances of ``processes`` that validated."""
         names = sorted(self.logged)  # (the same on every instance)
-        values = [self.total, self.count, self.uncovered, self.unlogged,
-                  *(x for n in names for x in self.logged[n])]
+        values = [
+            self.total,
+            self.count,
+            self.uncovered,
+            self.unlogged,
+            *(x for n in names for x in self.logged[n]),
+        ]
         values = processes.sum(values, "summing val logs")
         total = values[0]
         count = int(values[1])
@@ -277,7 +316,9 @@ class Validation:
                 f"last {uncovered} share a micro-batch of {self.micro} with padding, whose loss "
                 "the device computes over both. Pass loss_fn= to Loop (then the loop computes "
                 "the loss of those samples on the host), or use a micro-batch size that divides "
-                "the sample count.", stacklevel=4)
+                "the sample count.",
+                stacklevel=4,
+            )
         if unlogged and names and "partial_val_logs" not in self.warned:
             self.warned.add("partial_val_logs")
             warnings.warn(
@@ -285,7 +326,9 @@ class Validation:
                 f"without padding; the last {unlogged} samples share a micro-batch of "
                 f"{self.micro} with padding, whose value the device computes over both, and "
                 "are left out. Use a micro-batch size that divides the sample count to count "
-                "them.", stacklevel=4)
+                "them.",
+                stacklevel=4,
+            )
         logs = {"val_loss": total / count} if count else {}
         logs.update(metric_logs("val_", self.metrics))
         for i, name in enumerate(names):
@@ -313,8 +356,10 @@ class Predictions:
 
     def result(self) -> Any:
         if not self.outputs:
-            raise ValueError(f"loader yielded no samples: {type(self.dataset).__name__} "
-                             "was empty. predict needs at least one sample.")
+            raise ValueError(
+                f"loader yielded no samples: {type(self.dataset).__name__} "
+                "was empty. predict needs at least one sample."
+            )
         return concat(self.outputs, slice(None, self.samples), self.layout.input_rows)
 
 
@@ -324,8 +369,7 @@ def concat(parts: list, keep: Any, rows: Any) -> Any:
     by ``keep`` (a slice, or a boolean mask over the rows)."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat([rows(p).reshape(-1) if p.dim() == 0 else rows(p)
-                          for p in parts])[keep]
+        return torch.cat([rows(p).reshape(-1) if p.dim() == 0 else rows(p) for p in parts])[keep]
     if isinstance(first, dict):
         return type(first)((k, concat([p[k] for p in parts], keep, rows)) for k in first)
     if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple

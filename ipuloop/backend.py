@@ -4,6 +4,7 @@
 emulator, with a warning naming the cause when an installed poptorch fails to import),
 ``poptorch`` (the real one or an error, never a silent fallback) or ``emulator``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,10 @@ class BackendError(ImportError):
 def _resolve() -> tuple[str, ModuleType]:
     choice = os.environ.get("IPULOOP_BACKEND", "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
-        raise BackendError(f"IPULOOP_BACKEND must be one of {', '.join(_CHOICES)}. "
-                           f"Received: IPULOOP_BACKEND={choice!r}.")
+        raise BackendError(
+            f"IPULOOP_BACKEND must be one of {', '.join(_CHOICES)}. "
+            f"Received: IPULOOP_BACKEND={choice!r}."
+        )
     if choice in ("auto", "poptorch"):
         try:
             return "poptorch", importlib.import_module("poptorch")
@@ -43,12 +46,16 @@ def _resolve() -> tuple[str, ModuleType]:
                     "enable the SDK (source <sdk>/enable) and install its wheel with "
                     "`pip install <sdk>/poptorch-*.whl` into an environment with the torch "
                     "version it was built for, or set IPULOOP_BACKEND=emulator to run on the "
-                    "CPU.") from e
+                    "CPU."
+                ) from e
             if not isinstance(e, ImportError):  # installed but broken: say why, once
-                warnings.warn(f"poptorch is installed but failed to import ({type(e).__name__}: "
-                              f"{e}): using the ipuloop emulator. Set IPULOOP_BACKEND=emulator "
-                              "to silence this, or fix the installation to run on IPUs.",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"poptorch is installed but failed to import ({type(e).__name__}: "
+                    f"{e}): using the ipuloop emulator. Set IPULOOP_BACKEND=emulator "
+                    "to silence this, or fix the installation to run on IPUs.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
     return "emulator", importlib.import_module("ipuloop.emulator")
 
 
@@ -58,13 +65,14 @@ def poptorch_module() -> ModuleType:
     if _resolved is None:
         _resolved = _resolve()
         name, module = _resolved
-        logger.info("ipuloop backend: %s (%s)", name,
-                    getattr(module, "__version__", "unknown version"))
+        logger.info(
+            "ipuloop backend: %s (%s)", name, getattr(module, "__version__", "unknown version")
+        )
     return _resolved[1]
 
 
 def backend_name() -> str:
-    """"poptorch" (real IPUs) or "emulator" (CPU/CUDA emulation of PopTorch)."""
+    """ "poptorch" (real IPUs) or "emulator" (CPU/CUDA emulation of PopTorch)."""
     poptorch_module()
     assert _resolved is not None  # (resolved by poptorch_module)
     return _resolved[0]

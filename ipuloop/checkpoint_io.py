@@ -6,6 +6,7 @@ written last as the commit; a folder without a manifest is an interrupted save. 
 written by ``atomic_write`` (a temporary file next to it, fsync, ``os.replace``, fsync of the
 folder), so a crash at any moment leaves every committed checkpoint whole.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,25 @@ import torch
 
 from .backend import backend_name, poptorch_module
 
-__all__ = ["FORMAT_VERSION", "MANIFEST", "STATE", "TMP_PREFIX", "CheckpointError",
-           "atomic_write", "fsync_dir", "sha256", "dump", "plain_name", "read_manifest",
-           "load_checkpoint", "write_checkpoint", "check_writable", "remove", "newest",
-           "find_latest"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "STATE",
+    "TMP_PREFIX",
+    "CheckpointError",
+    "atomic_write",
+    "fsync_dir",
+    "sha256",
+    "dump",
+    "plain_name",
+    "read_manifest",
+    "load_checkpoint",
+    "write_checkpoint",
+    "check_writable",
+    "remove",
+    "newest",
+    "find_latest",
+]
 
 FORMAT_VERSION = "1.0"  # major.minor: readers reject a newer major version
 MANIFEST, STATE = "manifest.json", "state.pt"
@@ -68,7 +84,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             for offset in range(0, len(data), CHUNK):
                 if write_hook is not None:
                     write_hook(path, offset)
-                f.write(data[offset:offset + CHUNK])
+                f.write(data[offset : offset + CHUNK])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -114,8 +130,11 @@ def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]
     try:
         raw = mpath.read_bytes()
     except FileNotFoundError:
-        raise CheckpointError(mpath, "missing: not a committed ipuloop checkpoint (an "
-                              "interrupted save, or a folder ipuloop did not write)") from None
+        raise CheckpointError(
+            mpath,
+            "missing: not a committed ipuloop checkpoint (an "
+            "interrupted save, or a folder ipuloop did not write)",
+        ) from None
     except OSError as e:
         raise CheckpointError(mpath, f"cannot be read: {e}") from None
     try:
@@ -123,14 +142,18 @@ def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]
         body = dict(m)
         claimed = body.pop("manifest_sha256")
     except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(mpath, f"not an ipuloop manifest (truncated, altered or foreign): "
-                              f"{e!r}") from None
+        raise CheckpointError(
+            mpath, f"not an ipuloop manifest (truncated, altered or foreign): {e!r}"
+        ) from None
     if body.get("format") != "ipuloop-checkpoint":
         raise CheckpointError(mpath, "not an ipuloop manifest: no ipuloop format marker")
     major = str(body.get("format_version")).split(".")[0]
     if not major.isdigit() or int(major) > int(FORMAT_VERSION.split(".")[0]):
-        raise CheckpointError(mpath, f"format version {body.get('format_version')} is newer "
-                              f"than this ipuloop reads ({FORMAT_VERSION}): upgrade ipuloop")
+        raise CheckpointError(
+            mpath,
+            f"format version {body.get('format_version')} is newer "
+            f"than this ipuloop reads ({FORMAT_VERSION}): upgrade ipuloop",
+        )
     if raw != dump(m) or claimed != sha256(dump(body)):
         raise CheckpointError(mpath, "checksum mismatch: the manifest was altered or corrupted")
     files = body.get("files") or {}
@@ -147,8 +170,9 @@ def _verified(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, bytes]
         except (OSError, TypeError, KeyError, ValueError) as e:
             raise CheckpointError(fpath, f"listed in the manifest but unreadable: {e!r}") from None
         if len(data) != size:
-            raise CheckpointError(fpath, f"is {len(data)} bytes, the manifest says {size}: "
-                                  "truncated or altered")
+            raise CheckpointError(
+                fpath, f"is {len(data)} bytes, the manifest says {size}: truncated or altered"
+            )
         if sha256(data) != digest:
             raise CheckpointError(fpath, "SHA-256 differs from the manifest: altered or corrupted")
     return body, contents
@@ -172,7 +196,8 @@ def load_checkpoint(path: str | os.PathLike, *, backend: str | None = None) -> d
             f"{backend!r}. The optimizer and device random states of one do not carry over to "
             f"the other, so it cannot resume exactly: resume with IPULOOP_BACKEND={saved}, or "
             "start a new fit from its weights: model.load_state_dict(load_checkpoint(path)"
-            '["model"]).')
+            '["model"]).',
+        )
     spath = _folder(path) / STATE
     try:
         sd = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
@@ -186,9 +211,15 @@ def load_checkpoint(path: str | os.PathLike, *, backend: str | None = None) -> d
 def provenance() -> dict[str, Any]:
     """Who wrote a checkpoint: the backend and the versions of ipuloop, torch and poptorch."""
     from .version import __version__
-    return {"backend": backend_name(), "versions": {
-        "ipuloop": __version__, "torch": torch.__version__,
-        "poptorch": getattr(poptorch_module(), "__version__", None)}}
+
+    return {
+        "backend": backend_name(),
+        "versions": {
+            "ipuloop": __version__,
+            "torch": torch.__version__,
+            "poptorch": getattr(poptorch_module(), "__version__", None),
+        },
+    }
 
 
 def write_checkpoint(folder: Path, data: bytes, fields: dict[str, Any]) -> None:
@@ -205,9 +236,14 @@ def write_checkpoint(folder: Path, data: bytes, fields: dict[str, Any]) -> None:
     if recommit:
         fsync_dir(folder)
     atomic_write(folder / STATE, data)
-    manifest = {"format": "ipuloop-checkpoint", "format_version": FORMAT_VERSION,
-                **provenance(), **fields, "wall_time": time.time(),
-                "files": {STATE: {"bytes": len(data), "sha256": sha256(data)}}}
+    manifest = {
+        "format": "ipuloop-checkpoint",
+        "format_version": FORMAT_VERSION,
+        **provenance(),
+        **fields,
+        "wall_time": time.time(),
+        "files": {STATE: {"bytes": len(data), "sha256": sha256(data)}},
+    }
     manifest["manifest_sha256"] = sha256(dump(manifest))
     atomic_write(folder / MANIFEST, dump(manifest))  # the commit
     fsync_dir(folder.parent)  # the new folder's own entry
@@ -225,8 +261,9 @@ def check_writable(folder: Path) -> None:
     try:
         atomic_write(probe, b"ipuloop")
     except CheckpointError as e:
-        raise CheckpointError(folder, f"is not writable, so no checkpoint could be saved: "
-                              f"{e.reason}") from e
+        raise CheckpointError(
+            folder, f"is not writable, so no checkpoint could be saved: {e.reason}"
+        ) from e
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()
@@ -239,7 +276,6 @@ def remove(path: Path) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-
 
 
 def _written(mpath: Path) -> tuple:
@@ -277,8 +313,11 @@ def find_latest(dirpath: Path, include_tainted: bool = False) -> Path | None:
             bad.append(str(e))
             continue
         if bad:
-            warnings.warn(f"Skipped newer checkpoint(s) that failed verification "
-                          f"({'; '.join(bad)}); using {folder}.", stacklevel=2)
+            warnings.warn(
+                f"Skipped newer checkpoint(s) that failed verification "
+                f"({'; '.join(bad)}); using {folder}.",
+                stacklevel=2,
+            )
         return folder
     if bad:
         warnings.warn(f"No valid checkpoint in {dirpath}: {'; '.join(bad)}.", stacklevel=2)

@@ -23,6 +23,7 @@ optimum `ipu_config.json` still loads: those keys and its `optimum_version` /
 Derived values (`inference_*`, `ipus_per_replica`) are resolved once, in the constructor, as
 in optimum.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,13 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["CONFIG_NAME", "IPUConfig", "IncompatibleIPUConfigError", "place_layers",
-           "unplace_layers"]
+__all__ = [
+    "CONFIG_NAME",
+    "IPUConfig",
+    "IncompatibleIPUConfigError",
+    "place_layers",
+    "unplace_layers",
+]
 
 CONFIG_NAME = "ipu_config.json"
 _OUTPUT_MODES = ("all", "sum", "final", "default")
@@ -50,6 +56,7 @@ class IncompatibleIPUConfigError(ValueError):
 
 
 # ---- per-field checks: each returns the value to store (lists copied, numbers as float) ----
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -75,11 +82,13 @@ def _layers(name: str, v: Any) -> list[int]:
     if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
         raise _type_error(name, v, "a list of ints")
     if not v:
-        raise ValueError(f"{name} must not be empty; [-1] splits the layers evenly. "
-                         f"Received: {name}=[].")
+        raise ValueError(
+            f"{name} must not be empty; [-1] splits the layers evenly. Received: {name}=[]."
+        )
     if min(v) < -1:
-        raise ValueError(f"{name} must have all elements >= -1 (-1 is the wildcard). "
-                         f"Received: {name}={list(v)}.")
+        raise ValueError(
+            f"{name} must have all elements >= -1 (-1 is the wildcard). Received: {name}={list(v)}."
+        )
     return list(v)
 
 
@@ -100,6 +109,7 @@ def _typed(ok: Callable[[Any], bool], expected: str) -> Callable[[str, Any], Any
         if not ok(v):
             raise _type_error(name, v, expected)
         return v
+
     return check
 
 
@@ -116,32 +126,58 @@ def _output_mode(name: str, v: Any) -> str:
 
 # Field -> check, in constructor order (a test keeps this in sync with __init__).
 _FIELDS = {
-    "replication_factor": _pos_int, "inference_replication_factor": _pos_int,
-    "gradient_accumulation_steps": _pos_int, "device_iterations": _pos_int,
-    "inference_device_iterations": _pos_int, "layers_per_ipu": _layers,
-    "inference_layers_per_ipu": _layers, "ipus_per_replica": _pos_int,
-    "inference_ipus_per_replica": _pos_int, "optimizer_state_offchip": _bool,
-    "replicated_tensor_sharding": _bool, "matmul_proportion": _proportion,
-    "inference_matmul_proportion": _proportion, "enable_half_partials": _bool,
-    "recompute_checkpoint_every_layer": _bool, "output_mode": _output_mode, "seed": _seed,
-    "auto_loss_scaling": _bool, "executable_cache_dir": _str,
+    "replication_factor": _pos_int,
+    "inference_replication_factor": _pos_int,
+    "gradient_accumulation_steps": _pos_int,
+    "device_iterations": _pos_int,
+    "inference_device_iterations": _pos_int,
+    "layers_per_ipu": _layers,
+    "inference_layers_per_ipu": _layers,
+    "ipus_per_replica": _pos_int,
+    "inference_ipus_per_replica": _pos_int,
+    "optimizer_state_offchip": _bool,
+    "replicated_tensor_sharding": _bool,
+    "matmul_proportion": _proportion,
+    "inference_matmul_proportion": _proportion,
+    "enable_half_partials": _bool,
+    "recompute_checkpoint_every_layer": _bool,
+    "output_mode": _output_mode,
+    "seed": _seed,
+    "auto_loss_scaling": _bool,
+    "executable_cache_dir": _str,
 }
 # Keys an optimum-graphcore `ipu_config.json` may hold that ipuloop does not use: accepted so
 # its files load; each with the values that mean "off" (any other value warns, then is dropped).
-_SERIALISATION = tuple(f"{p}{k}" for p in ("", "inference_") for k in (
-    "embedding_serialization_factor", "serialized_embedding_splits_per_ipu",
-    "projection_serialization_factor", "serialized_projection_splits_per_ipu"))
+_SERIALISATION = tuple(
+    f"{p}{k}"
+    for p in ("", "inference_")
+    for k in (
+        "embedding_serialization_factor",
+        "serialized_embedding_splits_per_ipu",
+        "projection_serialization_factor",
+        "serialized_projection_splits_per_ipu",
+    )
+)
 _OPTIMUM_ONLY: dict[str, tuple[Any, ...] | None] = {
     **dict.fromkeys(_SERIALISATION, (None, 1)),
-    "explicit_ir_inference": (False,), "parallelize_kwargs": (None, {}),
-    "inference_parallelize_kwargs": (None, {}), "execute_encoder_on_cpu_for_generation": (False,),
+    "explicit_ir_inference": (False,),
+    "parallelize_kwargs": (None, {}),
+    "inference_parallelize_kwargs": (None, {}),
+    "execute_encoder_on_cpu_for_generation": (False,),
     "sharded_execution_for_inference": (None, False, True),  # inference is always sharded
     "enable_half_first_order_momentum": (None, False),  # deprecated in optimum too
-    "optimum_version": None, "transformers_version": None,  # metadata written by save_pretrained
+    "optimum_version": None,
+    "transformers_version": None,  # metadata written by save_pretrained
 }
 # Set last by the constructor, in the order of optimum's fallback rules.
-_PLACEMENT = ("layers_per_ipu", "inference_layers_per_ipu", "ipus_per_replica",
-              "inference_ipus_per_replica", "matmul_proportion", "inference_matmul_proportion")
+_PLACEMENT = (
+    "layers_per_ipu",
+    "inference_layers_per_ipu",
+    "ipus_per_replica",
+    "inference_ipus_per_replica",
+    "matmul_proportion",
+    "inference_matmul_proportion",
+)
 
 
 class IPUConfig:
@@ -157,43 +193,64 @@ class IPUConfig:
     """
 
     def __init__(
-        self, *, replication_factor: int = 1, inference_replication_factor: int = 1,
-        gradient_accumulation_steps: int = 1, device_iterations: int = 1,
+        self,
+        *,
+        replication_factor: int = 1,
+        inference_replication_factor: int = 1,
+        gradient_accumulation_steps: int = 1,
+        device_iterations: int = 1,
         inference_device_iterations: int = 1,
         layers_per_ipu: list[int] = [-1],  # noqa: B006 (validation stores a copy)
-        inference_layers_per_ipu: list[int] | None = None, ipus_per_replica: int | None = None,
-        inference_ipus_per_replica: int | None = None, optimizer_state_offchip: bool = False,
-        replicated_tensor_sharding: bool = False, matmul_proportion: float | list[float] = 0.2,
+        inference_layers_per_ipu: list[int] | None = None,
+        ipus_per_replica: int | None = None,
+        inference_ipus_per_replica: int | None = None,
+        optimizer_state_offchip: bool = False,
+        replicated_tensor_sharding: bool = False,
+        matmul_proportion: float | list[float] = 0.2,
         inference_matmul_proportion: float | list[float] | None = None,
-        enable_half_partials: bool = True, recompute_checkpoint_every_layer: bool = False,
-        output_mode: str = "final", seed: int | None = None, auto_loss_scaling: bool = False,
-        executable_cache_dir: str = "", **unknown: Any,
+        enable_half_partials: bool = True,
+        recompute_checkpoint_every_layer: bool = False,
+        output_mode: str = "final",
+        seed: int | None = None,
+        auto_loss_scaling: bool = False,
+        executable_cache_dir: str = "",
+        **unknown: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k in _FIELDS}
         dropped = {k: unknown.pop(k) for k in list(unknown) if k in _OPTIMUM_ONLY}
-        active = {k: v for k, v in dropped.items()
-                  if _OPTIMUM_ONLY[k] is not None and v not in (_OPTIMUM_ONLY[k] or ())}
+        active = {
+            k: v
+            for k, v in dropped.items()
+            if _OPTIMUM_ONLY[k] is not None and v not in (_OPTIMUM_ONLY[k] or ())
+        }
         if active:
             names = ", ".join(f"{k}={v!r}" for k, v in sorted(active.items()))
-            warnings.warn(f"IPUConfig ignores optimum-graphcore settings it does not implement: "
-                          f"{names}. Remove them to silence this warning.", stacklevel=2)
+            warnings.warn(
+                f"IPUConfig ignores optimum-graphcore settings it does not implement: "
+                f"{names}. Remove them to silence this warning.",
+                stacklevel=2,
+            )
         if unknown:
             names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
             raise IncompatibleIPUConfigError(
                 f"IPUConfig received unknown arguments: {names}. Remove them; valid arguments: "
-                f"{', '.join(_FIELDS)}.")
+                f"{', '.join(_FIELDS)}."
+            )
         object.__setattr__(self, "_ready", False)  # cross-field checks wait for every field
         self.update(**{k: v for k, v in given.items() if k not in _PLACEMENT})
         # §7.1 fallbacks, in optimum's order; only None means "not given".
         self.layers_per_ipu = layers_per_ipu
-        self.inference_layers_per_ipu = (self.layers_per_ipu if inference_layers_per_ipu is None
-                                         else inference_layers_per_ipu)
-        self.ipus_per_replica = (len(self.layers_per_ipu) if ipus_per_replica is None
-                                 else ipus_per_replica)
+        self.inference_layers_per_ipu = (
+            self.layers_per_ipu if inference_layers_per_ipu is None else inference_layers_per_ipu
+        )
+        self.ipus_per_replica = (
+            len(self.layers_per_ipu) if ipus_per_replica is None else ipus_per_replica
+        )
         if inference_ipus_per_replica is None:
             inference_ipus_per_replica = self.ipus_per_replica
-            if (self.ipus_per_replica == len(self.layers_per_ipu)
-                    or self.inference_layers_per_ipu != [-1]):
+            if self.ipus_per_replica == len(
+                self.layers_per_ipu
+            ) or self.inference_layers_per_ipu != [-1]:
                 inference_ipus_per_replica = len(self.inference_layers_per_ipu)
         self.inference_ipus_per_replica = inference_ipus_per_replica
         self.matmul_proportion = matmul_proportion
@@ -205,8 +262,10 @@ class IPUConfig:
         self._check_cross_fields()
         object.__setattr__(self, "_ready", True)
         if self.replicated_tensor_sharding and self.replication_factor == 1:
-            warnings.warn("replicated_tensor_sharding=True has no effect with "
-                          "replication_factor=1.", stacklevel=2)
+            warnings.warn(
+                "replicated_tensor_sharding=True has no effect with replication_factor=1.",
+                stacklevel=2,
+            )
 
     # ---- validation ----
     def __setattr__(self, name: str, value: Any) -> None:
@@ -219,8 +278,9 @@ class IPUConfig:
         """
         for name in changes:
             if name not in _FIELDS:
-                raise AttributeError(f"IPUConfig has no field {name!r}. Valid fields: "
-                                     f"{', '.join(_FIELDS)}.")
+                raise AttributeError(
+                    f"IPUConfig has no field {name!r}. Valid fields: {', '.join(_FIELDS)}."
+                )
         new = {name: _FIELDS[name](name, value) for name, value in changes.items()}
         old = {name: self.__dict__[name] for name in new if name in self.__dict__}
         self.__dict__.update(new)
@@ -239,15 +299,18 @@ class IPUConfig:
             if isinstance(mp, list) and len(mp) != n:
                 raise IncompatibleIPUConfigError(
                     f"{p}matmul_proportion={mp} should use the same number of IPUs as "
-                    f"{p}ipus_per_replica={n}. Give one value per IPU, or a single float.")
+                    f"{p}ipus_per_replica={n}. Give one value per IPU, or a single float."
+                )
             if -1 not in lpi and len(lpi) != n:
                 raise IncompatibleIPUConfigError(
                     f"{p}layers_per_ipu={lpi} should use the same number of IPUs as "
-                    f"{p}ipus_per_replica={n}. Give one entry per IPU, or use the -1 wildcard.")
+                    f"{p}ipus_per_replica={n}. Give one entry per IPU, or use the -1 wildcard."
+                )
 
     # ---- §7.2 layer placement ----
-    def expand_layers_per_ipu(self, num_layers: int | Sequence[Any] | None,
-                              for_inference: bool = False) -> list[int]:
+    def expand_layers_per_ipu(
+        self, num_layers: int | Sequence[Any] | None, for_inference: bool = False
+    ) -> list[int]:
         """`layers_per_ipu` with each -1 replaced, for a model of `num_layers` layers.
 
         Remainders go to the last wildcard IPU: `[-1, -1]` and 9 layers give `[4, 5]`.
@@ -259,8 +322,9 @@ class IPUConfig:
         p = "inference_" if for_inference else ""
         lpi, n = list(getattr(self, p + "layers_per_ipu")), getattr(self, p + "ipus_per_replica")
         if not all(_is_int(k) and k >= -1 for k in lpi):  # only reachable by in-place mutation
-            raise IncompatibleIPUConfigError(f"Invalid values in {p}layers_per_ipu. "
-                                             f"{p}layers_per_ipu={lpi}")
+            raise IncompatibleIPUConfigError(
+                f"Invalid values in {p}layers_per_ipu. {p}layers_per_ipu={lpi}"
+            )
         if num_layers is None:
             return lpi
         total = cast(int, num_layers) if _is_int(num_layers) else len(cast(Sequence, num_layers))
@@ -275,7 +339,8 @@ class IPUConfig:
             if left < 0:
                 raise IncompatibleIPUConfigError(
                     f"{p}layers_per_ipu={lpi} places {total - left} layers besides its wildcards, "
-                    f"but the model has {total} layers. Lower the fixed entries.")
+                    f"but the model has {total} layers. Lower the fixed entries."
+                )
             q, r = divmod(left, len(wild))
             for i in wild:
                 lpi[i] = q
@@ -284,12 +349,14 @@ class IPUConfig:
         if len(lpi) != n:
             raise IncompatibleIPUConfigError(
                 f"{p}layers_per_ipu has a non-default value set, but its length does not match "
-                f"{p}ipus_per_replica. {p}layers_per_ipu={lpi}, {p}ipus_per_replica={n}.")
+                f"{p}ipus_per_replica. {p}layers_per_ipu={lpi}, {p}ipus_per_replica={n}."
+            )
         if sum(lpi) != total:
             raise IncompatibleIPUConfigError(
                 f"{p}layers_per_ipu does not define the correct number of layers for the current "
                 f"model. The current IPU Config specifies IPU assignments for {sum(lpi)} layers "
-                f"but there are {total} layers in the model. {p}layers_per_ipu={lpi}")
+                f"but there are {total} layers in the model. {p}layers_per_ipu={lpi}"
+            )
         return lpi
 
     def ipus_used(self, for_inference: bool = False) -> int:
@@ -301,8 +368,9 @@ class IPUConfig:
             return n
         return max((i + 1 for i, k in enumerate(lpi) if k != 0), default=1)
 
-    def layer_ipu(self, num_layers: int | Sequence[Any] | None,
-                  for_inference: bool = False) -> list[int]:
+    def layer_ipu(
+        self, num_layers: int | Sequence[Any] | None, for_inference: bool = False
+    ) -> list[int]:
         """The IPU of each layer: `[2, -1]` and 6 layers give `[0, 0, 1, 1, 1, 1]`."""
         counts = self.expand_layers_per_ipu(num_layers, for_inference)
         return [ipu for ipu, k in enumerate(counts) for _ in range(k)]
@@ -321,6 +389,7 @@ class IPUConfig:
         the PopART-only tuning (`_Popart` flags and patterns, engine options, initializer file).
         """
         from ipuloop.backend import poptorch_module
+
         pt = poptorch_module()
         p = "inference_" if for_inference else ""
         opts = pt.Options()
@@ -339,8 +408,10 @@ class IPUConfig:
         opts.TensorLocations.setOptimizerLocation(
             pt.TensorLocationSettings()
             .useOnChipStorage(not self.optimizer_state_offchip)
-            .useReplicatedTensorSharding(self.replicated_tensor_sharding
-                                         and opts.replication_factor > 1))
+            .useReplicatedTensorSharding(
+                self.replicated_tensor_sharding and opts.replication_factor > 1
+            )
+        )
         opts.setExecutionStrategy(_strategy(pt, for_inference))
         n, mp = getattr(self, p + "ipus_per_replica"), getattr(self, p + "matmul_proportion")
         mp = mp if isinstance(mp, list) else [mp] * n
@@ -365,11 +436,15 @@ class IPUConfig:
         for item in filter(str.strip, re.split(r",(?![^\[]*\])", update_str)):
             key, sep, raw = (s.strip() for s in item.partition("="))
             if not sep:
-                raise ValueError(f"update_from_string expects 'key=value' items separated by ','. "
-                                 f"Received: {item!r} in {update_str!r}.")
+                raise ValueError(
+                    f"update_from_string expects 'key=value' items separated by ','. "
+                    f"Received: {item!r} in {update_str!r}."
+                )
             if key not in _FIELDS:
-                raise ValueError(f"Key {key} isn't in the original config dict. Valid keys: "
-                                 f"{', '.join(_FIELDS)}.")
+                raise ValueError(
+                    f"Key {key} isn't in the original config dict. Valid keys: "
+                    f"{', '.join(_FIELDS)}."
+                )
             changes[key] = _convert(key, raw, getattr(self, key))
         return self.update(**changes)
 
@@ -415,8 +490,9 @@ class IPUConfig:
         try:
             data = json.loads(target.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{target} is not a JSON IPUConfig ({e}). Write it with "
-                             "IPUConfig.save(path).") from None
+            raise ValueError(
+                f"{target} is not a JSON IPUConfig ({e}). Write it with IPUConfig.save(path)."
+            ) from None
         return cls.from_dict(data)
 
     def __eq__(self, other: object) -> bool:
@@ -436,8 +512,10 @@ def _convert(key: str, raw: str, current: Any) -> Any:
     """Parse `raw` like the field's current value (bool is tested before int)."""
     if isinstance(current, bool):
         if raw.lower() not in _TRUE + _FALSE:
-            raise ValueError(f"Can't derive true or false from {raw!r} (key {key}). "
-                             f"Use true/false, 1/0, y/n or yes/no.")
+            raise ValueError(
+                f"Can't derive true or false from {raw!r} (key {key}). "
+                f"Use true/false, 1/0, y/n or yes/no."
+            )
         return raw.lower() in _TRUE
     if key == "seed" and raw.lower() in ("none", "null"):
         return None
@@ -458,11 +536,14 @@ def _convert(key: str, raw: str, current: Any) -> Any:
             return raw  # the field check then says what it expected
         return type(current)(raw)  # int, float or str
     except ValueError as e:
-        raise ValueError(f"Cannot convert {key}={raw!r} like its current value {current!r} "
-                         f"({type(current).__name__}): {e}.") from None
+        raise ValueError(
+            f"Cannot convert {key}={raw!r} like its current value {current!r} "
+            f"({type(current).__name__}): {e}."
+        ) from None
 
 
 # ---- automatic placement ----
+
 
 def _strategy(pt: Any, for_inference: bool) -> Any:
     auto = pt.AutoStage.AutoIncrement
@@ -481,6 +562,7 @@ class _CheckpointedForward:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         from torch.utils.checkpoint import checkpoint
+
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -494,13 +576,16 @@ class _RecomputeHook:
         if isinstance(output, torch.Tensor):
             return self.pt.recomputationCheckpoint(output)
         if isinstance(output, tuple):  # PopTorch takes tensors only: the rest pass through
-            return tuple(self.pt.recomputationCheckpoint(y) if isinstance(y, torch.Tensor)
-                         else y for y in output)
+            return tuple(
+                self.pt.recomputationCheckpoint(y) if isinstance(y, torch.Tensor) else y
+                for y in output
+            )
         return output
 
 
-def place_layers(layers: Sequence[torch.nn.Module], config: IPUConfig,
-                 for_inference: bool = False) -> Any:
+def place_layers(
+    layers: Sequence[torch.nn.Module], config: IPUConfig, for_inference: bool = False
+) -> Any:
     """Annotate `layers` so each IPU gets its layers (`config.layer_ipu`); return the strategy.
 
     Every layer gets `BeginBlock(layer, user_id=f"ipu{k}", ipu_id=k)`: one block per IPU, so
@@ -512,6 +597,7 @@ def place_layers(layers: Sequence[torch.nn.Module], config: IPUConfig,
     Layers already placed raise `poptorch.Error`; call `unplace_layers` first.
     """
     from ipuloop.backend import backend_name, poptorch_module
+
     pt = poptorch_module()
     layers = list(layers)
     checkpointing = config.recompute_checkpoint_every_layer and not for_inference
@@ -529,6 +615,7 @@ def place_layers(layers: Sequence[torch.nn.Module], config: IPUConfig,
 def unplace_layers(layers: Sequence[torch.nn.Module]) -> None:
     """Undo `place_layers`: `poptorch.removeBlocks` (recursive) and remove the checkpointing."""
     from ipuloop.backend import poptorch_module
+
     pt = poptorch_module()
     for layer in layers:
         pt.removeBlocks(layer)

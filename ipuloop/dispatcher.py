@@ -6,13 +6,21 @@ exception skips to the end), and tells the ``on_exception`` hooks of an error on
 Keras' ``CallbackList`` and TorchTNT's ``CallbackHandler``, it holds the hooks: the loop has
 one, and no base class reads the loop's attributes.
 """
+
 from __future__ import annotations
 
 import warnings
 from typing import Any, Callable
 
-from .callbacks.base import (EVENTS, Callback, CancelEpoch, CancelFit, CancelStep, LoopView,
-                             overridden)
+from .callbacks.base import (
+    EVENTS,
+    Callback,
+    CancelEpoch,
+    CancelFit,
+    CancelStep,
+    LoopView,
+    overridden,
+)
 from .exceptions import add_note
 
 __all__ = ["Dispatcher"]
@@ -28,16 +36,18 @@ class Dispatcher:
         self.view = view
         self.callbacks = callbacks
         self.hooks: dict[str, list[tuple[Callback, Callable]]] = {
-            e: [(cb, getattr(cb, e)) for cb in callbacks if overridden(cb, e)] for e in EVENTS}
+            e: [(cb, getattr(cb, e)) for cb in callbacks if overridden(cb, e)] for e in EVENTS
+        }
 
     def main_instance_only(self, instance: int) -> None:
         """On instances other than 0 of a multi-process run, the callbacks marked
         ``main_instance_only`` (progress displays, loggers) are not called."""
         if instance == 0:
             return
-        self.hooks = {e: [(cb, h) for cb, h in hooks
-                          if not getattr(cb, "main_instance_only", False)]
-                      for e, hooks in self.hooks.items()}
+        self.hooks = {
+            e: [(cb, h) for cb, h in hooks if not getattr(cb, "main_instance_only", False)]
+            for e, hooks in self.hooks.items()
+        }
 
     def fire(self, event: str) -> None:
         """Call ``event``'s hooks in order; an error other than a Cancel* one records the
@@ -54,8 +64,11 @@ class Dispatcher:
                     st.exception_source = cb
                 add_note(e, f"raised in callback {type(cb).__name__}.{event}")
                 if isinstance(e, AttributeError) and "frozen Options" in str(e):
-                    add_note(e, "The loop's options freeze when fit starts: change "
-                                "loop.train_opts in a callback's on_configure.")
+                    add_note(
+                        e,
+                        "The loop's options freeze when fit starts: change "
+                        "loop.train_opts in a callback's on_configure.",
+                    )
                 raise
 
     def event(self, event: str, cancel: type[BaseException]) -> bool:
@@ -66,8 +79,13 @@ class Dispatcher:
         except cancel:
             return False
 
-    def scope(self, start: str, body: Callable[[], Any], cancel: type[BaseException],
-              end: str | None = None) -> None:
+    def scope(
+        self,
+        start: str,
+        body: Callable[[], Any],
+        cancel: type[BaseException],
+        end: str | None = None,
+    ) -> None:
         """``start``, ``body``, ``end``: ``cancel`` from the first two skips to ``end`` (from
         ``end`` itself, it has nothing left to skip)."""
         try:

@@ -5,6 +5,7 @@ and so it does in the Python processes SCRIPT starts: loader workers of any star
 (``multiprocessing_context="spawn"``, the default on macOS, or "forkserver") and subprocesses.
 SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``; its exit status is ours.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,11 +44,12 @@ class _PoptorchFinder(importlib.abc.MetaPathFinder):
     """``import poptorch`` imports the emulator then, not before: as PopTorch, it reads its
     environment variables (``POPTORCH_LOG_LEVEL``, ...) when the program imports it."""
 
-    def find_spec(self, fullname: str, path: Any = None,
-                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "poptorch" and not fullname.startswith("poptorch."):
             return None
-        real = "ipuloop.emulator" + fullname[len("poptorch"):]
+        real = "ipuloop.emulator" + fullname[len("poptorch") :]
         return importlib.util.spec_from_loader(fullname, _Bound(importlib.import_module(real)))
 
 
@@ -60,13 +62,17 @@ def install() -> None:
     ``PYTHONPATH``: both get ``BINDING`` first, so ``import poptorch`` there (the script,
     imported again as ``__mp_main__``, or anything unpickled) binds the emulator too.
     """
-    for name in [n for n, m in sys.modules.items() if m is None and
-                 (n == "poptorch" or n.startswith("poptorch."))]:
+    for name in [
+        n
+        for n, m in sys.modules.items()
+        if m is None and (n == "poptorch" or n.startswith("poptorch."))
+    ]:
         del sys.modules[name]  # an import blocked before: let it find the emulator
     if not any(isinstance(f, _PoptorchFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PoptorchFinder())
     if "poptorch" in sys.modules:  # another poptorch already imported: replace it now
         import ipuloop.emulator as emulator
+
         sys.modules["poptorch"] = emulator
         for name in _SUBMODULES:
             sys.modules[f"poptorch.{name}"] = getattr(emulator, name)

@@ -1,4 +1,5 @@
 """Errors the loop raises that callbacks and users catch by type, and notes on exceptions."""
+
 from __future__ import annotations
 
 __all__ = ["NonFiniteLossError", "InstanceFailedError", "add_note"]

@@ -1,4 +1,5 @@
 """The loop's PopTorch executors: built, compiled, one attached at a time; the optimizer pushed."""
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,12 @@ class _Seen:
         self.opt = opt
         self.keys = [tuple(g) for g in opt.param_groups]
         self.values = [tuple(g.values()) for g in opt.param_groups]
-        self.tensors = [(v, float(v)) for g in opt.param_groups for k, v in g.items()
-                        if k != "params" and isinstance(v, torch.Tensor)]
+        self.tensors = [
+            (v, float(v))
+            for g in opt.param_groups
+            for k, v in g.items()
+            if k != "params" and isinstance(v, torch.Tensor)
+        ]
         self.extras = _globals(opt)
 
     def unchanged(self, opt: torch.optim.Optimizer) -> bool:
@@ -79,8 +84,9 @@ class Executors:
     a hyper-parameter changed (``pushes`` counts those calls).
     """
 
-    def __init__(self, poptorch: Any, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, poptorch: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
         self.poptorch = poptorch
         self.model = model
         self.optimizer = optimizer
@@ -98,12 +104,12 @@ class Executors:
         if self.train is None:
             self.model.train()
             with _plain_numbers(self.optimizer):
-                self.train = self.poptorch.trainingModel(self.model, opts,
-                                                         optimizer=self.optimizer)
+                self.train = self.poptorch.trainingModel(self.model, opts, optimizer=self.optimizer)
         return self.train
 
-    def compile(self, executor: Any, args: tuple, kwargs: dict,
-                rng_state: torch.Tensor | None = None) -> float:
+    def compile(
+        self, executor: Any, args: tuple, kwargs: dict, rng_state: torch.Tensor | None = None
+    ) -> float:
         """Compile ``executor`` for the call ``(*args, **kwargs)``, then set its device
         random state to ``rng_state`` when given; returns the seconds it took."""
         start = time.perf_counter()
@@ -170,8 +176,9 @@ class Executors:
             if not quiet:
                 raise
             # tearing down after an error: that error is the one to report
-            warnings.warn(f"Could not detach {type(executor).__name__} from the device: {e!r}",
-                          stacklevel=2)
+            warnings.warn(
+                f"Could not detach {type(executor).__name__} from the device: {e!r}", stacklevel=2
+            )
 
     def detach_inference(self) -> None:
         """Before the host's weights change: an attached inference executor would go on

@@ -23,6 +23,7 @@ A custom batch sampler gives each micro-batch of a host call (``[DI, GA, RF/g]``
 its own) one of its batches, in order; every batch must have the shapes of the first, as a
 compiled model takes one shape (``OneShape``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,23 +34,55 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
-                              IterableDataset, Sampler)
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    Sampler,
+)
 
 from .outputs import map_tensors
 from .rules import describe_factors, host_call_factor
 
-__all__ = ["ResumableSampler", "ResumableBatchSampler", "ProcessSampler", "ProcessBatchSampler",
-           "Padded", "StreamCalls", "HostCalls", "OneShape", "Prefetch", "Prefetched",
-           "built_micro_batch", "loader_kwargs", "whole_order", "tell_epoch", "check_last_batch",
-           "prefetch_of", "async_settings", "kill_workers", "close"]
+__all__ = [
+    "ResumableSampler",
+    "ResumableBatchSampler",
+    "ProcessSampler",
+    "ProcessBatchSampler",
+    "Padded",
+    "StreamCalls",
+    "HostCalls",
+    "OneShape",
+    "Prefetch",
+    "Prefetched",
+    "built_micro_batch",
+    "loader_kwargs",
+    "whole_order",
+    "tell_epoch",
+    "check_last_batch",
+    "prefetch_of",
+    "async_settings",
+    "kill_workers",
+    "close",
+]
 
-_KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-         "multiprocessing_context", "generator", "persistent_workers")
+_KEEP = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+)
 
 
-def built_micro_batch(loader: Any, opts: Any, training: bool, name: str,
-                      where: str = "") -> int | None:
+def built_micro_batch(
+    loader: Any, opts: Any, training: bool, name: str, where: str = ""
+) -> int | None:
     """The micro-batch size a ``poptorch.DataLoader`` was built for (None if it has no batch
     size); a ``ValueError`` when its host call is not the one the loop runs with ``opts``
     (``where``: " per instance" under several processes)."""
@@ -62,7 +95,8 @@ def built_micro_batch(loader: Any, opts: Any, training: bool, name: str,
             f"{name} was built for {describe_factors(loader.options, micro, training)}, "
             f"but the loop runs {describe_factors(opts, micro, training)}{where}. Build the "
             "loader with the same options as the loop, or pass a torch DataLoader with the "
-            "micro-batch size and let the loop build it.")
+            "micro-batch size and let the loop build it."
+        )
     return micro
 
 
@@ -98,16 +132,19 @@ def whole_order(sampler: Sampler, instances: int, name: str) -> Sampler:
             f"{given}, a subclass of DistributedSampler: it yields one process's share of an "
             "order the loop cannot see whole, and the loop shares the data out between its "
             "instances itself. Pass a sampler over the whole dataset (or shuffle=True), the "
-            "same on every instance.")
+            "same on every instance."
+        )
     if sampler.num_replicas != instances:
         raise ValueError(
             f"{given}, but this run has {instances} instance(s). The loop reads a "
             "DistributedSampler as the order of its whole dataset and shares it out between "
             "the instances itself: drop the sampler and pass shuffle=True (every sample once "
             "an epoch), or build it for the run's processes: DistributedSampler(dataset) "
-            "after the Loop, which joins the process group.")
-    return DistributedSampler(sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle,
-                              seed=sampler.seed)
+            "after the Loop, which joins the process group."
+        )
+    return DistributedSampler(
+        sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle, seed=sampler.seed
+    )
 
 
 def tell_epoch(wrapped: Any, epoch: int) -> None:
@@ -188,7 +225,8 @@ class ProcessSampler(ResumableSampler):
             self._order = []
             return
         at = torch.arange(steps * self.global_call).view(
-            steps, self.iterations, self.size, self.share)[skip_steps:, :, self.rank]
+            steps, self.iterations, self.size, self.share
+        )[skip_steps:, :, self.rank]
         self._order = [order[i] for i in at.reshape(-1).tolist()]
 
     def items(self) -> int:
@@ -232,16 +270,23 @@ def _cat(batches: list[Any], what: str = "a custom batch sampler's batches") -> 
         return type(first)(*(_cat(list(parts), what) for parts in zip(*batches)))
     if isinstance(first, (tuple, list)):
         return type(first)(_cat(list(parts), what) for parts in zip(*batches))
-    raise TypeError(f"Cannot join batches of {type(first).__name__}: {what} must be tensors, "
-                    "or tuples, lists or dicts of tensors.")
+    raise TypeError(
+        f"Cannot join batches of {type(first).__name__}: {what} must be tensors, "
+        "or tuples, lists or dicts of tensors."
+    )
 
 
 def _rows(batch: Any) -> int:
     """Samples in a collated batch: the length of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
-    parts = (batch.values() if isinstance(batch, dict)
-             else batch if isinstance(batch, (tuple, list)) else ())
+    parts = (
+        batch.values()
+        if isinstance(batch, dict)
+        else batch
+        if isinstance(batch, (tuple, list))
+        else ()
+    )
     for part in parts:
         n = _rows(part)
         if n >= 0:
@@ -277,8 +322,10 @@ class StreamCalls:
                 break
             n = _rows(batch)
             if n < 0:
-                raise TypeError(f"A stream's batches must hold tensors to be cut into host "
-                                f"calls. Received a {type(batch).__name__}.")
+                raise TypeError(
+                    f"A stream's batches must hold tensors to be cut into host "
+                    f"calls. Received a {type(batch).__name__}."
+                )
             if n:
                 self.pending.append(batch)
                 self.count += n
@@ -293,8 +340,9 @@ class StreamCalls:
             self.pending = []
         pad = combined - self.real
         if pad:  # the stream ended: copies of its last sample fill the call
-            joined = map_tensors(joined, lambda t: torch.cat(
-                [t, t[-1:].expand(pad, *t.shape[1:])]) if t.dim() else t)
+            joined = map_tensors(
+                joined, lambda t: torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if t.dim() else t
+            )
         self.count -= self.real
         return joined
 
@@ -344,7 +392,8 @@ class OneShape:
                 self.first = shapes
                 return
             expected = f"{want} samples (the sampler's batch_size {self.batch_size}" + (
-                f" x {self.per_call} batches)" if unit != "batch" else ")")
+                f" x {self.per_call} batches)" if unit != "batch" else ")"
+            )
         else:
             expected = f"the shapes of the first, {self.first}"
         raise ValueError(
@@ -353,7 +402,8 @@ class OneShape:
             f"{expected}. The model is compiled for one input shape, so every batch must have "
             "it: pad each batch to the same shape in the collate_fn (the same number of "
             "samples, sequences padded to one length), or drop a short last batch "
-            "(BatchSampler(..., drop_last=True)).")
+            "(BatchSampler(..., drop_last=True))."
+        )
 
 
 class HostCalls:
@@ -366,8 +416,7 @@ class HostCalls:
     checked (``OneShape``) before it is joined; ``start``: the batches skipped into.
     """
 
-    def __init__(self, batches: Iterator[Any], count: int, shape: OneShape,
-                 start: int = 0) -> None:
+    def __init__(self, batches: Iterator[Any], count: int, shape: OneShape, start: int = 0) -> None:
         self.batches = batches
         self.count = count
         self.shape = shape
@@ -396,17 +445,22 @@ def _async_options(accessor: Any, name: str) -> dict[str, Any]:
     """The settings an ``AsynchronousDataAccessor`` was built with (``async_options``)."""
     worker = getattr(getattr(accessor, "_worker", None), "_process", None)
     if worker is not None:  # PopTorch: its worker process object holds them
-        out = {"buffer_size": worker._buffer_size,
-               "miss_sleep_time_in_ms": worker._miss_sleep_time_in_ms,
-               "early_preload": worker._early_preload,
-               "sharing_strategy": worker._sharing_strategy}
+        out = {
+            "buffer_size": worker._buffer_size,
+            "miss_sleep_time_in_ms": worker._miss_sleep_time_in_ms,
+            "early_preload": worker._early_preload,
+            "sharing_strategy": worker._sharing_strategy,
+        }
     else:  # the emulator's accessor keeps them; PopTorch's drops them when terminated
         out = dict(getattr(accessor, "_settings", None) or {})
         if not out:
-            warnings.warn(f"{name}: the settings of its AsynchronousDataAccessor cannot be read "
-                          "(terminated?), so the loop's loader prefetches with PopTorch's "
-                          f"defaults {_ASYNC_DEFAULTS}. Pass a loader that was not terminated "
-                          "to keep them.", stacklevel=4)
+            warnings.warn(
+                f"{name}: the settings of its AsynchronousDataAccessor cannot be read "
+                "(terminated?), so the loop's loader prefetches with PopTorch's "
+                f"defaults {_ASYNC_DEFAULTS}. Pass a loader that was not terminated "
+                "to keep them.",
+                stacklevel=4,
+            )
     out.pop("load_indefinitely", None)  # each epoch has its own accessor: see Prefetch
     return out
 
@@ -423,14 +477,17 @@ def async_settings(value: Any) -> dict[str, Any] | None:
     if value is True:
         return {}
     if not isinstance(value, dict):
-        raise TypeError(f"async_data must be a bool or a dict of async_options. Received: "
-                        f"async_data={value!r}.")
+        raise TypeError(
+            f"async_data must be a bool or a dict of async_options. Received: async_data={value!r}."
+        )
     bad = [k for k in value if k not in _ASYNC_KEYS]
     if bad:
-        raise ValueError(f"async_data has key(s) {bad}: the async_options the loop passes on "
-                         f"are {list(_ASYNC_KEYS)} (each epoch has an accessor of its own, so "
-                         "load_indefinitely is not one of them). Received: "
-                         f"async_data={value!r}.")
+        raise ValueError(
+            f"async_data has key(s) {bad}: the async_options the loop passes on "
+            f"are {list(_ASYNC_KEYS)} (each epoch has an accessor of its own, so "
+            "load_indefinitely is not one of them). Received: "
+            f"async_data={value!r}."
+        )
     return dict(value)
 
 
@@ -462,14 +519,21 @@ class Prefetch:
         elif plan.sampler is not None:
             kwargs["sampler"] = plan.sampler
         return self.factory(
-            src.options, src.dataset, batch_size=1 if plan.batches is not None else plan.micro,
-            drop_last=True, auto_distributed_partitioning=False, mode=self.mode,
+            src.options,
+            src.dataset,
+            batch_size=1 if plan.batches is not None else plan.micro,
+            drop_last=True,
+            auto_distributed_partitioning=False,
+            mode=self.mode,
             async_options={**self.options, "load_indefinitely": False},
-            rebatched_worker_size=self.worker_size, **kwargs)
+            rebatched_worker_size=self.worker_size,
+            **kwargs,
+        )
 
 
-def prefetch_of(poptorch: Any, loader: Any, name: str,
-                async_options: dict[str, Any] | None = None) -> Prefetch | None:
+def prefetch_of(
+    poptorch: Any, loader: Any, name: str, async_options: dict[str, Any] | None = None
+) -> Prefetch | None:
     """How ``loader`` is read ahead: a ``poptorch.DataLoader`` in its own Async mode (None for
     Sync); a torch one in ``Async`` mode with ``async_options`` (None: synchronously).
 
@@ -484,9 +548,12 @@ def prefetch_of(poptorch: Any, loader: Any, name: str,
             return None
         rebatched = getattr(accessor, "rebatched_size", None)
         worker = loader.batch_size if rebatched and loader.batch_size != rebatched else None
-        prefetch = Prefetch(poptorch.DataLoader,
-                            modes.AsyncRebatched if rebatched else modes.Async,
-                            _async_options(accessor, name), worker)
+        prefetch = Prefetch(
+            poptorch.DataLoader,
+            modes.AsyncRebatched if rebatched else modes.Async,
+            _async_options(accessor, name),
+            worker,
+        )
     elif async_options is not None and isinstance(loader, DataLoader):
         prefetch = Prefetch(poptorch.DataLoader, modes.Async, dict(async_options), None)
     else:
@@ -531,7 +598,8 @@ def _check_no_draws(dataset: Any, name: str) -> None:
         "would be drawn outside the loop's order, so neither the run nor a resume could be "
         "exact. Give the loader num_workers >= 1 (each worker's generator is seeded from the "
         "loop's random state, as when reading synchronously), or read it synchronously "
-        "(async_data=False, or DataLoaderMode.Sync).")
+        "(async_data=False, or DataLoaderMode.Sync)."
+    )
 
 
 class Prefetched:
@@ -579,7 +647,8 @@ def check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
             f"samples, not {batch_sampler.batch_size}, and a host call reads it (its {batches} "
             f"batches make whole host calls of {count}), but the model is compiled for one "
             "shape. Pass drop_last=True to the BatchSampler, or pad that batch in the "
-            "collate_fn.")
+            "collate_fn."
+        )
 
 
 def kill_workers(batches: Any) -> None:
@@ -598,5 +667,3 @@ def close(batches: Any) -> None:
     shutdown = getattr(batches, "_shutdown_workers", None) or getattr(batches, "terminate", None)
     if shutdown is not None:
         shutdown()
-
-

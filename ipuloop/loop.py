@@ -4,6 +4,7 @@ Its ``Dispatcher`` fires the events (``ipuloop.dispatcher``); a process alone is
 instance (``processes.Processes``), so fit, validate and predict have one path for one
 process and for several.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,20 +96,44 @@ class Loop:
         history = loop.fit(train_loader, epochs=3, val_loader=val_loader)
     """
 
-    def __init__(self, model: torch.nn.Module, opts: Any = None, *,
-                 optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
-                 metrics: Any = None, metric_output: Callable | None = None,
-                 callbacks: Iterable[Callback] = (),
-                 replicas: int | str | None = None, inference_opts: Any = None,
-                 seed: int | None = None, progress: bool | int = True,
-                 check_finite: bool = True, max_grad_norm: float | None = None,
-                 precision: str | int = "32", label_key: str = "labels",
-                 loss_key: str | int = "loss", async_data: bool | dict = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        opts: Any = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable | None = None,
+        metrics: Any = None,
+        metric_output: Callable | None = None,
+        callbacks: Iterable[Callback] = (),
+        replicas: int | str | None = None,
+        inference_opts: Any = None,
+        seed: int | None = None,
+        progress: bool | int = True,
+        check_finite: bool = True,
+        max_grad_norm: float | None = None,
+        precision: str | int = "32",
+        label_key: str = "labels",
+        loss_key: str | int = "loss",
+        async_data: bool | dict = False,
+    ) -> None:
         self.poptorch = pt = poptorch_module()
-        r = resolve(pt, model, opts, inference_opts, loss_fn=loss_fn, label_key=label_key,
-                    loss_key=loss_key, metrics=metrics, metric_output=metric_output,
-                    replicas=replicas, seed=seed, optimizer=optimizer,
-                    max_grad_norm=max_grad_norm, precision=precision)
+        r = resolve(
+            pt,
+            model,
+            opts,
+            inference_opts,
+            loss_fn=loss_fn,
+            label_key=label_key,
+            loss_key=loss_key,
+            metrics=metrics,
+            metric_output=metric_output,
+            replicas=replicas,
+            seed=seed,
+            optimizer=optimizer,
+            max_grad_norm=max_grad_norm,
+            precision=precision,
+        )
         self.label_key = label_key
         self.model = r.model
         self.metrics = r.metrics  # validation's; the training epoch's are clones
@@ -124,8 +149,9 @@ class Loop:
         self._metric_output = metric_output
         self._hooks = Dispatcher(self, self.callbacks)
         # (the labels of a dict batch are needed for loss_fn or the metrics)
-        self._feed = Feed(self.model, label_key, loss_fn is not None or bool(self.metrics),
-                          r.input_dtype)
+        self._feed = Feed(
+            self.model, label_key, loss_fn is not None or bool(self.metrics), r.input_dtype
+        )
         self._resume = Resume()
         self._async = async_settings(async_data)  # torch loaders read ahead: async_options
         self._warned: set[str] = set()  # one-time warnings given
@@ -133,13 +159,15 @@ class Loop:
         self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
         # The run this loop is an instance of: this process alone, or several (torchrun,
         # mpirun, poprun), whose instances other than 0 show no progress and write no logs.
-        self._processes: Processes = join(self.train_opts, self._inference_opts,
-                                          replicas_given=replicas is not None)
+        self._processes: Processes = join(
+            self.train_opts, self._inference_opts, replicas_given=replicas is not None
+        )
         self.state.instance = self._processes.rank
         self.state.instances = self._processes.size
         self._hooks.main_instance_only(self._processes.rank)
-        self._epoch = TrainEpoch(self.metrics, metric_output, self._returns, self._processes,
-                                 self.state)
+        self._epoch = TrainEpoch(
+            self.metrics, metric_output, self._returns, self._processes, self.state
+        )
 
     @property
     def train_model(self) -> Any:
@@ -172,9 +200,16 @@ class Loop:
         self.state.stop_requested = True
 
     # -- fit ------------------------------------------------------------------------------------
-    def fit(self, train_loader: Any, epochs: int = 1, val_loader: Any = None, *,
-            resume_from: str | None = None, max_steps: int | None = None,
-            val_every_n_steps: int | None = None) -> list[dict]:
+    def fit(
+        self,
+        train_loader: Any,
+        epochs: int = 1,
+        val_loader: Any = None,
+        *,
+        resume_from: str | None = None,
+        max_steps: int | None = None,
+        val_every_n_steps: int | None = None,
+    ) -> list[dict]:
         """Train for ``epochs`` epochs in total; returns the per-epoch logs.
 
         With ``val_loader``, validation runs at each epoch end and, with
@@ -200,11 +235,19 @@ class Loop:
         """
         # several processes: an error here, from the first check on, ends every instance's fit
         with self._processes.failing_together(self.state):
-            return self._fit(train_loader, epochs, val_loader, resume_from, max_steps,
-                             val_every_n_steps)
+            return self._fit(
+                train_loader, epochs, val_loader, resume_from, max_steps, val_every_n_steps
+            )
 
-    def _fit(self, train_loader: Any, epochs: int, val_loader: Any, resume_from: str | None,
-             max_steps: int | None, val_every_n_steps: int | None) -> list[dict]:
+    def _fit(
+        self,
+        train_loader: Any,
+        epochs: int,
+        val_loader: Any,
+        resume_from: str | None,
+        max_steps: int | None,
+        val_every_n_steps: int | None,
+    ) -> list[dict]:
         check_fit_args(epochs, max_steps, val_every_n_steps, val_loader)
         if not self._frozen:
             self._hooks.fire("on_configure")  # the one place where callbacks change train_opts
@@ -212,12 +255,24 @@ class Loop:
             self._frozen = True
         st = self.state
         st.val_every_n_steps = val_every_n_steps  # (the instances compare it)
-        plan = build(self.poptorch, train_loader, self.train_opts, True, "train_loader",
-                     async_options=self._async)
+        plan = build(
+            self.poptorch,
+            train_loader,
+            self.train_opts,
+            True,
+            "train_loader",
+            async_options=self._async,
+        )
         val_plan = None if val_loader is None else self._inference_plan(val_loader, "val_loader")
-        probe_plan(self.model, plan, self._feed, copy_float=self.precision == "16-true",
-                   metrics=self.metrics, metric_output=self._metric_output,
-                   returns=self._returns)
+        probe_plan(
+            self.model,
+            plan,
+            self._feed,
+            copy_float=self.precision == "16-true",
+            metrics=self.metrics,
+            metric_output=self._metric_output,
+            returns=self._returns,
+        )
         self._processes.check_agreement(self, plan, val_plan, epochs, max_steps)
         if resume_from is not None:
             self.check_resumable()
@@ -225,15 +280,19 @@ class Loop:
         self._resume.continue_at(plan, st)
         self._epoch.layout = plan.layout
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
-            warnings.warn(f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
-                          "already complete, and epochs is the total, not a number to add. "
-                          f"Pass epochs={st.epoch + epochs} to train {epochs} more.", stacklevel=3)
+            warnings.warn(
+                f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
+                "already complete, and epochs is the total, not a number to add. "
+                f"Pass epochs={st.epoch + epochs} to train {epochs} more.",
+                stacklevel=3,
+            )
         st.start_fit(plan.steps, max_steps, validates=val_plan is not None)
         self._resume.val_rng = None
         with self._running(plan, val_plan, fit=True):
             try:
-                self._hooks.scope("on_fit_start", lambda: self._epochs(plan, val_plan, epochs),
-                                  CancelFit)
+                self._hooks.scope(
+                    "on_fit_start", lambda: self._epochs(plan, val_plan, epochs), CancelFit
+                )
             except Preempted:
                 self._hooks.fire("on_preempt")
             self.executors.detach(self.train_model)  # weights and optimizer state to host
@@ -252,8 +311,7 @@ class Loop:
         st = self.state
         if st.epoch_step == 0:
             self._epoch.reset()
-        self._hooks.scope("on_epoch_start", lambda: self._train_epoch(plan, val_plan),
-                          CancelEpoch)
+        self._hooks.scope("on_epoch_start", lambda: self._train_epoch(plan, val_plan), CancelEpoch)
         logs = self._epoch.logs()
         if logs:
             st.logs.update(logs)
@@ -328,9 +386,16 @@ class Loop:
             output, loss, logs = returns(model(*args, **kwargs))
             step = epoch.step_loss(loss, check_finite)  # the run's: host tensors, no sync
             if check_finite and not math.isfinite(step.total):
-                raise non_finite_error(loss, layout, st.epoch, st.step, batch=batch,
-                                       precision=self.precision, last_loss=st.logs.get("loss"),
-                                       loss_scaling=getattr(self.optimizer, "loss_scaling", None))
+                raise non_finite_error(
+                    loss,
+                    layout,
+                    st.epoch,
+                    st.step,
+                    batch=batch,
+                    precision=self.precision,
+                    last_loss=st.logs.get("loss"),
+                    loss_scaling=getattr(self.optimizer, "loss_scaling", None),
+                )
             st.step += 1  # (attribute updates, not a method: this runs every step)
             st.epoch_step += 1
             st.update += per_step_updates
@@ -355,14 +420,22 @@ class Loop:
         self._hooks.fire("on_compile_start")
         # resumed: the device continues the saved random stream
         self.state.compile_time["train"] = self.executors.compile(
-            model, args, kwargs, rng_state=self._resume.take_device_rng())
+            model, args, kwargs, rng_state=self._resume.take_device_rng()
+        )
         self._hooks.fire("on_compile_end")
         return model
 
     # -- validation and predict -----------------------------------------------------------------
     def _inference_plan(self, loader: Any, name: str, partition: bool = True) -> Plan:
-        return build_inference(self.poptorch, loader, self.train_opts, self._inference_opts,
-                               name, partition=partition, async_options=self._async)
+        return build_inference(
+            self.poptorch,
+            loader,
+            self.train_opts,
+            self._inference_opts,
+            name,
+            partition=partition,
+            async_options=self._async,
+        )
 
     def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Any:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
@@ -407,8 +480,9 @@ class Loop:
         st = self.state
         self._hooks.fire("on_validation_start")
         loss_fn = self.model.loss_fn if isinstance(self.model, WithLoss) else None
-        run = Validation(plan, self.metrics, self._metric_output, loss_fn, self._warned,
-                         self._returns)
+        run = Validation(
+            plan, self.metrics, self._metric_output, loss_fn, self._warned, self._returns
+        )
         model = None
         for batch, samples in plan.counted():
             args, kwargs, labels = self._feed.split(batch, plan.name)
@@ -504,8 +578,9 @@ class Loop:
         A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
         self.check_resumable()
         self._hooks.fire("on_save_checkpoint")
-        sd = self._resume.capture(self.model, self.optimizer, self.state, self._epoch,
-                                  self.callbacks, self.train_model)
+        sd = self._resume.capture(
+            self.model, self.optimizer, self.state, self._epoch, self.callbacks, self.train_model
+        )
         # several processes: the run's metrics, each instance's random streams
         return self._processes.checkpoint_state(self.state, self._epoch.metrics, sd)
 
@@ -518,8 +593,15 @@ class Loop:
         """
         sd = self._processes.own_state(sd, self._epoch.metrics)  # several: this one's share
         self.executors.detach_inference()  # (validate, predict: to run the loaded weights)
-        self._resume.restore(sd, self.model, self.optimizer, self.state, self._epoch,
-                             self.callbacks, self.train_model)
+        self._resume.restore(
+            sd,
+            self.model,
+            self.optimizer,
+            self.state,
+            self._epoch,
+            self.callbacks,
+            self.train_model,
+        )
         self._hooks.fire("on_load_checkpoint")
 
     def load_weights(self, weights: dict[str, Any]) -> None:

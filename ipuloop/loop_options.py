@@ -5,6 +5,7 @@ clipping, the output mode) and checks its model, metrics and ``fit``'s counts. T
 options freeze when the first ``fit`` starts, after the ``on_configure`` hooks; from then on
 the loader, the output layout, the logs and the executor all read that one object.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,17 +17,46 @@ import torch
 
 from .config import IPUConfig
 from .outputs import MODE_NAMES, Returns, WithLoss
-from .rules import (ALL, DEFAULT, EVERY_N, MAX_IPUS, SUM, check_return_period, input_groups,
-                    ipu_count_error, reserved_ipus, uses_ipu_model)
+from .rules import (
+    ALL,
+    DEFAULT,
+    EVERY_N,
+    MAX_IPUS,
+    SUM,
+    check_return_period,
+    input_groups,
+    ipu_count_error,
+    reserved_ipus,
+    uses_ipu_model,
+)
 
-__all__ = ["Resolved", "resolve", "PRECISIONS", "resolve_options", "resolve_precision",
-           "set_replicas", "seed_options", "check_optimizer_arg", "set_clipping",
-           "resolve_output_mode", "resolve_metrics", "inference_options", "check_fit_args"]
+__all__ = [
+    "Resolved",
+    "resolve",
+    "PRECISIONS",
+    "resolve_options",
+    "resolve_precision",
+    "set_replicas",
+    "seed_options",
+    "check_optimizer_arg",
+    "set_clipping",
+    "resolve_output_mode",
+    "resolve_metrics",
+    "inference_options",
+    "check_fit_args",
+]
 
 PRECISIONS = ("32", "16-mixed", "16-true")
 # Lightning's spellings: PL 1.x took 16/32 (16 = mixed), lightning-graphcore "32-true"/"16-mixed".
-_PRECISION_ALIASES = {32: "32", "32": "32", "32-true": "32", 16: "16-mixed", "16": "16-mixed",
-                      "16-mixed": "16-mixed", "16-true": "16-true"}
+_PRECISION_ALIASES = {
+    32: "32",
+    "32": "32",
+    "32-true": "32",
+    16: "16-mixed",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "16-true": "16-true",
+}
 
 
 @dataclass(frozen=True)
@@ -43,17 +73,32 @@ class Resolved:
     optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
 
 
-def resolve(pt: Any, model: Any, opts: Any, inference_opts: Any, *, loss_fn: Any,
-            label_key: Any, loss_key: Any, metrics: Any, metric_output: Any, replicas: Any,
-            seed: int | None, optimizer: Any, max_grad_norm: float | None,
-            precision: Any) -> Resolved:
+def resolve(
+    pt: Any,
+    model: Any,
+    opts: Any,
+    inference_opts: Any,
+    *,
+    loss_fn: Any,
+    label_key: Any,
+    loss_key: Any,
+    metrics: Any,
+    metric_output: Any,
+    replicas: Any,
+    seed: int | None,
+    optimizer: Any,
+    max_grad_norm: float | None,
+    precision: Any,
+) -> Resolved:
     """``Loop``'s arguments, checked before anything compiles (each error names its
     argument)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
     if not (isinstance(label_key, str) and label_key):
-        raise TypeError(f"label_key must be a non-empty str (the labels' key in a dict "
-                        f"batch). Received: label_key={label_key!r}.")
+        raise TypeError(
+            f"label_key must be a non-empty str (the labels' key in a dict "
+            f"batch). Received: label_key={label_key!r}."
+        )
     returns = Returns(loss_key)
     if loss_fn is not None:
         model = WithLoss(model, loss_fn, label_key=label_key)
@@ -74,8 +119,16 @@ def resolve(pt: Any, model: Any, opts: Any, inference_opts: Any, *, loss_fn: Any
     if optimizer is None:  # PopTorch's default, made here rather than inside trainingModel,
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
-    return Resolved(model, returns, metrics, train, inference, precision,
-                    None if precision == "32" else torch.float16, optimizer)
+    return Resolved(
+        model,
+        returns,
+        metrics,
+        train,
+        inference,
+        precision,
+        None if precision == "32" else torch.float16,
+        optimizer,
+    )
 
 
 def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, int]:
@@ -90,20 +143,32 @@ def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, 
     if opts is None:
         opts = pt.Options()
     if not isinstance(opts, pt.Options):
-        raise TypeError(f"opts must be poptorch.Options, an ipuloop.IPUConfig or None. "
-                        f"Received: opts={type(opts).__name__}.")
+        raise TypeError(
+            f"opts must be poptorch.Options, an ipuloop.IPUConfig or None. "
+            f"Received: opts={type(opts).__name__}."
+        )
     if inference_opts is not None and not isinstance(inference_opts, pt.Options):
-        raise TypeError(f"inference_opts must be poptorch.Options or None. Received: "
-                        f"inference_opts={type(inference_opts).__name__}.")
-    return (opts.clone(), inference_opts.clone() if inference_opts is not None else None,
-            per_replica)
+        raise TypeError(
+            f"inference_opts must be poptorch.Options or None. Received: "
+            f"inference_opts={type(inference_opts).__name__}."
+        )
+    return (
+        opts.clone(),
+        inference_opts.clone() if inference_opts is not None else None,
+        per_replica,
+    )
 
 
 def resolve_precision(precision: str | int) -> str:
-    if (isinstance(precision, bool) or not isinstance(precision, (str, int))
-            or precision not in _PRECISION_ALIASES):
-        raise ValueError(f"precision must be one of {PRECISIONS} (or Lightning's 32, 16, "
-                         f"'32-true'). Received: precision={precision!r}.")
+    if (
+        isinstance(precision, bool)
+        or not isinstance(precision, (str, int))
+        or precision not in _PRECISION_ALIASES
+    ):
+        raise ValueError(
+            f"precision must be one of {PRECISIONS} (or Lightning's 32, 16, "
+            f"'32-true'). Received: precision={precision!r}."
+        )
     return _PRECISION_ALIASES[precision]
 
 
@@ -117,17 +182,22 @@ def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int 
     if replicas == "auto":
         # The most replicas (a power of two) whose IPUs the system has; 1 without IPUs.
         n = 1
-        while (hardware and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS
-               and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica))):
+        while (
+            hardware
+            and reserved_ipus(opts, 2 * n * ipus_per_replica) <= MAX_IPUS
+            and pt.ipuHardwareIsAvailable(reserved_ipus(opts, 2 * n * ipus_per_replica))
+        ):
             n *= 2
         replicas = n
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        raise ValueError(f"replicas must be an int >= 1 or 'auto'. Received: "
-                         f"replicas={replicas!r}.")
+        raise ValueError(
+            f"replicas must be an int >= 1 or 'auto'. Received: replicas={replicas!r}."
+        )
     current = opts.replication_factor
     if current not in (1, replicas):
-        raise ValueError(f"replicas={replicas} contradicts opts.replicationFactor({current}): "
-                         "set one of them.")
+        raise ValueError(
+            f"replicas={replicas} contradicts opts.replicationFactor({current}): set one of them."
+        )
     error = ipu_count_error(opts, replicas, ipus_per_replica)
     if error is not None:
         if not ipus_per_replica & (ipus_per_replica - 1) and "power of 2" in error:
@@ -136,9 +206,11 @@ def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int 
         raise ValueError(f"replicas={replicas}: {error}")
     ipus = reserved_ipus(opts, replicas * ipus_per_replica)
     if hardware and not uses_ipu_model(opts) and not pt.ipuHardwareIsAvailable(ipus):
-        raise ValueError(f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
-                         f"needs {ipus} IPUs, more than this system has. Use "
-                         "fewer replicas, or replicas='auto'.")
+        raise ValueError(
+            f"replicas={replicas} x {ipus_per_replica} IPU(s) per replica "
+            f"needs {ipus} IPUs, more than this system has. Use "
+            "fewer replicas, or replicas='auto'."
+        )
     opts.replicationFactor(replicas)
 
 
@@ -149,33 +221,46 @@ def seed_options(opts: Any, value: int) -> None:
     random.seed(value)
     with contextlib.suppress(ImportError):
         import numpy as np
+
         np.random.seed(value % 2**32)
     opts.randomSeed(value)  # seeds torch on the host and the device
 
 
 def check_optimizer_arg(optimizer: Any) -> None:
     if isinstance(optimizer, (list, tuple)):
-        raise ValueError(f"IPUs currently only support one optimizer. Received "
-                         f"{len(optimizer)} optimizers: combine their parameter groups "
-                         "into one optimizer.")
+        raise ValueError(
+            f"IPUs currently only support one optimizer. Received "
+            f"{len(optimizer)} optimizers: combine their parameter groups "
+            "into one optimizer."
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer. Received: "
-                        f"optimizer={type(optimizer).__name__}.")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer. Received: "
+            f"optimizer={type(optimizer).__name__}."
+        )
 
 
 def set_clipping(pt: Any, optimizer: Any, max_grad_norm: float) -> None:
     if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a number > 0. Received: "
-                         f"max_grad_norm={max_grad_norm!r}.")
+        raise ValueError(
+            f"max_grad_norm must be a number > 0. Received: max_grad_norm={max_grad_norm!r}."
+        )
     if not isinstance(optimizer, (pt.optim.SGD, pt.optim.Adam, pt.optim.AdamW)):
-        name = ("None" if optimizer is None
-                else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        name = (
+            "None"
+            if optimizer is None
+            else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        )
         raise ValueError(
             f"Gradient clipping runs on the device only with poptorch.optim.SGD, Adam or "
             f"AdamW (their max_grad_norm). Received: optimizer={name}. Build the optimizer "
             f"as poptorch.optim.AdamW(params, ..., max_grad_norm={max_grad_norm})"
-            + (" (LAMB clamps weight norms instead: max_weight_norm)."
-               if isinstance(optimizer, pt.optim.LAMB) else "."))
+            + (
+                " (LAMB clamps weight norms instead: max_weight_norm)."
+                if isinstance(optimizer, pt.optim.LAMB)
+                else "."
+            )
+        )
     optimizer.max_grad_norm = float(max_grad_norm)
 
 
@@ -186,10 +271,12 @@ def resolve_output_mode(pt: Any, opts: Any, metrics: dict[str, Any]) -> None:
     if mode == DEFAULT:
         opts.outputMode(pt.OutputMode.All if metrics else pt.OutputMode.Sum)
     elif mode == SUM and metrics:
-        raise ValueError("OutputMode.Sum returns per-replica sums, not per-sample outputs, so "
-                         f"the metrics {sorted(metrics)} cannot be computed. Use "
-                         "OutputMode.All (exact) or Final (last micro-batch), or leave the "
-                         "output mode at Default and the loop picks All.")
+        raise ValueError(
+            "OutputMode.Sum returns per-replica sums, not per-sample outputs, so "
+            f"the metrics {sorted(metrics)} cannot be computed. Use "
+            "OutputMode.All (exact) or Final (last micro-batch), or leave the "
+            "output mode at Default and the loop picks All."
+        )
     elif mode == EVERY_N:  # PopART's rule, checked here rather than at compile time
         check_return_period(opts.output_return_period, opts.device_iterations)
 
@@ -197,18 +284,23 @@ def resolve_output_mode(pt: Any, opts: Any, metrics: dict[str, Any]) -> None:
 def resolve_metrics(metrics: Any, metric_output: Any = None) -> dict[str, Any]:
     """``Loop``'s ``metrics`` as a dict, checked with its ``metric_output``."""
     if metric_output is not None and not callable(metric_output):
-        raise TypeError(f"metric_output must be a function of the model's output. "
-                        f"Received: metric_output={metric_output!r}.")
+        raise TypeError(
+            f"metric_output must be a function of the model's output. "
+            f"Received: metric_output={metric_output!r}."
+        )
     if metrics is None:
         return {}
     if not hasattr(metrics, "items"):
-        raise TypeError("metrics must be a dict of torchmetrics metrics or a "
-                        f"MetricCollection. Received: {type(metrics).__name__}.")
+        raise TypeError(
+            "metrics must be a dict of torchmetrics metrics or a "
+            f"MetricCollection. Received: {type(metrics).__name__}."
+        )
     out = dict(metrics.items())
     for name, m in out.items():
         if not (hasattr(m, "update") and hasattr(m, "compute") and hasattr(m, "reset")):
-            raise TypeError(f"metrics[{name!r}] must be a torchmetrics Metric. Received: "
-                            f"{type(m).__name__}.")
+            raise TypeError(
+                f"metrics[{name!r}] must be a torchmetrics Metric. Received: {type(m).__name__}."
+            )
     return out
 
 
@@ -220,8 +312,10 @@ def check_fit_args(epochs: Any, max_steps: Any, val_every_n_steps: Any, val_load
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"{k} must be an int >= 1 or None. Received: {k}={v!r}.")
     if val_every_n_steps is not None and val_loader is None:
-        raise ValueError(f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
-                         "but this fit has none. Pass val_loader= too.")
+        raise ValueError(
+            f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
+            "but this fit has none. Pass val_loader= too."
+        )
 
 
 def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:
@@ -232,12 +326,16 @@ def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:
     if user is not None:
         opts = user.clone()
         if opts.Training.gradient_accumulation != 1:
-            raise ValueError("inference_opts must have Training.gradientAccumulation(1). "
-                             f"Received: {opts.Training.gradient_accumulation}.")
+            raise ValueError(
+                "inference_opts must have Training.gradientAccumulation(1). "
+                f"Received: {opts.Training.gradient_accumulation}."
+            )
         if opts.output_mode not in (ALL, DEFAULT):
-            raise ValueError("inference_opts must use OutputMode.All (or Default): validation "
-                             f"and predict need every output. Received: "
-                             f"{MODE_NAMES.get(opts.output_mode, opts.output_mode)}.")
+            raise ValueError(
+                "inference_opts must use OutputMode.All (or Default): validation "
+                f"and predict need every output. Received: "
+                f"{MODE_NAMES.get(opts.output_mode, opts.output_mode)}."
+            )
         opts.outputMode(pt.OutputMode.All)
         return opts
     opts = train.clone()
@@ -260,7 +358,6 @@ def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:
         if n < per_iteration * target:
             di = max(1, n // per_iteration)
         else:  # from DI*GA down to half of it: the count that pads the fewest samples
-            di = min(range(target, (target - 1) // 2, -1),
-                     key=lambda d: -n % (per_iteration * d))
+            di = min(range(target, (target - 1) // 2, -1), key=lambda d: -n % (per_iteration * d))
     opts.deviceIterations(di)
     return opts

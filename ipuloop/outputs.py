@@ -10,6 +10,7 @@ over DI*GA. A scalar loss becomes ``[n]`` only when that count n is > 1.
 ``Layout`` is that shape of a host call, built from the options (``Layout.of``);
 ``Layout.step_loss`` reduces the loss, and each logged scalar the same way, over a step.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,18 @@ from .backend import poptorch_module
 from .exceptions import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
 
-__all__ = ["WithLoss", "Layout", "StepLoss", "MODE_NAMES", "map_tensors", "non_finite_error",
-           "FLOAT16_MAX", "Returns", "check_logged", "RESERVED_LOGS"]
+__all__ = [
+    "WithLoss",
+    "Layout",
+    "StepLoss",
+    "MODE_NAMES",
+    "map_tensors",
+    "non_finite_error",
+    "FLOAT16_MAX",
+    "Returns",
+    "check_logged",
+    "RESERVED_LOGS",
+]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
 
@@ -57,8 +68,13 @@ class WithLoss(torch.nn.Module):
     whether ``loss_fn`` is a torch loss function or hand-written arithmetic.
     """
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable, num_inputs: int = 1,
-                 label_key: str = "labels") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Callable,
+        num_inputs: int = 1,
+        label_key: str = "labels",
+    ) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
@@ -74,8 +90,10 @@ class WithLoss(torch.nn.Module):
         elif len(args) == self.num_inputs:
             return self.model(*args)
         elif len(args) != self.num_inputs + 1:
-            raise TypeError(f"expected {self.num_inputs} input(s) and optionally the labels. "
-                            f"Received {len(args)} arguments.")
+            raise TypeError(
+                f"expected {self.num_inputs} input(s) and optionally the labels. "
+                f"Received {len(args)} arguments."
+            )
         else:
             labels = args[-1]
             output = self.model(*args[:-1])
@@ -88,8 +106,9 @@ class WithLoss(torch.nn.Module):
 
 # Names a logged value may not take: the loss and the counters (the logs' other keys in
 # CSVLogger rows and ModelCheckpoint filenames)
-RESERVED_LOGS = frozenset({"loss", "loss_exact", "epoch", "step", "update", "micro_batch",
-                           "samples", "epoch_step"})
+RESERVED_LOGS = frozenset(
+    {"loss", "loss_exact", "epoch", "step", "update", "micro_batch", "samples", "epoch_step"}
+)
 
 
 class Returns:
@@ -106,10 +125,13 @@ class Returns:
 
     def __init__(self, loss_key: str | int = "loss") -> None:
         if not (isinstance(loss_key, str) and loss_key) and (
-                not isinstance(loss_key, int) or isinstance(loss_key, bool)):
-            raise TypeError(f"loss_key must be a str (the loss's key in a dict-like output) or "
-                            f"an int (its index in a tuple output, e.g. 0 for (loss, logits)). "
-                            f"Received: loss_key={loss_key!r}.")
+            not isinstance(loss_key, int) or isinstance(loss_key, bool)
+        ):
+            raise TypeError(
+                f"loss_key must be a str (the loss's key in a dict-like output) or "
+                f"an int (its index in a tuple output, e.g. 0 for (loss, logits)). "
+                f"Received: loss_key={loss_key!r}."
+            )
         self.key = loss_key
         self._pairs = isinstance(loss_key, str)  # (output, loss) tuples are ipuloop's
         self.logged: set[str] = set()  # the names of the values the model has logged
@@ -154,30 +176,45 @@ class Returns:
         """The conventions, for messages."""
         if not self._pairs:
             return f"a tuple whose element {self.key} is the loss (loss_key={self.key})"
-        return (f"(output, loss), (output, loss, logs) or a dict-like output with the loss "
-                f"under {self.key!r}")
+        return (
+            f"(output, loss), (output, loss, logs) or a dict-like output with the loss "
+            f"under {self.key!r}"
+        )
 
 
 def check_logged(logs: Any, metrics: Any = (), where: str = "") -> None:
     """Raise ``ValueError`` unless ``logs`` (what a model returns to be logged) is a dict of
     names to tensors, each name a plain identifier that no other log of the loop uses."""
     if not isinstance(logs, Mapping):
-        raise ValueError(f"{where}the values a model logs must be a dict of names to scalar "
-                         f"tensors, e.g. (output, loss, {{'acc': acc}}). Received: "
-                         f"{type(logs).__name__}.")
+        raise ValueError(
+            f"{where}the values a model logs must be a dict of names to scalar "
+            f"tensors, e.g. (output, loss, {{'acc': acc}}). Received: "
+            f"{type(logs).__name__}."
+        )
     for name, value in logs.items():
         if not (isinstance(name, str) and name.isidentifier()):
-            raise ValueError(f"{where}a logged value's name must be an identifier (it becomes "
-                             f"the log <name>, train_<name> and val_<name>). Received: {name!r}.")
-        clash = ("the loop's own logs or counters" if name in RESERVED_LOGS else
-                 "the train_/val_ prefixes of epoch logs" if name.startswith(("train_", "val_"))
-                 else "a metric's name" if name in metrics else None)
+            raise ValueError(
+                f"{where}a logged value's name must be an identifier (it becomes "
+                f"the log <name>, train_<name> and val_<name>). Received: {name!r}."
+            )
+        clash = (
+            "the loop's own logs or counters"
+            if name in RESERVED_LOGS
+            else "the train_/val_ prefixes of epoch logs"
+            if name.startswith(("train_", "val_"))
+            else "a metric's name"
+            if name in metrics
+            else None
+        )
         if clash is not None:
-            raise ValueError(f"{where}the logged value {name!r} would clash with {clash}. "
-                             "Give it another name.")
+            raise ValueError(
+                f"{where}the logged value {name!r} would clash with {clash}. Give it another name."
+            )
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{where}the logged value {name!r} must be a tensor (computed on "
-                             f"the device). Received: {type(value).__name__}.")
+            raise ValueError(
+                f"{where}the logged value {name!r} must be a tensor (computed on "
+                f"the device). Received: {type(value).__name__}."
+            )
 
 
 class StepLoss(NamedTuple):  # a tuple: made once per training step, at a tuple's cost
@@ -206,11 +243,15 @@ class Layout:
     @classmethod
     def of(cls, opts: Any, training: bool) -> Layout:
         """The shape of one host call under ``opts`` (``poptorch.Options``)."""
-        return cls(opts.device_iterations,
-                   opts.Training.gradient_accumulation if training else 1,
-                   opts.replication_factor, opts.output_mode,
-                   max(opts.output_return_period, 1), opts.input_group_size,
-                   int(opts.input_cgt) == 2)
+        return cls(
+            opts.device_iterations,
+            opts.Training.gradient_accumulation if training else 1,
+            opts.replication_factor,
+            opts.output_mode,
+            max(opts.output_return_period, 1),
+            opts.input_group_size,
+            int(opts.input_cgt) == 2,
+        )
 
     @property
     def input_groups(self) -> int:
@@ -230,16 +271,19 @@ class Layout:
         try:
             n = loss.numel()
         except AttributeError:  # e.g. None: the return value holds no loss where it looks
-            raise ValueError(f"The model returned no {what} where the loop looks for it "
-                             "(Loop(loss_key=...)): received "
-                             f"{type(loss).__name__}.") from None
+            raise ValueError(
+                f"The model returned no {what} where the loop looks for it "
+                "(Loop(loss_key=...)): received "
+                f"{type(loss).__name__}."
+            ) from None
         if n != self._returned:  # a value per micro-batch comes back as one per row
             raise ValueError(
                 f"The model's {what} came back from the step as {n} value(s), where a scalar "
                 f"per micro-batch gives {self._returned} under this output mode: it is "
-                "not a scalar per micro-batch" + (". Check where Loop(loss_key=...) looks "
-                                                  "for the loss" if what == "loss" else "")
-                + f" (shape {list(loss.shape)}).")
+                "not a scalar per micro-batch"
+                + (". Check where Loop(loss_key=...) looks for the loss" if what == "loss" else "")
+                + f" (shape {list(loss.shape)})."
+            )
         # Host tensor: no device sync; needed for the log. Summed in float64 (exact for a
         # single value, which float() reads without creating tensors).
         total = float(loss) if n == 1 else float(loss.sum(dtype=torch.float64))
@@ -284,13 +328,19 @@ class Layout:
     def align(self, labels: torch.Tensor) -> torch.Tensor:
         """The labels of the micro-batches whose per-sample outputs the call returned."""
         if self.mode == SUM:
-            raise ValueError("OutputMode.Sum returns per-replica sums of the outputs, not "
-                             "per-sample outputs, so per-sample metrics cannot be computed. "
-                             "Use OutputMode.All (exact) or Final, or drop the metrics.")
+            raise ValueError(
+                "OutputMode.Sum returns per-replica sums of the outputs, not "
+                "per-sample outputs, so per-sample metrics cannot be computed. "
+                "Use OutputMode.All (exact) or Final, or drop the metrics."
+            )
         groups = self.input_groups
         slots = self.di * self.ga * groups
-        if (self.rf == groups and labels.dim() and labels.shape[0] % slots == 0
-                and (self.mode == ALL or (self.mode == EVERY_N and self.period == 1))):
+        if (
+            self.rf == groups
+            and labels.dim()
+            and labels.shape[0] % slots == 0
+            and (self.mode == ALL or (self.mode == EVERY_N and self.period == 1))
+        ):
             return labels  # every micro-batch in host-batch order: the labels as they are
         b = labels.shape[0] // slots
         x = labels.reshape(self.di, self.ga, groups, b, *labels.shape[1:])
@@ -300,7 +350,7 @@ class Layout:
         if self.mode == FINAL:
             x = x[-1:, -1:]
         elif self.mode == EVERY_N and self.period > 1:
-            x = x[self.period - 1::self.period]
+            x = x[self.period - 1 :: self.period]
         return x.reshape(-1, *labels.shape[1:])
 
 
@@ -315,28 +365,36 @@ def _data_finding(batch: Any, half: bool) -> str | None:
         parts = [(f"input {k!r}", x) for k, x in batch.items()]
     else:
         parts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
-        parts = [("the labels" if i == len(parts) - 1 and len(parts) > 1 else f"input {i}", x)
-                 for i, x in enumerate(parts)]
+        parts = [
+            ("the labels" if i == len(parts) - 1 and len(parts) > 1 else f"input {i}", x)
+            for i, x in enumerate(parts)
+        ]
     for name, x in parts:
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()):
             continue
         what = f"{name} of this step's host batch " + ("have" if name == "the labels" else "has")
         if not bool(torch.isfinite(x).all()):
-            return (f"{what} NaN or infinite values: clean the data (or leave such samples "
-                    "out in the dataset)")
+            return (
+                f"{what} NaN or infinite values: clean the data (or leave such samples "
+                "out in the dataset)"
+            )
         biggest = float(x.abs().max())
         if half and biggest > FLOAT16_MAX:
-            return (f"{what} values up to {biggest:.6g}, beyond "
-                    f"float16's range (largest {FLOAT16_MAX:g}): sent as float16 they became "
-                    "infinite. Scale them into range (normalise the data), or train with "
-                    'precision="32"')
+            return (
+                f"{what} values up to {biggest:.6g}, beyond "
+                f"float16's range (largest {FLOAT16_MAX:g}): sent as float16 they became "
+                "infinite. Scale them into range (normalise the data), or train with "
+                'precision="32"'
+            )
     return None
 
 
 def _float16_cause(precision: str, loss_scaling: float | None, last_loss: float | None) -> str:
     """Why a 16-bit step whose data is in range gives a non-finite loss, as exactly as known."""
-    text = (f"The step runs in float16 (precision={precision!r}), whose largest value is "
-            f"{FLOAT16_MAX:g}, and its host batch is within that range: ")
+    text = (
+        f"The step runs in float16 (precision={precision!r}), whose largest value is "
+        f"{FLOAT16_MAX:g}, and its host batch is within that range: "
+    )
     if loss_scaling is not None and loss_scaling > 1:
         scaled = math.inf if last_loss is None else abs(last_loss) * loss_scaling
         if last_loss is not None and math.isfinite(scaled) and scaled > FLOAT16_MAX:
@@ -344,21 +402,32 @@ def _float16_cause(precision: str, loss_scaling: float | None, last_loss: float 
                 f"the last finite step loss, {last_loss:.6g}, times the optimizer's "
                 f"loss_scaling={loss_scaling:g} is {scaled:.6g}, beyond it, so the gradients "
                 "overflowed and the update wrote inf or NaN into the weights. Lower "
-                f"loss_scaling (below {FLOAT16_MAX / abs(last_loss):.4g} for that loss).")
+                f"loss_scaling (below {FLOAT16_MAX / abs(last_loss):.4g} for that loss)."
+            )
         return text + (
             f"the loss is multiplied by the optimizer's loss_scaling={loss_scaling:g} before "
             f"the backward pass, so a gradient above {FLOAT16_MAX / loss_scaling:.4g} "
             "overflows and the update writes inf or NaN into the weights; or an activation "
-            "overflowed. Lower loss_scaling (or the learning rate).")
-    return text + ("an activation, the loss or a gradient overflowed it, or an update made "
-                   "the weights non-finite. Scale the inputs or the loss down, lower the "
-                   'learning rate, or train with precision="32".')
+            "overflowed. Lower loss_scaling (or the learning rate)."
+        )
+    return text + (
+        "an activation, the loss or a gradient overflowed it, or an update made "
+        "the weights non-finite. Scale the inputs or the loss down, lower the "
+        'learning rate, or train with precision="32".'
+    )
 
 
-def non_finite_error(loss: torch.Tensor, layout: Layout, epoch: int, step: int, *,
-                     batch: Any = None, precision: str = "32",
-                     loss_scaling: float | None = None,
-                     last_loss: float | None = None) -> NonFiniteLossError:
+def non_finite_error(
+    loss: torch.Tensor,
+    layout: Layout,
+    epoch: int,
+    step: int,
+    *,
+    batch: Any = None,
+    precision: str = "32",
+    loss_scaling: float | None = None,
+    last_loss: float | None = None,
+) -> NonFiniteLossError:
     """The error for a returned ``loss`` with a NaN or infinity, naming where it came from
     and, as exactly as the step's host ``batch`` tells, why: non-finite data; under a 16-bit
     ``precision``, data beyond float16's range, or a gradient overflow that the optimizer's
@@ -369,11 +438,15 @@ def non_finite_error(loss: torch.Tensor, layout: Layout, epoch: int, step: int, 
     d, rest = divmod(m, layout.ga * layout.rf)
     a, r = divmod(rest, layout.rf)
     what = "replica" if layout.mode == SUM else "micro-batch"
-    where = (f"Non-finite loss {float(flat[i])} at epoch {epoch}, step {step} (0-based host "
-             f"call), {what} {m} of the step "
-             + (f"(device iteration {d}, accumulation step {a}, replica {r})."
-                if layout.mode != SUM else "(a replica's sum over the step; OutputMode.All "
-                "names the micro-batch)."))
+    where = (
+        f"Non-finite loss {float(flat[i])} at epoch {epoch}, step {step} (0-based host "
+        f"call), {what} {m} of the step "
+        + (
+            f"(device iteration {d}, accumulation step {a}, replica {r})."
+            if layout.mode != SUM
+            else "(a replica's sum over the step; OutputMode.All names the micro-batch)."
+        )
+    )
     half = precision != "32"
     finding = None if batch is None else _data_finding(batch, half)
     if finding is not None:

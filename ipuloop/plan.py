@@ -11,6 +11,7 @@ epoch's host batches after the steps already run. A training epoch's draw (``Dra
 that random state (``Plan.drawn_from``: a checkpoint reads it there), or draws from a resumed
 epoch's saved one. ``Feed`` makes each batch the model's call and its labels.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,17 +25,45 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from .backend import poptorch_module
-from .loaders import (HostCalls, OneShape, Padded, Prefetch, Prefetched, ProcessBatchSampler,
-                      ProcessSampler, ResumableBatchSampler, ResumableSampler, StreamCalls,
-                      built_micro_batch, check_last_batch, close, kill_workers, loader_kwargs,
-                      prefetch_of, tell_epoch, whole_order)
+from .loaders import (
+    HostCalls,
+    OneShape,
+    Padded,
+    Prefetch,
+    Prefetched,
+    ProcessBatchSampler,
+    ProcessSampler,
+    ResumableBatchSampler,
+    ResumableSampler,
+    StreamCalls,
+    built_micro_batch,
+    check_last_batch,
+    close,
+    kill_workers,
+    loader_kwargs,
+    prefetch_of,
+    tell_epoch,
+    whole_order,
+)
 from .loop_options import inference_options, resolve_options
 from .outputs import Layout, WithLoss, map_tensors
 from .processes import configured
 from .rules import describe_factors, host_call_factor
 
-__all__ = ["Plan", "Draw", "Feed", "build", "build_inference", "rng_state", "set_rng_state",
-           "split_batch", "as_sent", "predict_inputs", "no_host_call", "num_updates"]
+__all__ = [
+    "Plan",
+    "Draw",
+    "Feed",
+    "build",
+    "build_inference",
+    "rng_state",
+    "set_rng_state",
+    "split_batch",
+    "as_sent",
+    "predict_inputs",
+    "no_host_call",
+    "num_updates",
+]
 
 
 def _plain(x: Any) -> Any:
@@ -50,6 +79,7 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": _plain(random.getstate()), "torch": torch.get_rng_state()}
     with contextlib.suppress(ImportError):
         import numpy as np
+
         legacy: Any = np.random.get_state()  # (a tuple: the legacy MT19937 generator's)
         kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
@@ -64,6 +94,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
+
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
@@ -126,12 +157,16 @@ class Plan:
         elif self.prefetch is not None:  # its own loader draws from a copy of the generator
             own_g = torch.Generator()
             own_g.set_state(own)
-            it = Prefetched(self.prefetch.loader(self, own_g), self.shape,
-                            start // max(self.combined // self.micro, 1))
+            it = Prefetched(
+                self.prefetch.loader(self, own_g),
+                self.shape,
+                start // max(self.combined // self.micro, 1),
+            )
         elif self.batches is not None:  # torch's iterator of micro-batches, joined here
             assert self.shape is not None  # (a custom batch sampler's plan has one)
-            it = HostCalls(DataLoader.__iter__(loader), self.combined // self.micro,
-                           self.shape, start)
+            it = HostCalls(
+                DataLoader.__iter__(loader), self.combined // self.micro, self.shape, start
+            )
         else:
             it = iter(loader)
         torch.set_rng_state(host)
@@ -156,8 +191,9 @@ class Plan:
                 real = self.combined
             yield batch, real
 
-    def epoch(self, skip_steps: int = 0, number: int | None = None,
-              draw: Draw | None = None) -> Iterator[Any]:
+    def epoch(
+        self, skip_steps: int = 0, number: int | None = None, draw: Draw | None = None
+    ) -> Iterator[Any]:
         """An iterator over this epoch's host batches, after ``skip_steps`` of them; a
         sampler with ``set_epoch`` is given the epoch's ``number`` first, when there is one.
         A training epoch's ``draw`` records the random state the order is drawn from in
@@ -232,8 +268,9 @@ class Feed:
     ``num_inputs``) and tells a ``WithLoss`` model, which tells labels from inputs by it.
     """
 
-    def __init__(self, model: torch.nn.Module, label_key: str, needs_labels: bool,
-                 dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, label_key: str, needs_labels: bool, dtype: torch.dtype | None
+    ) -> None:
         self.model: Any = model  # (a WithLoss's num_inputs is read and set)
         self.label_key = label_key
         self.needs_labels = needs_labels  # (the labels of a dict batch: for loss_fn, metrics)
@@ -264,8 +301,16 @@ class Feed:
         return as_sent(args, kwargs, self.dtype)
 
 
-def build(poptorch: Any, loader: Any, opts: Any, training: bool, name: str, pad: bool = False,
-          partition: bool = True, async_options: dict[str, Any] | None = None) -> Plan:
+def build(
+    poptorch: Any,
+    loader: Any,
+    opts: Any,
+    training: bool,
+    name: str,
+    pad: bool = False,
+    partition: bool = True,
+    async_options: dict[str, Any] | None = None,
+) -> Plan:
     """``loader`` as this process runs it with ``opts``: alone, or its share of several
     processes' (``opts.Distributed.numProcesses`` > 1; ``partition=False``: every sample, as
     predict reads them); ``pad``: every sample in order, the last host call padded
@@ -273,15 +318,42 @@ def build(poptorch: Any, loader: Any, opts: Any, training: bool, name: str, pad:
     (``Loop(async_data=...)``)."""
     layout = Layout.of(opts, training)
     if opts.Distributed.numProcesses > 1:
-        return _share(poptorch, loader, opts, layout, training=training, name=name, pad=pad,
-                      sequential=pad, partition=partition, async_options=async_options)
-    return _alone(poptorch, loader, opts, layout, training=training, name=name, pad=pad,
-                  sequential=pad, async_options=async_options)
+        return _share(
+            poptorch,
+            loader,
+            opts,
+            layout,
+            training=training,
+            name=name,
+            pad=pad,
+            sequential=pad,
+            partition=partition,
+            async_options=async_options,
+        )
+    return _alone(
+        poptorch,
+        loader,
+        opts,
+        layout,
+        training=training,
+        name=name,
+        pad=pad,
+        sequential=pad,
+        async_options=async_options,
+    )
 
 
-def build_inference(poptorch: Any, loader: Any, train: Any, inference: Any, name: str, *,
-                    pad: bool = True, partition: bool = True,
-                    async_options: dict[str, Any] | None = None) -> Plan:
+def build_inference(
+    poptorch: Any,
+    loader: Any,
+    train: Any,
+    inference: Any,
+    name: str,
+    *,
+    pad: bool = True,
+    partition: bool = True,
+    async_options: dict[str, Any] | None = None,
+) -> Plan:
     """``loader`` as a validation or predict runs it: with the ``inference`` options given
     to the loop, else the training options ``train`` less their training-only settings
     (``loop_options.inference_options``); an empty loader is refused."""
@@ -290,15 +362,27 @@ def build_inference(poptorch: Any, loader: Any, train: Any, inference: Any, name
     return build(poptorch, loader, opts, False, name, pad, partition, async_options)
 
 
-def _alone(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
-           name: str, pad: bool = False, sequential: bool = False,
-           instances: int = 1, async_options: dict[str, Any] | None = None) -> Plan:
+def _alone(
+    poptorch: Any,
+    loader: Any,
+    opts: Any,
+    layout: Layout,
+    *,
+    training: bool,
+    name: str,
+    pad: bool = False,
+    sequential: bool = False,
+    instances: int = 1,
+    async_options: dict[str, Any] | None = None,
+) -> Plan:
     """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader`` for
     one process (``_share`` shares a loader out between several: the ``instances`` of the
     run); ``async_options``: read a torch loader ahead in ``Async`` mode (``prefetch_of``)."""
     if not isinstance(loader, torch.utils.data.DataLoader):
-        raise TypeError(f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
-                        f"Received: {name}={type(loader).__name__}.")
+        raise TypeError(
+            f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
+            f"Received: {name}={type(loader).__name__}."
+        )
     factor = host_call_factor(opts, training)
     dataset: Any = loader.dataset  # (a dataset, a sampler, a batch size: as the loader holds)
     batch_sampler: Any = loader.batch_sampler
@@ -307,7 +391,8 @@ def _alone(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: b
     # batch_sampler=, which leaves batch_size None), rather than the one torch built.
     custom_batches = batch_sampler is not None and (
         type(batch_sampler) is not BatchSampler
-        or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None))
+        or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None)
+    )
     if isinstance(loader, poptorch.DataLoader):
         micro = built_micro_batch(loader, opts, training, name)
         if custom_batches:
@@ -315,8 +400,10 @@ def _alone(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: b
     else:
         micro = loader.batch_size
         if micro is None and not custom_batches:
-            raise ValueError(f"{name} has batch_size=None: the loop needs micro-batches. "
-                             "Pass the micro-batch size as batch_size.")
+            raise ValueError(
+                f"{name} has batch_size=None: the loop needs micro-batches. "
+                "Pass the micro-batch size as batch_size."
+            )
     if custom_batches:  # each micro-batch of a host call, each replica's too, one batch
         declared = getattr(batch_sampler, "batch_size", None)
         micro = declared or micro or 1
@@ -335,8 +422,11 @@ def _alone(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: b
     else:
         micro_arg = micro
         if not iterable:
-            inner = (torch.utils.data.SequentialSampler(dataset) if sequential or pad
-                     else whole_order(loader.sampler, instances, name))
+            inner = (
+                torch.utils.data.SequentialSampler(dataset)
+                if sequential or pad
+                else whole_order(loader.sampler, instances, name)
+            )
             sampler = ResumableSampler(inner)
             kwargs["sampler"] = sampler
     if samples is not None and not pad and not custom_batches:
@@ -345,24 +435,38 @@ def _alone(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: b
             raise ValueError(
                 f"{name} has {samples} samples, fewer than one host call needs: "
                 f"{describe_factors(opts, micro, training)}. Lower the micro-batch size, "
-                "deviceIterations, gradientAccumulation or replicas, or use more data.")
+                "deviceIterations, gradientAccumulation or replicas, or use more data."
+            )
         if samples % combined:
-            warnings.warn(f"{name}: {samples % combined} of {samples} samples are dropped each "
-                          f"epoch ({describe_factors(opts, micro, training)}).", stacklevel=3)
+            warnings.warn(
+                f"{name}: {samples % combined} of {samples} samples are dropped each "
+                f"epoch ({describe_factors(opts, micro, training)}).",
+                stacklevel=3,
+            )
     if custom_batches:
         kwargs.pop("generator", None)
     built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
-    plan = Plan(built, sampler, micro, micro * factor, layout, samples, name, batches,
-                prefetch_of(poptorch, loader, name, async_options))
+    plan = Plan(
+        built,
+        sampler,
+        micro,
+        micro * factor,
+        layout,
+        samples,
+        name,
+        batches,
+        prefetch_of(poptorch, loader, name, async_options),
+    )
     if custom_batches:
         plan.shape = OneShape(name, batch_sampler, declared, factor)
     if iterable and pad:  # the stream as its loader yields it: its batches, every sample
         stream = loader_kwargs(loader)
-        plan.stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False,
-                                 **stream)
+        plan.stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False, **stream)
     if samples is not None and plan.steps == 0:
-        raise ValueError(f"{name} is empty: {samples} samples make no host call of "
-                         f"{describe_factors(opts, micro, training)}.")
+        raise ValueError(
+            f"{name} is empty: {samples} samples make no host call of "
+            f"{describe_factors(opts, micro, training)}."
+        )
     return plan
 
 
@@ -372,16 +476,24 @@ def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str
     if isinstance(loader, poptorch.DataLoader):
         micro = built_micro_batch(loader, opts, training, name, " per instance")
         dataset = getattr(dataset, "_dataset", dataset)  # PopTorch's per-process slice
-        shuffle = (isinstance(loader.sampler, torch.utils.data.RandomSampler)
-                   or bool(getattr(loader, "_shuffle_distributed", False)))
+        shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler) or bool(
+            getattr(loader, "_shuffle_distributed", False)
+        )
         if type(loader.batch_sampler) is not torch.utils.data.BatchSampler:  # a custom one
-            view = torch.utils.data.DataLoader(dataset, batch_sampler=loader.batch_sampler,
-                                               collate_fn=loader.collate_fn,
-                                               num_workers=loader.num_workers)
+            view = torch.utils.data.DataLoader(
+                dataset,
+                batch_sampler=loader.batch_sampler,
+                collate_fn=loader.collate_fn,
+                num_workers=loader.num_workers,
+            )
             return view, micro
-        view = torch.utils.data.DataLoader(dataset, batch_size=micro, shuffle=shuffle,
-                                           collate_fn=loader.collate_fn,
-                                           num_workers=loader.num_workers)
+        view = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=micro,
+            shuffle=shuffle,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+        )
         return view, micro
     return loader, loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
 
@@ -397,58 +509,125 @@ def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -
         kwargs.pop("generator", None)
     elif sampler is not None:
         kwargs["sampler"] = sampler
-    return poptorch.DataLoader(opts, dataset, batch_size=micro, drop_last=True,
-                               auto_distributed_partitioning=False, **kwargs)
+    return poptorch.DataLoader(
+        opts,
+        dataset,
+        batch_size=micro,
+        drop_last=True,
+        auto_distributed_partitioning=False,
+        **kwargs,
+    )
 
 
-def _share(poptorch: Any, loader: Any, opts: Any, layout: Layout, *, training: bool,
-           name: str, pad: bool = False, sequential: bool = False,
-           partition: bool = True, async_options: dict[str, Any] | None = None) -> Plan:
+def _share(
+    poptorch: Any,
+    loader: Any,
+    opts: Any,
+    layout: Layout,
+    *,
+    training: bool,
+    name: str,
+    pad: bool = False,
+    sequential: bool = False,
+    partition: bool = True,
+    async_options: dict[str, Any] | None = None,
+) -> Plan:
     """``_alone`` for one of N instances (``opts.Distributed.numProcesses`` N); its warnings
     (dropped samples...) are given on instance 0 only."""
     with warnings.catch_warnings():
         if opts.Distributed.processId != 0:
             warnings.simplefilter("ignore")
-        plan = _process_plan(poptorch, loader, opts, layout, training=training, name=name,
-                             pad=pad, sequential=sequential, partition=partition)
+        plan = _process_plan(
+            poptorch,
+            loader,
+            opts,
+            layout,
+            training=training,
+            name=name,
+            pad=pad,
+            sequential=sequential,
+            partition=partition,
+        )
         plan.prefetch = prefetch_of(poptorch, loader, name, async_options)  # as read alone
         return plan
 
 
-def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, training: bool,
-                  name: str, pad: bool, sequential: bool, partition: bool) -> Plan:
+def _process_plan(
+    poptorch: Any,
+    loader: Any,
+    opts: Any,
+    layout: Any,
+    *,
+    training: bool,
+    name: str,
+    pad: bool,
+    sequential: bool,
+    partition: bool,
+) -> Plan:
     size = opts.Distributed.numProcesses
     rank = opts.Distributed.processId
     alone = opts.clone()
     alone.Distributed.disable()
     if not isinstance(loader, torch.utils.data.DataLoader):  # the usual error
-        return _alone(poptorch, loader, alone, layout, training=training, name=name,
-                           pad=pad, sequential=sequential)
+        return _alone(
+            poptorch,
+            loader,
+            alone,
+            layout,
+            training=training,
+            name=name,
+            pad=pad,
+            sequential=sequential,
+        )
     view, micro = _dataset_of(poptorch, loader, opts, training, name)
     dataset = view.dataset
     if isinstance(dataset, torch.utils.data.IterableDataset) or not partition:
         # a stream has no order to share out: each instance reads its own (shard it in
         # __iter__, e.g. by ipuloop.processes.process_index()); predict reads everything
-        plan = _alone(poptorch, view, alone, layout, training=training, name=name,
-                           pad=pad, sequential=sequential)
-        plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset,
-                               plan.sampler if plan.batches is None else plan.batches)
+        plan = _alone(
+            poptorch,
+            view,
+            alone,
+            layout,
+            training=training,
+            name=name,
+            pad=pad,
+            sequential=sequential,
+        )
+        plan.loader = _rebuilt(
+            poptorch,
+            opts,
+            plan,
+            plan.loader.dataset,
+            plan.sampler if plan.batches is None else plan.batches,
+        )
         return plan
     if training:
         if opts.replication_factor % opts.input_group_size:
             raise ValueError(
                 f"{name}: input replica groups of {opts.input_group_size} with "
                 f"{opts.replication_factor} replicas per instance cannot be shared out "
-                "between instances: use groups that divide the replicas of an instance.")
+                "between instances: use groups that divide the replicas of an instance."
+            )
         every = alone.clone()
         every.replicationFactor(opts.replication_factor * size)
         try:
-            whole = _alone(poptorch, view, every, layout, training=True, name=name,
-                                sequential=sequential, instances=size)
+            whole = _alone(
+                poptorch,
+                view,
+                every,
+                layout,
+                training=True,
+                name=name,
+                sequential=sequential,
+                instances=size,
+            )
         except ValueError as e:
-            raise ValueError(f"{e} (replicationFactor {opts.replication_factor * size}: "
-                             f"{opts.replication_factor} replica(s) on each of {size} "
-                             "instances)") from None
+            raise ValueError(
+                f"{e} (replicationFactor {opts.replication_factor * size}: "
+                f"{opts.replication_factor} replica(s) on each of {size} "
+                "instances)"
+            ) from None
         groups = max(opts.replication_factor // opts.input_group_size, 1)
         iterations = opts.device_iterations * opts.Training.gradient_accumulation
         combined = whole.micro * host_call_factor(opts, True)
@@ -456,35 +635,50 @@ def _process_plan(poptorch: Any, loader: Any, opts: Any, layout: Any, *, trainin
             assert whole.shape is not None  # (a custom batch sampler's plan has one)
             batches = ProcessBatchSampler(whole.batches.inner, rank, size, iterations, groups)
             built = _rebuilt(poptorch, opts, whole, view.dataset, batches)
-            return Plan(built, None, whole.micro, combined, layout, whole.samples, name,
-                        batches, shape=OneShape(name, whole.batches.inner,
-                                                whole.shape.batch_size, iterations * groups))
+            return Plan(
+                built,
+                None,
+                whole.micro,
+                combined,
+                layout,
+                whole.samples,
+                name,
+                batches,
+                shape=OneShape(
+                    name, whole.batches.inner, whole.shape.batch_size, iterations * groups
+                ),
+            )
         assert whole.sampler is not None  # (a map-style dataset's plan, read in an order)
-        sampler = ProcessSampler(whole.sampler.inner, rank, size, iterations,
-                                 groups * whole.micro)
+        sampler = ProcessSampler(whole.sampler.inner, rank, size, iterations, groups * whole.micro)
         built = _rebuilt(poptorch, opts, whole, view.dataset, sampler)
         return Plan(built, sampler, whole.micro, combined, layout, whole.samples, name)
     # validation: a contiguous slice each, padded to the same number of host calls
     n = len(dataset)
     if n < size:
-        raise ValueError(f"{name} has {n} samples, fewer than the {size} instances: every "
-                         "instance needs at least one.")
+        raise ValueError(
+            f"{name} has {n} samples, fewer than the {size} instances: every "
+            "instance needs at least one."
+        )
     cuts = [n * p // size for p in range(size + 1)]
     combined = micro * host_call_factor(opts, training)
     longest = max(b - a for a, b in zip(cuts, cuts[1:]))
     total = -(-longest // combined) * combined
     mine = torch.utils.data.Subset(dataset, range(cuts[rank], cuts[rank + 1]))
-    view = torch.utils.data.DataLoader(Padded(mine, total), batch_size=micro,
-                                       collate_fn=view.collate_fn, num_workers=view.num_workers)
-    plan = _alone(poptorch, view, alone, layout, training=False, name=name,
-                       sequential=True)
+    view = torch.utils.data.DataLoader(
+        Padded(mine, total),
+        batch_size=micro,
+        collate_fn=view.collate_fn,
+        num_workers=view.num_workers,
+    )
+    plan = _alone(poptorch, view, alone, layout, training=False, name=name, sequential=True)
     plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
     plan.samples = cuts[rank + 1] - cuts[rank]
     return plan
 
 
-def split_batch(batch: Any, name: str, label_key: str = "labels",
-                need_labels: bool = True) -> tuple[tuple, dict, Any]:
+def split_batch(
+    batch: Any, name: str, label_key: str = "labels", need_labels: bool = True
+) -> tuple[tuple, dict, Any]:
     """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
 
     A tuple ``(inputs..., labels)`` is called ``model(inputs..., labels)``, the labels last;
@@ -503,13 +697,16 @@ def split_batch(batch: Any, name: str, label_key: str = "labels",
             raise ValueError(
                 f"{name} yields dict batches without the labels' key label_key={label_key!r} "
                 f"(keys {list(kwargs)}), but the loop needs the labels (for loss_fn or the "
-                "metrics). Pass Loop(label_key=...) naming the key that holds them.")
+                "metrics). Pass Loop(label_key=...) naming the key that holds them."
+            )
         return (), kwargs, None
-    raise ValueError(f"{name} must yield (inputs..., labels) tuples (the last element "
-                     f"is the labels) or dicts of keyword inputs. Received a "
-                     f"{type(batch).__name__}"
-                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-                     + ". Return (x, y) from the dataset's __getitem__.")
+    raise ValueError(
+        f"{name} must yield (inputs..., labels) tuples (the last element "
+        f"is the labels) or dicts of keyword inputs. Received a "
+        f"{type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        + ". Return (x, y) from the dataset's __getitem__."
+    )
 
 
 _NO_KWARGS: dict = {}  # a tuple batch's keyword inputs (never written to)
@@ -523,11 +720,13 @@ def as_sent(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple
 
     def cast(x: Any) -> Any:
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
     return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
 
 
-def predict_inputs(batch: Any, num_inputs: int | None, name: str,
-                   label_key: str = "labels") -> tuple[tuple, dict]:
+def predict_inputs(
+    batch: Any, num_inputs: int | None, name: str, label_key: str = "labels"
+) -> tuple[tuple, dict]:
     """The model's inputs in a predict batch, as ``(args, kwargs)``: all of its elements, or
     all but the labels.
 
@@ -544,9 +743,11 @@ def predict_inputs(batch: Any, num_inputs: int | None, name: str,
         return (tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)), _NO_KWARGS
     if len(batch) in (n, n + 1):
         return tuple(batch[:n]), _NO_KWARGS
-    raise ValueError(f"{name} yields batches of {len(batch)} elements, but the model "
-                     f"was fit with {n} input(s): predict takes (inputs...) or "
-                     "(inputs..., labels) batches of those inputs.")
+    raise ValueError(
+        f"{name} yields batches of {len(batch)} elements, but the model "
+        f"was fit with {n} input(s): predict takes (inputs...) or "
+        "(inputs..., labels) batches of those inputs."
+    )
 
 
 def _check_not_empty(loader: Any, name: str) -> None:
@@ -555,8 +756,10 @@ def _check_not_empty(loader: Any, name: str) -> None:
     except TypeError:  # an IterableDataset: its length is unknown
         empty = False
     if empty:
-        raise ValueError(f"{name} has 0 samples (the loader is empty): there is nothing "
-                         "to run. Pass a loader over a dataset with at least one sample.")
+        raise ValueError(
+            f"{name} has 0 samples (the loader is empty): there is nothing "
+            "to run. Pass a loader over a dataset with at least one sample."
+        )
 
 
 def no_host_call(plan: Plan, epoch: int) -> ValueError:
@@ -565,7 +768,8 @@ def no_host_call(plan: Plan, epoch: int) -> ValueError:
         f"{plan.name} yielded no complete host call in epoch {epoch}: one host call takes "
         f"{describe_factors(plan.loader.options, plan.micro, True)}. An IterableDataset must "
         "yield at least that many samples each time it is iterated (a generator can be "
-        "iterated only once).")
+        "iterated only once)."
+    )
 
 
 def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
@@ -585,7 +789,9 @@ def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
     opts = configured(resolve_options(pt, opts, None)[0])
     plan = build(pt, loader, opts, True, "loader")
     if plan.steps is None:
-        raise ValueError(f"loader reads an {type(plan.loader.dataset).__name__}, whose "
-                         "length is unknown, so neither is its number of updates. Count "
-                         "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI.")
+        raise ValueError(
+            f"loader reads an {type(plan.loader.dataset).__name__}, whose "
+            "length is unknown, so neither is its number of updates. Count "
+            "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI."
+        )
     return epochs * plan.steps * opts.device_iterations

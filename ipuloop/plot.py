@@ -6,6 +6,7 @@ per epoch), then one panel per metric (``train_<name>`` and ``val_<name>``) and 
 logged value. Needs matplotlib (``pip install "ipuloop[plot]"``). A file that is not a
 CSVLogger file is one line on stderr and exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ def read_csv(path: str) -> dict[str, list[tuple[float, float]]]:
         raise NotALog(f"not a CSVLogger file ({e})") from e
     if not rows or tuple(rows[0][:3]) != COUNTERS:
         first = ",".join(rows[0])[:60] if rows else "an empty file"
-        raise NotALog(f"not a CSVLogger file: its header must begin with "
-                      f"{','.join(COUNTERS)}, found {first!r}")
+        raise NotALog(
+            f"not a CSVLogger file: its header must begin with "
+            f"{','.join(COUNTERS)}, found {first!r}"
+        )
     header, data = rows[0], rows[1:]
     if not data:
         raise NotALog("a CSVLogger file with no rows: nothing to plot")
@@ -77,8 +80,10 @@ def plot_csv(path: str, output: str) -> list[str]:
     try:
         import matplotlib
     except ImportError as e:
-        raise ImportError(f"python -m ipuloop.plot needs matplotlib, which is not installed. "
-                          f"Install it with: {INSTALL}") from e
+        raise ImportError(
+            f"python -m ipuloop.plot needs matplotlib, which is not installed. "
+            f"Install it with: {INSTALL}"
+        ) from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -101,7 +106,7 @@ def plot_csv(path: str, output: str) -> list[str]:
         ax.set_xlabel("optimizer updates")
         ax.grid(alpha=0.3)
         ax.legend()
-    for ax in list(axes.flat)[len(groups):]:
+    for ax in list(axes.flat)[len(groups) :]:
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(output, dpi=100)
@@ -110,8 +115,11 @@ def plot_csv(path: str, output: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ipuloop.plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ipuloop.plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("csv", help="a file written by ipuloop.callbacks.CSVLogger")
     p.add_argument("-o", "--output", default="curves.png", help="image file (default: %(default)s)")
     args = p.parse_args(argv)

@@ -35,6 +35,7 @@ process, as PopDist's local replicas), and needs no change to the program:
   first to fail leaves its error in the process group's store and leaves the group, and
   the others raise ``InstanceFailedError`` naming it (``ProcessGroup.failed``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -50,12 +51,24 @@ from typing import Any, Iterator
 import torch
 
 from .exceptions import InstanceFailedError
-from .signals import Preempted
 from .rules import DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, leave_process_group
+from .signals import Preempted
 
-__all__ = ["Launch", "detect", "process_index", "num_processes", "is_main_process",
-           "timeout_seconds", "TIMEOUT_ENV", "DEFAULT_TIMEOUT", "Processes", "ProcessGroup",
-           "ALONE", "join", "configured"]
+__all__ = [
+    "Launch",
+    "detect",
+    "process_index",
+    "num_processes",
+    "is_main_process",
+    "timeout_seconds",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT",
+    "Processes",
+    "ProcessGroup",
+    "ALONE",
+    "join",
+    "configured",
+]
 
 TIMEOUT_ENV = DIST_TIMEOUT_ENV
 DEFAULT_TIMEOUT = DEFAULT_DIST_TIMEOUT
@@ -77,8 +90,9 @@ def _int(env: Any, name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: the launcher's environment must hold an integer "
-                         "there.") from None
+        raise ValueError(
+            f"{name}={value!r}: the launcher's environment must hold an integer there."
+        ) from None
 
 
 def detect(env: Any = None) -> Launch | None:
@@ -88,26 +102,38 @@ def detect(env: Any = None) -> Launch | None:
     if "POPDIST_NUM_TOTAL_REPLICAS" in env or "POPDIST_NUM_INSTANCES" in env:
         launch = _popdist(env)
     elif "RANK" in env and "WORLD_SIZE" in env:
-        launch = Launch(_int(env, "RANK"), _int(env, "WORLD_SIZE"),
-                        int(env.get("LOCAL_RANK", "0")), "torchrun")
+        launch = Launch(
+            _int(env, "RANK"), _int(env, "WORLD_SIZE"), int(env.get("LOCAL_RANK", "0")), "torchrun"
+        )
     elif "OMPI_COMM_WORLD_SIZE" in env and "OMPI_COMM_WORLD_RANK" in env:
-        launch = Launch(_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
-                        int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")), "mpirun")
+        launch = Launch(
+            _int(env, "OMPI_COMM_WORLD_RANK"),
+            _int(env, "OMPI_COMM_WORLD_SIZE"),
+            int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")),
+            "mpirun",
+        )
     if launch is None or launch.size <= 1:
         return None
     if not 0 <= launch.rank < launch.size:
-        raise ValueError(f"The {launch.launcher} environment gives instance index {launch.rank} "
-                         f"of {launch.size} instances: the index must be in [0, {launch.size}).")
+        raise ValueError(
+            f"The {launch.launcher} environment gives instance index {launch.rank} "
+            f"of {launch.size} instances: the index must be in [0, {launch.size})."
+        )
     return launch
 
 
 def _popdist(env: Any) -> Launch:
     try:  # on an IPU system: PopDist's own reading of poprun's environment
         import popdist
+
         if popdist.isPopdistEnvSet():
-            return Launch(int(popdist.getInstanceIndex()), int(popdist.getNumInstances()),
-                          int(popdist.getLocalInstanceIndex()), "poprun",
-                          int(popdist.getNumLocalReplicas()))
+            return Launch(
+                int(popdist.getInstanceIndex()),
+                int(popdist.getNumInstances()),
+                int(popdist.getLocalInstanceIndex()),
+                "poprun",
+                int(popdist.getNumLocalReplicas()),
+            )
     except ImportError:
         pass
     local = int(env.get("POPDIST_NUM_LOCAL_REPLICAS", "1"))
@@ -129,6 +155,7 @@ def timeout_seconds(env: Any = None) -> float:
 
 def _group_ready() -> bool:
     import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
 
 
@@ -136,6 +163,7 @@ def process_index() -> int:
     """This instance's index (0 when the process runs alone)."""
     if _group_ready():
         import torch.distributed as dist
+
         return dist.get_rank()
     launch = detect()
     return launch.rank if launch else 0
@@ -145,6 +173,7 @@ def num_processes() -> int:
     """The number of instances (1 when the process runs alone)."""
     if _group_ready():
         import torch.distributed as dist
+
         return dist.get_world_size()
     launch = detect()
     return launch.size if launch else 1
@@ -158,15 +187,18 @@ def is_main_process() -> bool:
 def _init_group(rank: int, size: int) -> None:
     """Join the default process group, creating it (gloo) when nobody has."""
     import torch.distributed as dist
+
     if not dist.is_available():
-        raise RuntimeError("Several processes need torch.distributed, which this torch build "
-                           "lacks.")
+        raise RuntimeError(
+            "Several processes need torch.distributed, which this torch build lacks."
+        )
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, size):
             raise ValueError(
                 f"The torch.distributed process group has rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, but the options say process {rank} of {size}: "
-                "initialise the group with the launcher's rank and world size.")
+                "initialise the group with the launcher's rank and world size."
+            )
         return
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = os.environ.get("MASTER_PORT", "29500")
@@ -175,15 +207,20 @@ def _init_group(rank: int, size: int) -> None:
     method = "env://" if launched else f"tcp://{addr}:{port}"
     seconds = timeout_seconds()
     try:
-        dist.init_process_group("gloo", init_method=method, rank=rank,
-                                world_size=size,
-                                timeout=datetime.timedelta(seconds=seconds))
+        dist.init_process_group(
+            "gloo",
+            init_method=method,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=seconds),
+        )
     except Exception as e:
         raise RuntimeError(
             f"Instance {rank} of {size} could not join the other instances at "
             f"{addr}:{port} within {seconds:g} s ({type(e).__name__}: {e}). Set MASTER_ADDR and "
             f"MASTER_PORT to the same address on every instance (torchrun does), and "
-            f"{TIMEOUT_ENV} to wait longer.") from e
+            f"{TIMEOUT_ENV} to wait longer."
+        ) from e
     atexit.register(leave_process_group)
 
 
@@ -192,6 +229,7 @@ def _default_store() -> Any:
     the others; None where this torch does not give it."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
+
         return _get_default_store()
     except Exception:  # noqa: BLE001 (a private function: the others then only learn it failed)
         return None
@@ -246,12 +284,14 @@ class Processes:
         self.check_preempted(st)
         return st.should_stop()
 
-    def check_agreement(self, loop: Any, plan: Any, val_plan: Any, epochs: int,
-                        max_steps: int | None) -> None:
+    def check_agreement(
+        self, loop: Any, plan: Any, val_plan: Any, epochs: int, max_steps: int | None
+    ) -> None:
         """Before the first step: the instances compare their settings (here: none to)."""
 
-    def checkpoint_state(self, st: Any, train_metrics: dict[str, Any],
-                         sd: dict[str, Any]) -> dict[str, Any]:
+    def checkpoint_state(
+        self, st: Any, train_metrics: dict[str, Any], sd: dict[str, Any]
+    ) -> dict[str, Any]:
         """The run's state for a checkpoint: here, ``sd``."""
         return sd
 
@@ -286,15 +326,18 @@ class ProcessGroup(Processes):
         if self.failure is not None:  # this instance left the run at a failure already
             return RuntimeError(
                 f"Instance {self.rank} of {self.size} cannot go on while {what}: the run's "
-                f"instances ended at a failure ({self.failure[1]!r}). Start the run again.")
+                f"instances ended at a failure ({self.failure[1]!r}). Start the run again."
+            )
         return RuntimeError(
             f"Instance {self.rank} of {self.size} lost the other instances while {what}: an "
             f"instance died or stopped answering within {timeout_seconds():g} s "
-            f"({TIMEOUT_ENV}). ({type(e).__name__}: {e})")
+            f"({TIMEOUT_ENV}). ({type(e).__name__}: {e})"
+        )
 
     def sum(self, values: list[float], what: str) -> list[float]:
         """``values`` summed over the instances (float64)."""
         import torch.distributed as dist
+
         t = torch.tensor(values, dtype=torch.float64)
         try:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -304,6 +347,7 @@ class ProcessGroup(Processes):
 
     def gather(self, obj: Any, what: str) -> list[Any]:
         import torch.distributed as dist
+
         out: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(out, obj)
@@ -345,8 +389,10 @@ class ProcessGroup(Processes):
                         f"Instance {k} of {self.size} failed at step {first['step']} with "
                         f"{first['error']}. Instance {self.rank} stopped at step {st.step} "
                         f"because of it (its own error, the __cause__, shows that instance "
-                        f"{k} left); the traceback is in instance {k}'s output.", k,
-                        first["error"])
+                        f"{k} left); the traceback is in instance {k}'s output.",
+                        k,
+                        first["error"],
+                    )
         self.failure = (error, raised)
         return raised
 
@@ -376,8 +422,10 @@ class ProcessGroup(Processes):
     def agree_on_stop(self, st: Any) -> None:
         """SIGTERM or ``stop()`` on any instance stops them all here (``st``: the loop's
         ``State``)."""
-        term, stop = self.sum([float(self.term_pending or st.preempted),
-                               float(st.stop_requested)], f"ending step {st.step}")
+        term, stop = self.sum(
+            [float(self.term_pending or st.preempted), float(st.stop_requested)],
+            f"ending step {st.step}",
+        )
         if term:
             st.preempted = True
             self.term_pending = False
@@ -400,8 +448,9 @@ class ProcessGroup(Processes):
                 raise
             raise raised from error
 
-    def check_agreement(self, loop: Any, plan: Any, val_plan: Any, epochs: int,
-                        max_steps: int | None) -> None:
+    def check_agreement(
+        self, loop: Any, plan: Any, val_plan: Any, epochs: int, max_steps: int | None
+    ) -> None:
         """Compare what every instance must share; an instance that differs is named."""
         o = loop.train_opts
         mine = {
@@ -414,24 +463,31 @@ class ProcessGroup(Processes):
             "training steps per epoch": plan.steps,
             "validation steps": val_plan.steps if val_plan is not None else None,
             "val_every_n_steps": loop.state.val_every_n_steps,
-            "epochs": epochs, "max_steps": max_steps,
+            "epochs": epochs,
+            "max_steps": max_steps,
             "optimizer": type(loop.optimizer).__name__,
             "parameters": sum(p.numel() for p in loop.model.parameters()),
             "step counter": loop.state.step,
         }
         every = self.gather(mine, "comparing the instances' settings")
         for index, theirs in enumerate(every):
-            diff = [f"{k} {every[0][k]!r} on instance 0 but {theirs[k]!r} on instance {index}"
-                    for k in mine if theirs.get(k) != every[0].get(k)]
+            diff = [
+                f"{k} {every[0][k]!r} on instance 0 but {theirs[k]!r} on instance {index}"
+                for k in mine
+                if theirs.get(k) != every[0].get(k)
+            ]
             if diff:
                 raise ValueError(
                     f"Instance {index} of {self.size} differs from instance 0: "
-                    + "; ".join(diff) + ". Every instance must run the same program with "
+                    + "; ".join(diff)
+                    + ". Every instance must run the same program with "
                     "the same settings (seed, factors, data, epochs); only the launcher's "
-                    "environment may differ.")
+                    "environment may differ."
+                )
 
-    def checkpoint_state(self, st: Any, train_metrics: dict[str, Any],
-                         sd: dict[str, Any]) -> dict[str, Any]:
+    def checkpoint_state(
+        self, st: Any, train_metrics: dict[str, Any], sd: dict[str, Any]
+    ) -> dict[str, Any]:
         """The run's state for a checkpoint: the train metrics of every instance together,
         and every instance's own random streams (the losses are the run's already)."""
         if st.exception is not None:  # failing: the others may not be here to answer
@@ -440,10 +496,14 @@ class ProcessGroup(Processes):
         for name, metric in train_metrics.items():
             metric.sync(should_sync=True, distributed_available=lambda: True)
             try:
-                sd["metrics"][name] = {n: v.clone() if isinstance(v, torch.Tensor) else
-                                       list(v) if isinstance(v, list) else v
-                                       for n, v in ((n, getattr(metric, n))
-                                                    for n in metric._defaults)}
+                sd["metrics"][name] = {
+                    n: v.clone()
+                    if isinstance(v, torch.Tensor)
+                    else list(v)
+                    if isinstance(v, list)
+                    else v
+                    for n, v in ((n, getattr(metric, n)) for n in metric._defaults)
+                }
             finally:
                 metric.unsync()
         own = {k: sd.get(k) for k in ("rng", "device_rng", "epoch_rng", "sampler_rng")}
@@ -493,6 +553,7 @@ def _leave_group() -> None:
     """Destroy the default process group at once (no meeting: the others may be waiting in
     a collective, which this makes fail); exit then has no group to leave."""
     import torch.distributed as dist
+
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -516,7 +577,8 @@ def join(opts: Any, inference_opts: Any, replicas_given: bool) -> Processes:
             raise ValueError(
                 f"The options say process {rank} of {size}, but {launch.launcher} started "
                 f"instance {launch.rank} of {launch.size}. Leave opts.Distributed unset: the "
-                "loop reads the launcher's environment.")
+                "loop reads the launcher's environment."
+            )
     elif launch is None:
         return ALONE
     else:
@@ -531,7 +593,8 @@ def join(opts: Any, inference_opts: Any, replicas_given: bool) -> Processes:
             raise ValueError(
                 f"poprun gives each instance {launch.local_replicas} replica(s), but the loop "
                 f"has replicationFactor {opts.replication_factor}. Leave replicas= unset under "
-                "poprun (its --num-replicas / --num-instances decide), or pass the same number.")
+                "poprun (its --num-replicas / --num-instances decide), or pass the same number."
+            )
     if launch is not None and launch.launcher == "poprun":
         _check_popdist_options(opts)
     if inference_opts is not None and inference_opts.Distributed.numProcesses == 1:
@@ -549,11 +612,13 @@ def _check_popdist_options(opts: Any) -> None:
         return
     popdist_options = getattr(popdist.poptorch, "Options", None)
     if isinstance(popdist_options, type) and not isinstance(opts, popdist_options):
-        warnings.warn("Running under poprun with options that are not popdist.poptorch.Options: "
-                      "the loop set their process id and local replicas from PopDist, but "
-                      "PopDist's own options also select this instance's IPUs. Build them with "
-                      "popdist.poptorch.Options(ipus_per_replica=...) and pass those to Loop.",
-                      stacklevel=4)
+        warnings.warn(
+            "Running under poprun with options that are not popdist.poptorch.Options: "
+            "the loop set their process id and local replicas from PopDist, but "
+            "PopDist's own options also select this instance's IPUs. Build them with "
+            "popdist.poptorch.Options(ipus_per_replica=...) and pass those to Loop.",
+            stacklevel=4,
+        )
 
 
 def configured(opts: Any) -> Any:

@@ -20,6 +20,7 @@ host calls of the new factors (same dataset length), and is a ``ValueError`` nam
 changed factor otherwise, raised before any step. (An ``IterableDataset``, which each
 instance reads on its own, continues mid-epoch only with the saved number of instances.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,18 +50,37 @@ def check_resumable(opt: torch.optim.Optimizer, poptorch: Any) -> None:
         return
     if isinstance(opt, torch.optim.SGD) and not any(g.get("momentum") for g in opt.param_groups):
         return  # plain SGD: no state to lose
-    twin = next((c.__name__ for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD,
-                                      torch.optim.RMSprop) if isinstance(opt, c)),
-                type(opt).__name__)
-    args = ", ".join(f"{k}={v!r}" for k, v in opt.defaults.items() if k in (
-        "lr", "momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "alpha",
-        "centered"))
+    twin = next(
+        (
+            c.__name__
+            for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.RMSprop)
+            if isinstance(opt, c)
+        ),
+        type(opt).__name__,
+    )
+    args = ", ".join(
+        f"{k}={v!r}"
+        for k, v in opt.defaults.items()
+        if k
+        in (
+            "lr",
+            "momentum",
+            "dampening",
+            "nesterov",
+            "betas",
+            "eps",
+            "weight_decay",
+            "alpha",
+            "centered",
+        )
+    )
     raise ValueError(
         f"optimizer={type(opt).__module__}.{type(opt).__qualname__} keeps its state "
         "(momentum, moments) on the IPU only: PopTorch reads and writes optimizer state for "
         "poptorch.optim optimizers alone, so a checkpoint would hold none and a resumed fit "
         "would restart it from zero. Use its poptorch.optim twin, with the same values: "
-        f"poptorch.optim.{twin}(params, {args}).")
+        f"poptorch.optim.{twin}(params, {args})."
+    )
 
 
 def optimizer_extras(opt: torch.optim.Optimizer) -> dict[str, float]:
@@ -79,9 +99,11 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
     saved = sd.get("optimizer")
     if saved is None:
         return
-    fix = ("Build the loop with the optimizer type and parameter groups of the saved run, in "
-           "the same order, or start a new fit from its weights: "
-           'model.load_state_dict(load_checkpoint(path)["model"]).')
+    fix = (
+        "Build the loop with the optimizer type and parameter groups of the saved run, in "
+        "the same order, or start a new fit from its weights: "
+        'model.load_state_dict(load_checkpoint(path)["model"]).'
+    )
     theirs_type = sd.get("optimizer_type", type(ours).__name__)  # older checkpoints: unnamed
     layout = [len(g["params"]) for g in saved["param_groups"]]
     our_layout = [len(g["params"]) for g in ours.param_groups]
@@ -89,18 +111,24 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
         raise ValueError(
             f"Cannot resume: the checkpoint's optimizer is {theirs_type} with "
             f"{len(layout)} parameter group(s) of {layout} parameters, but the loop's is "
-            f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. {fix}")
+            f"{type(ours).__name__} with {len(our_layout)} of {our_layout}. {fix}"
+        )
     shapes = sd.get("optimizer_shapes")
     our_shapes = group_shapes(ours)
     if shapes is not None and [[list(s) for s in g] for g in shapes] != our_shapes:
-        differ = [i for i, (a, b) in enumerate(zip(shapes, our_shapes))
-                  if [list(s) for s in a] != b]
+        differ = [
+            i for i, (a, b) in enumerate(zip(shapes, our_shapes)) if [list(s) for s in a] != b
+        ]
         raise ValueError(
             "Cannot resume: the optimizer's parameter groups hold other parameters than the "
             "checkpoint's (parameter shapes per group: "
-            + "; ".join(f"group {i}: saved {[list(s) for s in shapes[i]]}, now {our_shapes[i]}"
-                        for i in differ)
-            + "): the saved momentum and moments would go to the wrong parameters. " + fix)
+            + "; ".join(
+                f"group {i}: saved {[list(s) for s in shapes[i]]}, now {our_shapes[i]}"
+                for i in differ
+            )
+            + "): the saved momentum and moments would go to the wrong parameters. "
+            + fix
+        )
 
 
 def _data_factors(plan: Any) -> dict[str, Any]:
@@ -108,13 +136,18 @@ def _data_factors(plan: Any) -> dict[str, Any]:
     N instances of R replicas read as one process with N*R replicas (``ipuloop.processes``)."""
     o = plan.loader.options
     n = o.Distributed.numProcesses
-    return {"factors": {"micro-batch size": plan.micro,
-                        "deviceIterations": o.device_iterations,
-                        "gradientAccumulation": o.Training.gradient_accumulation,
-                        "replicationFactor": o.replication_factor * n,
-                        "input_group_size": o.input_group_size,
-                        "dataset length": plan.samples},
-            "samples_per_step": plan.combined * n, "instances": n}
+    return {
+        "factors": {
+            "micro-batch size": plan.micro,
+            "deviceIterations": o.device_iterations,
+            "gradientAccumulation": o.Training.gradient_accumulation,
+            "replicationFactor": o.replication_factor * n,
+            "input_group_size": o.input_group_size,
+            "dataset length": plan.samples,
+        },
+        "samples_per_step": plan.combined * n,
+        "instances": n,
+    }
 
 
 def _run_factors(data: dict[str, Any] | None, processes: Any) -> dict[str, Any] | None:
@@ -175,8 +208,15 @@ class Resume:
         self._device_rng = None
         return rng
 
-    def capture(self, model: torch.nn.Module, optimizer: Any, st: Any, epoch: Any,
-                callbacks: list, executor: Any) -> dict[str, Any]:
+    def capture(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        st: Any,
+        epoch: Any,
+        callbacks: list,
+        executor: Any,
+    ) -> dict[str, Any]:
         """A loop's ``state_dict``: its model, optimizer, counters, logs, running epoch
         (``accumulators.TrainEpoch``: sums and train metrics), callbacks and RNG points;
         ``executor`` is the training model (or None)."""
@@ -220,8 +260,16 @@ class Resume:
             return self._draw.order
         return self.plan.drawn_from if self.plan is not None else None
 
-    def restore(self, sd: dict[str, Any], model: torch.nn.Module, optimizer: Any, st: Any,
-                epoch: Any, callbacks: list, executor: Any) -> None:
+    def restore(
+        self,
+        sd: dict[str, Any],
+        model: torch.nn.Module,
+        optimizer: Any,
+        st: Any,
+        epoch: Any,
+        callbacks: list,
+        executor: Any,
+    ) -> None:
         """Put back what ``capture`` took (the optimizer checked first: ``check_optimizer``)."""
         check_optimizer(sd, optimizer)
         (executor or model).load_state_dict(sd["model"])
@@ -275,25 +323,31 @@ def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> No
             f"the checkpoint was written by {was}, and each instance reads an IterableDataset "
             "on its own, so the samples already read are not known in another layout. Resume "
             f"with {was} instance(s) (finishing this epoch), or from a checkpoint taken at the "
-            "end of an epoch.")
-    changed = ", ".join(f"{k} {old[k]} -> {new[k]}" for k in new
-                        if k in old and old[k] != new[k])
+            "end of an epoch."
+        )
+    changed = ", ".join(f"{k} {old[k]} -> {new[k]}" for k in new if k in old and old[k] != new[k])
     if not changed:
         return
     if "replicationFactor " in changed and max(was, instances) > 1:
         changed += " (replicas of all instances together)"
     if st.epoch_step == 0:
-        warnings.warn(f"Resuming at the start of epoch {st.epoch} with other factors than "
-                      f"the checkpoint's ({changed}): the epochs from here on use the new "
-                      "ones.", stacklevel=4)
+        warnings.warn(
+            f"Resuming at the start of epoch {st.epoch} with other factors than "
+            f"the checkpoint's ({changed}): the epochs from here on use the new "
+            "ones.",
+            stacklevel=4,
+        )
         return
     position = st.epoch_step * saved["samples_per_step"]  # samples the epoch has read
     per_step = now["samples_per_step"]
     if old.get("dataset length") == new["dataset length"] and not position % per_step:
         st.epoch_step = position // per_step  # the same sample, in the new host calls
-        warnings.warn(f"Resuming epoch {st.epoch} after its {position} samples already "
-                      f"read, with other factors than the checkpoint's ({changed}): "
-                      f"{st.epoch_step} host calls of the new factors.", stacklevel=4)
+        warnings.warn(
+            f"Resuming epoch {st.epoch} after its {position} samples already "
+            f"read, with other factors than the checkpoint's ({changed}): "
+            f"{st.epoch_step} host calls of the new factors.",
+            stacklevel=4,
+        )
         return
     calls = describe_factors(plan.loader.options, plan.micro, True)
     if instances > 1:
@@ -301,8 +355,11 @@ def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> No
     raise ValueError(
         f"Cannot resume in the middle of epoch {st.epoch} with other factors ({changed}): "
         f"the checkpoint stopped after {position} of the epoch's samples, and "
-        + ("a different dataset length changes the epoch's sample order"
-           if old.get("dataset length") != new["dataset length"] else
-           f"{position} is not a whole number of the new host calls of {calls}")
+        + (
+            "a different dataset length changes the epoch's sample order"
+            if old.get("dataset length") != new["dataset length"]
+            else f"{position} is not a whole number of the new host calls of {calls}"
+        )
         + ". Resume with the saved factors (finishing this epoch, then change them at an "
-        "epoch boundary), or from a checkpoint taken at the end of an epoch.")
+        "epoch boundary), or from a checkpoint taken at the end of an epoch."
+    )

@@ -7,6 +7,7 @@ A leaf: it imports only the standard library and torch, so the emulator (which i
 else of ipuloop) and the loop read the same rule. ``opts`` is a ``poptorch.Options`` of either
 backend (the real one or ``ipuloop.emulator``): only their documented attributes are read.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,12 +17,31 @@ from typing import Any
 
 import torch
 
-__all__ = ["FINAL", "EVERY_N", "ALL", "SUM", "DEFAULT", "MAX_IPUS", "OPTIMIZER_GLOBALS",
-           "uses_ipu_model", "input_groups", "host_call_factor", "describe_factors",
-           "reserved_ipus",
-           "ipu_count_error", "return_periods", "check_return_period", "returned_iterations",
-           "returned_rows", "plain_hyperparameter", "optimizer_hyperparameters",
-           "DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "dist_timeout", "leave_process_group"]
+__all__ = [
+    "FINAL",
+    "EVERY_N",
+    "ALL",
+    "SUM",
+    "DEFAULT",
+    "MAX_IPUS",
+    "OPTIMIZER_GLOBALS",
+    "uses_ipu_model",
+    "input_groups",
+    "host_call_factor",
+    "describe_factors",
+    "reserved_ipus",
+    "ipu_count_error",
+    "return_periods",
+    "check_return_period",
+    "returned_iterations",
+    "returned_rows",
+    "plain_hyperparameter",
+    "optimizer_hyperparameters",
+    "DIST_TIMEOUT_ENV",
+    "DEFAULT_DIST_TIMEOUT",
+    "dist_timeout",
+    "leave_process_group",
+]
 
 # OutputMode values (PopTorch's enum values; the real poptorch's and the emulator's alike).
 FINAL, EVERY_N, ALL, SUM, DEFAULT = 0, 1, 2, 3, 4
@@ -47,6 +67,7 @@ def uses_ipu_model(opts: Any) -> bool:
 
 # -- the host call ------------------------------------------------------------------------------
 
+
 def input_groups(opts: Any) -> int:
     """How many distinct inputs one device iteration's replicas read: max(RF // g, 1) for the
     input replica group size g (``inputReplicaGrouping``); replicas of a group read the same."""
@@ -66,8 +87,10 @@ def describe_factors(opts: Any, micro: int, training: bool) -> str:
     replicationFactor 1 x gradientAccumulation 1 = 8 samples per host call" (with
     "/ input_group_size g" after the replication factor when g != 1)."""
     ga = opts.Training.gradient_accumulation if training else 1
-    text = (f"micro-batch {micro} x deviceIterations {opts.device_iterations} x "
-            f"replicationFactor {opts.replication_factor}")
+    text = (
+        f"micro-batch {micro} x deviceIterations {opts.device_iterations} x "
+        f"replicationFactor {opts.replication_factor}"
+    )
     if opts.input_group_size != 1:
         text += f" / input_group_size {opts.input_group_size}"
     text += f" x gradientAccumulation {ga}"
@@ -75,6 +98,7 @@ def describe_factors(opts: Any, micro: int, training: bool) -> str:
 
 
 # -- IPUs a process reserves ---------------------------------------------------------------------
+
 
 def reserved_ipus(opts: Any, n: int) -> int:
     """The IPUs PopTorch reserves for a model that needs ``n`` (``CompilerImpl.cpp``): ``n``
@@ -94,35 +118,43 @@ def ipu_count_error(opts: Any, replicas: int, ipus_per_replica: int) -> str | No
         return None
     n = replicas * ipus_per_replica
     if n & (n - 1) and not opts.auto_round_num_ipus:
-        return (f"PopTorch reserves a power of 2 of IPUs, and {replicas} replica(s) x "
-                f"{ipus_per_replica} IPU(s) = {n} is not one. Set "
-                f"poptorch.Options().autoRoundNumIPUs(True) to reserve "
-                f"{1 << (n - 1).bit_length()}.")
+        return (
+            f"PopTorch reserves a power of 2 of IPUs, and {replicas} replica(s) x "
+            f"{ipus_per_replica} IPU(s) = {n} is not one. Set "
+            f"poptorch.Options().autoRoundNumIPUs(True) to reserve "
+            f"{1 << (n - 1).bit_length()}."
+        )
     if reserved_ipus(opts, n) > MAX_IPUS:
-        return (f"{replicas} replica(s) x {ipus_per_replica} IPU(s) = {n} IPUs, but a process "
-                f"can reserve at most {MAX_IPUS}.")
+        return (
+            f"{replicas} replica(s) x {ipus_per_replica} IPU(s) = {n} IPUs, but a process "
+            f"can reserve at most {MAX_IPUS}."
+        )
     return None
 
 
 # -- what each output mode returns -------------------------------------------------------------
+
 
 def return_periods(di: int) -> list[int]:
     """The periods ``OutputMode.EveryN`` accepts with ``di`` device iterations: its divisors."""
     return [d for d in range(1, di + 1) if di % d == 0]
 
 
-def check_return_period(period: int, di: int, error: type = ValueError,
-                        subject: str | None = None) -> None:
+def check_return_period(
+    period: int, di: int, error: type = ValueError, subject: str | None = None
+) -> None:
     """Raise ``error`` unless ``period`` divides ``di`` (PopART's rule for EveryN: the period
     must be a factor of the batches per step); the message names the valid periods.
     ``subject`` names what asked for the period (default ``OutputMode.EveryN(period)``)."""
     if isinstance(period, int) and period >= 1 and di % period == 0:
         return
     subject = subject or f"OutputMode.EveryN({period})"
-    raise error(f"Return period must be a factor of the number of batches per step: {subject} "
-                f"returns every {period}-th device iteration of a host call, so the period must "
-                f"divide deviceIterations ({di}). Received: output_return_period={period}. Use "
-                f"one of {return_periods(di)}.")
+    raise error(
+        f"Return period must be a factor of the number of batches per step: {subject} "
+        f"returns every {period}-th device iteration of a host call, so the period must "
+        f"divide deviceIterations ({di}). Received: output_return_period={period}. Use "
+        f"one of {return_periods(di)}."
+    )
 
 
 def returned_iterations(mode: int, di: int, period: int = 1) -> list[int]:
@@ -150,18 +182,30 @@ def returned_rows(mode: int, di: int, ga: int, rf: int, period: int = 1) -> list
     if mode == FINAL:
         return [[j] for j in range(n - rf, n)]
     per_iteration = ga * rf
-    return [[d * per_iteration + j] for d in returned_iterations(mode, di, period)
-            for j in range(per_iteration)]
+    return [
+        [d * per_iteration + j]
+        for d in returned_iterations(mode, di, period)
+        for j in range(per_iteration)
+    ]
 
 
 # -- the optimizer's hyper-parameters ------------------------------------------------------------
 
 # poptorch.optim attributes held on the optimizer, not per parameter group: PopTorch reads them
 # with the groups when it (re)reads an optimizer (trainingModel, setOptimizer).
-OPTIMIZER_GLOBALS = ("loss_scaling", "velocity_scaling", "max_grad_norm", "max_weight_norm",
-                     "use_combined_accum", "accum_type", "velocity_accum_type",
-                     "first_order_momentum_accum_type", "second_order_momentum_accum_type",
-                     "bias_correction", "use_tf_variant")
+OPTIMIZER_GLOBALS = (
+    "loss_scaling",
+    "velocity_scaling",
+    "max_grad_norm",
+    "max_weight_norm",
+    "use_combined_accum",
+    "accum_type",
+    "velocity_accum_type",
+    "first_order_momentum_accum_type",
+    "second_order_momentum_accum_type",
+    "bias_correction",
+    "use_tf_variant",
+)
 _ABSENT = object()
 
 
@@ -181,8 +225,10 @@ def optimizer_hyperparameters(opt: torch.optim.Optimizer) -> dict:
     "global": {name: value for each of OPTIMIZER_GLOBALS the optimizer has}}``. Tensor values
     (and tensors in tuples) are read as numbers (host tensors: no device sync). A fresh
     snapshot each call: nothing in it aliases the optimizer's own mutable state."""
-    groups = [{k: plain_hyperparameter(v) for k, v in g.items() if k != "params"}
-              for g in opt.param_groups]
+    groups = [
+        {k: plain_hyperparameter(v) for k, v in g.items() if k != "params"}
+        for g in opt.param_groups
+    ]
     extras = {}
     for k in OPTIMIZER_GLOBALS:
         v = getattr(opt, k, _ABSENT)
@@ -219,6 +265,7 @@ def leave_process_group() -> None:
     ``destroy_process_group`` on the instance that gets there after the others have left, so
     gloo instances first meet (10 s at most)."""
     import torch.distributed as dist
+
     if not dist.is_initialized():
         return
     if dist.get_backend() == "gloo":

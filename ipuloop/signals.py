@@ -12,6 +12,7 @@ left alone, and so is an ignored SIGINT, as in a process started by ``nohup`` or
 from a script (Python then installs no handler): such a fit is not interrupted by Ctrl-C, as
 its starter asked. SIGTERM preempts it all the same.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,9 @@ class Preempted(Exception):
 
 
 @contextlib.contextmanager
-def handle_signals(on_term: Callable[[], None],
-                   on_abort: Callable[[], None] | None = None) -> Iterator[None]:
+def handle_signals(
+    on_term: Callable[[], None], on_abort: Callable[[], None] | None = None
+) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return
@@ -51,6 +53,7 @@ def handle_signals(on_term: Callable[[], None],
                     on_abort()
             finally:
                 os._exit(130)
+
         signal.signal(signal.SIGINT, again)
         raise KeyboardInterrupt
 

@@ -3,6 +3,7 @@
 The running epoch's sums (its loss, the values the model logs) are the training epoch's
 accumulator's (``accumulators.TrainEpoch``); ``logs`` holds what they give.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,8 +53,9 @@ class State:
         self.exception = None
         self.exception_source = None
 
-    def start_fit(self, steps_per_epoch: int | None, max_steps: int | None,
-                  validates: bool) -> None:
+    def start_fit(
+        self, steps_per_epoch: int | None, max_steps: int | None, validates: bool
+    ) -> None:
         """A fit starts: its settings, no stop flag and no error yet."""
         self.start_call()
         self.stop_requested = False
@@ -76,8 +78,10 @@ class State:
 
     def counters(self) -> dict[str, int]:
         """The counters by name, as a checkpoint holds them."""
-        return {k: getattr(self, k) for k in
-                ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")}
+        return {
+            k: getattr(self, k)
+            for k in ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
+        }
 
     def load_counters(self, counters: dict[str, Any]) -> None:
         """Set the counters a checkpoint holds (``counters``)."""

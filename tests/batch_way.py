@@ -15,6 +15,7 @@ returns nothing (the host probe), a record that reads the loader's factors (resu
 values from call to call) that returns what a call it made into another module C returned, so
 the value went loop -> B -> C -> B on its way instead of loop -> C.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,7 +46,7 @@ def module_of(filename: str) -> str | None:
     """``filename``'s ipuloop module ("plan", "callbacks.base"), None outside the loop side."""
     if not filename.startswith(ROOT) or "/emulator/" in filename or "/_binding/" in filename:
         return None
-    return filename[len(ROOT):-3].replace("/", ".")
+    return filename[len(ROOT) : -3].replace("/", ".")
 
 
 class Way:
@@ -61,8 +62,16 @@ class Way:
         self.relays: list[str] = []
 
     def _follow(self, value: Any, record: int, returned: bool = True) -> None:
-        for v in (value, *(value if isinstance(value, (tuple, list)) else
-                           value.values() if isinstance(value, dict) else ())):
+        for v in (
+            value,
+            *(
+                value
+                if isinstance(value, (tuple, list))
+                else value.values()
+                if isinstance(value, dict)
+                else ()
+            ),
+        ):
             if not _carried(v):
                 continue
             if id(v) not in self.followed:
@@ -74,20 +83,29 @@ class Way:
 
     def _inputs(self, frame: Any) -> tuple[tuple[int, ...], Any]:
         code = frame.f_code
-        n = (code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 4)
-             + bool(code.co_flags & 8))
+        n = (
+            code.co_argcount
+            + code.co_kwonlyargcount
+            + bool(code.co_flags & 4)
+            + bool(code.co_flags & 8)
+        )
         found, this = [], None
         for i, name in enumerate(code.co_varnames[:n]):
             v = frame.f_locals.get(name)
             if i == 0 and name == "self":
                 this = v
-            for x in (v, *(v if isinstance(v, (tuple, list)) else
-                           v.values() if isinstance(v, dict) else ())):
+            for x in (
+                v,
+                *(v if isinstance(v, (tuple, list)) else v.values() if isinstance(v, dict) else ()),
+            ):
                 if _carried(x) and id(x) in self.followed:
                     found.append(id(x))
         filled = None
-        if (this is not None and code.co_name.startswith(("add", "update"))
-                and any(i != id(this) for i in found)):
+        if (
+            this is not None
+            and code.co_name.startswith(("add", "update"))
+            and any(i != id(this) for i in found)
+        ):
             filled = this  # an accumulator's (or a metric's) add or update: it holds the value
         return tuple(found), filled
 
@@ -97,9 +115,13 @@ class Way:
             inputs, filled = self._inputs(frame)
             if inputs:
                 index = len(self.records)
-                self.records.append((module_of(frame.f_code.co_filename),
-                                     getattr(frame.f_code, "co_qualname", frame.f_code.co_name),
-                                     inputs))
+                self.records.append(
+                    (
+                        module_of(frame.f_code.co_filename),
+                        getattr(frame.f_code, "co_qualname", frame.f_code.co_name),
+                        inputs,
+                    )
+                )
                 self.spans.append([self.tick, 0])
                 self.open[frame] = (index, filled)
         elif event == "return" and frame in self.open:

@@ -1,4 +1,5 @@
 """Fixtures that show a test what a running fit reads, through the parts it is built from."""
+
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -6,6 +6,7 @@
 
 Markers are lines "KIND STEP MONOTONIC_TIME" on stdout.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,9 @@ class TinyMLP(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Dropout(0.3),
-                                 nn.Linear(16, CLASSES))
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, CLASSES)
+        )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
         out = self.net(x[:, :-1])
@@ -112,10 +114,21 @@ def samples_for(di: int, ga: int) -> int:
     return (STEPS_PER_EPOCH + 1) * combined - 1  # combined - 1 samples dropped every epoch
 
 
-def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (),
-              init_seed: int = 0, seed: int = 1, generator: bool = False, all_outputs: bool = False,
-              shuffle: bool = True, n: int | None = None, step_delay: float = 0.0,
-              optimizer: Any = None) -> tuple[Loop, DataLoader, IndexedData]:
+def make_loop(
+    di: int = 1,
+    ga: int = 1,
+    workers: int = 0,
+    *,
+    callbacks: list = (),
+    init_seed: int = 0,
+    seed: int = 1,
+    generator: bool = False,
+    all_outputs: bool = False,
+    shuffle: bool = True,
+    n: int | None = None,
+    step_delay: float = 0.0,
+    optimizer: Any = None,
+) -> tuple[Loop, DataLoader, IndexedData]:
     """The loop, its loader and dataset; ``optimizer``: a function of the parameters (default
     AdamW, lr 0.02)."""
     torch.manual_seed(init_seed)
@@ -127,11 +140,17 @@ def make_loop(di: int = 1, ga: int = 1, workers: int = 0, *, callbacks: list = (
         opts.outputMode(pt.OutputMode.All)
     optimizer = (optimizer or (lambda p: pt.optim.AdamW(p, lr=0.02)))(model.parameters())
     ds = IndexedData(n or samples_for(di, ga))
-    loader = DataLoader(ds, batch_size=MICRO, shuffle=shuffle, num_workers=workers,
-                        persistent_workers=workers > 0,  # reused iterators: the harder case
-                        generator=torch.Generator().manual_seed(7) if generator else None)
-    loop = Loop(model, opts, optimizer=optimizer, callbacks=list(callbacks), seed=seed,
-                progress=False)
+    loader = DataLoader(
+        ds,
+        batch_size=MICRO,
+        shuffle=shuffle,
+        num_workers=workers,
+        persistent_workers=workers > 0,  # reused iterators: the harder case
+        generator=torch.Generator().manual_seed(7) if generator else None,
+    )
+    loop = Loop(
+        model, opts, optimizer=optimizer, callbacks=list(callbacks), seed=seed, progress=False
+    )
     return loop, loader, ds
 
 
@@ -209,14 +228,20 @@ def _signal_mode(cfg: dict[str, Any]) -> None:
 
         IndexedData.__getitem__ = stalling  # before the workers fork
     cb = ModelCheckpoint(cfg["dirpath"], every_n_steps=1, save_top_k=cfg.get("top_k", 1))
-    loop, loader, _ = make_loop(cfg["di"], cfg["ga"], cfg.get("workers", 0),
-                                callbacks=[_SignalMarkers(cfg.get("exception_delay", 0.0)), cb,
-                                           _Markers()], step_delay=cfg["step_delay"])
+    loop, loader, _ = make_loop(
+        cfg["di"],
+        cfg["ga"],
+        cfg.get("workers", 0),
+        callbacks=[_SignalMarkers(cfg.get("exception_delay", 0.0)), cb, _Markers()],
+        step_delay=cfg["step_delay"],
+    )
     try:
         loop.fit(loader, epochs=cfg["epochs"])
     except SystemExit as e:
-        restored = (signal.getsignal(signal.SIGTERM) is user_handler
-                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        restored = (
+            signal.getsignal(signal.SIGTERM) is user_handler
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
         print(f"exit {e.code} {time.monotonic()}", flush=True)
         print(f"user-handler {len(calls)} 0", flush=True)
         print(f"restored {int(restored)} 0", flush=True)
@@ -227,8 +252,9 @@ def _signal_mode(cfg: dict[str, Any]) -> None:
 def _resume_mode(jobs: list[dict[str, Any]]) -> None:
     for job in jobs:
         rec = Recorder()
-        loop, loader, _ = make_loop(job["di"], job["ga"], job["workers"], callbacks=[rec],
-                                    init_seed=123, seed=99)  # both overwritten by the resume
+        loop, loader, _ = make_loop(
+            job["di"], job["ga"], job["workers"], callbacks=[rec], init_seed=123, seed=99
+        )  # both overwritten by the resume
         loop.fit(loader, epochs=job["epochs"], resume_from=job["path"])
         torch.save({"losses": rec.losses, "state": comparable(loop.state_dict())}, job["out"])
 

@@ -3,6 +3,7 @@
 Resolution is cached once per process, so every scenario runs in its own interpreter. The
 interpreters are started together (one module fixture) because each one imports torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,9 +79,14 @@ def results(tmp_path_factory):
         env["PYTHONPATH"] = os.pathsep.join(paths)
         if value is not None:
             env["IPULOOP_BACKEND"] = value
-        procs[name] = subprocess.Popen([sys.executable, "-c", PROBE, kind], env=env,
-                                       cwd=str(REPO), stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", PROBE, kind],
+            env=env,
+            cwd=str(REPO),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
@@ -92,19 +98,30 @@ def results(tmp_path_factory):
 def test_poptorch_is_not_installed_here():
     # the scenarios below assume that; if poptorch ever appears, they need a fake "missing" one
     import importlib.util
+
     assert importlib.util.find_spec("poptorch") is None
 
 
 def test_unset_means_auto_and_picks_the_emulator_without_poptorch(results):
     r = results["unset"]
-    assert r == {"name": "emulator", "module": "ipuloop.emulator", "is_emulator": True,
-                 "lazy": True, "cached": True}, r
+    assert r == {
+        "name": "emulator",
+        "module": "ipuloop.emulator",
+        "is_emulator": True,
+        "lazy": True,
+        "cached": True,
+    }, r
 
 
 def test_emulator_choice_wins_over_an_importable_poptorch(results):
     r = results["emulator"]
-    assert r == {"name": "emulator", "module": "ipuloop.emulator", "is_emulator": True,
-                 "lazy": True, "cached": True}, r
+    assert r == {
+        "name": "emulator",
+        "module": "ipuloop.emulator",
+        "is_emulator": True,
+        "lazy": True,
+        "cached": True,
+    }, r
 
 
 def test_explicit_poptorch_missing_raises_with_sdk_hint(results):
@@ -125,8 +142,13 @@ def test_unknown_backend_raises(results):
 @pytest.mark.parametrize("scenario", ["auto_with_poptorch", "poptorch_with_poptorch"])
 def test_real_poptorch_used_when_importable(results, scenario):
     r = results[scenario]
-    assert r == {"name": "poptorch", "module": "poptorch", "is_emulator": False,
-                 "lazy": True, "cached": True}, r
+    assert r == {
+        "name": "poptorch",
+        "module": "poptorch",
+        "is_emulator": False,
+        "lazy": True,
+        "cached": True,
+    }, r
 
 
 def test_auto_falls_back_when_poptorch_fails_to_import(results):

@@ -2,6 +2,7 @@
 
 No timing is asserted here: timings belong to docs/performance.md, measured on purpose.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,47 @@ SCRIPT = ROOT / "benchmarks" / "overhead.py"
 
 def test_overhead_tiny_run_writes_expected_keys(tmp_path):
     out, readme = tmp_path / "results.json", tmp_path / "README.md"
-    readme.write_text("# Benchmarks\n\nprose kept\n\n<!-- overhead:begin -->\nold\n"
-                      "<!-- overhead:end -->\n\nmore prose\n")
-    cmd = [sys.executable, str(SCRIPT), "--workloads", "mlp",
-           "--variants", "hand,raw,loop,loop_callbacks", "--no-lightning", "--repeats", "1",
-           "--mlp-steps", "4", "--mlp-warmup", "1", "--check-steps", "2",
-           "--sweep-workloads", "mlp", "--sweep-di", "1,2", "--sweep-ga", "1",
-           "--sweep-variants", "hand,loop_sum", "--sweep-repeats", "1", "--sweep-samples-mlp", "64",
-           "--sweep-min-steps", "3", "--out", str(out), "--readme", str(readme), "--plot", ""]
+    readme.write_text(
+        "# Benchmarks\n\nprose kept\n\n<!-- overhead:begin -->\nold\n"
+        "<!-- overhead:end -->\n\nmore prose\n"
+    )
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--workloads",
+        "mlp",
+        "--variants",
+        "hand,raw,loop,loop_callbacks",
+        "--no-lightning",
+        "--repeats",
+        "1",
+        "--mlp-steps",
+        "4",
+        "--mlp-warmup",
+        "1",
+        "--check-steps",
+        "2",
+        "--sweep-workloads",
+        "mlp",
+        "--sweep-di",
+        "1,2",
+        "--sweep-ga",
+        "1",
+        "--sweep-variants",
+        "hand,loop_sum",
+        "--sweep-repeats",
+        "1",
+        "--sweep-samples-mlp",
+        "64",
+        "--sweep-min-steps",
+        "3",
+        "--out",
+        str(out),
+        "--readme",
+        str(readme),
+        "--plot",
+        "",
+    ]
     env = {**os.environ, "IPULOOP_BACKEND": "emulator"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -34,8 +68,14 @@ def test_overhead_tiny_run_writes_expected_keys(tmp_path):
     mlp = res["workloads"]["mlp"]
     assert set(mlp["variants"]) == {"hand", "raw", "loop", "loop_callbacks"}
     for v in mlp["variants"].values():
-        assert set(v) >= {"step_s", "cpu_step_s", "step_s_repeats", "time_per_sample_us",
-                          "median_gap_s", "fit_s"}
+        assert set(v) >= {
+            "step_s",
+            "cpu_step_s",
+            "step_s_repeats",
+            "time_per_sample_us",
+            "median_gap_s",
+            "fit_s",
+        }
         assert v["step_s"] > 0 and len(v["step_s_repeats"]) == 1
     assert {"raw/hand", "loop/hand", "loop_callbacks/hand", "loop/hand_cpu"} <= set(mlp["ratios"])
     # the variants computed the same thing before they were timed
@@ -43,15 +83,25 @@ def test_overhead_tiny_run_writes_expected_keys(tmp_path):
     assert mlp["equivalent"] is True
     rows = res["sweep"]["mlp"]
     assert {(r["di"], r["ga"], r["variant"]) for r in rows} == {
-        (di, 1, v) for di in (1, 2) for v in ("hand", "loop_sum")}
+        (di, 1, v) for di in (1, 2) for v in ("hand", "loop_sum")
+    }
     for row in rows:
-        assert set(row) >= {"di", "ga", "variant", "time_per_sample_us", "cpu_per_sample_us",
-                            "peak_delta_mb", "host_batch_mb", "samples_per_step"}
+        assert set(row) >= {
+            "di",
+            "ga",
+            "variant",
+            "time_per_sample_us",
+            "cpu_per_sample_us",
+            "peak_delta_mb",
+            "host_batch_mb",
+            "samples_per_step",
+        }
         assert row["cpu_per_sample_us"] > 0
     grow = [t for t in res["targets"] if "(mlp, loop_sum, GA=1)" in t["target"]]
     assert len(grow) == 3 and all(isinstance(t["met"], bool) for t in grow)
-    assert any("Loop.fit (no callbacks) / hand-written, tiny MLP" in t["target"]
-               for t in res["targets"])
+    assert any(
+        "Loop.fit (no callbacks) / hand-written, tiny MLP" in t["target"] for t in res["targets"]
+    )
     assert all(set(t) >= {"target", "value", "limit", "met"} for t in res["targets"])
 
     text = readme.read_text()  # the table replaces the marked section only
@@ -62,12 +112,31 @@ def test_overhead_tiny_run_writes_expected_keys(tmp_path):
 
 def test_async_data_tiny_run_writes_its_json_and_table(tmp_path):
     out, readme = tmp_path / "async.json", tmp_path / "README.md"
-    readme.write_text("# Benchmarks\n\nprose kept\n\n<!-- async-mnist:begin -->\nold\n"
-                      "<!-- async-mnist:end -->\n")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "async_data.py"), "--synthetic", "600",
-           "--batch-size", "4", "--device-iterations", "2", "--gradient-accumulation", "7",
-           "--steps", "4", "--warmup", "1", "--repeats", "2", "--out", str(out),
-           "--readme", str(readme)]
+    readme.write_text(
+        "# Benchmarks\n\nprose kept\n\n<!-- async-mnist:begin -->\nold\n<!-- async-mnist:end -->\n"
+    )
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "async_data.py"),
+        "--synthetic",
+        "600",
+        "--batch-size",
+        "4",
+        "--device-iterations",
+        "2",
+        "--gradient-accumulation",
+        "7",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        "--readme",
+        str(readme),
+    ]
     env = {**os.environ, "IPULOOP_BACKEND": "emulator", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -1,4 +1,5 @@
 """LRScheduler: the LR the device used, per update and per epoch; pushes; resume; state."""
+
 from __future__ import annotations
 
 import io
@@ -53,10 +54,16 @@ def fit(make_sched, di=1, ga=1, epochs=2, interval=None, monitor=None, callbacks
     rec = Record()
     opts = poptorch.Options().deviceIterations(di)
     opts.Training.gradientAccumulation(ga)
-    loop = Loop(model, opts, optimizer=opt, progress=False,
-                callbacks=[rec, LRScheduler(sched, interval, monitor), *callbacks])
-    loop.fit(DataLoader(TensorDataset(torch.ones(N), torch.ones(N)), batch_size=1),
-             epochs=epochs, **kw)
+    loop = Loop(
+        model,
+        opts,
+        optimizer=opt,
+        progress=False,
+        callbacks=[rec, LRScheduler(sched, interval, monitor), *callbacks],
+    )
+    loop.fit(
+        DataLoader(TensorDataset(torch.ones(N), torch.ones(N)), batch_size=1), epochs=epochs, **kw
+    )
     return loop, rec, sched
 
 
@@ -97,16 +104,14 @@ def test_lr_per_update_is_what_the_device_used(name, di, ga):
 # The LR the device runs at each host step, written out (lr 0.4). Per update: StepLR(step_size=3,
 # gamma=0.5) over updates 0, 1, 2, ...; with DI=2 host step k runs updates 2k and 2k+1, both at
 # the LR of update 2k (constant within a host call), whatever the gradient accumulation.
-PER_UPDATE_TABLE = [0.4, 0.4, 0.2, 0.1, 0.1, 0.05, 0.025, 0.025, 0.0125, 0.00625, 0.00625,
-                    0.003125]
+PER_UPDATE_TABLE = [0.4, 0.4, 0.2, 0.1, 0.1, 0.05, 0.025, 0.025, 0.0125, 0.00625, 0.00625, 0.003125]
 # Per epoch: StepLR(step_size=1, gamma=0.5), DI=4: 6 host steps an epoch, 3 epochs.
 PER_EPOCH_TABLE = [0.4] * 6 + [0.2] * 6 + [0.1] * 6
 
 
 @pytest.mark.parametrize("ga,epochs", [(1, 1), (2, 2)])  # 12 host steps either way
 def test_lr_table_per_update(ga, epochs):
-    loop, rec, _ = fit(lambda o: L.StepLR(o, step_size=3, gamma=0.5), di=2, ga=ga,
-                       epochs=epochs)
+    loop, rec, _ = fit(lambda o: L.StepLR(o, step_size=3, gamma=0.5), di=2, ga=ga, epochs=epochs)
     assert rec.lrs == pytest.approx(PER_UPDATE_TABLE, rel=1e-7)
     assert rec.deltas == pytest.approx([2 * lr for lr in PER_UPDATE_TABLE], rel=1e-4, abs=2e-6)
     changes = sum(a != b for a, b in zip(PER_UPDATE_TABLE, PER_UPDATE_TABLE[1:]))
@@ -114,8 +119,9 @@ def test_lr_table_per_update(ga, epochs):
 
 
 def test_lr_table_per_epoch():
-    loop, rec, _ = fit(lambda o: L.StepLR(o, step_size=1, gamma=0.5), di=4, epochs=3,
-                       interval="epoch")
+    loop, rec, _ = fit(
+        lambda o: L.StepLR(o, step_size=1, gamma=0.5), di=4, epochs=3, interval="epoch"
+    )
     assert rec.lrs == pytest.approx(PER_EPOCH_TABLE, rel=1e-7)
     assert rec.deltas == pytest.approx([4 * lr for lr in PER_EPOCH_TABLE], rel=1e-4, abs=2e-6)
     assert loop.optimizer_pushes == 2
@@ -151,11 +157,13 @@ def test_setoptimizer_called_exactly_when_the_lr_changes():
             def spy(opt):
                 calls.append(loop.state.step)  # the host step about to run
                 push(opt)
+
             loop.train_model.setOptimizer = spy
 
     # DI 2, LR halves every 4 updates: it changes before host steps 2, 4, 6, ...
-    loop, rec, _ = fit(lambda o: L.StepLR(o, step_size=4, gamma=0.5), di=2, epochs=1,
-                       callbacks=[Spy()])
+    loop, rec, _ = fit(
+        lambda o: L.StepLR(o, step_size=4, gamma=0.5), di=2, epochs=1, callbacks=[Spy()]
+    )
     changed = [k for k in range(1, len(rec.lrs)) if rec.lrs[k] != rec.lrs[k - 1]]
     assert changed == list(range(2, N // 2, 2))
     assert calls == changed and loop.optimizer_pushes == len(changed)
@@ -192,8 +200,13 @@ def test_resume_puts_the_restored_lr_on_the_device_before_the_first_step():
     opt = torch.optim.SGD(model.parameters(), lr=0.4)
     rec = Record()
     rec.prev = float(sd["model"]["w"])
-    loop = Loop(model, poptorch.Options().deviceIterations(2), optimizer=opt, progress=False,
-                callbacks=[rec, LRScheduler(make(opt))])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        optimizer=opt,
+        progress=False,
+        callbacks=[rec, LRScheduler(make(opt))],
+    )
     loop.load_state_dict(sd)
     loop.fit(DataLoader(TensorDataset(torch.ones(N), torch.ones(N)), batch_size=1), epochs=2)
     assert rec.lrs == full.lrs[5:]  # the first resumed step already runs the restored LR
@@ -207,8 +220,13 @@ def test_a_second_fit_continues_the_schedule():
     model = Probe()
     opt = torch.optim.SGD(model.parameters(), lr=0.4)
     rec = Record()
-    loop = Loop(model, poptorch.Options().deviceIterations(2), optimizer=opt, progress=False,
-                callbacks=[rec, LRScheduler(make(opt))])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        optimizer=opt,
+        progress=False,
+        callbacks=[rec, LRScheduler(make(opt))],
+    )
     dl = DataLoader(TensorDataset(torch.ones(N), torch.ones(N)), batch_size=1)
     loop.fit(dl, epochs=1)
     loop.fit(dl, epochs=2)
@@ -225,9 +243,11 @@ def test_state_dict_loads_with_weights_only():
         def __call__(self, e):
             return float(self.k)
 
-    for sched in (L.LambdaLR(opt, Obj()), L.OneCycleLR(opt, 1.0, total_steps=9),
-                  L.SequentialLR(opt, [L.LinearLR(opt, 0.1, total_iters=2),
-                                       L.ExponentialLR(opt, 0.9)], [2])):
+    for sched in (
+        L.LambdaLR(opt, Obj()),
+        L.OneCycleLR(opt, 1.0, total_steps=9),
+        L.SequentialLR(opt, [L.LinearLR(opt, 0.1, total_iters=2), L.ExponentialLR(opt, 0.9)], [2]),
+    ):
         buf = io.BytesIO()
         torch.save(LRScheduler(sched).state_dict(), buf)
         buf.seek(0)
@@ -255,10 +275,13 @@ def test_missing_monitor_lists_the_logs():
         fit(make, epochs=1, monitor="train_acc")
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"interval": "step"}, "interval must be"),
-    ({"monitor": "val_loss"}, "monitor is only used with ReduceLROnPlateau"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"interval": "step"}, "interval must be"),
+        ({"monitor": "val_loss"}, "monitor is only used with ReduceLROnPlateau"),
+    ],
+)
 def test_bad_arguments(kw, match):
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ValueError, match=match):
@@ -270,7 +293,11 @@ def test_bad_arguments(kw, match):
 def test_scheduler_over_another_optimizer_is_rejected():
     other = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     model = Probe()
-    loop = Loop(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), progress=False,
-                callbacks=[LRScheduler(L.StepLR(other, 2))])
+    loop = Loop(
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        progress=False,
+        callbacks=[LRScheduler(L.StepLR(other, 2))],
+    )
     with pytest.raises(ValueError, match="another optimizer"):
         loop.fit(DataLoader(TensorDataset(torch.ones(4), torch.ones(4)), batch_size=1))

@@ -1,4 +1,5 @@
 """EarlyStopping and CSVLogger: scripted logs, real fits, resume."""
+
 from __future__ import annotations
 
 import csv
@@ -38,17 +39,20 @@ def stop_epoch(cb: EarlyStopping, values: list[float]) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("kw,values,stop", [
-    ({"patience": 2}, [5, 4, 4, 4.5, 3], 4),
-    ({"patience": 2}, [5, 4, 4, 3, 3.5, 3.2], 6),  # an improvement resets the count
-    ({"patience": 1}, [5, 4, 3, 2], None),
-    ({"patience": 2, "min_delta": 0.5}, [5, 4.8, 4.6, 4.0], 3),  # 0.4 is not enough
-    ({"patience": 1, "mode": "max"}, [1, 2, 2], 3),
-    ({"patience": 3, "mode": "max"}, [1, 2, 3, 4], None),
-    ({"patience": 5}, [5, NAN], 2),  # non-finite stops at once
-    ({"patience": 5}, [5, INF], 2),
-    ({"patience": 2, "check_finite": False}, [5, NAN, NAN], 3),  # NaN is just no improvement
-])
+@pytest.mark.parametrize(
+    "kw,values,stop",
+    [
+        ({"patience": 2}, [5, 4, 4, 4.5, 3], 4),
+        ({"patience": 2}, [5, 4, 4, 3, 3.5, 3.2], 6),  # an improvement resets the count
+        ({"patience": 1}, [5, 4, 3, 2], None),
+        ({"patience": 2, "min_delta": 0.5}, [5, 4.8, 4.6, 4.0], 3),  # 0.4 is not enough
+        ({"patience": 1, "mode": "max"}, [1, 2, 2], 3),
+        ({"patience": 3, "mode": "max"}, [1, 2, 3, 4], None),
+        ({"patience": 5}, [5, NAN], 2),  # non-finite stops at once
+        ({"patience": 5}, [5, INF], 2),
+        ({"patience": 2, "check_finite": False}, [5, NAN, NAN], 3),  # NaN is just no improvement
+    ],
+)
 def test_scripted_logs(kw, values, stop, capsys):
     cb = EarlyStopping("val_loss", **kw)
     assert stop_epoch(cb, values) == stop
@@ -73,9 +77,14 @@ def test_missing_monitor_lists_the_logs():
         EarlyStopping("val_acc").on_epoch_end(loop)
 
 
-@pytest.mark.parametrize("kw,match", [({"mode": "low"}, "mode must be"),
-                                      ({"patience": 0}, "patience must be an int >= 1"),
-                                      ({"min_delta": -0.1}, "min_delta must be >= 0")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"mode": "low"}, "mode must be"),
+        ({"patience": 0}, "patience must be an int >= 1"),
+        ({"min_delta": -0.1}, "min_delta must be >= 0"),
+    ],
+)
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         EarlyStopping(**kw)
@@ -94,8 +103,13 @@ class Net(nn.Module):
 
 def make_loop(callbacks, lr=0.05):
     model = Net()
-    return Loop(model, poptorch.Options().deviceIterations(2), progress=False,
-                optimizer=torch.optim.SGD(model.parameters(), lr=lr), callbacks=callbacks)
+    return Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        progress=False,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        callbacks=callbacks,
+    )
 
 
 def loader(n=16, seed=0):
@@ -123,7 +137,15 @@ def test_one_row_per_epoch_matches_the_history(tmp_path):
     loop = make_loop([CSVLogger(path)])
     history = loop.fit(loader(), epochs=3, val_loader=loader(8, seed=1))
     header, rows = read(path)
-    assert header == ["epoch", "step", "update", "loss", "train_loss", "train_loss_exact", "val_loss"]
+    assert header == [
+        "epoch",
+        "step",
+        "update",
+        "loss",
+        "train_loss",
+        "train_loss_exact",
+        "val_loss",
+    ]
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
     assert [int(r["step"]) for r in rows] == [4, 8, 12]
     assert [int(r["update"]) for r in rows] == [8, 16, 24]  # 2 device iterations per step
@@ -144,7 +166,13 @@ def test_step_rows_and_a_header_rewritten_for_new_keys(tmp_path):
     header, rows = read(path)
     assert header == ["epoch", "step", "update", "loss", "train_loss", "train_loss_exact", "extra"]
     assert [(r["epoch"], r["step"]) for r in rows] == [
-        ("0", "2"), ("0", "4"), ("1", "4"), ("1", "6"), ("1", "8"), ("2", "8")]
+        ("0", "2"),
+        ("0", "4"),
+        ("1", "4"),
+        ("1", "6"),
+        ("1", "8"),
+        ("2", "8"),
+    ]
     step_rows = [rows[i] for i in (0, 1, 3, 4)]
     assert all(r["loss"] and not r["train_loss"] and not r["extra"] for r in step_rows)
     assert rows[2]["extra"] == "" and rows[5]["extra"] == "7.0"
@@ -180,7 +208,7 @@ def test_resume_appends_and_a_new_fit_truncates(tmp_path):
 
 
 def test_bad_every_n_steps():
-    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1 or None. Received: "
-                                         "every_n_steps=0"):
+    with pytest.raises(
+        ValueError, match="every_n_steps must be an int >= 1 or None. Received: every_n_steps=0"
+    ):
         CSVLogger("x.csv", every_n_steps=0)
-

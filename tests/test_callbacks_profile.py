@@ -1,4 +1,5 @@
 """ProfileCapture: a window of steps gives a Chrome trace and an op table; failures close it."""
+
 from __future__ import annotations
 
 import errno
@@ -20,7 +21,8 @@ DI, STEPS = 2, 6
 # error, and names its steps otherwise (ProfilerStep#2 twice): these tests need torch >= 2.1.
 OLD_PROFILER = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1's trace exporter reports no write error and numbers steps otherwise")
+    reason="torch < 2.1's trace exporter reports no write error and numbers steps otherwise",
+)
 
 
 class Net(nn.Module):
@@ -37,8 +39,13 @@ def run(cb, *extra, **kw):
     n = STEPS * DI * 2
     ds = TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
     model = Net()
-    loop = Loop(model, poptorch.Options().deviceIterations(DI), progress=False,
-                optimizer=torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[cb, *extra])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(DI),
+        progress=False,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[cb, *extra],
+    )
     loop.fit(DataLoader(ds, batch_size=2), epochs=1, **kw)
     return loop
 
@@ -70,8 +77,11 @@ def events(path):
             assert isinstance(e.get("dur"), (int, float)) and e["dur"] >= 0, e
         if e["ph"] in "stf":
             assert "id" in e, e
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
-                   if e["ph"] == "X" and e["name"].startswith("ProfilerStep#"))
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in trace["traceEvents"]
+        if e["ph"] == "X" and e["name"].startswith("ProfilerStep#")
+    )
     # one after the other (to 1 us: the exporter rounds)
     assert all(a[1] <= b[0] + 1 for a, b in zip(steps, steps[1:])), steps
     return trace["traceEvents"]

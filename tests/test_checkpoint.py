@@ -3,6 +3,7 @@
 A tiny MLP with dropout, shuffled data, AdamW (optimizer state), CPU emulator, one thread.
 "Same" means ``==`` on every loss and ``torch.equal`` on every tensor of the loop's state.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,16 +20,20 @@ import threading
 import time
 from pathlib import Path
 
+import helpers_train as H
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import helpers_train as H
 import ipuloop
 from ipuloop import Callback, NonFiniteLossError, backend_name
 from ipuloop import checkpoint_io as ck
-from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
-                                          read_manifest)
+from ipuloop.callbacks.checkpoint import (
+    CheckpointError,
+    ModelCheckpoint,
+    load_checkpoint,
+    read_manifest,
+)
 from ipuloop.loaders import ResumableSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
@@ -37,8 +42,12 @@ KILL_REPEATS = int(os.environ.get("IPULOOP_KILL_REPEATS", "20"))  # docs/reliabi
 HELPER = Path(__file__).with_name("helpers_train.py")
 EPOCHS = 2
 N_STEPS = EPOCHS * H.STEPS_PER_EPOCH
-STOPS = {"first_step": 1, "mid_epoch": 2, "epoch_last_step": H.STEPS_PER_EPOCH,
-         "one_before_end": N_STEPS - 1}
+STOPS = {
+    "first_step": 1,
+    "mid_epoch": 2,
+    "epoch_last_step": H.STEPS_PER_EPOCH,
+    "one_before_end": N_STEPS - 1,
+}
 GRID = [(di, ga, w) for di in (1, 4) for ga in (1, 2) for w in (0, 2)]
 
 
@@ -60,8 +69,9 @@ def assert_same(a, b, where: str = "state") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{where}[{i}]")
     elif isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), \
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), (
             f"{where}: tensors differ"
+        )
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
@@ -91,8 +101,7 @@ def interrupted(dirpath: Path, di: int, ga: int, workers: int, stop: int) -> lis
     rec = H.Recorder()
     ckpt = ModelCheckpoint(dirpath, every_n_steps=1, save_top_k=-1)
     steps = _StepSaves(dirpath / "steps", every_n_steps=1, every_n_epochs=None, save_top_k=-1)
-    loop, loader, _ = H.make_loop(di, ga, workers, callbacks=[rec, ckpt, steps,
-                                                              H.StopAt(stop)])
+    loop, loader, _ = H.make_loop(di, ga, workers, callbacks=[rec, ckpt, steps, H.StopAt(stop)])
     loop.fit(loader, EPOCHS)
     assert loop.state.step == stop
     return rec.losses
@@ -130,12 +139,24 @@ def resumed_elsewhere(tmp_path_factory):
             d = dirs[(di, ga, w, name)] = root / f"{di}-{ga}-{w}-{name}"
             prefixes[(di, ga, w, name)] = interrupted(d, di, ga, w, stop)
             for i, src in enumerate(sources(d, stop)):
-                jobs.append({"di": di, "ga": ga, "workers": w, "epochs": EPOCHS,
-                             "path": str(src), "out": str(d / f"result{i}.pt"),
-                             "key": [di, ga, w, name]})
+                jobs.append(
+                    {
+                        "di": di,
+                        "ga": ga,
+                        "workers": w,
+                        "epochs": EPOCHS,
+                        "path": str(src),
+                        "out": str(d / f"result{i}.pt"),
+                        "key": [di, ga, w, name],
+                    }
+                )
     (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(HELPER), "resume", str(root / "jobs.json")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HELPER), "resume", str(root / "jobs.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results: dict[tuple, list] = {}
     for job in jobs:
@@ -146,6 +167,7 @@ def resumed_elsewhere(tmp_path_factory):
 
 def _forget_rng(sd):
     from ipuloop.plan import rng_state as _rng_state
+
     sd.pop("device_rng")
     sd["rng"] = _rng_state()
     sd["epoch_rng"] = {**_rng_state(), "sampler": None}
@@ -163,8 +185,9 @@ def test_resume_parity(resumed_elsewhere, monkeypatch, di, ga, workers):
     for name, stop in STOPS.items():
         before = prefixes[(di, ga, workers, name)]
         assert before == ref[0][:stop]  # saving at every step changed nothing
-        assert len(results[(di, ga, workers, name)]) == len(sources(dirs[(di, ga, workers, name)],
-                                                                    stop))
+        assert len(results[(di, ga, workers, name)]) == len(
+            sources(dirs[(di, ga, workers, name)], stop)
+        )
         for losses, state in results[(di, ga, workers, name)]:
             compare(before + losses, state, ref)
     before = prefixes[(di, ga, workers, "mid_epoch")]
@@ -196,7 +219,7 @@ def test_data_order_and_coverage(tmp_path, generator):
     assert len(full) == steps * combined
     dropped = []
     for e in range(epochs):
-        seen = full[e * per_epoch:(e + 1) * per_epoch]
+        seen = full[e * per_epoch : (e + 1) * per_epoch]
         assert len(set(seen)) == len(seen)  # each sample at most once per epoch
         dropped.append(set(range(len(ds))) - set(seen))
         assert len(dropped[-1]) == combined - 1
@@ -204,19 +227,21 @@ def test_data_order_and_coverage(tmp_path, generator):
         d = tmp_path / f"{point}"
         rec1 = H.Recorder()
         ckpt = ModelCheckpoint(d, every_n_steps=point)  # at an epoch end: resumes from there
-        loop, loader, ds1 = H.make_loop(di, ga, callbacks=[rec1, ckpt, H.StopAt(point)],
-                                        generator=generator)
+        loop, loader, ds1 = H.make_loop(
+            di, ga, callbacks=[rec1, ckpt, H.StopAt(point)], generator=generator
+        )
         rec1.dataset = ds1
         loop.fit(loader, epochs)
         rec2 = H.Recorder()
-        loop, loader, ds2 = H.make_loop(di, ga, callbacks=[rec2, ModelCheckpoint(d)],
-                                        generator=generator, init_seed=5, seed=6)
+        loop, loader, ds2 = H.make_loop(
+            di, ga, callbacks=[rec2, ModelCheckpoint(d)], generator=generator, init_seed=5, seed=6
+        )
         rec2.dataset = ds2
         loop.fit(loader, epochs, resume_from="last")
         assert len(ds2.log) == (steps - point) * combined  # the seen samples are not re-read
         assert ds1.log + ds2.log == full, f"resumed at step {point}"
         for e in range(epochs):  # same dropped remainder
-            seen = (ds1.log + ds2.log)[e * per_epoch:(e + 1) * per_epoch]
+            seen = (ds1.log + ds2.log)[e * per_epoch : (e + 1) * per_epoch]
             assert set(range(len(ds))) - set(seen) == dropped[e]
 
 
@@ -228,8 +253,12 @@ class _ShuffledBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         order = torch.randperm(self.n).tolist()
-        return iter([order[i:i + self.batch_size]
-                     for i in range(0, self.n - self.batch_size + 1, self.batch_size)])
+        return iter(
+            [
+                order[i : i + self.batch_size]
+                for i in range(0, self.n - self.batch_size + 1, self.batch_size)
+            ]
+        )
 
     def __len__(self) -> int:
         return self.n // self.batch_size
@@ -268,18 +297,34 @@ def test_custom_batch_sampler_resumes_without_reading_the_seen_samples(tmp_path)
 # -- §2.1 SIGKILL during a save -------------------------------------------------------------------
 def _kill_during_save(root: Path, seed: int) -> dict:
     rng = random.Random(seed)
-    cfg = {"dirpath": str(root / "ckpt"), "di": 1, "ga": 1, "epochs": EPOCHS,
-           "chunk": 2048, "delay": 0.02, "commit_delay": 0.15}  # 41 kB: a save takes ~0.6 s
+    cfg = {
+        "dirpath": str(root / "ckpt"),
+        "di": 1,
+        "ga": 1,
+        "epochs": EPOCHS,
+        "chunk": 2048,
+        "delay": 0.02,
+        "commit_delay": 0.15,
+    }  # 41 kB: a save takes ~0.6 s
     for sub in ("cwd", "tmp"):
         (root / sub).mkdir()
     (root / "cfg.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "TMPDIR": str(root / "tmp"), "PYTHONDONTWRITEBYTECODE": "1",
-           # torch's own cache folder, which it makes in TMPDIR unless told (AdamW imports it)
-           "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor")}
+    env = {
+        **os.environ,
+        "TMPDIR": str(root / "tmp"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # torch's own cache folder, which it makes in TMPDIR unless told (AdamW imports it)
+        "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor"),
+    }
     with open(root / "stderr.txt", "w") as err:  # written by this process, not the child
-        child = subprocess.Popen([sys.executable, str(HELPER), "kill", str(root / "cfg.json")],
-                                 cwd=root / "cwd", env=env, stdout=subprocess.PIPE, stderr=err,
-                                 text=True)
+        child = subprocess.Popen(
+            [sys.executable, str(HELPER), "kill", str(root / "cfg.json")],
+            cwd=root / "cwd",
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     target = rng.choice([2, 3])  # the save to interrupt
     starts: dict[int, float] = {}
     watchdog = threading.Timer(120, child.kill)  # never hang the suite
@@ -309,6 +354,7 @@ def _kill_during_save(root: Path, seed: int) -> dict:
 def killed_runs(tmp_path_factory):
     """All the kill runs at once (each child sleeps through its throttled saves)."""
     from concurrent.futures import ThreadPoolExecutor
+
     roots = [tmp_path_factory.mktemp(f"kill{seed}") for seed in range(KILL_REPEATS)]
     with ThreadPoolExecutor(min(KILL_REPEATS, 5)) as pool:  # 5 children at a time
         infos = list(pool.map(_kill_during_save, roots, range(KILL_REPEATS)))
@@ -321,8 +367,7 @@ def test_sigkill_during_save(killed_runs, seed):
     tmp_path, info = killed_runs[seed]
     dirpath = tmp_path / "ckpt"
     assert list((tmp_path / "cwd").iterdir()) == [] and list((tmp_path / "tmp").iterdir()) == []
-    assert {p.name for p in tmp_path.iterdir()} == {"ckpt", "cwd", "tmp", "cfg.json",
-                                                    "stderr.txt"}
+    assert {p.name for p in tmp_path.iterdir()} == {"ckpt", "cwd", "tmp", "cfg.json", "stderr.txt"}
     # docs/reliability.md §2.1: a save of >= 0.5 s (21 throttled chunks + the manifest: >= 0.57 s),
     # so the kill, at a uniform moment within it, lands inside the save
     assert info["duration"] >= 0.5, info
@@ -338,7 +383,7 @@ def test_sigkill_during_save(killed_runs, seed):
     loop, loader, _ = H.make_loop(1, 1, callbacks=[rec, ckpt], init_seed=8, seed=8)
     loop.fit(loader, EPOCHS, resume_from="last")
     ref_losses, ref_state = reference(1, 1, 0)
-    assert rec.losses == ref_losses[m["step"]:]
+    assert rec.losses == ref_losses[m["step"] :]
     assert_same(H.comparable(loop.state_dict()), ref_state)
     assert not list(dirpath.rglob(f"{ck.TMP_PREFIX}*"))
     assert all((p / ck.MANIFEST).is_file() for p in dirpath.iterdir())
@@ -348,8 +393,9 @@ def test_sigkill_during_save(killed_runs, seed):
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("two")
-    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(d, every_n_steps=1, save_top_k=2),
-                                             H.StopAt(2)])
+    loop, loader, _ = H.make_loop(
+        callbacks=[ModelCheckpoint(d, every_n_steps=1, save_top_k=2), H.StopAt(2)]
+    )
     loop.fit(loader, EPOCHS)
     return d / "epoch0-step1", d / "epoch0-step2"
 
@@ -360,8 +406,10 @@ def _corrupt_copies(src: Path, root: Path, file: str, seed: int):
     cuts = rng.sample(range(len(data)), 10)
     flips = [0, 1, 30, len(data) - 1] + rng.sample(range(len(data)), 10)  # headers and data
     variants = [("cut", o, data[:o]) for o in cuts]
-    variants += [("flip", o, data[:o] + bytes([data[o] ^ rng.randrange(1, 256)]) + data[o + 1:])
-                 for o in flips]
+    variants += [
+        ("flip", o, data[:o] + bytes([data[o] ^ rng.randrange(1, 256)]) + data[o + 1 :])
+        for o in flips
+    ]
     for i, (kind, offset, new) in enumerate(variants):
         dst = root / f"{file}-{kind}-{i}"
         shutil.copytree(src, dst)
@@ -405,10 +453,15 @@ def _write_checkpoint(folder: Path, state_bytes: bytes, **fields) -> None:
     """A checkpoint whose manifest is valid for ``state_bytes`` (as an attacker could write)."""
     folder.mkdir(parents=True)
     (folder / ck.STATE).write_bytes(state_bytes)
-    m = {"format": "ipuloop-checkpoint", "format_version": ck.FORMAT_VERSION, "step": 0,
-         "epoch": 0, "tainted": False,
-         "files": {ck.STATE: {"bytes": len(state_bytes), "sha256": ck.sha256(state_bytes)}},
-         **fields}
+    m = {
+        "format": "ipuloop-checkpoint",
+        "format_version": ck.FORMAT_VERSION,
+        "step": 0,
+        "epoch": 0,
+        "tainted": False,
+        "files": {ck.STATE: {"bytes": len(state_bytes), "sha256": ck.sha256(state_bytes)}},
+        **fields,
+    }
     m["manifest_sha256"] = ck.sha256(ck.dump(m))
     (folder / ck.MANIFEST).write_bytes(ck.dump(m))
 
@@ -429,12 +482,16 @@ def test_foreign_and_newer_checkpoints_are_rejected(tmp_path, two_checkpoints):
     with pytest.raises(CheckpointError, match="not an ipuloop loop state") as e:
         load_checkpoint(tmp_path / "tensors")
     assert e.value.path == str(tmp_path / "tensors" / ck.STATE)
-    _write_checkpoint(tmp_path / "future", (two_checkpoints[0] / ck.STATE).read_bytes(),
-                      format_version="2.0")
+    _write_checkpoint(
+        tmp_path / "future", (two_checkpoints[0] / ck.STATE).read_bytes(), format_version="2.0"
+    )
     with pytest.raises(CheckpointError, match=r"format version 2\.0 .*\(1\.0\)"):
         load_checkpoint(tmp_path / "future")
-    _write_checkpoint(tmp_path / "escape", buf, files={
-        ck.STATE: {"bytes": len(buf), "sha256": ck.sha256(buf)}, "../x": {"bytes": 1}})
+    _write_checkpoint(
+        tmp_path / "escape",
+        buf,
+        files={ck.STATE: {"bytes": len(buf), "sha256": ck.sha256(buf)}, "../x": {"bytes": 1}},
+    )
     with pytest.raises(CheckpointError, match="outside its folder"):
         load_checkpoint(tmp_path / "escape")
 
@@ -460,6 +517,7 @@ def test_malicious_pickle_runs_no_code(tmp_path, two_checkpoints, monkeypatch, n
         sd["model"]["evil"] = [torch.ones(3), {"x": payload}]
         payload = sd
     import io
+
     buf = io.BytesIO()
     torch.save(payload, buf)
     _write_checkpoint(tmp_path / "evil", buf.getvalue())  # a manifest that verifies
@@ -508,8 +566,7 @@ def test_non_finite_loss(tmp_path, value):
     h, m, di = 2, 1, 4  # host call h (0-based), micro-batch m of that call
     snap = _Snapshot(tmp_path, h)
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, save_top_k=1)
-    loop, loader, ds = H.make_loop(di, 1, callbacks=[snap, ckpt], shuffle=False,
-                                   all_outputs=True)
+    loop, loader, ds = H.make_loop(di, 1, callbacks=[snap, ckpt], shuffle=False, all_outputs=True)
     ds.scale[h * H.MICRO * di + m * H.MICRO] = value  # that micro-batch's loss is NaN or inf
     with pytest.raises(NonFiniteLossError) as e:
         loop.fit(loader, EPOCHS)
@@ -519,8 +576,7 @@ def test_non_finite_loss(tmp_path, value):
     good = next(iter(snap.files)).parent
     bad = tmp_path / f"epoch0-step{h}-exception"
     assert sorted(p.name for p in tmp_path.iterdir()) == [good.name, bad.name]
-    assert read_manifest(bad)["tainted"] and read_manifest(bad)["exception"] == \
-        "NonFiniteLossError"
+    assert read_manifest(bad)["tainted"] and read_manifest(bad)["exception"] == "NonFiniteLossError"
     assert not read_manifest(good)["tainted"]
     assert ModelCheckpoint(tmp_path).latest() == good
     assert ModelCheckpoint(tmp_path).latest(include_tainted=True) == bad
@@ -567,8 +623,9 @@ def test_non_finite_loss_from_real_divergence(tmp_path, monkeypatch):
     micro = _MicroLosses(monkeypatch)
     snap = _EveryStepSnapshot(tmp_path, None)
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, save_top_k=1)
-    loop, loader, _ = H.make_loop(di, 1, callbacks=[micro, snap, _SetLR(2, 1e9), ckpt],
-                                  all_outputs=True)
+    loop, loader, _ = H.make_loop(
+        di, 1, callbacks=[micro, snap, _SetLR(2, 1e9), ckpt], all_outputs=True
+    )
     with pytest.raises(NonFiniteLossError) as e:
         loop.fit(loader, EPOCHS)
     h = loop.state.step  # the failed host call did not count
@@ -579,8 +636,10 @@ def test_non_finite_loss_from_real_divergence(tmp_path, monkeypatch):
     assert str(micro.losses[m]) in msg
     assert {p: p.read_bytes() for p in snap.files} == snap.files  # the good one, untouched
     bad = tmp_path / f"epoch{loop.state.epoch}-step{h}-exception"
-    assert read_manifest(bad)["tainted"] and not read_manifest(next(iter(snap.files)).parent)[
-        "tainted"]
+    assert (
+        read_manifest(bad)["tainted"]
+        and not read_manifest(next(iter(snap.files)).parent)["tainted"]
+    )
     assert ModelCheckpoint(tmp_path).latest() == next(iter(snap.files)).parent
 
 
@@ -590,10 +649,15 @@ def test_loss_scale_overflow_step_does_not_raise(monkeypatch):
     di, h, m = 4, 1, 3  # the last micro-batch of host call 1 overflows
     micro = _MicroLosses(monkeypatch)
     pt = ipuloop.poptorch
-    loop, loader, ds = H.make_loop(di, 1, callbacks=[micro], shuffle=False, all_outputs=True,
-                                   optimizer=lambda p: pt.optim.SGD(p, lr=0.01,
-                                                                    loss_scaling=1e10))
-    ds.scale[(h * di + m) * H.MICRO:(h * di + m + 1) * H.MICRO] = 1e30  # loss ~1e30: finite;
+    loop, loader, ds = H.make_loop(
+        di,
+        1,
+        callbacks=[micro],
+        shuffle=False,
+        all_outputs=True,
+        optimizer=lambda p: pt.optim.SGD(p, lr=0.01, loss_scaling=1e10),
+    )
+    ds.scale[(h * di + m) * H.MICRO : (h * di + m + 1) * H.MICRO] = 1e30  # loss ~1e30: finite;
     loop.fit(loader, EPOCHS, max_steps=h + 1)  # times 1e10 it overflows float32: inf grads
     assert loop.state.step == h + 1 and math.isfinite(loop.state.logs["loss"])
     assert all(math.isfinite(v) for v in micro.losses) and micro.losses[m] > 1e29
@@ -646,8 +710,9 @@ def test_saved_weights_are_the_devices_and_lr_is_restored(tmp_path):
     assert resumed.first_lr == 0.005 == loop.optimizer.param_groups[0]["lr"]
     ref = H.make_loop(callbacks=[_LowerLR()])
     ref[0].fit(ref[1], EPOCHS)
-    assert_same(H.comparable(loop.state_dict())["model"],
-                H.comparable(ref[0].state_dict())["model"])
+    assert_same(
+        H.comparable(loop.state_dict())["model"], H.comparable(ref[0].state_dict())["model"]
+    )
 
 
 class _DeviceLossScale(Callback):
@@ -689,13 +754,15 @@ class _Logs(Callback):
         loop.state.logs["score"] = self.values[loop.state.step - 1]
 
 
-@pytest.mark.parametrize("mode,best", [("min", {"epoch0-step2", "epoch0-step4"}),
-                                       ("max", {"epoch0-step1", "epoch0-step3"})])
+@pytest.mark.parametrize(
+    "mode,best",
+    [("min", {"epoch0-step2", "epoch0-step4"}), ("max", {"epoch0-step1", "epoch0-step3"})],
+)
 def test_top_k_by_monitor_plus_last(tmp_path, mode, best):
-    ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, every_n_epochs=None, monitor="score",
-                           mode=mode, save_top_k=2)
-    loop, loader, _ = H.make_loop(callbacks=[_Logs([5.0, 1.0, 4.0, 2.0, 3.0]), ckpt,
-                                             H.StopAt(5)])
+    ckpt = ModelCheckpoint(
+        tmp_path, every_n_steps=1, every_n_epochs=None, monitor="score", mode=mode, save_top_k=2
+    )
+    loop, loader, _ = H.make_loop(callbacks=[_Logs([5.0, 1.0, 4.0, 2.0, 3.0]), ckpt, H.StopAt(5)])
     loop.fit(loader, EPOCHS)
     names = {p.name for p in tmp_path.iterdir()}
     assert names == best | {"epoch1-step5"}  # top 2 + the last
@@ -703,10 +770,15 @@ def test_top_k_by_monitor_plus_last(tmp_path, mode, best):
 
 
 def test_save_last_false_keeps_only_the_best(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, every_n_epochs=None, monitor="score",
-                           save_top_k=1, save_last=False)
-    loop, loader, _ = H.make_loop(callbacks=[_Logs([5.0, 1.0, 4.0, 2.0, 3.0]), ckpt,
-                                             H.StopAt(5)])
+    ckpt = ModelCheckpoint(
+        tmp_path,
+        every_n_steps=1,
+        every_n_epochs=None,
+        monitor="score",
+        save_top_k=1,
+        save_last=False,
+    )
+    loop, loader, _ = H.make_loop(callbacks=[_Logs([5.0, 1.0, 4.0, 2.0, 3.0]), ckpt, H.StopAt(5)])
     loop.fit(loader, EPOCHS)
     assert [p.name for p in tmp_path.iterdir()] == ["epoch0-step2"]
     assert ckpt.save(loop) is None  # step 5 again: neither the best nor kept as the last
@@ -717,7 +789,8 @@ def test_every_n_epochs(tmp_path):
     loop, loader, _ = H.make_loop(callbacks=[ckpt])
     loop.fit(loader, 5)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"epoch{e}-step{e * H.STEPS_PER_EPOCH}" for e in (2, 4)]
+        f"epoch{e}-step{e * H.STEPS_PER_EPOCH}" for e in (2, 4)
+    ]
 
 
 def test_write_order_fsync_replace_then_rotate(tmp_path, monkeypatch):
@@ -741,8 +814,9 @@ def test_write_order_fsync_replace_then_rotate(tmp_path, monkeypatch):
             if loop.state.step == 2:
                 monkeypatch.setattr(os, "fsync", spy_fsync)
                 monkeypatch.setattr(os, "replace", spy_replace)
-                monkeypatch.setattr(ck, "remove", lambda p: calls.append(("remove", str(p)))
-                                    or remove(p))
+                monkeypatch.setattr(
+                    ck, "remove", lambda p: calls.append(("remove", str(p))) or remove(p)
+                )
 
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, every_n_epochs=None, save_top_k=1)
     loop, loader, _ = H.make_loop(callbacks=[Record(), ckpt, H.StopAt(2)])
@@ -764,9 +838,11 @@ def test_missing_monitor_lists_the_logs(tmp_path):
     # (A validation log without val_loader is refused when the fit starts: test_data_paths.)
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, monitor="train_acc")
     loop, loader, _ = H.make_loop(callbacks=[ckpt])
-    with pytest.warns(UserWarning, match="no such log yet at step 1"), \
-            pytest.raises(ValueError, match=r"train_acc.*epoch 1, step 4.*Available: "
-                                            r"\['loss', 'train_loss', 'train_loss_exact'\]"):
+    with pytest.warns(UserWarning, match="no such log yet at step 1"), pytest.raises(
+        ValueError,
+        match=r"train_acc.*epoch 1, step 4.*Available: "
+        r"\['loss', 'train_loss', 'train_loss_exact'\]",
+    ):
         loop.fit(loader, EPOCHS)
 
 
@@ -792,8 +868,9 @@ def test_stale_files_removed_in_dirpath_only_and_resumed_from_kept(tmp_path):
 
 
 def test_resumed_from_survives_a_failing_fit(tmp_path):
-    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(tmp_path, every_n_steps=1),
-                                             H.StopAt(2)])
+    loop, loader, _ = H.make_loop(
+        callbacks=[ModelCheckpoint(tmp_path, every_n_steps=1), H.StopAt(2)]
+    )
     loop.fit(loader, EPOCHS)
 
     class Boom(Callback):
@@ -833,6 +910,7 @@ def test_failed_write_leaves_no_temp_file_and_keeps_the_previous(tmp_path, monke
 
 def test_sigterm_checkpoint_resumes_exactly(tmp_path):
     """SIGTERM: the step finishes, ``on_preempt`` saves, exit 143; the resume is exact."""
+
     class Term(Callback):
         def on_train_step_start(self, loop) -> None:
             if loop.state.step == 5:

@@ -1,5 +1,6 @@
 """ModelCheckpoint features: several named checkpointers on one loop, each resumable, and the
 best checkpoint (``best_path``, ``best_k``, ``load_best_at_end``)."""
+
 from __future__ import annotations
 
 import os
@@ -8,19 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers_train as H
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-import helpers_train as H
 from ipuloop import Callback, Loop
 from ipuloop.callbacks.base import resume_path
 from ipuloop.callbacks.checkpoint import ModelCheckpoint, load_checkpoint, read_manifest
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch",
-                                        "ignore:val_loss covers",
-                                        "ignore:ModelCheckpoint.*kept unranked")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*samples are dropped each epoch",
+    "ignore:val_loss covers",
+    "ignore:ModelCheckpoint.*kept unranked",
+)
 
 N = H.samples_for(1, 2)  # 19 samples: 4 host calls of 4 (micro-batch 2, DI 1, GA 2) per epoch
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +58,12 @@ SCORES = [3.0, 1.0, 2.0, 4.0, 5.0]  # epoch 1 (its end: step 8) is the best, the
 
 def _two(root: Path) -> list[ModelCheckpoint]:
     """The best by val_score beside a frequent step save, as Lightning users pair them."""
-    return [ModelCheckpoint(root / "best", name="best", monitor="val_score", save_top_k=2),
-            ModelCheckpoint(root / "steps", name="steps", every_n_steps=1, every_n_epochs=None,
-                            save_top_k=2)]
+    return [
+        ModelCheckpoint(root / "best", name="best", monitor="val_score", save_top_k=2),
+        ModelCheckpoint(
+            root / "steps", name="steps", every_n_steps=1, every_n_epochs=None, save_top_k=2
+        ),
+    ]
 
 
 def _fit(callbacks, epochs=4, **fit):
@@ -106,8 +112,10 @@ def test_resume_from_last_takes_the_newest_any_checkpointer_wrote(tmp_path):
     cbs = _two(tmp_path / "b")
     _fit([*cbs, H.StopAt(8)])  # steps saves step 8, then best saves the epoch end of step 8
     newest = tmp_path / "b" / "best" / "epoch2-step8"
-    assert read_manifest(newest)["wall_time"] > \
-        read_manifest(tmp_path / "b" / "steps" / "epoch1-step8")["wall_time"]
+    assert (
+        read_manifest(newest)["wall_time"]
+        > read_manifest(tmp_path / "b" / "steps" / "epoch1-step8")["wall_time"]
+    )
     assert resume_path(cbs) == resume_path(cbs[::-1]) == newest
     loop, loader, ds = H.make_loop(1, 2, callbacks=_two(tmp_path / "b"), n=N)
     with pytest.warns(UserWarning, match="no epoch to run: 2 epoch"):  # the epoch-end state
@@ -119,12 +127,16 @@ def test_duplicate_names_fail_when_the_loop_is_built(tmp_path):
     """Two checkpointers without names, or with the same one, cannot be told apart in a
     checkpoint: a ValueError at Loop construction naming them and the name= argument."""
     model = nn.Linear(2, 2)
-    for pair in ([ModelCheckpoint(tmp_path / "a"), ModelCheckpoint(tmp_path / "b")],
-                 [ModelCheckpoint(tmp_path / "a", name="x"),
-                  ModelCheckpoint(tmp_path / "b", name="x")]):
-        with pytest.raises(ValueError, match=r"state_key 'ModelCheckpoint(\[x\])?' "
-                                             r"\(ModelCheckpoint\('.*/a'.*\), "
-                                             r"ModelCheckpoint\('.*/b'.*name="):
+    for pair in (
+        [ModelCheckpoint(tmp_path / "a"), ModelCheckpoint(tmp_path / "b")],
+        [ModelCheckpoint(tmp_path / "a", name="x"), ModelCheckpoint(tmp_path / "b", name="x")],
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"state_key 'ModelCheckpoint(\[x\])?' "
+            r"\(ModelCheckpoint\('.*/a'.*\), "
+            r"ModelCheckpoint\('.*/b'.*name=",
+        ):
             Loop(model, loss_fn=nn.MSELoss(), callbacks=pair, progress=False)
     with pytest.raises(ValueError, match="name must be a non-empty str"):
         ModelCheckpoint(tmp_path, name="")
@@ -134,14 +146,18 @@ def test_checkpointers_writing_the_same_folders_are_refused(tmp_path):
     """Two named checkpointers with the same dirpath and filename would rotate out each
     other's checkpoints: a ValueError before any step. Other filenames may share a folder."""
     rec = H.Recorder()
-    loop, loader, _ = H.make_loop(callbacks=[rec, ModelCheckpoint(tmp_path, name="a"),
-                                             ModelCheckpoint(tmp_path, name="b")])
+    loop, loader, _ = H.make_loop(
+        callbacks=[rec, ModelCheckpoint(tmp_path, name="a"), ModelCheckpoint(tmp_path, name="b")]
+    )
     with pytest.raises(ValueError, match="would write the same checkpoint folders"):
         loop.fit(loader, 1)
     assert rec.losses == []
-    loop, loader, _ = H.make_loop(callbacks=[
-        ModelCheckpoint(tmp_path, name="a"),
-        ModelCheckpoint(tmp_path, name="b", filename="s{step}", every_n_steps=2)])
+    loop, loader, _ = H.make_loop(
+        callbacks=[
+            ModelCheckpoint(tmp_path, name="a"),
+            ModelCheckpoint(tmp_path, name="b", filename="s{step}", every_n_steps=2),
+        ]
+    )
     loop.fit(loader, 1)
     assert _names(tmp_path) == ["epoch1-step4", "s4"]
 
@@ -202,14 +218,15 @@ def test_load_best_at_end_needs_a_monitor_and_a_ranked_save(tmp_path):
     unranked step saves) the model keeps the last weights, with a warning."""
     with pytest.raises(ValueError, match="load_best_at_end=True.*needs monitor="):
         ModelCheckpoint(tmp_path, load_best_at_end=True)
-    ckpt = ModelCheckpoint(tmp_path, monitor="val_score", load_best_at_end=True,
-                           every_n_steps=1, every_n_epochs=None)
+    ckpt = ModelCheckpoint(
+        tmp_path, monitor="val_score", load_best_at_end=True, every_n_steps=1, every_n_epochs=None
+    )
     with pytest.warns(UserWarning, match="no checkpoint is ranked.*keeps the last step"):
         loop = _fit([ckpt], epochs=1)
     assert_same_weights(loop.model.state_dict(), load_checkpoint(ckpt.last_path)["model"])
 
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -236,7 +253,7 @@ loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
 loop.fit(loader, epochs=3, val_loader=DataLoader(TensorDataset(x, y), batch_size=4))
 torch.save({"best": str(ckpt.best_path), "weights": loop.model.state_dict()},
            os.path.join(out, f"rank{rank}.pt"))
-'''
+"""
 
 
 def _free_port() -> int:
@@ -250,14 +267,35 @@ def test_every_instance_loads_the_best_weights(tmp_path):
     """Two processes (torchrun): each instance ends the fit with the best checkpoint's
     weights (instance 0 wrote it; the others hold the weights they saved with it)."""
     (tmp_path / "script.py").write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator",
-               IPULOOP_DIST_TIMEOUT="60", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={_free_port()}", "--monitor_interval=0.5",
-                           str(tmp_path / "script.py"), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        IPULOOP_BACKEND="emulator",
+        IPULOOP_DIST_TIMEOUT="60",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={_free_port()}",
+            "--monitor_interval=0.5",
+            str(tmp_path / "script.py"),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert results[0]["best"] == results[1]["best"] == str(tmp_path / "ckpt" / "epoch2-step16")

@@ -1,4 +1,5 @@
 """The emulator on CUDA (IPULOOP_EMULATOR_DEVICE=cuda) computes what it computes on the CPU."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,10 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 SCRIPT = r"""
 import torch, torch.nn as nn

@@ -1,5 +1,6 @@
 """Data features: torch loaders read ahead (``Loop(async_data=...)``), and a custom batch
 sampler with replicas (alone and shared out between processes)."""
+
 from __future__ import annotations
 
 import json
@@ -64,13 +65,29 @@ class Reads(Callback):
         self.seen.append((self.epochs[-1], bool(readers_alive())))
 
 
-def train(make_loader, *, async_data=False, opts=None, epochs=2, max_steps=None, sd=None,
-          callbacks=(), seed=5):
+def train(
+    make_loader,
+    *,
+    async_data=False,
+    opts=None,
+    epochs=2,
+    max_steps=None,
+    sd=None,
+    callbacks=(),
+    seed=5,
+):
     opts = options(di=2) if opts is None else opts
     net = network()
-    loop = Loop(net, opts, loss_fn=nn.CrossEntropyLoss(), progress=False, seed=seed,
-                callbacks=list(callbacks), async_data=async_data,
-                optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    loop = Loop(
+        net,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        seed=seed,
+        callbacks=list(callbacks),
+        async_data=async_data,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+    )
     loader = make_loader()
     if sd is not None:
         loop.load_state_dict(sd)
@@ -79,8 +96,9 @@ def train(make_loader, *, async_data=False, opts=None, epochs=2, max_steps=None,
 
 
 def shuffled(n: int = 48, workers: int = 0, ds: Dataset | None = None):
-    return lambda: DataLoader(dataset(n) if ds is None else ds, batch_size=3, shuffle=True,
-                              num_workers=workers)
+    return lambda: DataLoader(
+        dataset(n) if ds is None else ds, batch_size=3, shuffle=True, num_workers=workers
+    )
 
 
 # -- 5. torch loaders read ahead ---------------------------------------------------------------
@@ -124,13 +142,15 @@ def test_async_data_gives_loader_workers_the_seeds_of_a_synchronous_read():
 
 
 def test_a_dataset_drawing_random_numbers_is_not_read_ahead_without_workers():
-    loop = Loop(network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                async_data=True)
+    loop = Loop(
+        network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False, async_data=True
+    )
     with pytest.raises(ValueError, match="draws random numbers.*num_workers >= 1"):
         loop.fit(shuffled(ds=Noisy())())
     assert loop.train_model is None  # refused before anything compiled
-    user_async = poptorch.DataLoader(options(di=2), Noisy(), batch_size=3,
-                                     mode=poptorch.DataLoaderMode.Async)
+    user_async = poptorch.DataLoader(
+        options(di=2), Noisy(), batch_size=3, mode=poptorch.DataLoaderMode.Async
+    )
     sync_loop = Loop(network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False)
     with pytest.raises(ValueError, match="DataLoaderMode.Async.*draws random numbers"):
         sync_loop.fit(user_async)  # the user's own Async mode: the same rule
@@ -145,8 +165,14 @@ def test_async_data_settings_are_checked_and_a_poptorch_loader_keeps_its_mode(ep
         Loop(network(), async_data="yes")
     reads = Reads(epoch_readers)
     sync_loader = poptorch.DataLoader(options(di=2), dataset(24), batch_size=3)
-    loop = Loop(network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                async_data=True, callbacks=[reads])
+    loop = Loop(
+        network(),
+        options(di=2),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        async_data=True,
+        callbacks=[reads],
+    )
     loop.fit(sync_loader)
     assert reads.seen and not any(alive for _, alive in reads.seen)  # Sync: its own mode
 
@@ -184,20 +210,42 @@ class Exit(Callback):
         self.val_steps = 0
 
 
-@pytest.mark.parametrize("how", ["end", "stop", "exception", "ctrl_c", "sigterm", "validation",
-                                 "second_ctrl_c", "second_ctrl_c_in_validation"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "end",
+        "stop",
+        "exception",
+        "ctrl_c",
+        "sigterm",
+        "validation",
+        "second_ctrl_c",
+        "second_ctrl_c_in_validation",
+    ],
+)
 def test_the_read_ahead_thread_stops_on_every_exit_path(how, second_ctrl_c):
     before = readers_alive()
     exit_ = Exit(how)
     exit_.before = before
     exit_.second_ctrl_c = second_ctrl_c
     net = network()
-    loop = Loop(net, options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                async_data={"buffer_size": 1}, callbacks=[exit_])
+    loop = Loop(
+        net,
+        options(di=2),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        async_data={"buffer_size": 1},
+        callbacks=[exit_],
+    )
     val = DataLoader(dataset(60), batch_size=3)  # 10 validation calls
-    raises = {"exception": RuntimeError, "validation": RuntimeError, "ctrl_c": KeyboardInterrupt,
-              "second_ctrl_c": RuntimeError, "second_ctrl_c_in_validation": RuntimeError,
-              "sigterm": SystemExit}
+    raises = {
+        "exception": RuntimeError,
+        "validation": RuntimeError,
+        "ctrl_c": KeyboardInterrupt,
+        "second_ctrl_c": RuntimeError,
+        "second_ctrl_c_in_validation": RuntimeError,
+        "sigterm": SystemExit,
+    }
     if how in raises:
         with pytest.raises(raises[how]):
             loop.fit(shuffled(n=96)(), epochs=2, val_loader=val)
@@ -216,8 +264,14 @@ def test_async_data_validates_and_predicts_as_synchronous_reading():
     before = readers_alive()
     ds = dataset(41)  # the last host call is padded
     sync = Loop(network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False)
-    ahead = Loop(network(), options(di=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                 async_data=True, callbacks=[Threads()])
+    ahead = Loop(
+        network(),
+        options(di=2),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        async_data=True,
+        callbacks=[Threads()],
+    )
     loader = DataLoader(ds, batch_size=3)
     assert ahead.validate(loader) == sync.validate(loader)
     assert seen == [True] * 7
@@ -247,8 +301,12 @@ class Shuffled:
 
     def __iter__(self):
         order = torch.randperm(self.n, generator=self.generator).tolist()
-        return iter([order[i:i + self.batch_size]
-                     for i in range(0, self.n - self.batch_size + 1, self.batch_size)])
+        return iter(
+            [
+                order[i : i + self.batch_size]
+                for i in range(0, self.n - self.batch_size + 1, self.batch_size)
+            ]
+        )
 
     def __len__(self) -> int:
         return self.n // self.batch_size
@@ -260,8 +318,13 @@ def test_a_batch_sampler_gives_each_micro_batch_of_each_replica_its_own_batch():
     with the sampler's batches in order gives the same weights."""
     ds, b, (di, ga, rf) = dataset(60), 3, (2, 2, 2)
     net = network(dropout=0.0)
-    loop = Loop(net, options(di, rf, ga), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    loop = Loop(
+        net,
+        options(di, rf, ga),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+    )
     loop.fit(DataLoader(ds, batch_sampler=Shuffled(60, b)), epochs=2)
     assert loop.state.steps_per_epoch == 2  # 20 batches: 2 host calls of 8, 4 left over
     assert loop.state.samples == 2 * 2 * b * di * ga * rf and loop.state.update == 8
@@ -272,7 +335,7 @@ def test_a_batch_sampler_gives_each_micro_batch_of_each_replica_its_own_batch():
     for _ in range(2):
         batches = list(sampler)
         for call in range(2):
-            group = batches[call * 8:(call + 1) * 8]
+            group = batches[call * 8 : (call + 1) * 8]
             for d in range(di):
                 opt.zero_grad()
                 for a in range(ga):
@@ -289,8 +352,9 @@ def test_a_batch_sampler_with_replicas_resumes_exactly_without_reading_samples_a
     def run(max_steps=None, sd=None):
         ds = Recorded(72)  # 24 batches of 3: 6 host calls of DI 2 x RF 2 batches an epoch
         loader = lambda: DataLoader(ds, batch_sampler=Shuffled(72, 3))  # noqa: E731
-        loop, w = train(loader, opts=options(di=2, rf=2), max_steps=max_steps, sd=sd,
-                        async_data=async_data)
+        loop, w = train(
+            loader, opts=options(di=2, rf=2), max_steps=max_steps, sd=sd, async_data=async_data
+        )
         return loop, w, ds.log
 
     _, full, full_log = run()
@@ -342,13 +406,15 @@ class MeanModel(nn.Module):
         return self.linear(x.mean(dim=1, keepdim=True))
 
 
-@pytest.mark.parametrize("kind,async_data,where", [
-    ("rows", False, "batch 4 of this epoch has shapes [[3, 6], [3]]"),
-    ("rows", True, "host call 2 of this epoch has shapes [[7, 6], [7]]"),
-    ("length", False, "batch 3 of this epoch has shapes [[4, 3], [4]]"),
-])
-def test_batches_of_different_shapes_are_refused_at_the_first_that_differs(kind, async_data,
-                                                                          where):
+@pytest.mark.parametrize(
+    "kind,async_data,where",
+    [
+        ("rows", False, "batch 4 of this epoch has shapes [[3, 6], [3]]"),
+        ("rows", True, "host call 2 of this epoch has shapes [[7, 6], [7]]"),
+        ("length", False, "batch 3 of this epoch has shapes [[4, 3], [4]]"),
+    ],
+)
+def test_batches_of_different_shapes_are_refused_at_the_first_that_differs(kind, async_data, where):
     steps = []
 
     class Steps(Callback):
@@ -360,8 +426,14 @@ def test_batches_of_different_shapes_are_refused_at_the_first_that_differs(kind,
     else:  # a fixed number of samples, sequences padded to each batch's longest
         model = MeanModel()
         loader = DataLoader(Sequences(), batch_sampler=Buckets([4] * 6), collate_fn=pad_to_longest)
-    loop = Loop(model, options(rf=2), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                async_data=async_data, callbacks=[Steps()])
+    loop = Loop(
+        model,
+        options(rf=2),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        async_data=async_data,
+        callbacks=[Steps()],
+    )
     with pytest.raises(ValueError, match="different shapes") as e:
         loop.fit(loader)
     assert where in str(e.value) and "collate_fn" in str(e.value)
@@ -369,14 +441,16 @@ def test_batches_of_different_shapes_are_refused_at_the_first_that_differs(kind,
 
 
 def test_a_short_last_batch_that_a_host_call_would_read_is_refused_before_any_step():
-    loader = DataLoader(dataset(30), batch_sampler=BatchSampler(SequentialSampler(range(30)), 4,
-                                                                drop_last=False))
+    loader = DataLoader(
+        dataset(30), batch_sampler=BatchSampler(SequentialSampler(range(30)), 4, drop_last=False)
+    )
     loop = Loop(network(), options(rf=2), loss_fn=nn.CrossEntropyLoss(), progress=False)
     with pytest.raises(ValueError, match="last batch holds 2 samples, not 4.*drop_last=True"):
         loop.fit(loader)  # 8 batches: whole host calls of 2, the last one read
     assert loop.train_model is None
-    odd = DataLoader(dataset(26), batch_sampler=BatchSampler(SequentialSampler(range(26)), 4,
-                                                             drop_last=False))
+    odd = DataLoader(
+        dataset(26), batch_sampler=BatchSampler(SequentialSampler(range(26)), 4, drop_last=False)
+    )
     loop.fit(odd)  # 7 batches: the short one is in the dropped incomplete host call
     assert loop.state.step == 3
 
@@ -387,8 +461,9 @@ def test_each_instance_reads_the_batches_its_replicas_read_in_one_process():
     ds, b, di, ga = dataset(100), 2, 2, 2
 
     def host_calls(opts, skip=0):
-        plan = build_plan(poptorch, DataLoader(ds, batch_sampler=Shuffled(100, b)), opts, True,
-                          "train_loader")
+        plan = build_plan(
+            poptorch, DataLoader(ds, batch_sampler=Shuffled(100, b)), opts, True, "train_loader"
+        )
         return plan, [x for x, _ in plan.epoch(skip)]
 
     whole, calls = host_calls(options(di, 4, ga))
@@ -399,13 +474,13 @@ def test_each_instance_reads_the_batches_its_replicas_read_in_one_process():
         mine, own = host_calls(o)
         assert mine.steps == 3 and mine.combined == b * di * ga * 2
         for g, m in zip(calls, own):
-            expected = g.view(di, ga, 4, b, IN)[:, :, 2 * p:2 * p + 2].reshape(-1, IN)
+            expected = g.view(di, ga, 4, b, IN)[:, :, 2 * p : 2 * p + 2].reshape(-1, IN)
             assert torch.equal(m, expected)
         _, tail = host_calls(o, skip=1)
         assert len(tail) == 2 and all(torch.equal(x, y) for x, y in zip(tail, own[1:]))
 
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -439,7 +514,7 @@ loop.fit(DataLoader(TensorDataset(x, y), batch_sampler=Shuffled(90, 3)), epochs=
 if int(os.environ.get("RANK", "0")) == 0:
     torch.save({"weights": model.state_dict(), "counters": loop.state.counters()},
                os.path.join(cfg["out"], "result.pt"))
-'''
+"""
 
 
 def _free_port() -> int:
@@ -448,24 +523,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_replicas(
-        tmp_path):
+def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_replicas(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator", IPULOOP_DIST_TIMEOUT="30",
-               PYTHONWARNINGS="ignore")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        IPULOOP_BACKEND="emulator",
+        IPULOOP_DIST_TIMEOUT="30",
+        PYTHONWARNINGS="ignore",
+    )
     results = {}
-    for name, procs, cfg in (("one", 1, {"replicas": 2, "async_data": False}),
-                             ("two", 2, {"replicas": 1, "async_data": True})):
+    for name, procs, cfg in (
+        ("one", 1, {"replicas": 2, "async_data": False}),
+        ("two", 2, {"replicas": 1, "async_data": True}),
+    ):
         out = tmp_path / name
         out.mkdir()
         arg = json.dumps(dict(cfg, out=str(out)))
-        cmd = [sys.executable, str(script), arg] if procs == 1 else [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
-            f"--master_port={_free_port()}", "--monitor_interval=0.5", str(script), arg]
+        cmd = (
+            [sys.executable, str(script), arg]
+            if procs == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={procs}",
+                f"--master_port={_free_port()}",
+                "--monitor_interval=0.5",
+                str(script),
+                arg,
+            ]
+        )
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         results[name] = torch.load(out / "result.pt")

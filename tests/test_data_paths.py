@@ -1,4 +1,5 @@
 """Less-travelled data paths: streams in validation and predict, a poptorch.DataLoader's mode."""
+
 from __future__ import annotations
 
 import copy
@@ -63,15 +64,18 @@ def test_validation_over_a_stream_counts_every_sample(di, rf, workers):
     # 66 samples, micro-batches of 8: host calls of 8 * DI * RF; the last one is padded
     x, y = stream_data(66)
     net = classifier()
-    loop = Loop(copy.deepcopy(net), options(di, rf), loss_fn=nn.CrossEntropyLoss(),
-                progress=False,
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    loop = Loop(
+        copy.deepcopy(net),
+        options(di, rf),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     loader = DataLoader(Rows(x, y), batch_size=8, num_workers=workers)
     logs = loop.validate(loader)
     with torch.no_grad():
         out = net(x)
-    assert logs["val_loss"] == pytest.approx(float(nn.functional.cross_entropy(out, y)),
-                                             rel=1e-6)
+    assert logs["val_loss"] == pytest.approx(float(nn.functional.cross_entropy(out, y)), rel=1e-6)
     acc = torchmetrics.functional.accuracy(out, y, "multiclass", num_classes=OUT)
     assert logs["val_acc"] == pytest.approx(float(acc), abs=1e-7)
 
@@ -90,14 +94,19 @@ def test_validation_over_a_stream_with_a_model_with_loss_leaves_out_only_the_pad
 
     x, y = stream_data(66)
     net = WithLossNet()
-    loop = Loop(copy.deepcopy(net), options(), progress=False,
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    loop = Loop(
+        copy.deepcopy(net),
+        options(),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     with pytest.warns(UserWarning, match="covers 64 of the 66"):
         logs = loop.validate(DataLoader(Rows(x, y), batch_size=8))
     with torch.no_grad():
         out = net(x)
     assert logs["val_loss"] == pytest.approx(
-        float(nn.functional.cross_entropy(out[:64], y[:64])), rel=1e-6)
+        float(nn.functional.cross_entropy(out[:64], y[:64])), rel=1e-6
+    )
     acc = torchmetrics.functional.accuracy(out, y, "multiclass", num_classes=OUT)
     assert logs["val_acc"] == pytest.approx(float(acc), abs=1e-7)
 
@@ -105,18 +114,28 @@ def test_validation_over_a_stream_with_a_model_with_loss_leaves_out_only_the_pad
 def test_fit_validates_a_stream_whole_each_epoch():
     x, y = stream_data(66)
     net = classifier()
-    loop = Loop(net, options(2), loss_fn=nn.CrossEntropyLoss(), progress=False,
-                optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
-    history = loop.fit(DataLoader(TensorDataset(*stream_data(32, 5)), batch_size=4), epochs=2,
-                       val_loader=DataLoader(Rows(x, y), batch_size=8, num_workers=2))
+    loop = Loop(
+        net,
+        options(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+    )
+    history = loop.fit(
+        DataLoader(TensorDataset(*stream_data(32, 5)), batch_size=4),
+        epochs=2,
+        val_loader=DataLoader(Rows(x, y), batch_size=8, num_workers=2),
+    )
     with torch.no_grad():  # the weights after the last epoch are the ones it validated
         expected = float(nn.functional.cross_entropy(net(x), y))
     assert history[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 # -- predict over a stream keeps its loader's order -----------------------------------------------
-@pytest.mark.parametrize("kind,batch,di,rf", [("torch", 2, 2, 2), ("torch", 5, 2, 1),
-                                              ("torch", 8, 3, 1), ("poptorch", 4, 2, 1)])
+@pytest.mark.parametrize(
+    "kind,batch,di,rf",
+    [("torch", 2, 2, 2), ("torch", 5, 2, 1), ("torch", 8, 3, 1), ("poptorch", 4, 2, 1)],
+)
 def test_predict_over_a_stream_with_workers_keeps_the_loaders_order(kind, batch, di, rf):
     x, y = stream_data(53)
     net = classifier()
@@ -125,10 +144,15 @@ def test_predict_over_a_stream_with_workers_keeps_the_loaders_order(kind, batch,
     if kind == "torch":
         loader = DataLoader(Rows(x, y), batch_size=batch, num_workers=2)
     else:  # its workers each read whole host calls (B * DI * RF samples): that is its order
-        loader = poptorch.DataLoader(opts, Rows(x, y), batch_size=batch, num_workers=2,
-                                     drop_last=False, worker_init_fn=lambda _: None)
-    xs, _ = in_loader_order(DataLoader(Rows(x, y), batch_size=loader.batch_size,
-                                       num_workers=2))
+        loader = poptorch.DataLoader(
+            opts,
+            Rows(x, y),
+            batch_size=batch,
+            num_workers=2,
+            drop_last=False,
+            worker_init_fn=lambda _: None,
+        )
+    xs, _ = in_loader_order(DataLoader(Rows(x, y), batch_size=loader.batch_size, num_workers=2))
     assert not torch.equal(xs, x)  # the workers interleave: not the dataset's order
     out = loop.predict(loader)
     with torch.no_grad():
@@ -159,20 +183,34 @@ class Readers(Callback):
         self.seen.append((self.epochs[-1], "poptorch.AsynchronousDataAccessor" in threads))
 
 
-def train(mode, async_options=None, worker_size=None, epochs=2, max_steps=None, sd=None,
-          callbacks=()):
+def train(
+    mode, async_options=None, worker_size=None, epochs=2, max_steps=None, sd=None, callbacks=()
+):
     opts = options(di=2).randomSeed(5)
     net = regressor()
-    loop = Loop(net, opts, loss_fn=nn.MSELoss(), progress=False, callbacks=callbacks,
-                optimizer=torch.optim.SGD(net.parameters(), lr=0.05))
+    loop = Loop(
+        net,
+        opts,
+        loss_fn=nn.MSELoss(),
+        progress=False,
+        callbacks=callbacks,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+    )
     torch.manual_seed(8)
     # The shuffle draws from a generator of its own (without one, the emulator's Async loader
     # seeds a private one from the global RNG), seeded after the loader is built: the
     # emulator's accessor reads its first batch at once, drawing from it in this process.
     g = torch.Generator()
-    loader = poptorch.DataLoader(opts, regression_data(), batch_size=3, shuffle=True,
-                                 mode=mode, async_options=async_options,
-                                 rebatched_worker_size=worker_size, generator=g)
+    loader = poptorch.DataLoader(
+        opts,
+        regression_data(),
+        batch_size=3,
+        shuffle=True,
+        mode=mode,
+        async_options=async_options,
+        rebatched_worker_size=worker_size,
+        generator=g,
+    )
     g.manual_seed(9)
     if sd is not None:
         loop.load_state_dict(sd)
@@ -182,28 +220,35 @@ def train(mode, async_options=None, worker_size=None, epochs=2, max_steps=None, 
 
 def test_async_mode_and_its_options_are_kept(epoch_readers):
     readers = Readers(epoch_readers)
-    train(poptorch.DataLoaderMode.Async, {"buffer_size": 5, "early_preload": True},
-          callbacks=[readers])
+    train(
+        poptorch.DataLoaderMode.Async,
+        {"buffer_size": 5, "early_preload": True},
+        callbacks=[readers],
+    )
     assert readers.seen and all(prefetching for _, prefetching in readers.seen)
     accessors = {id(r.loader._accessor): r.loader._accessor for r, _ in readers.seen}
     assert len(accessors) == 2  # one per epoch, built once its order is drawn
     for acc in accessors.values():
-        assert acc._settings == {"buffer_size": 5, "miss_sleep_time_in_ms": 0.1,
-                                 "load_indefinitely": False, "early_preload": True,
-                                 "sharing_strategy": poptorch.SharingStrategy.ForkServer}
+        assert acc._settings == {
+            "buffer_size": 5,
+            "miss_sleep_time_in_ms": 0.1,
+            "load_indefinitely": False,
+            "early_preload": True,
+            "sharing_strategy": poptorch.SharingStrategy.ForkServer,
+        }
         assert acc.rebatched_size is None and acc._channel is None  # stopped at epoch end
 
 
 def test_async_rebatched_and_its_worker_size_are_kept(epoch_readers):
     readers = Readers(epoch_readers)
-    train(poptorch.DataLoaderMode.AsyncRebatched, worker_size=2, epochs=1,
-          callbacks=[readers])
+    train(poptorch.DataLoaderMode.AsyncRebatched, worker_size=2, epochs=1, callbacks=[readers])
     loader = readers.seen[0][0].loader
     assert loader.batch_size == 2 and loader._accessor.rebatched_size == 6
 
 
-@pytest.mark.parametrize("mode,worker_size", [("Async", None), ("AsyncRebatched", None),
-                                              ("AsyncRebatched", 2)])
+@pytest.mark.parametrize(
+    "mode,worker_size", [("Async", None), ("AsyncRebatched", None), ("AsyncRebatched", 2)]
+)
 def test_async_modes_train_as_sync_and_resume_exactly(mode, worker_size):
     mode = getattr(poptorch.DataLoaderMode, mode)
     _, sync = train(poptorch.DataLoaderMode.Sync)
@@ -222,14 +267,14 @@ def test_validate_and_predict_read_an_async_loader_through_its_mode():
     net = regressor()
     ds = regression_data(41)  # the last host call is padded
     sync = poptorch.DataLoader(opts, ds, batch_size=3)
-    asynchronous = poptorch.DataLoader(opts, ds, batch_size=3,
-                                       mode=poptorch.DataLoaderMode.Async)
+    asynchronous = poptorch.DataLoader(opts, ds, batch_size=3, mode=poptorch.DataLoaderMode.Async)
     seen = []
 
     class Threads(Callback):
         def on_validation_step_end(self, loop) -> None:
-            seen.append(sum(t.name == "poptorch.AsynchronousDataAccessor"
-                            for t in threading.enumerate()))
+            seen.append(
+                sum(t.name == "poptorch.AsynchronousDataAccessor" for t in threading.enumerate())
+            )
 
     loop = Loop(net, opts, loss_fn=nn.MSELoss(), progress=False, callbacks=[Threads()])
     assert loop.validate(asynchronous) == loop.validate(sync)
@@ -266,8 +311,12 @@ def test_async_settings_are_read_from_poptorchs_accessor_layout():
     loader._accessor = FakePopTorchAccessor()
     p = prefetch_of(poptorch, loader, "loader")
     assert p.mode == poptorch.DataLoaderMode.Async and p.worker_size is None
-    assert p.options == {"buffer_size": 7, "miss_sleep_time_in_ms": 0.5, "early_preload": True,
-                         "sharing_strategy": poptorch.SharingStrategy.FileSystem}
+    assert p.options == {
+        "buffer_size": 7,
+        "miss_sleep_time_in_ms": 0.5,
+        "early_preload": True,
+        "sharing_strategy": poptorch.SharingStrategy.FileSystem,
+    }
     loader._accessor = FakePopTorchAccessor(rebatched_size=6)
     p = prefetch_of(poptorch, loader, "loader")  # loader.batch_size 6: the default size
     assert p.mode == poptorch.DataLoaderMode.AsyncRebatched and p.worker_size is None
@@ -305,7 +354,7 @@ def test_a_model_with_loss_that_reshapes_its_labels_trains():
     losses = []
     for i in range(0, 32, 8):
         opt.zero_grad()
-        _, loss = reference(x[i:i + 8], y[i:i + 8])
+        _, loss = reference(x[i : i + 8], y[i : i + 8])
         loss.backward()
         opt.step()
         losses.append(float(loss))
@@ -325,15 +374,21 @@ def test_a_model_with_loss_that_broadcasts_is_still_refused():
 # -- a non-finite loss says what likely happened --------------------------------------------------
 NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 backward kernels on the CPU")
+    reason="torch < 2.1 has no float16 backward kernels on the CPU",
+)
 
 
 def fit_error(x, y, precision="32", loss_scaling=None, epochs=1) -> str:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(IN, 16), nn.ReLU(), nn.Linear(16, 1))
     extra = {} if loss_scaling is None else {"loss_scaling": loss_scaling}
-    loop = Loop(net, loss_fn=nn.MSELoss(), progress=False, precision=precision,
-                optimizer=poptorch.optim.SGD(net.parameters(), lr=0.01, **extra))
+    loop = Loop(
+        net,
+        loss_fn=nn.MSELoss(),
+        progress=False,
+        precision=precision,
+        optimizer=poptorch.optim.SGD(net.parameters(), lr=0.01, **extra),
+    )
     with pytest.raises(NonFiniteLossError) as e:
         loop.fit(DataLoader(TensorDataset(x, y), batch_size=4), epochs=epochs)
     return str(e.value)
@@ -415,8 +470,14 @@ def test_emulate_binds_poptorch_in_spawned_and_forkserver_workers(tmp_path):
     repo = str(Path(__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if k not in ("IPULOOP_BACKEND", "PYTHONPATH")}
     env.update(PYTHONPATH=os.pathsep.join([str(fake), repo]), IPULOOP_BACKEND="auto")
-    r = subprocess.run([sys.executable, "-m", "ipuloop.emulate", "train.py"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "ipuloop.emulate", "train.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     order = [[float(i) for i in range(j, j + 4)] for j in range(0, 16, 4)]
@@ -435,24 +496,40 @@ class Steps(Callback):
         self.events.append("step")
 
 
-@pytest.mark.parametrize("make", [
-    lambda net, opt, tmp: EarlyStopping(monitor="val_loss"),
-    lambda net, opt, tmp: ModelCheckpoint(tmp / "ckpt", monitor="val_loss"),
-    lambda net, opt, tmp: LRScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
-                                      monitor="val_loss"),
-], ids=["EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda net, opt, tmp: EarlyStopping(monitor="val_loss"),
+        lambda net, opt, tmp: ModelCheckpoint(tmp / "ckpt", monitor="val_loss"),
+        lambda net, opt, tmp: LRScheduler(
+            torch.optim.lr_scheduler.ReduceLROnPlateau(opt), monitor="val_loss"
+        ),
+    ],
+    ids=["EarlyStopping", "ModelCheckpoint", "ReduceLROnPlateau"],
+)
 def test_a_validation_monitor_without_val_loader_fails_before_any_step(make, tmp_path):
     net = regressor()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     steps, callback = Steps(), make(net, opt, tmp_path)
-    loop = Loop(net, options(), loss_fn=nn.MSELoss(), optimizer=opt, progress=False,
-                callbacks=[callback, steps])
-    with pytest.raises(ValueError, match=rf"{type(callback).__name__}: monitor='val_\w+' is "
-                                         "a validation log, but this fit has no val_loader"):
+    loop = Loop(
+        net,
+        options(),
+        loss_fn=nn.MSELoss(),
+        optimizer=opt,
+        progress=False,
+        callbacks=[callback, steps],
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"{type(callback).__name__}: monitor='val_\w+' is "
+        "a validation log, but this fit has no val_loader",
+    ):
         loop.fit(DataLoader(regression_data(), batch_size=4))
     assert steps.events == [] and loop.state.step == 0
-    loop.fit(DataLoader(regression_data(), batch_size=4),  # with one: no error
-             val_loader=DataLoader(regression_data(8), batch_size=4))
+    loop.fit(
+        DataLoader(regression_data(), batch_size=4),  # with one: no error
+        val_loader=DataLoader(regression_data(8), batch_size=4),
+    )
     assert loop.state.epoch == 1
 
 
@@ -470,12 +547,21 @@ def test_lightning_hooks_warn_at_construction_with_the_nearest_event_or_none():
         FromLightning()
     messages = {str(w.message).split(" ")[0]: str(w.message) for w in record}
     assert sorted(messages) == [
-        f"FromLightning.{n}" for n in ("configure_optimizers", "on_before_batch_transfer",
-                                       "on_fit_start", "on_train_batch_start",
-                                       "training_step", "transfer_batch_to_device")]
+        f"FromLightning.{n}"
+        for n in (
+            "configure_optimizers",
+            "on_before_batch_transfer",
+            "on_fit_start",
+            "on_train_batch_start",
+            "training_step",
+            "transfer_batch_to_device",
+        )
+    ]
     assert all(w.filename == __file__ for w in record)  # at the construction
-    assert "nearest loop event is on_train_step_start" in \
-        messages["FromLightning.on_train_batch_start"]
+    assert (
+        "nearest loop event is on_train_step_start"
+        in messages["FromLightning.on_train_batch_start"]
+    )
     for name in ("transfer_batch_to_device", "on_before_batch_transfer"):
         assert "no such event" in messages[f"FromLightning.{name}"]
         assert "collate_fn" in messages[f"FromLightning.{name}"]

@@ -4,15 +4,14 @@ Each test starts ``python -m torch.distributed.run --nproc-per-node 2`` on a scr
 ``tmp_path`` (or, for a dying instance, the two processes directly), and compares with one
 process running ``replicas=2``.
 """
+
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -94,13 +93,28 @@ def _free_port() -> int:
 
 
 def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
-           and not k.startswith("POPDIST_")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator",
-               IPULOOP_DIST_TIMEOUT="20", PYTHONWARNINGS="ignore")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_RANK",
+        )
+        and not k.startswith("POPDIST_")
+    }
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        IPULOOP_BACKEND="emulator",
+        IPULOOP_DIST_TIMEOUT="20",
+        PYTHONWARNINGS="ignore",
+    )
     env.update(extra)
     return env
 
@@ -115,11 +129,19 @@ def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
     if processes == 1:
         cmd = [sys.executable, str(script), json.dumps(cfg)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-               f"--master_port={_free_port()}", "--monitor_interval=0.5", str(script),
-               json.dumps(cfg)]
-    proc = subprocess.run(cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=170)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            f"--master_port={_free_port()}",
+            "--monitor_interval=0.5",
+            str(script),
+            json.dumps(cfg),
+        ]
+    proc = subprocess.run(
+        cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True, timeout=170
+    )
     return proc, out
 
 
@@ -140,9 +162,15 @@ def test_detect_reads_torchrun_mpirun_and_poprun():
     m = processes.detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"})
     assert (m.rank, m.size, m.launcher) == (2, 3, "mpirun")
     # poprun runs mpirun: its own variables win, and give the local replicas
-    p = processes.detect({"POPDIST_NUM_TOTAL_REPLICAS": "8", "POPDIST_NUM_LOCAL_REPLICAS": "2",
-                            "POPDIST_REPLICA_INDEX_OFFSET": "6", "OMPI_COMM_WORLD_RANK": "3",
-                            "OMPI_COMM_WORLD_SIZE": "4"})
+    p = processes.detect(
+        {
+            "POPDIST_NUM_TOTAL_REPLICAS": "8",
+            "POPDIST_NUM_LOCAL_REPLICAS": "2",
+            "POPDIST_REPLICA_INDEX_OFFSET": "6",
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+        }
+    )
     assert (p.rank, p.size, p.launcher, p.local_replicas) == (3, 4, "poprun", 2)
     with pytest.raises(ValueError, match="instance index 4 of 2"):
         processes.detect({"RANK": "4", "WORLD_SIZE": "2"})
@@ -215,8 +243,9 @@ def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path, uninterru
     exit 143; a resumed run ends as an uninterrupted one."""
     cfg = RESUMED
     ckpt = tmp_path / "ckpt"
-    proc, out = _run(tmp_path, "term", dict(cfg, ckpt=str(ckpt),
-                                            act={"step": 3, "rank": 1, "what": "term"}))
+    proc, out = _run(
+        tmp_path, "term", dict(cfg, ckpt=str(ckpt), act={"step": 3, "rank": 1, "what": "term"})
+    )
     assert proc.returncode != 0
     assert (out / "exit0").read_text() == (out / "exit1").read_text() == "143"
     assert [p.name for p in ckpt.iterdir()] == ["epoch0-step3"]
@@ -228,8 +257,9 @@ def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path, uninterru
 
 
 def test_stop_on_one_instance_stops_both(tmp_path):
-    proc, out = _run(tmp_path, "stop", {"replicas": 1, "act": {"step": 2, "rank": 1,
-                                                                 "what": "stop"}})
+    proc, out = _run(
+        tmp_path, "stop", {"replicas": 1, "act": {"step": 2, "rank": 1, "what": "stop"}}
+    )
     _check(proc)
     assert _result(out, 0)["counters"]["step"] == _result(out, 1)["counters"]["step"] == 2
 
@@ -242,20 +272,32 @@ def test_a_dead_or_hung_instance_fails_the_other_with_an_error(tmp_path, what):
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    cfg = json.dumps({"replicas": 1, "out": str(out),
-                      "act": {"step": 2, "rank": 1, "what": what}})
+    cfg = json.dumps({"replicas": 1, "out": str(out), "act": {"step": 2, "rank": 1, "what": what}})
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), cfg], cwd=tmp_path,
-                              env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                       IPULOOP_DIST_TIMEOUT="2"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), cfg],
+            cwd=tmp_path,
+            env=_env(
+                RANK=str(r),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                IPULOOP_DIST_TIMEOUT="2",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         _, err = procs[0].communicate(timeout=60)
         assert procs[0].returncode not in (0, None)
-        assert "instance" in err.lower() and ("died" in err or "timed out" in err.lower()
-                                              or "closed" in err.lower()), err[-3000:]
+        assert "instance" in err.lower() and (
+            "died" in err or "timed out" in err.lower() or "closed" in err.lower()
+        ), err[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -266,21 +308,47 @@ def test_a_dead_or_hung_instance_fails_the_other_with_an_error(tmp_path, what):
 def test_instances_with_different_seeds_are_an_error_naming_the_instance(tmp_path):
     proc, _ = _run(tmp_path, "seeds", {"replicas": 1, "seed_step": 1})
     assert proc.returncode != 0
-    assert "Instance 1 of 2 differs from instance 0: randomSeed 1 on instance 0 but 2 on " \
-           "instance 1" in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "Instance 1 of 2 differs from instance 0: randomSeed 1 on instance 0 but 2 on "
+        "instance 1" in proc.stderr
+    ), proc.stderr[-3000:]
 
 
 def test_the_benchmark_writes_its_json(tmp_path):
     """A tiny run of benchmarks/distributed.py (random images): keys only, no timing."""
     out = tmp_path / "d.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "distributed.py"), "--samples", "512",
-         "--micro", "4", "--di", "2", "--ga", "8", "--steps", "1", "--repeats", "1",
-         "--out", str(out)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "distributed.py"),
+            "--samples",
+            "512",
+            "--micro",
+            "4",
+            "--di",
+            "2",
+            "--ga",
+            "8",
+            "--steps",
+            "1",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
     _check(proc)
     res = json.loads(out.read_text())
     assert set(res["configs"]) == {"1x1", "1x2", "2x1"}
     assert res["configs"]["2x1"]["samples_per_step"] == res["configs"]["1x2"]["samples_per_step"]
-    assert set(res["scaling"]["2"]) == {"speedup_over_1x1", "scaling_efficiency",
-                                        "speedup_over_1x2"}
+    assert set(res["scaling"]["2"]) == {
+        "speedup_over_1x1",
+        "scaling_efficiency",
+        "speedup_over_1x2",
+    }
     assert set(res["meta"]) >= {"loadavg_start", "loadavg_end", "torch", "command"}

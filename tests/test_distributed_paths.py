@@ -5,6 +5,7 @@ Each launched script runs its jobs one after the other in the same processes (2 
 gloo, or 1 plain process), with a stack dump and exit if it hangs, and writes what each job
 read and trained to ``out``; the tests compare those files.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,7 +87,9 @@ def save(name, loop, steps, caught=(), **extra):
                os.path.join(out, f"{name}{rank}.pt"))
 '''
 
-RESUME = COMMON + r'''
+RESUME = (
+    COMMON
+    + r"""
 # each job: a fit of 2 epochs (4 steps of 32 samples each with 2 replicas in all), maybe
 # stopped (max_steps) with a checkpoint every step and epoch, maybe resumed from one
 for job in cfg["jobs"]:
@@ -98,7 +101,8 @@ for job in cfg["jobs"]:
                  max_steps=job.get("max_steps"), resume_from=job.get("resume"))
     save(job["name"], loop, steps, [w for w in caught if "factors" in str(w.message)
                                     or "instance" in str(w.message)])
-'''
+"""
+)
 
 
 def _free_port() -> int:
@@ -108,18 +112,40 @@ def _free_port() -> int:
 
 
 def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
-           and not k.startswith("POPDIST_")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator", IPULOOP_DIST_TIMEOUT="20")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_RANK",
+        )
+        and not k.startswith("POPDIST_")
+    }
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        IPULOOP_BACKEND="emulator",
+        IPULOOP_DIST_TIMEOUT="20",
+    )
     env.update(extra)
     return env
 
 
-def _launch(tmp: Path, script: str, cfg: dict, processes: int = 2, timeout: float = 150,
-            torchrun: bool = True, **env: str) -> subprocess.CompletedProcess:
+def _launch(
+    tmp: Path,
+    script: str,
+    cfg: dict,
+    processes: int = 2,
+    timeout: float = 150,
+    torchrun: bool = True,
+    **env: str,
+) -> subprocess.CompletedProcess:
     """``script`` with ``cfg`` in ``processes`` processes (torchrun, or without it the
     processes started here with its environment: instance 0 then hosts the group's store),
     or 1 (plain python); the return code is the first non-zero one."""
@@ -127,17 +153,36 @@ def _launch(tmp: Path, script: str, cfg: dict, processes: int = 2, timeout: floa
     path.write_text(script)
     cmd = [sys.executable, str(path), json.dumps(cfg)]
     if processes > 1 and torchrun:
-        cmd[1:1] = ["-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                    f"--master_port={_free_port()}", "--monitor_interval=0.5"]
+        cmd[1:1] = [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            f"--master_port={_free_port()}",
+            "--monitor_interval=0.5",
+        ]
     if processes == 1 or torchrun:
-        return subprocess.run(cmd, env=_env(**env), cwd=tmp, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            cmd, env=_env(**env), cwd=tmp, capture_output=True, text=True, timeout=timeout
+        )
     port = str(_free_port())
-    procs = [subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=_env(RANK=str(r), WORLD_SIZE=str(processes),
-                                                  LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                                                  MASTER_PORT=port, **env))
-             for r in range(processes)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(
+                RANK=str(r),
+                WORLD_SIZE=str(processes),
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                **env,
+            ),
+        )
+        for r in range(processes)
+    ]
     try:
         deadline = time.monotonic() + timeout
         outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs]
@@ -184,26 +229,55 @@ def test_a_checkpoint_resumes_across_process_layouts_at_the_same_sample(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     ck2, ck1 = tmp_path / "ck2x1", tmp_path / "ck1x2"
-    two = _launch(tmp_path, RESUME, {"out": str(out), "jobs": [
-        {"name": "whole2x1", "replicas": 1},
-        {"name": "part2x1", "replicas": 1, "ckpt": str(ck2), "max_steps": 6}]})
+    two = _launch(
+        tmp_path,
+        RESUME,
+        {
+            "out": str(out),
+            "jobs": [
+                {"name": "whole2x1", "replicas": 1},
+                {"name": "part2x1", "replicas": 1, "ckpt": str(ck2), "max_steps": 6},
+            ],
+        },
+    )
     _check(two)
     assert sorted(p.name for p in ck2.iterdir()) == [
-        "epoch0-step1", "epoch0-step2", "epoch0-step3", "epoch1-step4", "epoch1-step5",
-        "epoch1-step6"]
-    one = _launch(tmp_path, RESUME, {"out": str(out), "jobs": [
-        {"name": "whole1x2", "replicas": 2},
-        {"name": "part1x2", "replicas": 2, "ckpt": str(ck1), "max_steps": 6},
-        {"name": "mid2x1to1x2", "replicas": 2, "resume": str(ck2 / "epoch1-step6")},
-        {"name": "start2x1to1x2", "replicas": 2, "resume": str(ck2 / "epoch1-step4")},
-        {"name": "mid2x1to1x1", "replicas": 1, "resume": str(ck2 / "epoch1-step6")},
-        {"name": "mid1x2to1x2", "replicas": 2, "resume": str(ck1 / "epoch1-step6")}]},
-        processes=1)
+        "epoch0-step1",
+        "epoch0-step2",
+        "epoch0-step3",
+        "epoch1-step4",
+        "epoch1-step5",
+        "epoch1-step6",
+    ]
+    one = _launch(
+        tmp_path,
+        RESUME,
+        {
+            "out": str(out),
+            "jobs": [
+                {"name": "whole1x2", "replicas": 2},
+                {"name": "part1x2", "replicas": 2, "ckpt": str(ck1), "max_steps": 6},
+                {"name": "mid2x1to1x2", "replicas": 2, "resume": str(ck2 / "epoch1-step6")},
+                {"name": "start2x1to1x2", "replicas": 2, "resume": str(ck2 / "epoch1-step4")},
+                {"name": "mid2x1to1x1", "replicas": 1, "resume": str(ck2 / "epoch1-step6")},
+                {"name": "mid1x2to1x2", "replicas": 2, "resume": str(ck1 / "epoch1-step6")},
+            ],
+        },
+        processes=1,
+    )
     _check(one)
-    back = _launch(tmp_path, RESUME, {"out": str(out), "jobs": [
-        {"name": "mid1x2to2x1", "replicas": 1, "resume": str(ck1 / "epoch1-step6")},
-        {"name": "start1x2to2x1", "replicas": 1, "resume": str(ck1 / "epoch1-step4")},
-        {"name": "mid2x1to2x1", "replicas": 1, "resume": str(ck2 / "epoch1-step6")}]})
+    back = _launch(
+        tmp_path,
+        RESUME,
+        {
+            "out": str(out),
+            "jobs": [
+                {"name": "mid1x2to2x1", "replicas": 1, "resume": str(ck1 / "epoch1-step6")},
+                {"name": "start1x2to2x1", "replicas": 1, "resume": str(ck1 / "epoch1-step4")},
+                {"name": "mid2x1to2x1", "replicas": 1, "resume": str(ck2 / "epoch1-step6")},
+            ],
+        },
+    )
     _check(back)
 
     whole = {"2x1": _reads(out, "whole2x1", 2), "1x2": _reads(out, "whole1x2", 1)}
@@ -211,10 +285,12 @@ def test_a_checkpoint_resumes_across_process_layouts_at_the_same_sample(tmp_path
     assert whole["2x1"] == whole["1x2"]  # the same samples in every step
     assert all(len(r) == 32 for r in whole["2x1"].values())
     _close(_load(out, "whole2x1")["weights"], _load(out, "whole1x2")["weights"])
-    for name, layout, ranks, first in (("mid2x1to1x2", "1x2", 1, 7),
-                                       ("start2x1to1x2", "1x2", 1, 5),
-                                       ("mid1x2to2x1", "2x1", 2, 7),
-                                       ("start1x2to2x1", "2x1", 2, 5)):
+    for name, layout, ranks, first in (
+        ("mid2x1to1x2", "1x2", 1, 7),
+        ("start2x1to1x2", "1x2", 1, 5),
+        ("mid1x2to2x1", "2x1", 2, 7),
+        ("start1x2to2x1", "2x1", 2, 5),
+    ):
         r, w = _load(out, name), _load(out, f"whole{layout}")
         assert r["warnings"] == [], (name, r["warnings"])
         assert r["counters"] == w["counters"], name
@@ -229,13 +305,14 @@ def test_a_checkpoint_resumes_across_process_layouts_at_the_same_sample(tmp_path
     # another global layout: 64 samples read are 4 steps of 16; the rest of the epoch follows
     other = _load(out, "mid2x1to1x1")
     assert len(other["warnings"]) == 1
-    assert "replicationFactor 2 -> 1 (replicas of all instances together)" in \
-        other["warnings"][0] and "after its 64 samples already read" in other["warnings"][0]
+    assert (
+        "replicationFactor 2 -> 1 (replicas of all instances together)" in other["warnings"][0]
+        and "after its 64 samples already read" in other["warnings"][0]
+    )
     assert other["counters"]["step"] == 6 + 4 and other["counters"]["samples"] == 8 * 32
     read = _reads(out, "mid2x1to1x1", 1)
     assert list(read) == [7, 8, 9, 10] and all(len(r) == 16 for r in read.values())
-    assert sorted(i for r in read.values() for i in r) == sorted(whole["2x1"][7] +
-                                                                 whole["2x1"][8])
+    assert sorted(i for r in read.values() for i in r) == sorted(whole["2x1"][7] + whole["2x1"][8])
 
 
 def _fit(replicas: int, dataset, callbacks=(), **kwargs) -> Loop:
@@ -243,9 +320,16 @@ def _fit(replicas: int, dataset, callbacks=(), **kwargs) -> Loop:
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opts = poptorch.Options().deviceIterations(2)
     opts.Training.gradientAccumulation(2)
-    loop = Loop(model, opts, loss_fn=torch.nn.CrossEntropyLoss(), replicas=replicas, seed=1,
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                callbacks=callbacks, progress=False)
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=torch.nn.CrossEntropyLoss(),
+        replicas=replicas,
+        seed=1,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        callbacks=callbacks,
+        progress=False,
+    )
     sd = kwargs.pop("state", None)
     if sd is not None:
         loop.load_state_dict(sd)
@@ -269,8 +353,10 @@ def test_a_checkpoint_of_one_instances_factors_is_read_as_the_whole_runs():
     sd = part.state_dict()
     one = {k: sd[k] for k in ("rng", "device_rng", "epoch_rng", "sampler_rng")}
     sd["processes"] = [one, one]
-    sd["data"] = {"factors": dict(sd["data"]["factors"], replicationFactor=1),
-                  "samples_per_step": 16}
+    sd["data"] = {
+        "factors": dict(sd["data"]["factors"], replicationFactor=1),
+        "samples_per_step": 16,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rest = _fit(2, _data(), state=sd)
@@ -287,6 +373,7 @@ class _Stream(torch.utils.data.IterableDataset):
 def test_a_stream_resumes_mid_epoch_only_with_the_saved_number_of_instances():
     """Each instance reads an IterableDataset on its own: a mid-epoch checkpoint of 2
     instances (the same 2 replicas in all) cannot continue in 1, refused before any step."""
+
     class Save(Callback):
         def on_train_step_end(self, loop):
             if loop.state.step == 2:
@@ -297,13 +384,18 @@ def test_a_stream_resumes_mid_epoch_only_with_the_saved_number_of_instances():
     sd = save.sd
     assert sd["counters"]["epoch_step"] == 2
     sd["data"] = dict(sd["data"], instances=2)
-    with pytest.raises(ValueError, match=r"middle of epoch 0 with 1 instance\(s\): the "
-                                         "checkpoint was written by 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"middle of epoch 0 with 1 instance\(s\): the "
+        "checkpoint was written by 2",
+    ):
         _fit(2, _Stream(), state=sd)
 
 
 # -- a user's DistributedSampler -----------------------------------------------------------
-SAMPLER = COMMON + r"""
+SAMPLER = (
+    COMMON
+    + r"""
 ds = Recorded()
 for job in cfg["jobs"]:  # 3 epochs of 4 steps, maybe stopped after step 6, maybe resumed
     cbs = [ModelCheckpoint(job["ckpt"], every_n_steps=1, save_top_k=-1)] if "ckpt" in job else []
@@ -312,6 +404,7 @@ for job in cfg["jobs"]:  # 3 epochs of 4 steps, maybe stopped after step 6, mayb
     loop.fit(loader, epochs=3, max_steps=job.get("max_steps"), resume_from=job.get("resume"))
     save(job["name"], loop, steps)
 """
+)
 
 
 def _epoch_orders(n: int, seed: int, epochs: int) -> list[list[int]]:
@@ -332,9 +425,18 @@ def test_a_distributed_sampler_reads_the_whole_dataset_once_an_epoch_in_a_new_or
     out = tmp_path / "out"
     out.mkdir()
     ckpt = tmp_path / "ckpt"
-    proc = _launch(tmp_path, SAMPLER, {"out": str(out), "jobs": [
-        {"name": "whole"}, {"name": "part", "ckpt": str(ckpt), "max_steps": 6},
-        {"name": "rest", "resume": str(ckpt / "epoch1-step6")}]})
+    proc = _launch(
+        tmp_path,
+        SAMPLER,
+        {
+            "out": str(out),
+            "jobs": [
+                {"name": "whole"},
+                {"name": "part", "ckpt": str(ckpt), "max_steps": 6},
+                {"name": "rest", "resume": str(ckpt / "epoch1-step6")},
+            ],
+        },
+    )
     _check(proc)
     reads = _reads(out, "whole", 2)
     assert list(reads) == list(range(1, 13))
@@ -342,7 +444,7 @@ def test_a_distributed_sampler_reads_the_whole_dataset_once_an_epoch_in_a_new_or
     assert orders[0] != orders[1] != orders[2]
     for epoch, order in enumerate(orders):
         for k in range(4):
-            assert reads[4 * epoch + k + 1] == sorted(order[32 * k:32 * (k + 1)])
+            assert reads[4 * epoch + k + 1] == sorted(order[32 * k : 32 * (k + 1)])
     assert _reads(out, "rest", 2) == {s: reads[s] for s in range(7, 13)}
     for rank in (0, 1):
         w, r = _load(out, "whole", rank), _load(out, "rest", rank)
@@ -366,8 +468,13 @@ class _Reads(torch.utils.data.Dataset):
 
 def _loop() -> Loop:
     torch.manual_seed(0)
-    return Loop(torch.nn.Linear(5, 2), poptorch.Options().deviceIterations(2),
-                loss_fn=torch.nn.CrossEntropyLoss(), seed=1, progress=False)
+    return Loop(
+        torch.nn.Linear(5, 2),
+        poptorch.Options().deviceIterations(2),
+        loss_fn=torch.nn.CrossEntropyLoss(),
+        seed=1,
+        progress=False,
+    )
 
 
 def test_a_distributed_sampler_in_one_process_is_its_whole_order_with_the_epoch_set():
@@ -384,12 +491,19 @@ def test_a_distributed_sampler_in_one_process_is_its_whole_order_with_the_epoch_
     assert orders[0] != orders[1]
 
 
-@pytest.mark.parametrize("sampler, message", [
-    (lambda ds: DistributedSampler(ds, num_replicas=2, rank=0),
-     r"sampler=DistributedSampler\(num_replicas=2\), but this run has 1 instance\(s\)"),
-    (lambda ds: type("Shard", (DistributedSampler,), {})(ds, num_replicas=1, rank=0),
-     "a subclass of DistributedSampler"),
-])
+@pytest.mark.parametrize(
+    "sampler, message",
+    [
+        (
+            lambda ds: DistributedSampler(ds, num_replicas=2, rank=0),
+            r"sampler=DistributedSampler\(num_replicas=2\), but this run has 1 instance\(s\)",
+        ),
+        (
+            lambda ds: type("Shard", (DistributedSampler,), {})(ds, num_replicas=1, rank=0),
+            "a subclass of DistributedSampler",
+        ),
+    ],
+)
 def test_a_distributed_sampler_for_another_layout_is_refused_before_any_step(sampler, message):
     ds = _Reads(32)
     loop = _loop()
@@ -443,7 +557,9 @@ def test_validate_on_one_instance_runs_alone_over_every_sample(tmp_path):
 
 
 # -- an error on one instance -----------------------------------------------------------------
-FAIL = COMMON + r"""
+FAIL = (
+    COMMON
+    + r"""
 import atexit
 from torch.utils.data import TensorDataset
 place, failing = cfg["place"], cfg["rank"]
@@ -495,18 +611,32 @@ except Exception as e:
     ends.update(error=type(e).__name__, message=str(e), instance=getattr(e, "instance", None))
     raise
 """
+)
 
 
-@pytest.mark.parametrize("place, failing, torchrun, cause", [
-    ("hook", 1, True, "ValueError: boom in a hook on instance 1 (raised in callback "
-                      "Act.on_train_step_end)"),
-    ("data", 1, False, "ValueError: boom in the data on instance 1"),
-    ("validation", 0, False, "ValueError: boom in validation on instance 0 (raised in "
-                             "callback Act.on_validation_step_end)"),
-    ("before", 1, False, "CheckpointError: "),
-])
+@pytest.mark.parametrize(
+    "place, failing, torchrun, cause",
+    [
+        (
+            "hook",
+            1,
+            True,
+            "ValueError: boom in a hook on instance 1 (raised in callback Act.on_train_step_end)",
+        ),
+        ("data", 1, False, "ValueError: boom in the data on instance 1"),
+        (
+            "validation",
+            0,
+            False,
+            "ValueError: boom in validation on instance 0 (raised in "
+            "callback Act.on_validation_step_end)",
+        ),
+        ("before", 1, False, "CheckpointError: "),
+    ],
+)
 def test_an_error_on_one_instance_ends_every_instance_promptly_naming_it(
-        tmp_path, place, failing, torchrun, cause):
+    tmp_path, place, failing, torchrun, cause
+):
     """An exception on one instance (in a hook, the data loader, validation, or before the
     first step, e.g. a checkpoint missing on its machine) while the other waits in a
     collective: both end within seconds, not after IPULOOP_DIST_TIMEOUT (300 s here); the
@@ -515,8 +645,14 @@ def test_an_error_on_one_instance_ends_every_instance_promptly_naming_it(
     until the other has read its error.)"""
     out = tmp_path / "out"
     out.mkdir()
-    proc = _launch(tmp_path, FAIL, {"out": str(out), "place": place, "rank": failing},
-                   timeout=90, torchrun=torchrun, IPULOOP_DIST_TIMEOUT="300")
+    proc = _launch(
+        tmp_path,
+        FAIL,
+        {"out": str(out), "place": place, "rank": failing},
+        timeout=90,
+        torchrun=torchrun,
+        IPULOOP_DIST_TIMEOUT="300",
+    )
     assert proc.returncode != 0
     ends = [json.loads((out / f"end{rank}.json").read_text()) for rank in (0, 1)]
     mine, other = ends[failing], ends[1 - failing]

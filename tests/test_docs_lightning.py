@@ -3,6 +3,7 @@
 The blocks are one program read top to bottom (later blocks use the data and imports of the
 first). Lightning code is in ``py`` blocks, shown for comparison, and is not run.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,4 +43,5 @@ def test_every_python_block_runs(tmp_path, monkeypatch, capsys):
     header = (tmp_path / "logs.csv").read_text().splitlines()[0].split(",")
     assert "learning_rate" in header and "val_loss" in header
     assert json.loads((tmp_path / "ipu_config" / "ipu_config.json").read_text())[
-        "layers_per_ipu"] == [1, 1]
+        "layers_per_ipu"
+    ] == [1, 1]

@@ -4,6 +4,7 @@ Every ``docs/<page>.md §N`` a docstring, comment or page cites names a section 
 item) that page has; no file names a document that is not in the repository; the README
 links every page of the site.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,14 +43,18 @@ def test_every_citation_names_a_section_of_a_page_in_the_repository():
     for path, text in _texts():
         for m in CITATION.finditer(text):
             if not m.group(0).startswith("docs/") and path.parent != DOCS:
-                pytest.fail(f"{path.relative_to(ROOT)}: {m.group(0)!r} does not say where the "
-                            "page is: cite docs/<page>.md")
-            assert _has(m.group(1), m.group(2), m.group(3)), \
+                pytest.fail(
+                    f"{path.relative_to(ROOT)}: {m.group(0)!r} does not say where the "
+                    "page is: cite docs/<page>.md"
+                )
+            assert _has(m.group(1), m.group(2), m.group(3)), (
                 f"{path.relative_to(ROOT)} cites {m.group(0)}, which docs/{m.group(1)}.md lacks"
+            )
             cited += 1
         # "§2 items 1, 4 and 5": each item is a section of its own
-        for m in re.finditer(r"(reliability|poptorch-semantics)\.md §(\d+) items? ([\d, and]+)",
-                             text):
+        for m in re.finditer(
+            r"(reliability|poptorch-semantics)\.md §(\d+) items? ([\d, and]+)", text
+        ):
             for item in re.findall(r"\d+", m.group(3)):
                 assert _has(m.group(1), m.group(2), item), (path, m.group(0), item)
     assert cited >= 25
@@ -60,8 +65,9 @@ def test_no_file_names_a_document_outside_the_repository():
         for m in re.finditer(r"[\w./-]*(?:semantics|reliability)\.md", text):
             name = m.group(0)
             target = (ROOT / name) if "/" in name else (path.parent / name)
-            assert target.resolve().is_file() and DOCS in target.resolve().parents, \
+            assert target.resolve().is_file() and DOCS in target.resolve().parents, (
                 f"{path.relative_to(ROOT)} names {name}, which is not a page of docs/"
+            )
 
 
 def test_the_readme_links_every_page():

@@ -4,6 +4,7 @@ passes argv, runs SCRIPT as ``__main__`` and propagates its exit status.
 The two end-to-end runs start together (each interpreter imports torch); the argument-handling
 cases run ``main()`` in this process, where they exit before touching any global state.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,10 +78,17 @@ def runs(tmp_path_factory):
         "train": ["scripts/train.py", "--epochs", "2", "-x", "3"],
         "failing": [str(scripts / "failing.py")],
     }
-    procs = {name: subprocess.Popen([sys.executable, "-m", "ipuloop.emulate", *args], env=env,
-                                    cwd=str(root), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name, args in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "ipuloop.emulate", *args],
+            env=env,
+            cwd=str(root),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=300)
@@ -165,12 +173,18 @@ def test_main_in_process_runs_script_as_main(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     out = tmp_path / "out.json"
     script = tmp_path / "s.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, os, sys, poptorch
         json.dump({{"name": __name__, "argv": sys.argv, "pt": poptorch.__name__,
                    "env": os.environ["IPULOOP_BACKEND"]}}, open({str(out)!r}, "w"))
-    """))
+    """)
+    )
     assert emulate.main([str(script), "one", "two"]) is None  # normal end: exit status 0
     r = json.loads(out.read_text())
-    assert r == {"name": "__main__", "argv": [str(script), "one", "two"],
-                 "pt": "ipuloop.emulator", "env": "emulator"}
+    assert r == {
+        "name": "__main__",
+        "argv": [str(script), "one", "two"],
+        "pt": "ipuloop.emulator",
+        "env": "emulator",
+    }

@@ -6,6 +6,7 @@ Programs written for PopTorch use more than the wrappers: ``poptorch.OverlapMode
 PopTorch's semantics (the ops are identities or plain torch math on an IPU too) or refused with
 a ``poptorch.Error`` / ``AttributeError`` saying why and what to do instead.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,24 +19,47 @@ from torch import nn
 
 import ipuloop.emulator as poptorch
 
-
 # -- enums -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("enum, members", [
-    ("OverlapMode", {"NoOverlap": "no_overlap", "OverlapAccumulationLoop":
-                     "overlap_accumulation_loop", "OverlapDeviceIterationLoop":
-                     "overlap_device_iteration_loop"}),
-    ("MatMulSerializationMode", {"InputChannels": "input_channels", "ReducingDim":
-                                 "reducing_dim", "OutputChannels": "output_channels",
-                                 "Disabled": "none"}),
-    ("MultiConvPlanType", {"Parallel": 0, "Serial": 1}),
-    ("VariableRetrievalMode", {"OnePerGroup": 0, "AllReplicas": 2}),
-    ("SharingStrategy", {"SharedMemory": 0, "FileSystem": 1, "Fork": 2, "ForkServer": 3}),
-    ("Liveness", {"AlwaysLive": 0, "OffChipAfterFwd": 1, "OffChipAfterFwdNoOverlap": 2,
-                  "OffChipAfterEachPhase": 3}),
-    ("HalfFloatCastingBehavior", {"FloatDowncastToHalf": 0, "HalfUpcastToFloat": 1,
-                                  "Default": 2}),
-])
+
+@pytest.mark.parametrize(
+    "enum, members",
+    [
+        (
+            "OverlapMode",
+            {
+                "NoOverlap": "no_overlap",
+                "OverlapAccumulationLoop": "overlap_accumulation_loop",
+                "OverlapDeviceIterationLoop": "overlap_device_iteration_loop",
+            },
+        ),
+        (
+            "MatMulSerializationMode",
+            {
+                "InputChannels": "input_channels",
+                "ReducingDim": "reducing_dim",
+                "OutputChannels": "output_channels",
+                "Disabled": "none",
+            },
+        ),
+        ("MultiConvPlanType", {"Parallel": 0, "Serial": 1}),
+        ("VariableRetrievalMode", {"OnePerGroup": 0, "AllReplicas": 2}),
+        ("SharingStrategy", {"SharedMemory": 0, "FileSystem": 1, "Fork": 2, "ForkServer": 3}),
+        (
+            "Liveness",
+            {
+                "AlwaysLive": 0,
+                "OffChipAfterFwd": 1,
+                "OffChipAfterFwdNoOverlap": 2,
+                "OffChipAfterEachPhase": 3,
+            },
+        ),
+        (
+            "HalfFloatCastingBehavior",
+            {"FloatDowncastToHalf": 0, "HalfUpcastToFloat": 1, "Default": 2},
+        ),
+    ],
+)
 def test_every_poptorch_enum_is_exported_with_its_values(enum, members):
     cls = getattr(poptorch, enum)
     assert {m.name: m.value for m in cls} == members
@@ -44,15 +68,22 @@ def test_every_poptorch_enum_is_exported_with_its_values(enum, members):
 def test_async_options_can_name_a_sharing_strategy():
     opts = poptorch.Options()
     data = torch.utils.data.TensorDataset(torch.arange(8.0))
-    loader = poptorch.DataLoader(opts, data, batch_size=2, mode=poptorch.DataLoaderMode.Async,
-                                 async_options={"sharing_strategy":
-                                                poptorch.SharingStrategy.SharedMemory,
-                                                "load_indefinitely": True})
+    loader = poptorch.DataLoader(
+        opts,
+        data,
+        batch_size=2,
+        mode=poptorch.DataLoaderMode.Async,
+        async_options={
+            "sharing_strategy": poptorch.SharingStrategy.SharedMemory,
+            "load_indefinitely": True,
+        },
+    )
     assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     loader.terminate()
 
 
 # -- ops ---------------------------------------------------------------------------------------
+
 
 class Printer(nn.Module):
     def __init__(self) -> None:
@@ -129,8 +160,12 @@ def test_cpu_op_multiconv_and_name_scope_run_their_body():
             self.conv_a, self.conv_b = nn.Conv2d(1, 2, 3), nn.Conv2d(1, 2, 3)
 
         def forward(self, x):
-            mc = poptorch.MultiConv().availableMemoryProportions((0.3, 0.2)).partialsTypes(
-                torch.half).planType(poptorch.MultiConvPlanType.Serial)
+            mc = (
+                poptorch.MultiConv()
+                .availableMemoryProportions((0.3, 0.2))
+                .partialsTypes(torch.half)
+                .planType(poptorch.MultiConvPlanType.Serial)
+            )
             with mc:
                 a, b = self.conv_a(x), self.conv_b(x)
             with poptorch.NameScope("sum"):
@@ -141,22 +176,29 @@ def test_cpu_op_multiconv_and_name_scope_run_their_body():
     expected = model(x)
     out = poptorch.inferenceModel(model)(x)
     assert torch.allclose(out, expected) and torch.allclose(
-        expected, 2 * (model.conv_a(x) + model.conv_b(x)))
+        expected, 2 * (model.conv_a(x) + model.conv_b(x))
+    )
     with pytest.raises(ValueError, match="^Invalid partials types"):
         poptorch.MultiConv().partialsTypes(torch.int32)
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda: poptorch.custom_op([torch.ones(1)], "Cube", "com.acme", 1, [torch.ones(1)]),
-     r"^poptorch.custom_op\('Cube'\) runs a PopART custom op"),
-    (lambda: poptorch.load("model.popef"), r"^poptorch.load\('model.popef'\) needs a Poplar"),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            lambda: poptorch.custom_op([torch.ones(1)], "Cube", "com.acme", 1, [torch.ones(1)]),
+            r"^poptorch.custom_op\('Cube'\) runs a PopART custom op",
+        ),
+        (lambda: poptorch.load("model.popef"), r"^poptorch.load\('model.popef'\) needs a Poplar"),
+    ],
+)
 def test_what_needs_ipu_binaries_is_refused_with_a_reason(call, words):
     with pytest.raises(poptorch.Error, match=words):
         call()
 
 
 # -- the executor's options and anchored tensors --------------------------------------------
+
 
 class TwoLayer(nn.Module):
     def __init__(self) -> None:
@@ -188,8 +230,9 @@ def test_executor_options_property_is_the_resolved_copy():
 
 def test_get_tensor_names_needs_a_compiled_model_and_lists_anchorable_names():
     model = poptorch.trainingModel(TwoLayer())
-    with pytest.raises(AssertionError, match="^Model must be compiled before calling "
-                                             "getTensorNames"):
+    with pytest.raises(
+        AssertionError, match="^Model must be compiled before calling getTensorNames"
+    ):
         model.getTensorNames()
     model.compile(torch.zeros(2, 3), torch.zeros(2, 2))
     names = model.getTensorNames()
@@ -207,7 +250,7 @@ def _micro_batch_grads(model: nn.Module, x, y, di, ga, rf, b, name):
         for a in range(ga):
             for r in range(rf):
                 s = ((d * ga + a) * rf + r) * b
-                loss = model(x[s:s + b], y[s:s + b])[1]
+                loss = model(x[s : s + b], y[s : s + b])[1]
                 grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
                 recorded.append(grads[name])
                 for key, p in params.items():
@@ -218,10 +261,15 @@ def _micro_batch_grads(model: nn.Module, x, y, di, ga, rf, b, name):
     return recorded, model
 
 
-@pytest.mark.parametrize("mode, period", [(poptorch.OutputMode.All, 1),
-                                          (poptorch.OutputMode.Final, 1),
-                                          (poptorch.OutputMode.Sum, 1),
-                                          (poptorch.OutputMode.EveryN, 2)])
+@pytest.mark.parametrize(
+    "mode, period",
+    [
+        (poptorch.OutputMode.All, 1),
+        (poptorch.OutputMode.Final, 1),
+        (poptorch.OutputMode.Sum, 1),
+        (poptorch.OutputMode.EveryN, 2),
+    ],
+)
 def test_anchored_gradients_follow_the_output_mode(mode, period):
     di, ga, rf, b = 2, 2, 2, 3
     torch.manual_seed(1)
@@ -238,7 +286,7 @@ def test_anchored_gradients_follow_the_output_mode(mode, period):
     if mode == poptorch.OutputMode.All:
         expected = torch.cat(grads)
     elif mode == poptorch.OutputMode.EveryN:
-        expected = torch.cat(grads[ga * rf:])  # d = 1 only: (d + 1) % 2 == 0
+        expected = torch.cat(grads[ga * rf :])  # d = 1 only: (d + 1) % 2 == 0
     elif mode == poptorch.OutputMode.Sum:
         expected = torch.cat([sum(grads[r::rf]) for r in range(rf)])
     else:
@@ -272,8 +320,9 @@ def test_anchored_gradient_includes_loss_scaling():
     model = TwoLayer()
     expected = torch.autograd.grad(model(x, y)[1], model.fc2.bias)[0] * 8.0
     opts = _anchored("g", "Gradient___fc2.bias")
-    training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(
-        model.parameters(), lr=0.1, loss_scaling=8.0))
+    training = poptorch.trainingModel(
+        model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=8.0)
+    )
     training(x, y)
     assert torch.allclose(training.getAnchoredTensor("g"), expected, atol=1e-6)
 
@@ -281,8 +330,11 @@ def test_anchored_gradient_includes_loss_scaling():
 def test_unknown_anchor_name_or_unsupported_weight_mode_fails_at_compile():
     opts = _anchored("act", "relu/Relu:0")
     training = poptorch.trainingModel(TwoLayer(), opts)
-    with pytest.raises(poptorch.Error, match=r"^Options.anchorTensor\('act', 'relu/Relu:0'\): "
-                                             "the ipuloop emulator can anchor"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"^Options.anchorTensor\('act', 'relu/Relu:0'\): "
+        "the ipuloop emulator can anchor",
+    ):
         training(torch.randn(2, 3), torch.randn(2, 2))
     assert not training.isCompiled()
     opts = _anchored("w", "UpdatedVar___fc1.bias", poptorch.OutputMode.All)
@@ -309,38 +361,55 @@ def test_executor_options_copy_is_frozen():
 
 # -- the mean reduction strategy follows the optimizer's accumulator type (docs/poptorch-semantics.md §1.2, §4.6) -------
 
-@pytest.mark.parametrize("accum_type, training, combined, expected", [
-    (torch.float32, True, False, poptorch.MeanReductionStrategy.Post),
-    (torch.float16, True, False, poptorch.MeanReductionStrategy.Running),
-    (torch.float16, True, True, poptorch.MeanReductionStrategy.Post),  # combined: Post only
-    (None, True, False, poptorch.MeanReductionStrategy.Post),
-    (None, False, False, poptorch.MeanReductionStrategy.Post),
-])
-def test_float16_accumulators_switch_to_the_running_mean_strategy(accum_type, training, combined,
-                                                                 expected):
+
+@pytest.mark.parametrize(
+    "accum_type, training, combined, expected",
+    [
+        (torch.float32, True, False, poptorch.MeanReductionStrategy.Post),
+        (torch.float16, True, False, poptorch.MeanReductionStrategy.Running),
+        (torch.float16, True, True, poptorch.MeanReductionStrategy.Post),  # combined: Post only
+        (None, True, False, poptorch.MeanReductionStrategy.Post),
+        (None, False, False, poptorch.MeanReductionStrategy.Post),
+    ],
+)
+def test_float16_accumulators_switch_to_the_running_mean_strategy(
+    accum_type, training, combined, expected
+):
     model = TwoLayer()
     opts = poptorch.Options()
     if training:
-        optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
-                                       accum_type=accum_type, use_combined_accum=combined)
+        optimizer = poptorch.optim.SGD(
+            model.parameters(),
+            lr=0.1,
+            momentum=0.9,
+            accum_type=accum_type,
+            use_combined_accum=combined,
+        )
         wrapped = poptorch.trainingModel(model, opts, optimizer)
     else:
         wrapped = poptorch.inferenceModel(model, opts)
     assert wrapped.options.Training.meanAccumulationAndReplicationReductionStrategy == expected
-    assert opts.Training.meanAccumulationAndReplicationReductionStrategy == \
-        poptorch.MeanReductionStrategy.Post  # the user's object is untouched
+    assert (
+        opts.Training.meanAccumulationAndReplicationReductionStrategy
+        == poptorch.MeanReductionStrategy.Post
+    )  # the user's object is untouched
 
 
 def test_float16_accumulator_after_compile_needs_running_already():
     model = TwoLayer()
     x, y = torch.randn(2, 3), torch.randn(2, 2)
-    training = poptorch.trainingModel(model, poptorch.Options(),
-                                      poptorch.optim.Adam(model.parameters(), lr=0.5))
+    training = poptorch.trainingModel(
+        model, poptorch.Options(), poptorch.optim.Adam(model.parameters(), lr=0.5)
+    )
     training(x, y)
-    with pytest.raises(ValueError, match="^Invalid optimizer: the new optimizer would require "
-                                         "changing options.Training.meanAccumulation"):
-        training.setOptimizer(poptorch.optim.Adam(model.parameters(), lr=0.5,
-                                                  accum_type=torch.float16))
+    with pytest.raises(
+        ValueError,
+        match="^Invalid optimizer: the new optimizer would require "
+        "changing options.Training.meanAccumulation",
+    ):
+        training.setOptimizer(
+            poptorch.optim.Adam(model.parameters(), lr=0.5, accum_type=torch.float16)
+        )
     training.destroy()
     half = poptorch.optim.Adam(model.parameters(), lr=0.5, accum_type=torch.float16)
     training = poptorch.trainingModel(model, poptorch.Options(), half)
@@ -351,6 +420,7 @@ def test_float16_accumulator_after_compile_needs_running_already():
 
 # -- docs/poptorch-semantics.md §9 end to end: a drop_last=False remainder reaches a compiled model ---------------------
 
+
 def test_drop_last_false_remainder_fails_the_compiled_model_shape_check():
     opts = poptorch.Options().deviceIterations(2)
     data = torch.utils.data.TensorDataset(torch.randn(10, 3), torch.randn(10, 2))
@@ -360,23 +430,35 @@ def test_drop_last_false_remainder_fails_the_compiled_model_shape_check():
     assert [len(b[0]) for b in batches] == [4, 4, 2]
     for x, y in batches[:-1]:
         training(x, y)
-    with pytest.raises(poptorch.Error,
-                       match=r"^Shape mismatch for x: expected torch.Size\(\[4, 3\]\) but got"):
+    with pytest.raises(
+        poptorch.Error, match=r"^Shape mismatch for x: expected torch.Size\(\[4, 3\]\) but got"
+    ):
         training(*batches[-1])
 
 
 # -- APIs older PopTorch versions had: AttributeError (as on PopTorch 3.4) naming the successor
 
-@pytest.mark.parametrize("read, words", [
-    (lambda: poptorch.Options().anchorMode, "anchorMode was removed in PopTorch 2.5: use "
-                                            r"Options.outputMode"),
-    (lambda: poptorch.Options().Precision.autocastEnabled, "autocastEnabled was removed in "
-                                                           "PopTorch 3.1"),
-    (lambda: poptorch.Options().Precision.autocastPolicy, "autocastPolicy was removed"),
-    (lambda: poptorch.AnchorMode, "AnchorMode was removed in PopTorch 2.5: use "
-                                  "poptorch.OutputMode"),
-    (lambda: poptorch.autocast, "autocast was removed in PopTorch 3.1"),
-])
+
+@pytest.mark.parametrize(
+    "read, words",
+    [
+        (
+            lambda: poptorch.Options().anchorMode,
+            "anchorMode was removed in PopTorch 2.5: use "
+            r"Options.outputMode",
+        ),
+        (
+            lambda: poptorch.Options().Precision.autocastEnabled,
+            "autocastEnabled was removed in PopTorch 3.1",
+        ),
+        (lambda: poptorch.Options().Precision.autocastPolicy, "autocastPolicy was removed"),
+        (
+            lambda: poptorch.AnchorMode,
+            "AnchorMode was removed in PopTorch 2.5: use poptorch.OutputMode",
+        ),
+        (lambda: poptorch.autocast, "autocast was removed in PopTorch 3.1"),
+    ],
+)
 def test_removed_apis_raise_attribute_error_naming_the_replacement(read, words):
     with pytest.raises(AttributeError, match=words):
         read()
@@ -384,6 +466,7 @@ def test_removed_apis_raise_attribute_error_naming_the_replacement(read, words):
 
 
 # -- docs/poptorch-semantics.md §4.7 / §8.12: torch loss functions are losses, other returned scalars are not ------------
+
 
 class ExtraScalar(nn.Module):
     """Returns a differentiable scalar that is not a loss next to a built-in loss."""
@@ -426,6 +509,7 @@ def test_two_returned_builtin_losses_are_multiple_independent_losses():
 
 # -- docs/poptorch-semantics.md §4.3: copies of a wrapped module are the user's module with the device's weights --------
 
+
 class WithNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -460,8 +544,17 @@ def test_copying_a_wrapped_module_gives_an_unwrapped_module_with_device_weights(
     assert type(model).__name__ == "PoptorchWithNorm"  # the original stays wrapped
 
 
-@pytest.mark.parametrize("method", ["getPerfCounters", "getLatency", "getHostIpuLatency",
-                                    "getComputeLatency", "getIpuHostLatency", "cycleCount"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "getPerfCounters",
+        "getLatency",
+        "getHostIpuLatency",
+        "getComputeLatency",
+        "getIpuHostLatency",
+        "cycleCount",
+    ],
+)
 def test_device_timing_reads_are_refused_with_a_reason(method):
     model = poptorch.inferenceModel(TwoLayer())
     model(torch.randn(2, 3))

@@ -1,14 +1,25 @@
 """Block / BeginBlock / strategies and the stage tracer: docs/poptorch-semantics.md §5, §8.11."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from ipuloop.emulator.blocks import (AutoStage, BeginBlock, Block, BlockFunction,
-                                     ParallelPhasedExecution, Phase, PipelinedExecution,
-                                     SerialPhasedExecution, ShardedExecution, Stage, removeBlocks,
-                                     trace_stages)
+from ipuloop.emulator.blocks import (
+    AutoStage,
+    BeginBlock,
+    Block,
+    BlockFunction,
+    ParallelPhasedExecution,
+    Phase,
+    PipelinedExecution,
+    SerialPhasedExecution,
+    ShardedExecution,
+    Stage,
+    removeBlocks,
+    trace_stages,
+)
 from ipuloop.emulator.errors import Error
 
 
@@ -101,8 +112,9 @@ def test_counter_starts_at_ipu_zero_and_ipu_zero_counts_only_if_used():
 
 
 def test_same_as_ipu_requires_an_ipu_id():
-    with pytest.raises(AssertionError, match="SameAsIpu was selected but no IPU was specified "
-                                             "for block b"):
+    with pytest.raises(
+        AssertionError, match="SameAsIpu was selected but no IPU was specified for block b"
+    ):
         run_blocks(PipelinedExecution(AutoStage.SameAsIpu), ("a", 0), ("b", None))
 
 

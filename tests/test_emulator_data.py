@@ -1,4 +1,5 @@
 """poptorch.DataLoader / AsynchronousDataAccessor emulation: docs/poptorch-semantics.md §3, §8.10."""
+
 from __future__ import annotations
 
 import gc
@@ -69,9 +70,11 @@ def test_drop_last_defaults_to_true():
 def test_remainder_warning_without_drop_last(caplog):
     with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         loader = DataLoader(opts(di=4), dataset(10), drop_last=False)
-    assert ("The number of elements in the dataset (10) is not divisible by the number of "
-            "elements processed per step (4) and drop_last=False. The last tensor will have a "
-            "batch size of 2") in caplog.text
+    assert (
+        "The number of elements in the dataset (10) is not divisible by the number of "
+        "elements processed per step (4) and drop_last=False. The last tensor will have a "
+        "batch size of 2"
+    ) in caplog.text
     assert len(loader) == 3 and firsts(loader)[-1] == [8, 9]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="poptorch::python"):
@@ -157,8 +160,9 @@ def test_distributed_shuffle_shares_a_permutation_and_rotates_leftovers():
 def test_async_yields_the_same_batches_in_the_same_order_as_sync():
     def epochs(mode):
         g = torch.Generator().manual_seed(3)
-        loader = DataLoader(opts(di=2, ga=2), dataset(50), batch_size=2, shuffle=True,
-                            generator=g, mode=mode)
+        loader = DataLoader(
+            opts(di=2, ga=2), dataset(50), batch_size=2, shuffle=True, generator=g, mode=mode
+        )
         out = [[(x.clone(), y.clone()) for x, y in loader] for _ in range(3)]
         loader.terminate()
         return out, len(loader)
@@ -188,8 +192,12 @@ def test_async_leaves_the_global_rng_alone_and_is_seeded_by_it():
 
 
 def test_async_prefetches_in_the_background():
-    loader = DataLoader(opts(), dataset(10), mode=DataLoaderMode.Async,
-                        async_options={"buffer_size": 4, "early_preload": True})
+    loader = DataLoader(
+        opts(),
+        dataset(10),
+        mode=DataLoaderMode.Async,
+        async_options={"buffer_size": 4, "early_preload": True},
+    )
     deadline = time.monotonic() + 5
     while len(loader._accessor._channel.buf) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -236,8 +244,9 @@ def test_async_producer_exceptions_reach_the_consumer():
 
     loader = DataLoader(opts(), Broken(), mode=DataLoaderMode.Async)
     seen = []
-    with pytest.raises(AssertionError, match="An error occurred in the data fetcher: KeyError: "
-                                             "'bad sample 3'") as info:
+    with pytest.raises(
+        AssertionError, match="An error occurred in the data fetcher: KeyError: 'bad sample 3'"
+    ) as info:
         for x in loader:
             seen.append(int(x))
     assert seen == [0, 1, 2] and isinstance(info.value.__cause__, KeyError)
@@ -245,18 +254,25 @@ def test_async_producer_exceptions_reach_the_consumer():
 
 
 def test_async_without_load_indefinitely_runs_several_epochs():
-    loader = DataLoader(opts(di=2), dataset(6), mode=DataLoaderMode.Async,
-                        async_options={"load_indefinitely": False})
+    loader = DataLoader(
+        opts(di=2),
+        dataset(6),
+        mode=DataLoaderMode.Async,
+        async_options={"load_indefinitely": False},
+    )
     assert [firsts(loader) for _ in range(3)] == [[[0, 1], [2, 3], [4, 5]]] * 3
     loader.terminate()
 
 
 # -- rebatching --------------------------------------------------------------------------------
-@pytest.mark.parametrize("drop_last, expected", [(True, [[0, 1, 2, 3], [4, 5, 6, 7]]),
-                                                 (False, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]])])
+@pytest.mark.parametrize(
+    "drop_last, expected",
+    [(True, [[0, 1, 2, 3], [4, 5, 6, 7]]), (False, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]])],
+)
 def test_async_rebatched_lengths_and_content(drop_last, expected):
-    loader = DataLoader(opts(di=4), dataset(10), mode=DataLoaderMode.AsyncRebatched,
-                        drop_last=drop_last)
+    loader = DataLoader(
+        opts(di=4), dataset(10), mode=DataLoaderMode.AsyncRebatched, drop_last=drop_last
+    )
     assert loader.batch_size == 4 and loader._accessor.rebatched_size == 4  # PopTorch's size
     assert len(loader) == len(expected) and firsts(loader) == expected
     assert firsts(loader) == expected  # and again in the next epoch
@@ -272,14 +288,21 @@ def test_async_without_drop_last_is_rebatched_automatically():
 
 def test_rebatched_worker_size_and_iterable_datasets():
     with pytest.raises(AssertionError, match="rebatched_worker_size"):
-        DataLoader(opts(di=4), dataset(10), mode=DataLoaderMode.AsyncRebatched,
-                   rebatched_worker_size=5)
-    loader = DataLoader(opts(di=4), dataset(10), mode=DataLoaderMode.AsyncRebatched,
-                        rebatched_worker_size=3, drop_last=False)
+        DataLoader(
+            opts(di=4), dataset(10), mode=DataLoaderMode.AsyncRebatched, rebatched_worker_size=5
+        )
+    loader = DataLoader(
+        opts(di=4),
+        dataset(10),
+        mode=DataLoaderMode.AsyncRebatched,
+        rebatched_worker_size=3,
+        drop_last=False,
+    )
     assert loader.batch_size == 3 and firsts(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     loader.terminate()
-    iterable = DataLoader(opts(di=4), Counting(10), mode=DataLoaderMode.AsyncRebatched,
-                          drop_last=False)
+    iterable = DataLoader(
+        opts(di=4), Counting(10), mode=DataLoaderMode.AsyncRebatched, drop_last=False
+    )
     assert len(iterable) == 3
     assert [x.flatten().tolist() for x in iterable] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     iterable.terminate()
@@ -311,8 +334,9 @@ def test_accessor_asserts():
     with pytest.raises(AssertionError, match="greater than 1"):
         AsynchronousDataAccessor(dataset(), rebatched_size=1)
     with pytest.raises(AssertionError, match="rebatched_size in async_options"):
-        DataLoader(opts(), dataset(), mode=DataLoaderMode.Async,
-                   async_options={"rebatched_size": 2})
+        DataLoader(
+            opts(), dataset(), mode=DataLoaderMode.Async, async_options={"rebatched_size": 2}
+        )
 
 
 def test_accessor_over_torch_loader_and_rebatching():

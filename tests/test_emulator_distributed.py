@@ -3,6 +3,7 @@ process at replicationFactor(N*R); options must agree; a dead instance is an err
 
 The multi-process tests start two real processes on gloo (torchrun, or two plain processes given
 torchrun's environment), each running a script written to tmp_path."""
+
 from __future__ import annotations
 
 import os
@@ -20,12 +21,13 @@ import ipuloop.emulator as poptorch
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
-    reason="this torch build has no torch.distributed (gloo)")
+    reason="this torch build has no torch.distributed (gloo)",
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
-COMMON = '''
+COMMON = """
 import os, sys
 import torch
 import torch.nn.functional as F
@@ -60,9 +62,11 @@ def options(rf, ga=1, di=1, mean=True, procs=True):
 def finish():
     # the script ends as programs do: the emulator's group is destroyed at exit
     sys.stdout.flush()
-'''
+"""
 
-EQUIVALENCE = COMMON + '''
+EQUIVALENCE = (
+    COMMON
+    + """
 STEPS, B = 3, 2
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 CONFIGS = [  # R, GA, DI, Mean, optimizer, tolerance (Adam magnifies float rounding), dtype
@@ -108,9 +112,12 @@ for R, GA, DI, mean, make_opt, tol, dtype in CONFIGS:
         torch.testing.assert_close(losses[s].reshape(-1), local, rtol=10 * tol, atol=tol)
     print(f"rank {rank} R={R} GA={GA} DI={DI} mean={mean} {dtype}: equal", flush=True)
 finish()
-'''
+"""
+)
 
-MISMATCH = COMMON + '''
+MISMATCH = (
+    COMMON
+    + """
 rank = int(os.environ["RANK"])
 x, y = torch.randn(4, 4), torch.randn(4, 2)
 
@@ -155,9 +162,12 @@ if rank == 0:
     assert any("initial weights differ" in str(w.message) for w in caught), caught
     print("WEIGHTS-WARNING", flush=True)
 finish()
-'''
+"""
+)
 
-DEAD = COMMON + '''
+DEAD = (
+    COMMON
+    + """
 import datetime
 import torch.distributed as dist
 rank, mode = int(os.environ["RANK"]), sys.argv[1]
@@ -173,7 +183,8 @@ except poptorch.Error as e:
     print("CAUGHT", e, flush=True)
     os._exit(3)
 os._exit(0)
-'''
+"""
+)
 
 
 def _free_port() -> int:
@@ -192,11 +203,29 @@ def _env(**extra: str) -> dict[str, str]:
 def _torchrun(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-           "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script),
-           *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=_env(IPULOOP_DIST_TIMEOUT="60"),
-                          capture_output=True, text=True, timeout=120)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(script),
+        *args,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=_env(IPULOOP_DIST_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_two_processes_train_as_one_with_twice_the_replicas(tmp_path):
@@ -228,11 +257,23 @@ def test_a_dead_instance_fails_the_others_within_the_timeout(tmp_path, mode):
     script = tmp_path / "dead.py"
     script.write_text(textwrap.dedent(DEAD))
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), mode], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
-                                       WORLD_SIZE="2", IPULOOP_DIST_TIMEOUT="4"))
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), mode],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                RANK=str(r),
+                WORLD_SIZE="2",
+                IPULOOP_DIST_TIMEOUT="4",
+            ),
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert procs[1].returncode == 0, outs[1]
     assert procs[0].returncode == 3, outs[0]
@@ -268,8 +309,11 @@ def test_several_processes_without_a_launcher_are_a_clear_error(monkeypatch):
     opts = poptorch.Options()
     opts.Distributed.configureProcessId(0, 2)
     tm = poptorch.trainingModel(_WithLoss(model), opts)
-    with pytest.raises(poptorch.Error, match=r"MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE.*"
-                                             r"torch\.distributed\.run --nproc-per-node 2"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE.*"
+        r"torch\.distributed\.run --nproc-per-node 2",
+    ):
         tm(x, y)
     assert not tm.isCompiled()
     # An inference model reduces nothing and joins nothing.

@@ -6,6 +6,7 @@ Two kinds of tests:
 * equivalence: training through ``trainingModel`` with DI/GA/RF gives the weights a plain
   torch loop doing the same math gives (host layout ``[DI, GA, RF, B]``, one update per d).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,7 @@ IN, HID, OUT = 4, 6, 3
 
 # ---------------------------------------------------------------------------------------------
 # Models and helpers
+
 
 class Net(nn.Module):
     """Linear -> (BatchNorm) -> tanh -> Linear; returns (output, mse loss) given labels."""
@@ -67,8 +69,9 @@ class MicroBatchStat(nn.Module):
         return x.mean(0, keepdim=True).expand(x.shape[0], 1), x.sum()
 
 
-def opts(di: int = 1, ga: int = 1, rf: int = 1, mode=None, period=None,
-         reduction=None) -> poptorch.Options:
+def opts(
+    di: int = 1, ga: int = 1, rf: int = 1, mode=None, period=None, reduction=None
+) -> poptorch.Options:
     o = poptorch.Options().deviceIterations(di).replicationFactor(rf)
     o.Training.gradientAccumulation(ga)
     if mode is not None:
@@ -87,8 +90,16 @@ def host_batch(di: int, ga: int, rf: int, b: int, seed: int = 1):
     return data(di * ga * rf * b, seed)
 
 
-def reference_train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                    y: torch.Tensor, di: int, ga: int, rf: int, mean: bool = True):
+def reference_train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    di: int,
+    ga: int,
+    rf: int,
+    mean: bool = True,
+):
     """Plain torch: one update per device iteration over GA x RF micro-batches, read from the
     host batch with the [DI, GA, RF, B] layout. Returns outputs [DI, GA, RF, B, OUT] and
     losses [DI, GA, RF]."""
@@ -129,6 +140,7 @@ def _linear_pair(seed: int = 0):
 # ---------------------------------------------------------------------------------------------
 # §8.1 / §2.1: batch-size rule
 
+
 def test_first_call_infers_micro_batch_from_every_tensor_input():
     # DI=2 -> micro-batch 8 / 2 = 4: each micro-batch's mean is over 4 samples
     model = poptorch.inferenceModel(MicroBatchStat(), opts(di=2))
@@ -145,11 +157,13 @@ def test_batch_rule_assertion_message():
     with pytest.raises(AssertionError) as e:
         model(torch.randn(6, IN))
     msg = str(e.value)
-    assert msg.startswith("Invalid batch dimension: In the input torch.Size([6, 4]), the batch "
-                          "dimension (6) must be a multiple of Options.deviceIterations(4) * "
-                          "(Options.replicationFactor(1) / "
-                          "Options.inputReplicaGrouping.input_group_size(1)) * "
-                          "Options.Training.gradientAccumulation(1) = 4"), msg
+    assert msg.startswith(
+        "Invalid batch dimension: In the input torch.Size([6, 4]), the batch "
+        "dimension (6) must be a multiple of Options.deviceIterations(4) * "
+        "(Options.replicationFactor(1) / "
+        "Options.inputReplicaGrouping.input_group_size(1)) * "
+        "Options.Training.gradientAccumulation(1) = 4"
+    ), msg
     assert not model.isCompiled()
 
 
@@ -203,6 +217,7 @@ def test_input_replica_grouping_changes_combined_batch_not_output_factor():
 
 # ---------------------------------------------------------------------------------------------
 # §8.1: later calls must match the first call exactly
+
 
 def test_later_call_shape_mismatch():
     model = poptorch.inferenceModel(Net())
@@ -258,6 +273,7 @@ def test_later_call_mismatch_is_poptorch_error_and_model_stays_usable():
 # ---------------------------------------------------------------------------------------------
 # §8.2 / §9: micro-batch order [DI, GA, RF, B]; replicas get interleaved slices
 
+
 def test_inference_all_returns_micro_batches_in_host_order():
     model = poptorch.inferenceModel(MicroBatchStat(), opts(di=2, rf=2))
     x = torch.arange(8.0).reshape(8, 1)  # B=2: chunks [0,1] [2,3] [4,5] [6,7]
@@ -268,18 +284,21 @@ def test_inference_all_returns_micro_batches_in_host_order():
 
 def test_replicas_get_interleaved_slices_final_and_sum():
     x = torch.arange(8.0).reshape(8, 1)  # chunk c = (d * RF + r)
-    final = poptorch.inferenceModel(MicroBatchStat(),
-                                    opts(di=2, rf=2, mode=poptorch.OutputMode.Final))
+    final = poptorch.inferenceModel(
+        MicroBatchStat(), opts(di=2, rf=2, mode=poptorch.OutputMode.Final)
+    )
     _, sums = final(x)
     assert torch.equal(sums, torch.tensor([9.0, 13.0]))  # d=1: replica 0 -> chunk 2, 1 -> 3
-    summed = poptorch.inferenceModel(MicroBatchStat(),
-                                     opts(di=2, rf=2, mode=poptorch.OutputMode.Sum))
+    summed = poptorch.inferenceModel(
+        MicroBatchStat(), opts(di=2, rf=2, mode=poptorch.OutputMode.Sum)
+    )
     _, sums = summed(x)
     assert torch.equal(sums, torch.tensor([1.0 + 9.0, 5.0 + 13.0]))  # chunks {0,2} and {1,3}
 
 
 # ---------------------------------------------------------------------------------------------
 # §8.3: equivalence with a plain torch loop
+
 
 @pytest.mark.parametrize("di,ga,rf", [(1, 1, 1), (3, 1, 1), (1, 4, 1), (1, 1, 2), (2, 3, 2)])
 def test_training_equivalence_mean(di, ga, rf):
@@ -299,8 +318,7 @@ def test_training_equivalence_sum_reduction():
     m, ref = _linear_pair()
     opt = torch.optim.SGD(m.parameters(), lr=0.02)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.02)
-    model = poptorch.trainingModel(
-        m, opts(di, ga, rf, reduction=poptorch.ReductionType.Sum), opt)
+    model = poptorch.trainingModel(m, opts(di, ga, rf, reduction=poptorch.ReductionType.Sum), opt)
     x, y = host_batch(di, ga, rf, 3)
     model(x, y)
     reference_train(ref, ref_opt, x, y, di, ga, rf, mean=False)
@@ -392,12 +410,14 @@ def _train_outputs(mode, period=None, **cfg):
     cfg = {**TRAIN_CFG, **cfg}
     di, ga, rf = cfg["di"], cfg["ga"], cfg["rf"]
     m, ref = _linear_pair()
-    model = poptorch.trainingModel(m, opts(di, ga, rf, mode=mode, period=period),
-                                   torch.optim.SGD(m.parameters(), lr=0.1))
+    model = poptorch.trainingModel(
+        m, opts(di, ga, rf, mode=mode, period=period), torch.optim.SGD(m.parameters(), lr=0.1)
+    )
     x, y = host_batch(di, ga, rf, 2)
     out, loss = model(x, y)
-    ref_out, ref_losses = reference_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1),
-                                          x, y, di, ga, rf)
+    ref_out, ref_losses = reference_train(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y, di, ga, rf
+    )
     return out, loss, ref_out, ref_losses
 
 
@@ -455,8 +475,9 @@ def test_every_n_factor_one_keeps_scalar():
 @pytest.mark.parametrize("di,n", [(4, 3), (2, 4)])
 def test_every_n_period_must_divide_di(di, n):
     model = poptorch.inferenceModel(Net(), opts(di=di, mode=poptorch.OutputMode.EveryN, period=n))
-    with pytest.raises(poptorch.Error, match="Return period must be a factor of the number of "
-                                             "batches per step"):
+    with pytest.raises(
+        poptorch.Error, match="Return period must be a factor of the number of batches per step"
+    ):
         model(torch.randn(di * 2, IN))
     assert not model.isCompiled()
 
@@ -470,8 +491,7 @@ def test_every_n_divides_di_not_di_times_ga():
 
 
 def _inference_outputs(mode, period=None, di=4, rf=2):
-    model = poptorch.inferenceModel(MicroBatchStat(), opts(di=di, rf=rf, mode=mode,
-                                                           period=period))
+    model = poptorch.inferenceModel(MicroBatchStat(), opts(di=di, rf=rf, mode=mode, period=period))
     x = torch.arange(float(di * rf * 2)).reshape(-1, 1)
     chunk_sums = x.reshape(di, rf, 2).sum(-1)
     return model(x), chunk_sums
@@ -515,6 +535,7 @@ def test_output_structure_mirrors_forward():
 # ---------------------------------------------------------------------------------------------
 # §8.5: output dtype narrowing
 
+
 def test_output_dtype_narrowing():
     class M(nn.Module):
         def forward(self, x):
@@ -538,6 +559,7 @@ def test_float64_inputs_reach_the_device_as_float32():
 # ---------------------------------------------------------------------------------------------
 # §8.6: inferenceModel rejects GA != 1; default optimizer SGD(lr=0.01)
 
+
 def test_inference_model_rejects_gradient_accumulation():
     with pytest.raises(poptorch.Error, match="gradientAccumulation to 1"):
         poptorch.inferenceModel(Net(), opts(ga=2))
@@ -560,6 +582,7 @@ def test_default_optimizer_is_sgd_lr_0_01():
 
 # ---------------------------------------------------------------------------------------------
 # §8.7 / §4.5: optimizer snapshots and setOptimizer
+
 
 def test_host_lr_change_ignored_until_set_optimizer():
     m, ref = _linear_pair()
@@ -643,6 +666,7 @@ def test_optimizer_state_dict_reflects_device_state():
 # ---------------------------------------------------------------------------------------------
 # §8.8 / §1.3: options freezing
 
+
 def test_wrapping_freezes_user_options_and_clone_is_unfrozen():
     o = opts(di=2)
     poptorch.inferenceModel(Net(), o)
@@ -677,6 +701,7 @@ def test_to_dict_fails_on_default_mode_but_works_on_executor_copy():
 
 # ---------------------------------------------------------------------------------------------
 # §4.3: weight synchronisation
+
 
 def test_reading_wrapped_module_after_training_gives_device_weights():
     m, ref = _linear_pair()
@@ -715,8 +740,9 @@ def test_state_dict_of_wrapped_module_is_plain_tensors():
 
 def test_host_edits_do_not_reach_device_until_copy_weights_to_device():
     m = Lin()
-    model = poptorch.trainingModel(m, opts(mode=poptorch.OutputMode.All),
-                                   torch.optim.SGD(m.parameters(), lr=0.0))
+    model = poptorch.trainingModel(
+        m, opts(mode=poptorch.OutputMode.All), torch.optim.SGD(m.parameters(), lr=0.0)
+    )
     x, y = torch.ones(1, 2), torch.zeros(1, 1)
     out, _ = model(x, y)
     assert torch.equal(out, torch.tensor([[2.0]]))
@@ -770,8 +796,9 @@ def test_inference_model_of_submodule_sees_trained_weights():
 
     inner = Net()
     ref = copy.deepcopy(inner)
-    train = poptorch.trainingModel(WithLoss(inner), opts(),
-                                   torch.optim.SGD(inner.parameters(), lr=0.1))
+    train = poptorch.trainingModel(
+        WithLoss(inner), opts(), torch.optim.SGD(inner.parameters(), lr=0.1)
+    )
     x, y = host_batch(1, 1, 1, 4)
     train(x, y)
     train(x, y)
@@ -865,8 +892,9 @@ def test_call_on_detached_model_reattaches():
 
 def test_attach_pushes_host_weights():
     m = Lin()
-    model = poptorch.trainingModel(m, opts(mode=poptorch.OutputMode.All),
-                                   torch.optim.SGD(m.parameters(), lr=0.0))
+    model = poptorch.trainingModel(
+        m, opts(mode=poptorch.OutputMode.All), torch.optim.SGD(m.parameters(), lr=0.0)
+    )
     x, y = torch.ones(1, 2), torch.zeros(1, 1)
     model(x, y)
     model.detachFromDevice()  # syncs the host
@@ -943,13 +971,17 @@ def test_offline_target_cannot_run_or_attach():
     assert model.isCompiled()
     with pytest.raises(AssertionError, match="model.compile"):
         model(x)
-    with pytest.raises(AssertionError, match=r"^Trying to attach to an offline device "
-                                             r"\(ConnectionType.Never\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"^Trying to attach to an offline device "
+        r"\(ConnectionType.Never\)",
+    ):
         model.attachToDevice()
 
 
 # ---------------------------------------------------------------------------------------------
 # §8.11 / §5: pipelines (the PopTorch pipelining tutorial's 4-stage model)
+
 
 class ConvLayer(nn.Module):
     def __init__(self, cin, cout, k, pool):
@@ -1001,8 +1033,12 @@ class TutorialWithLoss(nn.Module):
 
 
 def _tutorial_strategy(cls=poptorch.PipelinedExecution):
-    return cls(poptorch.Stage("B1").ipu(0), poptorch.Stage("B2").ipu(1),
-               poptorch.Stage("B3").ipu(2), poptorch.Stage("B4").ipu(3))
+    return cls(
+        poptorch.Stage("B1").ipu(0),
+        poptorch.Stage("B2").ipu(1),
+        poptorch.Stage("B3").ipu(2),
+        poptorch.Stage("B4").ipu(3),
+    )
 
 
 def _mnist(n):
@@ -1018,8 +1054,10 @@ def test_pipeline_training_needs_ga_at_least_2f_minus_1():
     with pytest.raises(poptorch.Error) as e:
         model(x, y)
     msg = str(e.value)
-    assert ("poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
-            "the number of pipeline stages (7) when using poptorch.PipelinedExecution") in msg
+    assert (
+        "poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+        "the number of pipeline stages (7) when using poptorch.PipelinedExecution"
+    ) in msg
     assert "a model with 4 pipeline stages in PopTorch will have an additional 3 stages" in msg
     # GA = 7 is enough (a lower bound, not a multiple)
     o = opts(ga=7)
@@ -1046,9 +1084,12 @@ def test_pipeline_inference_needs_di_at_least_f():
     o = opts(di=3)
     o.setExecutionStrategy(_tutorial_strategy())
     model = poptorch.inferenceModel(TutorialNetwork(), o)
-    with pytest.raises(poptorch.Error, match=r"poptorch.Options\(\).deviceIterations must be "
-                                             r"greater than or equal to the number of pipeline "
-                                             r"stages \(4\)"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"poptorch.Options\(\).deviceIterations must be "
+        r"greater than or equal to the number of pipeline "
+        r"stages \(4\)",
+    ):
         model(_mnist(3)[0])
     o = opts(di=4)
     o.setExecutionStrategy(_tutorial_strategy())
@@ -1095,8 +1136,9 @@ def test_power_of_two_rounded_with_auto_round(caplog):
     model = poptorch.inferenceModel(ThreeIpu(), o)
     with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         assert model(torch.randn(3, IN)).shape == (3, OUT)
-    assert any("4" in r.getMessage() and "autoRoundNumIPUs" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "4" in r.getMessage() and "autoRoundNumIPUs" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_power_of_two_relaxed_on_ipu_model():
@@ -1149,6 +1191,7 @@ def test_training_pipeline_on_three_ipus():
 
 # ---------------------------------------------------------------------------------------------
 # §8.12 / §4.7: losses
+
 
 def test_identity_loss_reductions():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
@@ -1214,9 +1257,12 @@ def test_multiple_independent_losses_is_an_error():
             out = self.fc2(torch.tanh(self.fc1(x)))
             return F.mse_loss(out, y), F.l1_loss(out, y)
 
-    with pytest.raises(poptorch.Error, match="Multiple independent losses found in graph. Graph "
-                                             "must have one final loss. Wrap final graph loss in "
-                                             "poptorch.identity_loss."):
+    with pytest.raises(
+        poptorch.Error,
+        match="Multiple independent losses found in graph. Graph "
+        "must have one final loss. Wrap final graph loss in "
+        "poptorch.identity_loss.",
+    ):
         poptorch.trainingModel(Two(), opts())(*host_batch(1, 1, 1, 2))
 
 
@@ -1240,10 +1286,12 @@ def test_loss_found_anywhere_in_the_output_structure():
     m, ref = LossFirst(), Net()
     ref.load_state_dict(m.state_dict())
     res = poptorch.trainingModel(m, opts(), torch.optim.SGD(m.parameters(), lr=0.1))(
-        *host_batch(1, 1, 1, 2))
+        *host_batch(1, 1, 1, 2)
+    )
     assert set(res) == {"loss", "out"} and res["loss"].dim() == 0
-    reference_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), *host_batch(1, 1, 1, 2),
-                    1, 1, 1)
+    reference_train(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.1), *host_batch(1, 1, 1, 2), 1, 1, 1
+    )
     assert torch.equal(m.fc1.weight, ref.fc1.weight)
 
 
@@ -1261,6 +1309,7 @@ def test_outputs_cannot_backward():
 
 # ---------------------------------------------------------------------------------------------
 # §1.3 / §8.9: random seed and device RNG
+
 
 class Dropper(nn.Module):
     def __init__(self):

@@ -3,6 +3,7 @@ its words in the messages users and tools match on, the rest of its public API, 
 DataLoader behaviours (persistent workers, AsyncRebatched, worker failures, a loader kept
 alive by its iterator).
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,14 +42,19 @@ def F_l1(a, b):
 
 # -- 7. never stricter than PopTorch ------------------------------------------------------------
 
-@pytest.mark.parametrize("torch_cls, poptorch_cls, extra", [
-    (torch.optim.SGD, poptorch.optim.SGD, {"use_combined_accum": False}),
-    (torch.optim.Adam, poptorch.optim.Adam, {}),
-    (torch.optim.AdamW, poptorch.optim.AdamW, {}),
-    (torch.optim.RMSprop, poptorch.optim.RMSprop, {}),
-])
-def test_torch_optimizer_swapped_for_the_poptorch_one_keeps_constants(torch_cls, poptorch_cls,
-                                                                       extra):
+
+@pytest.mark.parametrize(
+    "torch_cls, poptorch_cls, extra",
+    [
+        (torch.optim.SGD, poptorch.optim.SGD, {"use_combined_accum": False}),
+        (torch.optim.Adam, poptorch.optim.Adam, {}),
+        (torch.optim.AdamW, poptorch.optim.AdamW, {}),
+        (torch.optim.RMSprop, poptorch.optim.RMSprop, {}),
+    ],
+)
+def test_torch_optimizer_swapped_for_the_poptorch_one_keeps_constants(
+    torch_cls, poptorch_cls, extra
+):
     model = Linear(training=True)
     train = poptorch.trainingModel(model, optimizer=torch_cls(model.parameters(), lr=0.1))
     train(torch.ones(2, 1))
@@ -59,15 +65,17 @@ def test_torch_optimizer_swapped_for_the_poptorch_one_keeps_constants(torch_cls,
         train.setOptimizer(poptorch_cls(model.parameters(), lr=0.05, loss_scaling=4.0, **extra))
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, False),
-    ({"POPTORCH_IPU_MODEL": "1"}, True),
-    ({"POPTORCH_SMALL_IPU_MODEL": "1"}, True),
-    ({"POPTORCH_SMALL_IPU_MODEL": "0"}, False),
-    ({"POPTORCH_IPU_MODEL": "0", "POPTORCH_SMALL_IPU_MODEL": "1"}, True),
-])
-def test_small_ipu_model_environment_variable_counts_as_the_ipu_model(monkeypatch, env,
-                                                                       expected):
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, False),
+        ({"POPTORCH_IPU_MODEL": "1"}, True),
+        ({"POPTORCH_SMALL_IPU_MODEL": "1"}, True),
+        ({"POPTORCH_SMALL_IPU_MODEL": "0"}, False),
+        ({"POPTORCH_IPU_MODEL": "0", "POPTORCH_SMALL_IPU_MODEL": "1"}, True),
+    ],
+)
+def test_small_ipu_model_environment_variable_counts_as_the_ipu_model(monkeypatch, env, expected):
     for name in ("POPTORCH_IPU_MODEL", "POPTORCH_SMALL_IPU_MODEL"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -89,7 +97,8 @@ def test_small_ipu_model_relaxes_the_power_of_two_ipu_count(monkeypatch):
     monkeypatch.delenv("POPTORCH_IPU_MODEL", raising=False)
     monkeypatch.setenv("POPTORCH_SMALL_IPU_MODEL", "1")
     out = poptorch.inferenceModel(ThreeIpus(), poptorch.Options().deviceIterations(3))(
-        torch.zeros(3, 1))
+        torch.zeros(3, 1)
+    )
     assert out.flatten().tolist() == [1.0, 1.0, 1.0]
 
 
@@ -127,6 +136,7 @@ def test_options_group_can_be_wrapped_by_assigning_its_class():
 
 # -- 8. PopTorch's words -----------------------------------------------------------------------
 
+
 def test_subclassed_optimizer_warning_in_poptorch_words(caplog):
     class MyAdam(torch.optim.Adam):
         pass
@@ -142,9 +152,11 @@ def test_subclassed_optimizer_warning_in_poptorch_words(caplog):
         model = Linear(training=True)
         with caplog.at_level(logging.WARNING, logger="poptorch::python"):
             poptorch.trainingModel(model, optimizer=cls(model.parameters(), lr=0.1))
-        assert f"Optimizer `{cls.__name__}` subclassed from classes in poptorch.optim or " \
-               "torch.optim are unlikely to behave as intended. Poptorch does not run Python " \
-               "optimizer code directly" in caplog.text
+        assert (
+            f"Optimizer `{cls.__name__}` subclassed from classes in poptorch.optim or "
+            "torch.optim are unlikely to behave as intended. Poptorch does not run Python "
+            "optimizer code directly" in caplog.text
+        )
 
 
 def test_attributes_added_after_the_wrap_are_warned_about_once(caplog):
@@ -160,12 +172,15 @@ def test_attributes_added_after_the_wrap_are_warned_about_once(caplog):
         opt.loss_scaling = 3.0
         train.setOptimizer(opt)
     messages = [r.getMessage() for r in caplog.records]
-    assert messages == ["Ignoring unexpected optimizer attribute in SGD optimizer: ['late']",
-                        "Ignoring unexpected group 0 attribute in SGD optimizer: ['initial_lr']"]
+    assert messages == [
+        "Ignoring unexpected optimizer attribute in SGD optimizer: ['late']",
+        "Ignoring unexpected group 0 attribute in SGD optimizer: ['initial_lr']",
+    ]
     relaxed = Linear(training=True)
     opt = poptorch.optim.SGD(relaxed.parameters(), lr=0.1)
-    train = poptorch.trainingModel(relaxed, poptorch.Options().relaxOptimizerAttributesChecks(),
-                                   optimizer=opt)
+    train = poptorch.trainingModel(
+        relaxed, poptorch.Options().relaxOptimizerAttributesChecks(), optimizer=opt
+    )
     opt.late = 0
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="poptorch::python"):
@@ -178,17 +193,25 @@ def test_log_levels_in_poptorch_words():
         poptorch.setLogLevel(legacy)
     with pytest.raises(ValueError, match="Invalid log level integer"):
         poptorch.setLogLevel(5)
-    with pytest.raises(ValueError, match=re.escape(
-            "Unknown log level: wibble. Valid values are DEBUG, ERR, INFO, OFF, TRACE and WARN")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Unknown log level: wibble. Valid values are DEBUG, ERR, INFO, OFF, TRACE and WARN"
+        ),
+    ):
         poptorch.setLogLevel("wibble")
     poptorch.setLogLevel("WARN")
     assert logging.getLogger("poptorch::python").level == logging.WARNING
 
 
 def test_for_loop_input_type_in_poptorch_words():
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "poptorch.for_loop expects input tensors (inputs) to be a list of tensors. "
-            "(Object is not list)")):
+            "(Object is not list)"
+        ),
+    ):
         poptorch.for_loop(2, lambda x: x, torch.ones(1))
 
 
@@ -203,25 +226,34 @@ def test_gradient_accumulation_in_inference_in_poptorch_words(strategy, hint):
     message = str(info.value)
     assert message.startswith(
         "You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as its "
-        "default value (1) when running a poptorch.inferenceModel().")
-    assert ("Use poptorch.Options().deviceIterations to process a sufficient number of batches "
-            "each run for pipelined execution instead." in message) is hint
+        "default value (1) when running a poptorch.inferenceModel()."
+    )
+    assert (
+        "Use poptorch.Options().deviceIterations to process a sufficient number of batches "
+        "each run for pipelined execution instead." in message
+    ) is hint
 
 
 def test_offline_device_in_poptorch_words():
     opts = poptorch.Options().useOfflineIpuTarget()
     model = poptorch.inferenceModel(Linear(), opts)
     model.compile(torch.ones(1, 1))
-    with pytest.raises(AssertionError, match=re.escape(
+    with pytest.raises(
+        AssertionError,
+        match=re.escape(
             "Trying to run a model on an offline device (ConnectionType.Never): use "
-            "model.compile(inputs) instead of model(inputs)")):
+            "model.compile(inputs) instead of model(inputs)"
+        ),
+    ):
         model(torch.ones(1, 1))
 
 
 def test_options_file_syntax_error_names_poptorch_line(tmp_path):
     path = tmp_path / "run.conf"
-    path.write_text("# header\n\ndeviceIterations(2)\n  replicationFactor(1)\n"
-                    "outputMode(poptorch.OutputMode.All\n")
+    path.write_text(
+        "# header\n\ndeviceIterations(2)\n  replicationFactor(1)\n"
+        "outputMode(poptorch.OutputMode.All\n"
+    )
     with pytest.raises(poptorch.options.ConfigFileError) as info:
         poptorch.Options().loadFromFile(str(path))
     assert str(info.value).startswith("SyntaxError at line 3 of run.conf: ")
@@ -229,6 +261,7 @@ def test_options_file_syntax_error_names_poptorch_line(tmp_path):
 
 
 # -- 9. public API -----------------------------------------------------------------------------
+
 
 class Pair:
     def __init__(self, a, b):
@@ -274,10 +307,12 @@ def test_custom_arg_parser_for_inputs_outputs_and_batches(pair_parser):
     def collate(items):
         return Pair(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
 
-    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(8)), 2,
-                                            drop_last=False)
-    loader = DataLoader(poptorch.Options().deviceIterations(2), Pairs(),
-                        batch_sampler=sampler, collate_fn=collate)
+    sampler = torch.utils.data.BatchSampler(
+        torch.utils.data.SequentialSampler(range(8)), 2, drop_last=False
+    )
+    loader = DataLoader(
+        poptorch.Options().deviceIterations(2), Pairs(), batch_sampler=sampler, collate_fn=collate
+    )
     batches = list(loader)
     assert all(isinstance(b, Pair) for b in batches)
     assert [b.a.flatten().tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -287,9 +322,11 @@ def test_custom_arg_parser_for_inputs_outputs_and_batches(pair_parser):
 
 def test_pre_and_post_compile_hooks_run_in_order_and_can_be_removed():
     calls = []
-    handles = [poptorch.registerPreCompileHook(lambda: calls.append("pre1")),
-               poptorch.registerPreCompileHook(lambda: calls.append("pre2")),
-               poptorch.registerPostCompileHook(lambda: calls.append("post"))]
+    handles = [
+        poptorch.registerPreCompileHook(lambda: calls.append("pre1")),
+        poptorch.registerPreCompileHook(lambda: calls.append("pre2")),
+        poptorch.registerPostCompileHook(lambda: calls.append("post")),
+    ]
     try:
         model = poptorch.inferenceModel(Linear())
         model(torch.ones(1, 1))
@@ -314,13 +351,19 @@ def test_module_repr_shows_begin_blocks():
     assert poptorch.module_repr(model) == repr(model)  # no hooks: torch's own repr
     poptorch.BeginBlock(inner, user_id="b", ipu_id=1)
     assert poptorch.module_repr(model) == repr(model).replace(
-        "(1): Sequential(", "(1): BeginBlock(user_id=b, ipu_id=1) Sequential(")
+        "(1): Sequential(", "(1): BeginBlock(user_id=b, ipu_id=1) Sequential("
+    )
 
 
 def test_poptorch_optim_optimizer_is_the_base_of_poptorch_optimizers():
     params = [nn.Parameter(torch.ones(1))]
-    for cls in (poptorch.optim.SGD, poptorch.optim.Adam, poptorch.optim.AdamW,
-                poptorch.optim.RMSprop, poptorch.optim.LAMB):
+    for cls in (
+        poptorch.optim.SGD,
+        poptorch.optim.Adam,
+        poptorch.optim.AdamW,
+        poptorch.optim.RMSprop,
+        poptorch.optim.LAMB,
+    ):
         assert isinstance(cls(params, lr=0.1), poptorch.optim.Optimizer)
     assert not isinstance(torch.optim.SGD(params, lr=0.1), poptorch.optim.Optimizer)
 
@@ -356,15 +399,18 @@ def test_updatable_named_buffers_are_the_only_ones_copied():
 
 def test_compilation_time():
     model = poptorch.inferenceModel(Linear())
-    with pytest.raises(poptorch.Error, match="Please compile the model before obtaining "
-                                             "compilation time."):
+    with pytest.raises(
+        poptorch.Error, match="Please compile the model before obtaining compilation time."
+    ):
         model.compilationTime()
     model(torch.ones(1, 1))
     assert isinstance(model.compilationTime(), datetime.timedelta)
     quiet = poptorch.inferenceModel(Linear(), poptorch.Options().showCompilationProgressBar(False))
     quiet(torch.ones(1, 1))
-    with pytest.raises(poptorch.Error, match="Please set showCompilationProgressBar option to "
-                                             "obtain compilation time."):
+    with pytest.raises(
+        poptorch.Error,
+        match="Please set showCompilationProgressBar option to obtain compilation time.",
+    ):
         quiet.compilationTime()
 
 
@@ -376,9 +422,13 @@ def test_destroy_reachable_from_the_model_and_after_rewrapping(rewrap_executor):
     model.destroy()  # on the user's module, as PopTorch's wrapper class offers
     train = poptorch.trainingModel(model)
     train(torch.ones(2, 1))
-    with pytest.raises(RuntimeError, match=re.escape(
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
             "Model has already been wrapped in 'poptorch.trainingModel'. Call model.destroy() "
-            "on the model to unwrap before wrapping again.")):
+            "on the model to unwrap before wrapping again."
+        ),
+    ):
         poptorch.trainingModel(model)
     if rewrap_executor:
         train.destroy()
@@ -393,13 +443,15 @@ def test_destroy_reachable_from_the_model_and_after_rewrapping(rewrap_executor):
 
 # -- 10. DataLoader ----------------------------------------------------------------------------
 
+
 def numbers(n):
     return torch.utils.data.TensorDataset(torch.arange(n, dtype=torch.float32).reshape(n, 1))
 
 
 def test_async_loader_referenced_only_by_its_iterator_yields_every_batch():
-    seen = [int(x) for (x,) in DataLoader(poptorch.Options(), numbers(12),
-                                          mode=DataLoaderMode.Async)]
+    seen = [
+        int(x) for (x,) in DataLoader(poptorch.Options(), numbers(12), mode=DataLoaderMode.Async)
+    ]
     assert seen == list(range(12))
     gc.collect()
 
@@ -420,8 +472,9 @@ def test_async_rebatched_workers_read_the_combined_batch_size(tmp_path):
         return torch.stack(items)
 
     opts = poptorch.Options().deviceIterations(4)
-    loader = DataLoader(opts, Recording(), mode=DataLoaderMode.AsyncRebatched, drop_last=False,
-                        collate_fn=collate)
+    loader = DataLoader(
+        opts, Recording(), mode=DataLoaderMode.AsyncRebatched, drop_last=False, collate_fn=collate
+    )
     assert [x.flatten().tolist() for x in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     loader.terminate()
     sizes = [int(n) for n in record.read_text().split()]
@@ -437,8 +490,9 @@ def test_async_dataset_failing_at_start_raises_poptorch_error():
         def __getitem__(self, i):
             raise KeyError("no samples here")
 
-    with pytest.raises(poptorch.Error, match="AsynchronousDataAccessor worker thread failed to "
-                                             "start") as info:
+    with pytest.raises(
+        poptorch.Error, match="AsynchronousDataAccessor worker thread failed to start"
+    ) as info:
         DataLoader(poptorch.Options(), Broken(), mode=DataLoaderMode.Async)
     assert isinstance(info.value.__cause__, KeyError)
     loader = DataLoader(poptorch.Options(), Broken())
@@ -449,8 +503,14 @@ def test_async_dataset_failing_at_start_raises_poptorch_error():
 def distributed(shuffle_workers):
     opts = poptorch.Options().randomSeed(7)
     opts.Distributed.configureProcessId(0, 2)
-    return DataLoader(opts, numbers(21), batch_size=2, shuffle=True, num_workers=shuffle_workers,
-                      persistent_workers=shuffle_workers > 0)
+    return DataLoader(
+        opts,
+        numbers(21),
+        batch_size=2,
+        shuffle=True,
+        num_workers=shuffle_workers,
+        persistent_workers=shuffle_workers > 0,
+    )
 
 
 def test_global_shuffle_reaches_persistent_workers():

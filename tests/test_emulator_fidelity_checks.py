@@ -4,6 +4,7 @@ and the attributes of PopTorch's errors.
 Each test cites the PopTorch 3.4 source that raises the error; the refusals happen when the
 model compiles (its first call), before any weight changes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,18 +28,34 @@ class Fn(nn.Module):
 
 # -- ops PopTorch cannot compile ---------------------------------------------------------------
 
-@pytest.mark.parametrize("fn,x,message", [
-    (lambda x: nn.functional.one_hot(x), torch.tensor([0, 2, 1]),
-     r"^OneHot num classes must be specified and must be constant\.$"),
-    (lambda x: torch.bincount(x), torch.tensor([0, 2, 1]),
-     r"^Bincount `minlength` must be specified and must be a constant\. On the IPU MK2 platform "
-     r"the minimum length is also the maximum length$"),
-    (lambda x: nn.functional.interpolate(x, scale_factor=2, mode="linear"), torch.ones(1, 2, 3),
-     r"^Unsupported upsample mode aten::upsample_linear1d: currently only 'nearest' is "
-     r"supported$"),
-    (lambda x: nn.functional.interpolate(x, scale_factor=2, mode="trilinear"),
-     torch.ones(1, 1, 2, 2, 2), r"^Unsupported upsample mode aten::upsample_trilinear3d"),
-])
+
+@pytest.mark.parametrize(
+    "fn,x,message",
+    [
+        (
+            lambda x: nn.functional.one_hot(x),
+            torch.tensor([0, 2, 1]),
+            r"^OneHot num classes must be specified and must be constant\.$",
+        ),
+        (
+            lambda x: torch.bincount(x),
+            torch.tensor([0, 2, 1]),
+            r"^Bincount `minlength` must be specified and must be a constant\. On the IPU MK2 platform "
+            r"the minimum length is also the maximum length$",
+        ),
+        (
+            lambda x: nn.functional.interpolate(x, scale_factor=2, mode="linear"),
+            torch.ones(1, 2, 3),
+            r"^Unsupported upsample mode aten::upsample_linear1d: currently only 'nearest' is "
+            r"supported$",
+        ),
+        (
+            lambda x: nn.functional.interpolate(x, scale_factor=2, mode="trilinear"),
+            torch.ones(1, 1, 2, 2, 2),
+            r"^Unsupported upsample mode aten::upsample_trilinear3d",
+        ),
+    ],
+)
 def test_ops_poptorch_cannot_lower_are_refused_when_compiled(fn, x, message):
     """popart_canonicalization/EmbeddingOps.cpp ``onehotHandler``, dispatch_tracer/
     RegisterMetaOps.cpp.inc ``bincount`` and popart_canonicalization/ReshapeOps.cpp
@@ -47,14 +64,17 @@ def test_ops_poptorch_cannot_lower_are_refused_when_compiled(fn, x, message):
     with pytest.raises(poptorch.Error, match=message):
         model(x)
     assert not model.isCompiled()
-    fine = poptorch.inferenceModel(Fn(lambda t: (nn.functional.one_hot(t, 3),
-                                                 torch.bincount(t, minlength=3))))
+    fine = poptorch.inferenceModel(
+        Fn(lambda t: (nn.functional.one_hot(t, 3), torch.bincount(t, minlength=3)))
+    )
     one_hot, counts = fine(torch.tensor([0, 2, 1]))
     assert counts.tolist() == [1, 1, 1] and one_hot.shape == (3, 3)
 
 
-@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-                    reason="torch < 2.1 does not show tensor indexing to function modes")
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+    reason="torch < 2.1 does not show tensor indexing to function modes",
+)
 def test_outputs_whose_shape_depends_on_the_data_are_refused_when_compiled():
     """PopTorch's dispatcher computes every output shape before the data exists, so a boolean
     mask index raises torch's ``DynamicOutputShapeException`` (tests/index_ops_test.py
@@ -72,8 +92,11 @@ def test_outputs_whose_shape_depends_on_the_data_are_refused_when_compiled():
         x[m] = 0.0
         return x
 
-    assert poptorch.inferenceModel(Fn(assign))(torch.arange(1.0, 4.0), mask).tolist() == \
-        [0.0, 2.0, 0.0]
+    assert poptorch.inferenceModel(Fn(assign))(torch.arange(1.0, 4.0), mask).tolist() == [
+        0.0,
+        2.0,
+        0.0,
+    ]
 
 
 def test_multiconv_nested_or_without_a_convolution_is_refused():
@@ -129,11 +152,16 @@ def test_overlap_marks_only_model_inputs_and_returned_outputs():
         return poptorch.set_overlap_for_output(x * 2, mode)
 
     x = torch.ones(2)
-    for fn, message in ((not_input, "applied on a node which is not a tensor input"),
-                        (used_first, "must be the only op applied to an input. This is not "
-                                     "the case for input 0 to the model"),
-                        (not_returned, "applied on a node which is not a tensor output"),
-                        (twice, "cannot be used with a tensor that is returned twice")):
+    for fn, message in (
+        (not_input, "applied on a node which is not a tensor input"),
+        (
+            used_first,
+            "must be the only op applied to an input. This is not "
+            "the case for input 0 to the model",
+        ),
+        (not_returned, "applied on a node which is not a tensor output"),
+        (twice, "cannot be used with a tensor that is returned twice"),
+    ):
         with pytest.raises(poptorch.Error, match=message):
             poptorch.inferenceModel(Fn(fn))(x)
     assert poptorch.inferenceModel(Fn(fine))(x).tolist() == [2.0, 2.0]
@@ -151,6 +179,7 @@ def test_profiling_warns_that_no_report_is_written(capfd):
 
 
 # -- what PopTorch accepts -----------------------------------------------------------------------
+
 
 def test_indexing_a_graph_tensor_gives_a_graph_tensor():
     """Indexing an input or weight inside ``forward`` (``x[0]``, ``x[:1]``) gives a device
@@ -227,6 +256,7 @@ def test_copy_weights_to_device_after_training_writes_the_stale_host_weights():
 
 # -- PopTorch's errors -------------------------------------------------------------------------
 
+
 def test_errors_have_message_type_and_location():
     """python/poptorch.cpp (class ``Error``) and python/_impl.py ``createPoptorchError``: a
     ``poptorch.Error`` has the string attributes ``message`` (the text), ``type`` (which part
@@ -239,15 +269,26 @@ def test_errors_have_message_type_and_location():
     assert e.type == "poptorch_py_error" and e.location == ""
 
 
-@pytest.mark.parametrize("kind,cls,type_,action", [
-    ("Poptorch", poptorch.Error, "poptorch_cpp_error", None),
-    ("Popart", poptorch.Error, "popart_exception", None),
-    ("PoplarUnrecoverable", poptorch.UnrecoverableError, "poplar_unrecoverable_runtime_error",
-     None),
-    ("PoplarRecoverableFullReset", poptorch.RecoverableError,
-     "poplar_recoverable_runtime_error", "FULL_RESET"),
-    ("PoplarLinkError", poptorch.Error, "poplar_link_error", None),
-])
+@pytest.mark.parametrize(
+    "kind,cls,type_,action",
+    [
+        ("Poptorch", poptorch.Error, "poptorch_cpp_error", None),
+        ("Popart", poptorch.Error, "popart_exception", None),
+        (
+            "PoplarUnrecoverable",
+            poptorch.UnrecoverableError,
+            "poplar_unrecoverable_runtime_error",
+            None,
+        ),
+        (
+            "PoplarRecoverableFullReset",
+            poptorch.RecoverableError,
+            "poplar_recoverable_runtime_error",
+            "FULL_RESET",
+        ),
+        ("PoplarLinkError", poptorch.Error, "poplar_link_error", None),
+    ],
+)
 def test_throw_test_error_raises_each_category_as_poptorch_reports_it(kind, cls, type_, action):
     """popart_compiler/source/Compiler.cpp ``throwTestError`` and
     poptorch_err/source/ExceptionHandling.cpp: each category's class, ``type``, the two

@@ -2,6 +2,7 @@
 
 Expected values are the closed forms one PopTorch device run gives (docs/poptorch-semantics.md §2, §4).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ import ipuloop.emulator as poptorch
 # ops it lacks in float32, but not autograd's backward, so 16-bit training needs torch >= 2.1.
 NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
+    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+)
 
 
 def opts(di: int = 1) -> poptorch.Options:
@@ -26,6 +28,7 @@ def opts(di: int = 1) -> poptorch.Options:
 
 # ---------------------------------------------------------------------------------------------
 # Inputs edited in place
+
 
 class AddOne(nn.Module):
     def forward(self, x):
@@ -95,11 +98,17 @@ def test_input_converted_for_the_device_gets_the_edit_back():
 # ---------------------------------------------------------------------------------------------
 # Mixed float16 / float32
 
+
 @pytest.mark.parametrize("conv", [True, False])
-@pytest.mark.parametrize("act, weight", [(torch.float32, torch.float32),
-                                         (torch.float16, torch.float32),
-                                         (torch.float32, torch.float16),
-                                         (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "act, weight",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_output_takes_the_activation_dtype(conv, act, weight):
     """PopTorch 3.4 half_float_test (float16 activations, float32 weights): the output has the
     activation's dtype whatever the weights' dtype; docs/poptorch-semantics.md §1 says mixed ops follow
@@ -170,6 +179,7 @@ def test_automatic_loss_scaling_and_partials_type_run():
     the same as with float partials); automatic loss scaling raises the loss scale of these
     small gradients each step and trains to the statically scaled run's weights
     (docs/precision.md)."""
+
     def train(auto: bool, partials: torch.dtype) -> torch.Tensor:
         model = Regress().half()
         o = poptorch.Options()
@@ -181,7 +191,7 @@ def test_automatic_loss_scaling_and_partials_type_run():
         for _ in range(5):
             training(x, y)
         if auto:
-            assert training._opt.loss_scaling == 128.0 * 2 ** 5
+            assert training._opt.loss_scaling == 128.0 * 2**5
         return model.linear.weight.detach().clone()
 
     static = train(False, torch.half)
@@ -192,6 +202,7 @@ def test_automatic_loss_scaling_and_partials_type_run():
 
 # ---------------------------------------------------------------------------------------------
 # The device runs the user's own tensors
+
 
 def test_model_reached_through_a_closure_is_trained():
     """PopTorch fine_tuning_test: the loss module calls a network it does not own; the
@@ -236,8 +247,7 @@ def test_layer_replaced_before_wrapping_and_reached_as_a_global_is_trained():
             return nn.functional.mse_loss(model(x), y)  # the global, not self.model
 
     wrapper = WithLoss()
-    training = poptorch.trainingModel(
-        wrapper, optimizer=torch.optim.SGD(head.parameters(), lr=0.1))
+    training = poptorch.trainingModel(wrapper, optimizer=torch.optim.SGD(head.parameters(), lr=0.1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     training(torch.rand(4, 3), torch.rand(4, 2))
     assert training._host_dirty  # the host is stale until read

@@ -5,6 +5,7 @@
 * errors PopTorch raises when it compiles or runs a model, in its words;
 * inputs bound to ``forward``'s signature and matched by structure, key and shape.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,8 +35,9 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 def trained(model: nn.Module, *inputs, options=None) -> tuple[nn.Module, object]:
     """``model`` after one emulated training call, and the call's outputs."""
-    training = poptorch.trainingModel(model, options,
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    training = poptorch.trainingModel(
+        model, options, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     out = training(*inputs)
     training.copyWeightsToHost()
     return model, out
@@ -45,6 +47,7 @@ X, Y = torch.randn(4, 3), torch.randn(4, 2)
 
 
 # -- the loss ---------------------------------------------------------------------------------
+
 
 class PartialLoss(nn.Module):
     """Returns an intermediate identity loss that feeds the final one."""
@@ -62,7 +65,7 @@ class PartialLoss(nn.Module):
 def test_identity_loss_feeding_the_final_one_is_not_a_second_loss():
     expected = sgd_step(PartialLoss(), lambda m, x, y: 5 * (m.fc(x) - y).mean() ** 2, X, Y)
     model, (partial, loss) = trained(PartialLoss(), X, Y)
-    assert torch.allclose(loss, 5 * partial ** 2)
+    assert torch.allclose(loss, 5 * partial**2)
     assert same_weights(model, expected)  # trained on the final loss only
 
 
@@ -72,9 +75,13 @@ def test_two_losses_without_identity_loss_are_multiple_independent_losses():
             out = self.fc(x)
             return out, F.mse_loss(out, y) + F.l1_loss(out, y) * 5
 
-    with pytest.raises(poptorch.Error, match=re.escape(
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape(
             "Multiple independent losses found in graph. Graph must have one final loss. Wrap "
-            "final graph loss in poptorch.identity_loss.")):
+            "final graph loss in poptorch.identity_loss."
+        ),
+    ):
         poptorch.trainingModel(Two())(X, Y)
 
 
@@ -82,11 +89,11 @@ def test_two_losses_wrapped_in_identity_loss_are_one_loss():
     class Two(PartialLoss):
         def forward(self, x, y):
             out = self.fc(x)
-            return out, poptorch.identity_loss(F.mse_loss(out, y) + F.l1_loss(out, y),
-                                               reduction="mean")
+            return out, poptorch.identity_loss(
+                F.mse_loss(out, y) + F.l1_loss(out, y), reduction="mean"
+            )
 
-    expected = sgd_step(Two(), lambda m, x, y: F.mse_loss(m.fc(x), y) + F.l1_loss(m.fc(x), y),
-                        X, Y)
+    expected = sgd_step(Two(), lambda m, x, y: F.mse_loss(m.fc(x), y) + F.l1_loss(m.fc(x), y), X, Y)
     assert same_weights(trained(Two(), X, Y)[0], expected)
 
 
@@ -121,8 +128,9 @@ def test_a_final_loss_the_outputs_only_use_is_the_one_trained():
     expected = sgd_step(Masked(), lambda m, x, y: F.mse_loss(m.fc(x), y), X, Y)
     options = poptorch.Options().deviceIterations(2)  # one update per micro-batch of 2
     model = Masked()
-    training = poptorch.trainingModel(model, options,
-                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    training = poptorch.trainingModel(
+        model, options, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     first = training(X[:2].repeat(2, 1), Y[:2].repeat(2, 1))[1]
     reference = Masked()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -138,6 +146,7 @@ def test_a_final_loss_the_outputs_only_use_is_the_one_trained():
 
 # -- errors PopTorch raises ---------------------------------------------------------------------
 
+
 class Looped(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -149,8 +158,9 @@ class Looped(nn.Module):
 
 
 def test_for_loop_in_a_training_model_raises():
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "poptorch.for_loop() is only supported in inference")):
+    with pytest.raises(
+        poptorch.Error, match=re.escape("poptorch.for_loop() is only supported in inference")
+    ):
         poptorch.trainingModel(Looped())(X)
     model = Looped()
     out, _ = poptorch.inferenceModel(model)(X)  # inference compiles it
@@ -168,7 +178,9 @@ def test_an_op_after_a_block_ended_belongs_to_no_block():
     options = poptorch.Options().deviceIterations(2)
     options.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
     model = poptorch.inferenceModel(AfterBlock(), options)
-    with pytest.raises(poptorch.Error, match="^No active Block, all the ops must belong to a Block"):
+    with pytest.raises(
+        poptorch.Error, match="^No active Block, all the ops must belong to a Block"
+    ):
         model.compile(torch.randn(2, 5))
     assert not model.isCompiled()
 
@@ -200,8 +212,10 @@ def test_a_buffer_removed_in_forward_raises():
                 del self._buffers["y"]
             return x + 1
 
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Buffer y is removed from the model when calling the forward method.")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape("Buffer y is removed from the model when calling the forward method."),
+    ):
         poptorch.inferenceModel(Removes())(torch.tensor([5.0]))
 
 
@@ -211,10 +225,14 @@ def test_a_buffer_reassigned_in_forward_raises():
             self.y = x + 1
             return x
 
-    with pytest.raises(poptorch.Error, match=re.escape(
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape(
             "Buffer y is reassigned within the model when calling the forward method. This is "
             "not supported. Consider using self.y.copy_(src) to copy data from a source tensor, "
-            "where src is the name of the source tensor.")):
+            "where src is the name of the source tensor."
+        ),
+    ):
         poptorch.inferenceModel(Reassigns())(torch.tensor([5.0]))
 
 
@@ -233,10 +251,14 @@ class Counting(nn.Module):
 
 def test_replicas_broadcasting_buffers_cannot_update_them():
     options = poptorch.Options().replicationFactor(2)
-    with pytest.raises(poptorch.Error, match=re.escape(
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape(
             "PopTorch does not support broadcasting buffers. If your model is able to tolerate "
             "buffers becoming out of sync between replicas, you can disable buffer broadcasting "
-            "using poptorch.Options.broadcastBuffers(False).")):
+            "using poptorch.Options.broadcastBuffers(False)."
+        ),
+    ):
         poptorch.trainingModel(Counting(), options)(X, Y)
     model = Counting()
     options = poptorch.Options().replicationFactor(2).broadcastBuffers(False)
@@ -264,8 +286,10 @@ def test_batchnorm_statistics_under_replicas_are_not_buffer_writes():
 
 def test_zero_sized_inputs_raise():
     model = poptorch.inferenceModel(nn.Identity())
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Zero-sized tensors are unsupported (Got shape [0, 2, 5, 5]).")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape("Zero-sized tensors are unsupported (Got shape [0, 2, 5, 5])."),
+    ):
         model(torch.randn(0, 2, 5, 5))
 
 
@@ -279,8 +303,12 @@ def test_backward_on_outputs_raises(training):
     wrap = poptorch.trainingModel if training else poptorch.inferenceModel
     out, loss = wrap(Model())(X, Y)
     for t in (out, loss):
-        with pytest.raises(poptorch.Error, match=re.escape(
-                "backward() cannot be called explicitly on outputs of a PopTorch model.")):
+        with pytest.raises(
+            poptorch.Error,
+            match=re.escape(
+                "backward() cannot be called explicitly on outputs of a PopTorch model."
+            ),
+        ):
             t.backward()
 
 
@@ -290,8 +318,10 @@ def test_a_cpu_tensor_meeting_graph_tensors_raises():
             return torch.index_select(x, 0, torch.LongTensor([1, 0]))
 
     model = poptorch.inferenceModel(Legacy())
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Expected an IPU tensor but got tensor(device=cpu, shape=[2], dtype=Long)")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape("Expected an IPU tensor but got tensor(device=cpu, shape=[2], dtype=Long)"),
+    ):
         model.compile(torch.rand(4))
 
 
@@ -309,12 +339,15 @@ def test_tensors_made_in_the_graph_or_moved_to_it_are_accepted():
 def test_log_cycle_count_needs_ipu_hardware():
     options = poptorch.Options().logCycleCount(True)
     model = poptorch.inferenceModel(nn.Identity(), options)
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Cycle count logging is only supported on actual IPU hardware.")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape("Cycle count logging is only supported on actual IPU hardware."),
+    ):
         model(torch.ones(2))
 
 
 # -- inputs -----------------------------------------------------------------------------------
+
 
 class Optional(nn.Module):
     def forward(self, t1, t2, t3=torch.ones(1), t4=torch.zeros(1)):
@@ -327,8 +360,10 @@ def test_inputs_are_bound_with_forward_defaults():
     assert model(t1, t2).item() == 1.0
     assert model(t1, t2, t4=t4).item() == 9.0  # the default t4 was an input of the graph
     assert model(t4=t4, t1=t1, t2=t2).item() == 9.0
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Shape mismatch for t4: expected torch.Size([1]) but got torch.Size([2])")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape("Shape mismatch for t4: expected torch.Size([1]) but got torch.Size([2])"),
+    ):
         model(t1, t2, t4=torch.ones(2))
 
 
@@ -377,8 +412,12 @@ def test_a_changed_shape_is_reported_as_torch_sizes():
 
     model = poptorch.inferenceModel(Add())
     model((torch.tensor([1.0]), torch.tensor([2.0])))
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Shape mismatch for t[0]: expected torch.Size([1]) but got torch.Size([2])")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape(
+            "Shape mismatch for t[0]: expected torch.Size([1]) but got torch.Size([2])"
+        ),
+    ):
         model((torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0])))
 
 
@@ -395,8 +434,12 @@ def test_missing_keyword_arguments_and_type_mismatches():
     a, z, m = torch.ones(2), torch.ones(2), torch.ones(2)
     model = poptorch.inferenceModel(Model())
     assert torch.equal(model(a, a, z=z, m=m), torch.full((2,), 6.0))
-    with pytest.raises(poptorch.Error, match=re.escape(
-            "Type mismatch for z: expected <class 'torch.Tensor'> but got <class 'NoneType'>")):
+    with pytest.raises(
+        poptorch.Error,
+        match=re.escape(
+            "Type mismatch for z: expected <class 'torch.Tensor'> but got <class 'NoneType'>"
+        ),
+    ):
         model(a, a, m=m)
     with pytest.raises(poptorch.Error, match=re.escape("Missing arguments: m.")):
         model(a, a, z=z)

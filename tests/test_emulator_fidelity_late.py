@@ -5,6 +5,7 @@ replaced or a buffer reassigned on the user's module between ``trainingModel(...
 is what the device holds and trains (docs/poptorch-semantics.md §4.2). Expected values come from plain
 torch doing the same math.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,9 @@ def reference(net: nn.Module, data: list, lr: float) -> nn.Module:
 def test_layer_replaced_after_wrapping_is_trained():
     torch.manual_seed(0)
     net = Net()
-    training = poptorch.trainingModel(net, poptorch.Options(),
-                                      poptorch.optim.SGD(net.parameters(), lr=0.1))
+    training = poptorch.trainingModel(
+        net, poptorch.Options(), poptorch.optim.SGD(net.parameters(), lr=0.1)
+    )
     old = net.fc
     net.fc = nn.Linear(4, 3)  # replaced after wrapping, before the first call compiles
     optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1)  # over the new parameters
@@ -67,8 +69,9 @@ def test_layer_replaced_after_wrapping_is_trained():
 def test_parameter_replaced_after_wrapping_is_what_compile_uploads():
     torch.manual_seed(0)
     net = Net()
-    training = poptorch.trainingModel(net, poptorch.Options(),
-                                      poptorch.optim.SGD(net.parameters(), lr=0.1))
+    training = poptorch.trainingModel(
+        net, poptorch.Options(), poptorch.optim.SGD(net.parameters(), lr=0.1)
+    )
     net.head.bias = nn.Parameter(torch.full((2,), 5.0))
     training.setOptimizer(poptorch.optim.SGD(net.parameters(), lr=0.1))
     start = copy.deepcopy(net)
@@ -94,8 +97,9 @@ def test_layer_with_buffers_replaced_after_wrapping_keeps_them_on_the_device():
     micro-batch (not by the compile's trace), and the host reads them back."""
     torch.manual_seed(0)
     net = Normed()
-    training = poptorch.trainingModel(net, poptorch.Options(),
-                                      poptorch.optim.SGD(net.parameters(), lr=0.1))
+    training = poptorch.trainingModel(
+        net, poptorch.Options(), poptorch.optim.SGD(net.parameters(), lr=0.1)
+    )
     net.fc = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
     training.setOptimizer(poptorch.optim.SGD(net.parameters(), lr=0.1))
     start = copy.deepcopy(net)

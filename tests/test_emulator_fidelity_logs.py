@@ -4,6 +4,7 @@ tests match on, and the AsynchronousDataAccessor / Block details PopTorch's test
 
 Each test names the PopTorch 3.4 source (graphcore/poptorch) whose behaviour it pins.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,11 +32,17 @@ def _warn_level():
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHONPATH=ROOT, **env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # -- 4. poptorch.logger and poptorch.poptorch_core -----------------------------------------
+
 
 def test_logger_is_poptorchs_console_logger(capfd):
     """python/_logging.py (``logger = logging.getLogger("poptorch::python")`` with a console
@@ -50,11 +57,19 @@ def test_logger_is_poptorchs_console_logger(capfd):
     assert "not shown at WARN" not in err
 
 
-@pytest.mark.parametrize("level, shown", [
-    ("OFF", []), ("ERR", ["error"]), ("WARN", ["error", "warning"]),
-    ("INFO", ["error", "warning", "info"]), ("DEBUG", ["error", "warning", "info", "debug"]),
-    ("TRACE", ["error", "warning", "info", "debug"]), (1, ["error", "warning", "info", "debug"]),
-    (4, ["error"])])
+@pytest.mark.parametrize(
+    "level, shown",
+    [
+        ("OFF", []),
+        ("ERR", ["error"]),
+        ("WARN", ["error", "warning"]),
+        ("INFO", ["error", "warning", "info"]),
+        ("DEBUG", ["error", "warning", "info", "debug"]),
+        ("TRACE", ["error", "warning", "info", "debug"]),
+        (1, ["error", "warning", "info", "debug"]),
+        (4, ["error"]),
+    ],
+)
 def test_set_log_level_filters_the_logger(capfd, level, shown):
     """python/_logging.py ``setLogLevel``: each name (or legacy integer) maps to a Python
     level; TRACE is DEBUG on the Python side."""
@@ -102,12 +117,15 @@ def test_poptorch_core_hooks_are_refused_clearly():
     ``hasattr`` sees them missing. ``TestErrorType`` (poptorch.cpp) exists so modules that
     parametrize over it import."""
     core = poptorch.poptorch_core
-    with pytest.raises(poptorch.Error, match="poptorch_core._validateOptions belongs to "
-                                             "PopTorch's compiled core"):
+    with pytest.raises(
+        poptorch.Error, match="poptorch_core._validateOptions belongs to PopTorch's compiled core"
+    ):
         core._validateOptions({})
     assert not hasattr(core, "getTracedGraph")
-    assert [m.name for m in core.TestErrorType][-2:] == ["PoplarRecoverableFullReset",
-                                                         "PoplarLinkError"]
+    assert [m.name for m in core.TestErrorType][-2:] == [
+        "PoplarRecoverableFullReset",
+        "PoplarLinkError",
+    ]
 
 
 def test_import_poptorch_submodules_under_emulate():
@@ -133,6 +151,7 @@ def test_import_poptorch_submodules_under_emulate():
 
 # -- 5. the log lines PopTorch prints ------------------------------------------------------
 
+
 class _Add(nn.Module):
     def forward(self, x, y):
         return x + y
@@ -147,7 +166,7 @@ class _Weighted(nn.Module):
 
     def forward(self, x):
         out = x * self.w
-        return out, poptorch.identity_loss((out ** 2).sum(), reduction="none")
+        return out, poptorch.identity_loss((out**2).sum(), reduction="none")
 
 
 def test_graph_compilation_progress_at_compile(capfd):
@@ -168,12 +187,16 @@ def test_options_from_a_file_are_logged_at_compile(capfd, tmp_path):
     is logged at DEBUG as "poptorch.Options set NAME to value VALUE" (tests/options_test.py
     ``test_set_options_from_file``)."""
     conf = tmp_path / "opts.conf"
-    conf.write_text("deviceIterations(1)\nsetExecutionStrategy(poptorch.ShardedExecution())\n"
-                    "  replicationFactor(1)\nenableSyntheticData(True) # comment\n")
-    wanted = ["poptorch.Options set replication_factor to value 1",
-              "poptorch.Options set device_iterations to value 1",
-              "poptorch.Options set execution_mode to value 1",
-              "poptorch.Options set syntheticDataMode to value 2"]
+    conf.write_text(
+        "deviceIterations(1)\nsetExecutionStrategy(poptorch.ShardedExecution())\n"
+        "  replicationFactor(1)\nenableSyntheticData(True) # comment\n"
+    )
+    wanted = [
+        "poptorch.Options set replication_factor to value 1",
+        "poptorch.Options set device_iterations to value 1",
+        "poptorch.Options set execution_mode to value 1",
+        "poptorch.Options set syntheticDataMode to value 2",
+    ]
     opts = poptorch.Options()
     opts.loadFromFile(str(conf))
     poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
@@ -200,11 +223,13 @@ def test_backend_options_are_logged_as_popart_receives_them(capfd):
     opts._Popart.set("batchSerializationSettings.factor", 1)
     poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
     err = capfd.readouterr().err
-    for line in ("poptorch.Options set engineOptions[debug.allowOutOfMemory] to true",
-                 "poptorch.Options added FINAL to dotChecks",
-                 "poptorch.Options added ALL to dotChecks",
-                 "poptorch.Options set enableOutlining to value true",
-                 "poptorch.Options set batchSerializationSettings.factor to value 1"):
+    for line in (
+        "poptorch.Options set engineOptions[debug.allowOutOfMemory] to true",
+        "poptorch.Options added FINAL to dotChecks",
+        "poptorch.Options added ALL to dotChecks",
+        "poptorch.Options set enableOutlining to value true",
+        "poptorch.Options set batchSerializationSettings.factor to value 1",
+    ):
         assert line in err
     # the user set engineOptions without debug.retainDebugInformation: the compiler adds it
     assert "engineOptions[debug.retainDebugInformation] set to value false" in err
@@ -224,16 +249,19 @@ class _TwoStages(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("strategy, two_ipus, expected", [
-    ("pipelined", True, 1), ("pipelined", False, 0), ("sharded", True, 0)])
+@pytest.mark.parametrize(
+    "strategy, two_ipus, expected",
+    [("pipelined", True, 1), ("pipelined", False, 0), ("sharded", True, 0)],
+)
 def test_enable_pipelining_is_logged(capfd, strategy, two_ipus, expected):
     """popart_compiler/source/Compiler.cpp ``initSession``: PipelinedExecution sets
     enablePipelining when the model uses more than one IPU, ShardedExecution never; logged as
     "enablePipelining set to value N" (tests/pipelining_test.py, sharding_test.py)."""
     poptorch.setLogLevel("DEBUG")
     opts = poptorch.Options().deviceIterations(2)
-    opts.setExecutionStrategy(poptorch.PipelinedExecution() if strategy == "pipelined"
-                              else poptorch.ShardedExecution())
+    opts.setExecutionStrategy(
+        poptorch.PipelinedExecution() if strategy == "pipelined" else poptorch.ShardedExecution()
+    )
     model = _TwoStages() if two_ipus else nn.Linear(2, 2)
     poptorch.inferenceModel(model, opts)(torch.ones(4, 2))
     err = capfd.readouterr().err
@@ -245,6 +273,7 @@ def test_optimizer_warnings_go_through_poptorch_logger(capfd):
     """python/_optimizer_attributes.py ``_toPoptorchOptimizer`` (subclass warning) and
     ``OptimizerAttrTracker._check`` ("Ignoring unexpected optimizer attribute", WARNING; DEBUG
     after ``relaxOptimizerAttributesChecks``), both on ``poptorch.logger``."""
+
     class MySGD(torch.optim.SGD):
         pass
 
@@ -255,11 +284,15 @@ def test_optimizer_warnings_go_through_poptorch_logger(capfd):
     opt.extra = 1
     train.setOptimizer(opt)
     err = capfd.readouterr().err
-    assert "[poptorch::python] [warning] Optimizer `MySGD` subclassed from classes in " \
-           "poptorch.optim or torch.optim are unlikely to behave as intended. Poptorch does " \
-           "not run Python optimizer code directly" in err
-    assert "[poptorch::python] [warning] Ignoring unexpected optimizer attribute in SGD " \
-           "optimizer: ['extra']" in err
+    assert (
+        "[poptorch::python] [warning] Optimizer `MySGD` subclassed from classes in "
+        "poptorch.optim or torch.optim are unlikely to behave as intended. Poptorch does "
+        "not run Python optimizer code directly" in err
+    )
+    assert (
+        "[poptorch::python] [warning] Ignoring unexpected optimizer attribute in SGD "
+        "optimizer: ['extra']" in err
+    )
     relaxed = _Weighted()
     opt = torch.optim.SGD(relaxed.parameters(), lr=0.1)
     opts = poptorch.Options().relaxOptimizerAttributesChecks()
@@ -271,8 +304,10 @@ def test_optimizer_warnings_go_through_poptorch_logger(capfd):
     poptorch.setLogLevel("DEBUG")
     opt.other = 2
     train.setOptimizer(opt)
-    assert "[debug] Ignoring unexpected optimizer attribute in SGD optimizer: ['extra', 'other']" \
+    assert (
+        "[debug] Ignoring unexpected optimizer attribute in SGD optimizer: ['extra', 'other']"
         in capfd.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("optim", [poptorch.optim.SGD, torch.optim.SGD])
@@ -296,14 +331,14 @@ def test_optimizer_state_read_back_is_logged(capfd, optim):
     assert ("Using cached optimiser state dict" in capfd.readouterr().err) == ours
     train(torch.ones(3))
     train.detachFromDevice()
-    assert ("Writing optimiser state tensors from IPU to host." in capfd.readouterr().err) \
-        == ours
+    assert ("Writing optimiser state tensors from IPU to host." in capfd.readouterr().err) == ours
     state = optimizer.state_dict()
     assert ("Using cached optimiser state dict" in capfd.readouterr().err) == ours
     optimizer.load_state_dict(state)
     train.attachToDevice()
-    assert ("[info] Writing optimiser state tensors from host to IPU memory." in
-            capfd.readouterr().err) == ours
+    assert (
+        "[info] Writing optimiser state tensors from host to IPU memory." in capfd.readouterr().err
+    ) == ours
 
 
 def test_is_compiling_with_dispatcher_only_while_compiling():
@@ -334,7 +369,8 @@ def test_poptorch_reads_its_environment_when_the_program_imports_it(tmp_path):
     run with ``python -m ipuloop.emulate`` that sets it before ``import poptorch`` gets that
     level (PopTorch's tests/dataloader_test.py sets it so)."""
     script = tmp_path / "prog.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         os.environ["POPTORCH_LOG_LEVEL"] = "INFO"
         import logging, poptorch
@@ -342,15 +378,21 @@ def test_poptorch_reads_its_environment_when_the_program_imports_it(tmp_path):
         print(logging.getLevelName(poptorch.logger.level), poptorch.__name__,
               poptorch.data is poptorch.DataLoader.__module__ and False or
               poptorch.data.DataLoader is poptorch.DataLoader)
-    """))
-    r = subprocess.run([sys.executable, "-m", "ipuloop.emulate", str(script)],
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                       timeout=120)
+    """)
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "ipuloop.emulate", str(script)],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["INFO", "ipuloop.emulator", "True"]
 
 
 # -- 8. AsynchronousDataAccessor's worker process, Block details ----------------------------
+
 
 class _Pids(torch.utils.data.Dataset):
     """Each sample: the id of the process that read it."""
@@ -368,8 +410,9 @@ def test_accessor_reads_in_a_worker_process_whose_pid_is_logged(capfd):
     parent process: PID" and "... worker process: PID" (tests/dataloader_test.py finds the
     worker's PID there to Ctrl-C it)."""
     poptorch.setLogLevel("DEBUG")
-    loader = poptorch.DataLoader(poptorch.Options(), _Pids(), batch_size=2,
-                                 mode=poptorch.DataLoaderMode.Async)
+    loader = poptorch.DataLoader(
+        poptorch.Options(), _Pids(), batch_size=2, mode=poptorch.DataLoaderMode.Async
+    )
     worker = loader._accessor._worker
     assert worker.pid != os.getpid() and worker.isAlive()
     batches = list(loader)
@@ -393,9 +436,14 @@ def test_early_preload_fills_the_buffers_before_iterating():
     import time
 
     def loader(preload: bool):
-        return poptorch.DataLoader(poptorch.Options(), _Pids(), batch_size=1, num_workers=1,
-                                   mode=poptorch.DataLoaderMode.Async,
-                                   async_options={"early_preload": preload, "buffer_size": 5})
+        return poptorch.DataLoader(
+            poptorch.Options(),
+            _Pids(),
+            batch_size=1,
+            num_workers=1,
+            mode=poptorch.DataLoaderMode.Async,
+            async_options={"early_preload": preload, "buffer_size": 5},
+        )
 
     preload, no_preload = loader(True), loader(False)
     deadline = time.monotonic() + 60
@@ -414,6 +462,7 @@ def test_ctrl_c_in_the_accessor_prints_nothing():
     ``test_KeyboardInterrupt_in_async_data_accessor``: only [debug] and the program's lines)."""
     import re
     import signal
+
     code = textwrap.dedent("""
         import os, time
         os.environ["POPTORCH_LOG_LEVEL"] = "DEBUG"
@@ -430,9 +479,13 @@ def test_ctrl_c_in_the_accessor_prints_nothing():
         except KeyboardInterrupt:
             print("[control] interrupted", flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-u", "-c", code], env=dict(os.environ,
-                            PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", code],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, worker = [], None
     for line in proc.stdout:
         lines.append(line)
@@ -454,6 +507,7 @@ def test_broken_dataset_worker_prints_its_traceback(capfd):
     """python/_dataloader.py: a dataset that fails in the worker process prints its traceback
     there ("worker thread failed to start (Check above for details)"; tests/dataloader_test.py
     ``test_subprocess_broken_dataset`` looks for "AssertionError: Broken dataset")."""
+
     class Broken(torch.utils.data.Dataset):
         def __len__(self):
             return 4
@@ -488,14 +542,18 @@ def test_pickling_a_wrapped_model_with_block_functions():
     """tests/pipelining_test.py ``test_block_function_saving``: ``torch.save`` of an
     inferenceModel whose model has block functions; loaded, it runs as a new wrapper."""
     import io
+
     opts = poptorch.Options().deviceIterations(2)
     model = poptorch.inferenceModel(BlockFnModel(), opts)
     model(torch.ones(2, 2))
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
-    loaded = torch.load(buf, weights_only=False) if "weights_only" in \
-        torch.load.__code__.co_varnames else torch.load(buf)
+    loaded = (
+        torch.load(buf, weights_only=False)
+        if "weights_only" in torch.load.__code__.co_varnames
+        else torch.load(buf)
+    )
     assert torch.equal(loaded(torch.ones(2, 2)), torch.full((2, 2), 8.0))
 
 
@@ -508,6 +566,7 @@ def test_legacy_begin_block_on_a_function():
     with ``_user_id`` and ``_ipu_id`` that pickles (tests/pipelining_test.py
     ``test_begin_block_with_function``)."""
     import io
+
     block = poptorch.BeginBlock(model_fn, 1, 2)
     assert (block._user_id, block._ipu_id) == (1, 2)
     assert torch.equal(block(torch.ones(2)), torch.full((2,), 3.0))
@@ -545,8 +604,9 @@ def test_batch_sampler_without_length(mode):
     tests/dataloader_test.py ``test_custom_batch_sampler*``. Two batches per model call
     (deviceIterations(2)) are concatenated."""
     data = torch.utils.data.TensorDataset(torch.arange(10.0))
-    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(2), data,
-                                 batch_sampler=_GrowingBatches(10), mode=mode)
+    loader = poptorch.DataLoader(
+        poptorch.Options().deviceIterations(2), data, batch_sampler=_GrowingBatches(10), mode=mode
+    )
     got = [b[0].tolist() for b in loader]
     assert got == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]]
     loader.terminate()
@@ -562,8 +622,10 @@ def test_input_and_compile_warnings_in_poptorch_words(capfd):
     model(torch.tensor([0.0], requires_grad=True))
     model.compile(torch.tensor([0.0]))
     err = capfd.readouterr().err
-    assert "[warning] Input tensor has requires_grad=True set. This tensor will be detached " \
-           "because backward pass via inputs is not supported.\n" in err
+    assert (
+        "[warning] Input tensor has requires_grad=True set. This tensor will be detached "
+        "because backward pass via inputs is not supported.\n" in err
+    )
     assert "[warning] Call to compile() ignored: the executable is already compiled\n" in err
     model(torch.tensor([0.0], requires_grad=True))  # compiled: not said again
     poptorch.inferenceModel(nn.Linear(1, 1))(torch.tensor([0.0], requires_grad=True))

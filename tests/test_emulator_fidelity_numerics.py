@@ -4,6 +4,7 @@ stochastic rounding of float16 weight updates.
 Each test names the PopTorch 3.4 / PopART source whose behaviour it pins. Closed-form models:
 a float16 weight ``w`` with loss ``sum(w * c)``, whose gradient is ``c`` times the loss scale.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ import ipuloop.emulator as poptorch
 
 NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
+    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+)
 
 EDGE = 65504 * 0.125  # PopART's float16 bin edge at the default binEdgeLocation
 
@@ -30,8 +32,14 @@ class Dot(nn.Module):
         return poptorch.identity_loss((self.w * c).sum(), reduction="none")
 
 
-def _als_run(c: torch.Tensor, steps: int, loss_scaling: float, opts=None, lr: float = 0.0,
-             optimizer=poptorch.optim.SGD):
+def _als_run(
+    c: torch.Tensor,
+    steps: int,
+    loss_scaling: float,
+    opts=None,
+    lr: float = 0.0,
+    optimizer=poptorch.optim.SGD,
+):
     """Train Dot(len(c)).half() with automatic loss scaling: the final loss scale of each
     step (anchored as PopART names it) and the update factor after the run."""
     model = Dot(c.shape[-1]).half()
@@ -49,6 +57,7 @@ def _als_run(c: torch.Tensor, steps: int, loss_scaling: float, opts=None, lr: fl
 
 
 # -- 6. automatic loss scaling ---------------------------------------------------------------
+
 
 @NEEDS_CPU_HALF_BACKWARD
 def test_loss_scale_doubles_below_the_bin_edge_and_halves_above():
@@ -96,14 +105,13 @@ def test_final_loss_scale_is_clipped_at_2_pow_15():
     edge.)"""
     opts = poptorch.Options()
     opts._Popart.set("automaticLossScalingSettings.binEdgeLocation", 1.0)
-    finals, factor, _, _ = _als_run(torch.full((2,), 1e-3), 4, 2.0 ** 13, opts)
-    assert finals == [2.0 ** 13, 2.0 ** 14, 2.0 ** 15, 2.0 ** 15]
+    finals, factor, _, _ = _als_run(torch.full((2,), 1e-3), 4, 2.0**13, opts)
+    assert finals == [2.0**13, 2.0**14, 2.0**15, 2.0**15]
     assert factor == 4.0
 
 
 @NEEDS_CPU_HALF_BACKWARD
-@pytest.mark.parametrize("optimizer", [poptorch.optim.SGD, poptorch.optim.Adam,
-                                       torch.optim.SGD])
+@pytest.mark.parametrize("optimizer", [poptorch.optim.SGD, poptorch.optim.Adam, torch.optim.SGD])
 def test_update_factor_in_ipu_state_and_the_update_unscaled(optimizer):
     """tests/options_test.py ``test_automatic_loss_scaling``: finalLossScale = loss_scaling *
     the ``ipu_state["lossScaleUpdateFactor"]`` read before the call (poptorch.optim); the
@@ -114,7 +122,7 @@ def test_update_factor_in_ipu_state_and_the_update_unscaled(optimizer):
     opts.Training.setAutomaticLossScaling(True)
     opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
     ours = optimizer is not torch.optim.SGD
-    opt = optimizer(model.parameters(), lr=2.0 ** -4, **({"loss_scaling": 2.0} if ours else {}))
+    opt = optimizer(model.parameters(), lr=2.0**-4, **({"loss_scaling": 2.0} if ours else {}))
     train = poptorch.trainingModel(model, opts, opt)
     c = torch.full((4,), 0.5).half()
     train.compile(c)
@@ -122,13 +130,13 @@ def test_update_factor_in_ipu_state_and_the_update_unscaled(optimizer):
     for step in range(4):
         if ours:
             factor = float(opt.state_dict()["ipu_state"]["lossScaleUpdateFactor"])
-            assert factor == 2.0 ** step
+            assert factor == 2.0**step
         before = model.w.detach().clone()
         train(c)
         base = 2.0 if ours else 1.0
-        assert float(train.getAnchoredTensor("final")) == base * 2.0 ** step
+        assert float(train.getAnchoredTensor("final")) == base * 2.0**step
         if optimizer is not poptorch.optim.Adam:
-            assert torch.equal(model.w.detach(), before - 2.0 ** -5)
+            assert torch.equal(model.w.detach(), before - 2.0**-5)
 
 
 @NEEDS_CPU_HALF_BACKWARD
@@ -169,8 +177,9 @@ def test_float32_weights_computing_in_float16_scale_from_the_float16_cast_gradie
     opts = poptorch.Options()
     opts.Training.setAutomaticLossScaling(True)
     opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
-    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0,
-                                                                   loss_scaling=64.0))
+    train = poptorch.trainingModel(
+        model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=64.0)
+    )
     finals = []
     for _ in range(4):
         train(torch.full((1, 4), 100.0).half())
@@ -198,8 +207,9 @@ def test_float16_weights_computing_in_float32_scale_from_their_gradients():
     opts = poptorch.Options()
     opts.Training.setAutomaticLossScaling(True)
     opts.anchorTensor("final", "finalLossScale", poptorch.OutputMode.Final)
-    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0,
-                                                                   loss_scaling=64.0))
+    train = poptorch.trainingModel(
+        model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=64.0)
+    )
     finals = []
     for _ in range(3):
         out = train(torch.full((1, 4), 100.0))
@@ -223,12 +233,16 @@ def test_automatic_loss_scaling_needs_float16_gradients():
     opts._Popart.set("automaticLossScalingSettings.binEdgeLocation", 1.5)
     model = Dot(2).half()
     train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(poptorch.Error, match=r"Out of range value for 'binEdgeLocation'. The "
-                                             r"current value is 1.5"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"Out of range value for 'binEdgeLocation'. The "
+        r"current value is 1.5",
+    ):
         train.compile(torch.ones(2).half())
 
 
 # -- 7. stochastic rounding --------------------------------------------------------------------
+
 
 def test_stochastic_rounding_is_unbiased():
     """The IPU's stochastic rounding (PopTorch options.py ``enableStochasticRounding``: "rounds
@@ -236,16 +250,17 @@ def test_stochastic_rounding_is_unbiased():
     the unrounded value"): to a float16 neighbour, each with the probability that makes the
     mean exact; float16 values are kept; normal and subnormal ranges alike."""
     from ipuloop.emulator.precision import stochastic_round_to_half
+
     g = torch.Generator().manual_seed(0)
     n = 200_000
-    for x in (1 - 2.0 ** -14, -3.14159, 1e-6, -2.5e-7, 0.1):
+    for x in (1 - 2.0**-14, -3.14159, 1e-6, -2.5e-7, 0.1):
         r = stochastic_round_to_half(torch.full((n,), x), g).float()
         neighbours = torch.unique(r)
         assert len(neighbours) == 2  # only the two float16 values around x
         spread = float(neighbours[1] - neighbours[0])
         # the mean of n Bernoulli choices: within 5 standard deviations of x
-        assert abs(float(r.mean()) - x) < 5 * spread * 0.5 / n ** 0.5
-    exact = torch.tensor([1.0, -0.5, 0.0, 65504.0, 2.0 ** -24])
+        assert abs(float(r.mean()) - x) < 5 * spread * 0.5 / n**0.5
+    exact = torch.tensor([1.0, -0.5, 0.0, 65504.0, 2.0**-24])
     assert torch.equal(stochastic_round_to_half(exact, g).float(), exact)
 
 
@@ -257,8 +272,7 @@ def _tiny_updates(steps: int, seed: int | None, stochastic: bool) -> torch.Tenso
     if seed is not None:
         opts.randomSeed(seed)
     opts.Precision.enableStochasticRounding(stochastic)
-    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(),
-                                                                   lr=2.0 ** -14))
+    train = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=2.0**-14))
     for _ in range(steps):
         train(torch.ones(4096).half())
     return model.w.detach().float()
@@ -273,16 +287,17 @@ def test_stochastic_rounding_keeps_tiny_float16_updates():
     nearest = _tiny_updates(steps, 0, stochastic=False)
     assert torch.equal(nearest, torch.ones(4096))
     w = _tiny_updates(steps, 0, stochastic=True)
-    expected = 1 - steps * 2.0 ** -14
+    expected = 1 - steps * 2.0**-14
     # each weight moves by whole float16 steps of 2**-11 (below 1): its sd over 32 steps of
     # probability 1/8 is 2**-11 * sqrt(32 * 1/8 * 7/8); the mean of 4096 within 5 sds
-    sd = 2.0 ** -11 * (steps * 7 / 64) ** 0.5 / 64
+    sd = 2.0**-11 * (steps * 7 / 64) ** 0.5 / 64
     assert abs(float(w.mean()) - expected) < 5 * sd
     assert torch.equal(w, _tiny_updates(steps, 0, stochastic=True))  # the seed fixes it
     assert not torch.equal(w, _tiny_updates(steps, 1, stochastic=True))
 
 
 # -- PopART options that change an op's math -----------------------------------------------------
+
 
 def test_strided_channel_grouping_of_group_norms():
     """PopLibs popnn/GroupNorm.hpp (``groupNormStridedChannelGrouping``, which PopART passes on
@@ -313,8 +328,9 @@ def test_strided_channel_grouping_of_group_norms():
             self.norm = nn.GroupNorm(2, 4)
 
         def forward(self, x):
-            return poptorch.identity_loss((self.norm(x) * torch.arange(4.0)[:, None]).sum(),
-                                          reduction="none")
+            return poptorch.identity_loss(
+                (self.norm(x) * torch.arange(4.0)[:, None]).sum(), reduction="none"
+            )
 
     model = Trained()
     train = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=1.0))

@@ -5,6 +5,7 @@ compiler's size checks), ``cond`` (on-device if/else: both branches in the graph
 only) and ``ipu_print_tensor``'s formatting arguments. Each test cites the PopTorch 3.4 source
 that defines the behaviour; expected values are plain torch doing the same math.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,6 +30,7 @@ class Fn(nn.Module):
 
 
 # -- dynamic_slice / dynamic_update ------------------------------------------------------------
+
 
 def test_dynamic_slice_reads_its_start_when_the_device_runs_and_keeps_every_step_th():
     """python/ops.py ``dynamic_slice`` lowers to a PopART DynamicSlice of ``size`` elements
@@ -57,11 +59,14 @@ def test_dynamic_slice_start_out_of_range_reads_from_zero_and_wraps():
     assert model(t, torch.tensor([6])).tolist() == t[[6, 7, 0, 1]].tolist()
 
 
-@pytest.mark.parametrize("size,message", [
-    (0, r"^The start and end of a slice must be different\.$"),
-    (-2, r"^Taking a slice of a tensor with the end less than the start is not supported\.$"),
-    (3, r"^The size of the slice \(3\) must be a factor of the slicing dimension \(8\)\.$"),
-])
+@pytest.mark.parametrize(
+    "size,message",
+    [
+        (0, r"^The start and end of a slice must be different\.$"),
+        (-2, r"^Taking a slice of a tensor with the end less than the start is not supported\.$"),
+        (3, r"^The size of the slice \(3\) must be a factor of the slicing dimension \(8\)\.$"),
+    ],
+)
 def test_dynamic_slice_size_checks_when_compiled(size, message):
     """SliceOps.cpp ``ptDynamicSliceHandler`` / ``dynamicSliceHandler``: the size must be
     positive and divide the sliced dimension, checked when the model is compiled."""
@@ -83,8 +88,10 @@ def test_dynamic_slice_on_the_host_is_torch_slicing_from_an_integer_start():
     start tensor's first element, which must be an integer tensor; no factor check."""
     t = torch.arange(8.0)
     assert poptorch.dynamic_slice(t, 0, torch.tensor([5]), 3, 1).tolist() == [5.0, 6.0, 7.0]
-    assert poptorch.dynamic_slice(t, 0, torch.tensor([1], dtype=torch.int32), 6, 2).tolist() \
+    assert (
+        poptorch.dynamic_slice(t, 0, torch.tensor([1], dtype=torch.int32), 6, 2).tolist()
         == t[1:7:2].tolist()
+    )
     with pytest.raises(poptorch.Error, match="^Expected integer typed start tensor$"):
         poptorch.dynamic_slice(t, 0, torch.tensor([1.0]), 2, 1)
 
@@ -93,8 +100,7 @@ def test_dynamic_update_writes_src_at_the_start_read_when_the_device_runs():
     """python/ops.py ``dynamic_update``: a copy of ``input`` with ``src`` at ``start`` along
     ``dim`` (SliceOps.cpp ``dynamicUpdateHandler``); the input is not written in place."""
     t, src = torch.ones(3, 4, 5), -torch.ones(3, 2, 5)
-    model = poptorch.inferenceModel(
-        Fn(lambda x, s, i: poptorch.dynamic_update(x, s, 1, i, 2)))
+    model = poptorch.inferenceModel(Fn(lambda x, s, i: poptorch.dynamic_update(x, s, 1, i, 2)))
     model.compile(torch.randn(3, 4, 5), torch.randn(3, 2, 5), torch.tensor([21]))
     expected = t.clone()
     expected[:, 1:3] = -1
@@ -110,11 +116,17 @@ def test_dynamic_update_checks_dtype_as_the_device_holds_it_and_the_size():
     ``ptDynamicUpdateHandler`` refuses a zero size."""
     idx = torch.tensor([1])
     model = poptorch.inferenceModel(Fn(lambda x, s: poptorch.dynamic_update(x, s, 0, idx, 1)))
-    with pytest.raises(poptorch.Error, match=r"^input and src tensor must have same dtype\. "
-                                             r"\(torch\.float32 vs torch\.int32\)$"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"^input and src tensor must have same dtype\. "
+        r"\(torch\.float32 vs torch\.int32\)$",
+    ):
         model.compile(torch.zeros(4), torch.tensor([-1]))
-    with pytest.raises(poptorch.Error, match=r"^input and src tensors must have same "
-                                             r"dimensionality\. \(2\) vs \(1\)$"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"^input and src tensors must have same "
+        r"dimensionality\. \(2\) vs \(1\)$",
+    ):
         poptorch.dynamic_update(torch.zeros(2, 4), torch.zeros(4), 0, idx, 1)
     empty = poptorch.inferenceModel(Fn(lambda x, s: poptorch.dynamic_update(x, s, 0, idx, 0)))
     with pytest.raises(poptorch.Error, match=r"^The start and end of a slice must be different"):
@@ -126,12 +138,12 @@ def test_dynamic_update_checks_dtype_as_the_device_holds_it_and_the_size():
 
 # -- cond --------------------------------------------------------------------------------------
 
+
 class Branchy(nn.Module):
     """then: x + y and x * y from the outer graph; else: its input minus y."""
 
     def forward(self, condition, x, y):
-        return poptorch.cond(condition, lambda: (x + y, x * y), [],
-                             lambda a: (a - y, a), [x])
+        return poptorch.cond(condition, lambda: (x + y, x * y), [], lambda a: (a - y, a), [x])
 
 
 def test_cond_takes_the_branch_its_condition_tensor_selects_at_each_run():
@@ -144,8 +156,10 @@ def test_cond_takes_the_branch_its_condition_tensor_selects_at_each_run():
     out = model(torch.tensor([False]), x, y)
     assert [o.tolist() for o in out] == [[-2.0, -3.0], [1.0, 2.0]]
     # outside a wrapped model it is Python's if
-    assert [o.tolist() for o in Branchy()(torch.tensor([False]), x, y)] == \
-        [[-2.0, -3.0], [1.0, 2.0]]
+    assert [o.tolist() for o in Branchy()(torch.tensor([False]), x, y)] == [
+        [-2.0, -3.0],
+        [1.0, 2.0],
+    ]
 
 
 def test_cond_nested_and_with_inputs_passed_by_value():
@@ -182,8 +196,11 @@ def test_cond_and_for_loop_in_a_training_model_are_refused_when_compiled():
             return out, poptorch.identity_loss(out, reduction="sum")
 
     model = poptorch.trainingModel(Model())
-    with pytest.raises(poptorch.Error, match=r"^poptorch\.cond\(\) is only supported in "
-                                             r"inference\."):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"^poptorch\.cond\(\) is only supported in "
+        r"inference\.",
+    ):
         model(torch.tensor([True]), torch.ones(1, 4))
 
     class Looping(nn.Module):
@@ -203,11 +220,13 @@ def test_cond_then_output_takes_the_else_shape_and_a_scalar_else_output_is_refus
     """poptorch/source/AddSubgraphConnectionNodes.cpp ``markCondOutputs``: a then output of
     another shape is reshaped to the else output's shape; an else output with an empty shape
     (0-dimensional) is an error."""
-    reshaped = poptorch.inferenceModel(Fn(
-        lambda c, x: poptorch.cond(c, lambda: x.reshape(2, 2), [], lambda: x + 1, [])[0]))
+    reshaped = poptorch.inferenceModel(
+        Fn(lambda c, x: poptorch.cond(c, lambda: x.reshape(2, 2), [], lambda: x + 1, [])[0])
+    )
     assert reshaped(torch.tensor([True]), torch.arange(4.0)).tolist() == [0.0, 1.0, 2.0, 3.0]
-    scalar = poptorch.inferenceModel(Fn(
-        lambda c, x: poptorch.cond(c, lambda: x.sum(), [], lambda: x.mean(), [])[0]))
+    scalar = poptorch.inferenceModel(
+        Fn(lambda c, x: poptorch.cond(c, lambda: x.sum(), [], lambda: x.mean(), [])[0])
+    )
     with pytest.raises(poptorch.Error, match="^`else` branch output has an empty shape"):
         scalar(torch.tensor([True]), torch.arange(4.0))
 
@@ -215,12 +234,14 @@ def test_cond_then_output_takes_the_else_shape_and_a_scalar_else_output_is_refus
 def test_cond_branches_must_return_as_many_tensors_of_the_same_dtypes():
     """python/ops.py ``cond``: "then_body and else_body have to return the same number of
     corresponding outputs" (an ONNX If's outputs have one type per position)."""
-    count = poptorch.inferenceModel(Fn(
-        lambda c, x: poptorch.cond(c, lambda: (x, x), [], lambda: x, [])))
+    count = poptorch.inferenceModel(
+        Fn(lambda c, x: poptorch.cond(c, lambda: (x, x), [], lambda: x, []))
+    )
     with pytest.raises(poptorch.Error, match="then_body returns 2 output.* else_body 1"):
         count(torch.tensor([True]), torch.ones(2))
-    dtype = poptorch.inferenceModel(Fn(
-        lambda c, x: poptorch.cond(c, lambda: x, [], lambda: x.int(), [])))
+    dtype = poptorch.inferenceModel(
+        Fn(lambda c, x: poptorch.cond(c, lambda: x, [], lambda: x.int(), []))
+    )
     with pytest.raises(poptorch.Error, match="torch.float32 in then_body and torch.int32"):
         dtype(torch.tensor([True]), torch.ones(2))
     with pytest.raises(ValueError, match="to be a list of tensors"):
@@ -232,8 +253,9 @@ def test_cond_random_draws_are_the_taken_branchs():
     cond are those after the taken branch's, as if the other branch did not exist."""
 
     def with_cond(c, x):
-        out = poptorch.cond(c, lambda: x + torch.rand(3), [],
-                            lambda: x - torch.rand(5).narrow(0, 0, 3), [])
+        out = poptorch.cond(
+            c, lambda: x + torch.rand(3), [], lambda: x - torch.rand(5).narrow(0, 0, 3), []
+        )
         return out[0], torch.rand(2)
 
     def only_then(c, x):
@@ -247,31 +269,64 @@ def test_cond_random_draws_are_the_taken_branchs():
 
 # -- ipu_print_tensor --------------------------------------------------------------------------
 
+
 def _printed(capfd, model, *args) -> str:
     capfd.readouterr()
     model(*args)
     return capfd.readouterr().err
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    (dict(summarise_threshold=1000, edge_items=3, max_line_width=75, digits=8,
-          float_format="auto", separator=" ", open_bracket="{", close_bracket="}"),
-     "t: {\n {1.4962566 1.7682219}\n {1.0884774 1.1320305}\n}"),
-    (dict(summarise_threshold=500, edge_items=2, max_line_width=15, digits=8,
-          float_format="scientific", separator=",", open_bracket="[", close_bracket="]"),
-     "t: [\n [1.4962566e+00,\n   1.7682219e+00]\n [1.0884774e+00,\n   1.1320305e+00]\n]"),
-    (dict(summarise_threshold=1500, edge_items=1, max_line_width=125, digits=8,
-          float_format="fixed", separator=";", open_bracket="(", close_bracket=")"),
-     "t: (\n (1.4962566;1.7682219)\n (1.0884774;1.1320305)\n)"),
-])
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (
+            dict(
+                summarise_threshold=1000,
+                edge_items=3,
+                max_line_width=75,
+                digits=8,
+                float_format="auto",
+                separator=" ",
+                open_bracket="{",
+                close_bracket="}",
+            ),
+            "t: {\n {1.4962566 1.7682219}\n {1.0884774 1.1320305}\n}",
+        ),
+        (
+            dict(
+                summarise_threshold=500,
+                edge_items=2,
+                max_line_width=15,
+                digits=8,
+                float_format="scientific",
+                separator=",",
+                open_bracket="[",
+                close_bracket="]",
+            ),
+            "t: [\n [1.4962566e+00,\n   1.7682219e+00]\n [1.0884774e+00,\n   1.1320305e+00]\n]",
+        ),
+        (
+            dict(
+                summarise_threshold=1500,
+                edge_items=1,
+                max_line_width=125,
+                digits=8,
+                float_format="fixed",
+                separator=";",
+                open_bracket="(",
+                close_bracket=")",
+            ),
+            "t: (\n (1.4962566;1.7682219)\n (1.0884774;1.1320305)\n)",
+        ),
+    ],
+)
 def test_ipu_print_tensor_formats_as_poplar_prints(capfd, kwargs, expected):
     """python/ops.py ``ipu_print_tensor``: the formatting arguments of Poplar's
     ``PrintTensorFmt`` (digits, float format, separator, brackets, line width), printed on
     stderr; the strings are the ones PopTorch's tests/ipu_print_tensor_test.py expects."""
     torch.manual_seed(0)
     x = torch.rand(2, 2)
-    model = poptorch.inferenceModel(Fn(lambda a: poptorch.ipu_print_tensor(a + 1, "t",
-                                                                           **kwargs)))
+    model = poptorch.inferenceModel(Fn(lambda a: poptorch.ipu_print_tensor(a + 1, "t", **kwargs)))
     assert expected in _printed(capfd, model, x)
 
 
@@ -286,8 +341,15 @@ def test_ipu_print_tensor_summarises_large_tensors_and_can_skip_the_gradient(cap
             self.w = nn.Parameter(torch.ones(()))
 
         def forward(self, x):
-            y = poptorch.ipu_print_tensor(x * self.w, "big", False, summarise_threshold=10,
-                                          edge_items=1, digits=0, separator=" ")
+            y = poptorch.ipu_print_tensor(
+                x * self.w,
+                "big",
+                False,
+                summarise_threshold=10,
+                edge_items=1,
+                digits=0,
+                separator=" ",
+            )
             return y, poptorch.identity_loss(y, reduction="sum")
 
     err = _printed(capfd, poptorch.trainingModel(Model()), torch.arange(16.0).reshape(4, 4))
@@ -296,6 +358,7 @@ def test_ipu_print_tensor_summarises_large_tensors_and_can_skip_the_gradient(cap
 
 
 # -- ctc_beam_search_decoder -------------------------------------------------------------------
+
 
 def _labelling_log_probs(log_probs: torch.Tensor, blank: int) -> dict:
     """Brute force: the log probability of each labelling, summed over every alignment (a
@@ -321,17 +384,22 @@ def test_ctc_beam_search_decoder_finds_the_most_likely_labellings():
     torch.manual_seed(0)
     log_probs = torch.randn(4, 2, 3).log_softmax(-1)
     lengths = torch.tensor([4, 3], dtype=torch.int32)
-    model = poptorch.inferenceModel(Fn(lambda p, n: poptorch.ctc_beam_search_decoder(
-        p, n, blank=0, beam_width=100, top_paths=2)))
+    model = poptorch.inferenceModel(
+        Fn(
+            lambda p, n: poptorch.ctc_beam_search_decoder(
+                p, n, blank=0, beam_width=100, top_paths=2
+            )
+        )
+    )
     probs, lens, paths = model(log_probs, lengths)
     assert probs.shape == (2, 2) and lens.shape == (2, 2) and paths.shape == (2, 2, 4)
     for b in range(2):
-        exact = _labelling_log_probs(log_probs[:int(lengths[b]), b], blank=0)
+        exact = _labelling_log_probs(log_probs[: int(lengths[b]), b], blank=0)
         best = sorted(exact.items(), key=lambda kv: -kv[1])[:2]
         for k, (labels, score) in enumerate(best):
             assert int(lens[b, k]) == len(labels)
-            assert tuple(paths[b, k, :len(labels)].tolist()) == labels
-            assert not paths[b, k, len(labels):].any()
+            assert tuple(paths[b, k, : len(labels)].tolist()) == labels
+            assert not paths[b, k, len(labels) :].any()
             assert float(probs[b, k]) == pytest.approx(score, abs=1e-5)
     host = poptorch.ctc_beam_search_decoder(log_probs, lengths, top_paths=2)
     assert [t.shape for t in host] == [(2, 2), (2, 2), (2, 2, 4)]

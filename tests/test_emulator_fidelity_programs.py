@@ -4,6 +4,7 @@ Plain attributes frozen when the graph is traced, phased execution, replica-grou
 offline IPU targets. Each test follows PopTorch 3.4's documented behaviour (the source is cited
 in its docstring); expected values come from plain torch doing the same math.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,15 @@ import torch
 from torch import nn
 
 import ipuloop.emulator as poptorch
-from ipuloop.emulator import (CommGroupType, Liveness, ParallelPhasedExecution, Phase,
-                              SerialPhasedExecution, Stage, VariableRetrievalMode)
+from ipuloop.emulator import (
+    CommGroupType,
+    Liveness,
+    ParallelPhasedExecution,
+    Phase,
+    SerialPhasedExecution,
+    Stage,
+    VariableRetrievalMode,
+)
 
 
 # -- plain tensor attributes: constants of the traced graph ----------------------------------
@@ -22,9 +30,9 @@ class Counter(nn.Module):
     def __init__(self, buffer: bool) -> None:
         super().__init__()
         if buffer:
-            self.register_buffer("i", torch.tensor([0.]))
+            self.register_buffer("i", torch.tensor([0.0]))
         else:
-            self.i = torch.tensor([0.])
+            self.i = torch.tensor([0.0])
 
     def forward(self):
         self.i += 1
@@ -39,14 +47,14 @@ def test_plain_tensor_attribute_is_a_constant_frozen_at_trace():
     only parameters and buffers to the IPU)."""
     plain = Counter(buffer=False)
     model = poptorch.inferenceModel(plain)
-    assert [model().tolist() for _ in range(3)] == [[1.], [1.], [1.]]
-    assert plain.i.tolist() == [1.]
+    assert [model().tolist() for _ in range(3)] == [[1.0], [1.0], [1.0]]
+    assert plain.i.tolist() == [1.0]
 
     counted = Counter(buffer=True)
     model = poptorch.inferenceModel(counted)
-    assert [model().tolist() for _ in range(3)] == [[1.], [2.], [3.]]
+    assert [model().tolist() for _ in range(3)] == [[1.0], [2.0], [3.0]]
     model.copyWeightsToHost()
-    assert counted.i.tolist() == [3.]
+    assert counted.i.tolist() == [3.0]
 
 
 class Stateful(nn.Module):
@@ -99,24 +107,24 @@ def test_state_forward_changes_is_changed_once_and_every_micro_batch_sees_the_tr
         for d in range(2):
             for a in range(2):
                 i = d * 2 + a
-                last = ref(x[i:i + 1]) + 6
-                (nn.functional.mse_loss(last, y[i:i + 1]) / 2).backward()
+                last = ref(x[i : i + 1]) + 6
+                (nn.functional.mse_loss(last, y[i : i + 1]) / 2).backward()
             opt.step()
             opt.zero_grad()
     torch.testing.assert_close(net.fc.weight, ref.weight)
     torch.testing.assert_close(net.fc.bias, ref.bias)
     torch.testing.assert_close(out, last.detach())  # Final: the call's last micro-batch
     # the host's state as the trace left it, once
-    assert net.t.tolist() == [1.] and net.calls == 1 and net.history[0].tolist() == [1.]
-    assert len(net.history) == 2 and net.table["scale"].tolist() == [3.]
-    assert net.inner.count.tolist() == [1.] and net.last_input.shape == (1, 2)
+    assert net.t.tolist() == [1.0] and net.calls == 1 and net.history[0].tolist() == [1.0]
+    assert len(net.history) == 2 and net.table["scale"].tolist() == [3.0]
+    assert net.inner.count.tolist() == [1.0] and net.last_input.shape == (1, 2)
 
 
 class Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(2, 1)
-        self.scale = torch.tensor([2.])
+        self.scale = torch.tensor([2.0])
 
     def forward(self, x):
         return self.fc(x) * self.scale.to(x.device)
@@ -130,10 +138,10 @@ def test_host_changes_to_a_tensor_constant_after_compile_do_not_reach_the_graph(
     model = poptorch.inferenceModel(net)
     x = torch.ones(3, 2)
     before = model(x)
-    net.scale = torch.tensor([100.])
+    net.scale = torch.tensor([100.0])
     torch.testing.assert_close(model(x), before)
     torch.testing.assert_close(before, net.fc(x).detach() * 2)
-    assert net.scale.tolist() == [100.]  # the host keeps its own value
+    assert net.scale.tolist() == [100.0]  # the host keeps its own value
 
 
 # -- phased execution: a memory and scheduling plan, the unsplit model's arithmetic -----------
@@ -166,9 +174,15 @@ def _serial(liveness: Liveness) -> SerialPhasedExecution:
     return strategy.setTensorsLiveness(liveness).useSeparateBackwardPhase()
 
 
-@pytest.mark.parametrize("strategy", [_parallel, lambda: _serial(Liveness.OffChipAfterEachPhase),
-                                      lambda: _serial(Liveness.AlwaysLive)],
-                         ids=["parallel", "serial-offchip-each-phase", "serial-always-live"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        _parallel,
+        lambda: _serial(Liveness.OffChipAfterEachPhase),
+        lambda: _serial(Liveness.AlwaysLive),
+    ],
+    ids=["parallel", "serial-offchip-each-phase", "serial-always-live"],
+)
 def test_phased_execution_trains_as_the_unsplit_model(strategy):
     """SerialPhasedExecution and ParallelPhasedExecution (Phase, Stage, Liveness,
     useSeparateBackwardPhase) decide where weights and activations live between phases; the
@@ -191,8 +205,9 @@ def test_phased_execution_trains_as_the_unsplit_model(strategy):
         opt.zero_grad()
     for p, q in zip(net.parameters(), start.parameters()):
         torch.testing.assert_close(p, q)
-    assert model.num_ipus == (4 if isinstance(opts._execution_strategy,
-                                              ParallelPhasedExecution) else 2)
+    assert model.num_ipus == (
+        4 if isinstance(opts._execution_strategy, ParallelPhasedExecution) else 2
+    )
 
 
 def test_phased_execution_checks_phases_against_ipus():
@@ -209,9 +224,12 @@ def test_phased_execution_checks_phases_against_ipus():
     wrong = ParallelPhasedExecution(Phase(Stage("0"), Stage("1")), Phase(Stage("2"), Stage("3")))
     wrong.phase(0).ipus(0, 2)
     wrong.phase(1).ipus(2, 3)  # phase 1 on IPU 2
-    with pytest.raises(poptorch.Error, match=r"When phases are executed in parallel: even phases "
-                       r"must run on even IPUs and odd phases on odd IPUs\. Received: block '2' "
-                       r"in phase 1 on IPU 2"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"When phases are executed in parallel: even phases "
+        r"must run on even IPUs and odd phases on odd IPUs\. Received: block '2' "
+        r"in phase 1 on IPU 2",
+    ):
         compile_with(wrong)
     missing = SerialPhasedExecution(["0", "1"], ["2"])  # no phase has block "3"
     for block in "012":
@@ -232,13 +250,17 @@ class MatMulLoss(nn.Module):
 
     def forward(self, x):
         z = x @ self.W
-        return z, poptorch.identity_loss(z ** 2, reduction="mean")
+        return z, poptorch.identity_loss(z**2, reduction="mean")
 
 
-@pytest.mark.parametrize("input_type,weight_type", [
-    (CommGroupType.Consecutive, CommGroupType.Orthogonal),
-    (CommGroupType.Orthogonal, CommGroupType.Consecutive)],
-    ids=["consecutive-input", "orthogonal-input"])
+@pytest.mark.parametrize(
+    "input_type,weight_type",
+    [
+        (CommGroupType.Consecutive, CommGroupType.Orthogonal),
+        (CommGroupType.Orthogonal, CommGroupType.Consecutive),
+    ],
+    ids=["consecutive-input", "orthogonal-input"],
+)
 def test_replica_grouped_weights_train_each_group_on_its_own_slice(input_type, weight_type):
     """PopTorch's per-replica variables: ``W`` of shape [groups, 40, 14] split 4 ways across 8
     replicas in groups of 2, the input split 2 ways (inputReplicaGrouping); each group's
@@ -268,8 +290,9 @@ def test_replica_grouped_weights_train_each_group_on_its_own_slice(input_type, w
     model.W.replicaGrouping(weight_type, data_shards, VariableRetrievalMode.OnePerGroup)
     got = [model(x.reshape(data_shards, 12, 40))[1].sum().item() / 8 for _ in range(4)]
     assert got == pytest.approx(losses, abs=1e-6)
-    torch.testing.assert_close(net.W.detach().transpose(0, 1).reshape(40, 56), full.detach(),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        net.W.detach().transpose(0, 1).reshape(40, 56), full.detach(), atol=1e-6, rtol=0
+    )
     assert net.W.shape == (shards, 40, 14)
 
 
@@ -300,8 +323,10 @@ def test_replica_grouped_weights_match_a_per_group_reference_with_adam_and_accum
     rf, ga = 4, 2
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2, 3, 2, generator=g)  # Consecutive groups of 2: {0, 1}, {2, 3}
-    calls = [(torch.randn(ga * rf * 2, 3, generator=g), torch.randn(ga * rf * 2, 2, generator=g))
-             for _ in range(3)]
+    calls = [
+        (torch.randn(ga * rf * 2, 3, generator=g), torch.randn(ga * rf * 2, 2, generator=g))
+        for _ in range(3)
+    ]
     net = Regress(w.clone())
     opts = poptorch.Options().replicationFactor(rf)
     opts.Training.gradientAccumulation(ga)
@@ -315,8 +340,11 @@ def test_replica_grouped_weights_match_a_per_group_reference_with_adam_and_accum
     ref_opt = torch.optim.Adam([full], lr=0.1)
     for x, y in calls:
         xs, ys = x.split(2), y.split(2)  # micro-batches in [GA, RF] order
-        total = sum(nn.functional.mse_loss(xs[a * rf + r] @ full[r // 2], ys[a * rf + r])
-                    for a in range(ga) for r in range(rf))
+        total = sum(
+            nn.functional.mse_loss(xs[a * rf + r] @ full[r // 2], ys[a * rf + r])
+            for a in range(ga)
+            for r in range(rf)
+        )
         (total / (ga * rf)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -334,13 +362,12 @@ def test_replica_grouped_weights_in_inference_and_the_weight_copies():
     g = torch.Generator().manual_seed(4)
     w = torch.randn(4, 3, 2, generator=g)
     net = Product(w.clone())
-    opts = poptorch.Options().replicationFactor(4).inputReplicaGrouping(
-        3, CommGroupType.NoGrouping)
+    opts = poptorch.Options().replicationFactor(4).inputReplicaGrouping(3, CommGroupType.NoGrouping)
     model = poptorch.inferenceModel(net, opts)
     model.W.replicaGrouping(CommGroupType.NoGrouping, 0, VariableRetrievalMode.AllReplicas)
     assert model.W.shape == (4, 3, 2)
     x = torch.randn(8, 3, generator=g)
-    expected = torch.cat([x[2 * r:2 * r + 2] @ w[r] for r in range(4)])
+    expected = torch.cat([x[2 * r : 2 * r + 2] @ w[r] for r in range(4)])
     torch.testing.assert_close(model(x), expected)
     with torch.no_grad():
         net.W[2] += 1  # host edit: reaches the device on copyWeightsToDevice
@@ -349,7 +376,9 @@ def test_replica_grouped_weights_in_inference_and_the_weight_copies():
     with torch.no_grad():
         net.W.zero_()
     model.copyWeightsToHost()
-    torch.testing.assert_close(net.W.detach(), w + torch.tensor([0., 0., 1., 0.])[:, None, None])
+    torch.testing.assert_close(
+        net.W.detach(), w + torch.tensor([0.0, 0.0, 1.0, 0.0])[:, None, None]
+    )
 
 
 def test_replica_grouping_checks():
@@ -359,15 +388,18 @@ def test_replica_grouping_checks():
     CommGroupType.All gives every replica the same value (python/enums.py CommGroupType)."""
     opts = poptorch.Options().replicationFactor(4)
     model = poptorch.inferenceModel(Product(torch.ones(3, 3, 2)), opts)
-    with pytest.raises(poptorch.Error, match=r"needs shape \[2, \.\.\.\] for 2 groups .* "
-                       r"Received: shape \[3, 3, 2\]"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"needs shape \[2, \.\.\.\] for 2 groups .* "
+        r"Received: shape \[3, 3, 2\]",
+    ):
         model.W.replicaGrouping(CommGroupType.Orthogonal, 2, VariableRetrievalMode.OnePerGroup)
     with pytest.raises(ValueError, match="must divide replicationFactor"):
         model.W.replicaGrouping(CommGroupType.Consecutive, 3, VariableRetrievalMode.OnePerGroup)
     pairs = poptorch.inferenceModel(Product(torch.ones(2, 3, 2)), opts)
     with pytest.raises(poptorch.Error, match=r"AllReplicas returns one value per replica \(4\)"):
         pairs.W.replicaGrouping(CommGroupType.Consecutive, 2, VariableRetrievalMode.AllReplicas)
-    scalar = poptorch.inferenceModel(Product(torch.tensor(1.)), opts)
+    scalar = poptorch.inferenceModel(Product(torch.tensor(1.0)), opts)
     with pytest.raises(poptorch.Error, match="Scalars cannot be passed as per-replica weight"):
         scalar.W.replicaGrouping(CommGroupType.NoGrouping, 0, VariableRetrievalMode.OnePerGroup)
 
@@ -397,13 +429,19 @@ def test_offline_target_takes_the_documented_ipu_versions():
         with pytest.raises(ValueError, match=r"ipu_version must be 1 \(Mk1\), 2 \(Mk2\) or 21"):
             poptorch.Options().useOfflineIpuTarget(version)
     x = torch.ones(1, 2)
-    model = poptorch.inferenceModel(nn.Linear(2, 1), poptorch.Options().useOfflineIpuTarget()
-                                    .useIpuModel(True))
-    with pytest.raises(poptorch.Error, match=r"^ConnectionType.Never / poptorch.Options."
-                       "useOfflineIpuTarget not supported for the IPU model"):
+    model = poptorch.inferenceModel(
+        nn.Linear(2, 1), poptorch.Options().useOfflineIpuTarget().useIpuModel(True)
+    )
+    with pytest.raises(
+        poptorch.Error,
+        match=r"^ConnectionType.Never / poptorch.Options."
+        "useOfflineIpuTarget not supported for the IPU model",
+    ):
         model.compile(x)
-    model = poptorch.inferenceModel(nn.Linear(2, 1), poptorch.Options().useOfflineIpuTarget()
-                                    .useIpuId(1))
-    with pytest.raises(poptorch.Error, match="^Offline compilation targeting a specific id not "
-                       "supported"):
+    model = poptorch.inferenceModel(
+        nn.Linear(2, 1), poptorch.Options().useOfflineIpuTarget().useIpuId(1)
+    )
+    with pytest.raises(
+        poptorch.Error, match="^Offline compilation targeting a specific id not supported"
+    ):
         model.compile(x)

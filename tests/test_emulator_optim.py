@@ -1,5 +1,6 @@
 """poptorch.optim emulation: equal to torch at defaults, real loss scaling / clipping math,
 PopART variants against hand-written formulas, and the executor's snapshot helpers."""
+
 from __future__ import annotations
 
 import copy
@@ -19,7 +20,8 @@ STEPS = 4
 # ops it lacks in float32, but not autograd's backward, so 16-bit training needs torch >= 2.1.
 NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
+    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+)
 
 
 def _model() -> torch.nn.Module:
@@ -34,12 +36,19 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _groups(model: torch.nn.Module) -> list[dict]:
     # two groups so that clipping / snapshots must span all of them
-    return [{"params": list(model[0].parameters())},
-            {"params": list(model[2].parameters()), "lr": 0.05}]
+    return [
+        {"params": list(model[0].parameters())},
+        {"params": list(model[2].parameters()), "lr": 0.05},
+    ]
 
 
-def _train(make_opt, steps: int = STEPS, scale: float = 1.0, clip: float | None = None,
-           groups: bool = False) -> list[torch.Tensor]:
+def _train(
+    make_opt,
+    steps: int = STEPS,
+    scale: float = 1.0,
+    clip: float | None = None,
+    groups: bool = False,
+) -> list[torch.Tensor]:
     model = _model()
     opt = make_opt(_groups(model) if groups else model.parameters())
     for step in range(steps):
@@ -71,8 +80,13 @@ def test_defaults_equal_torch_bitwise(ours, theirs, kw):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-ALL = [(popt.SGD, dict(lr=0.1, momentum=0.9)), (popt.Adam, dict(lr=0.01)),
-       (popt.AdamW, dict(lr=0.01)), (popt.RMSprop, dict(lr=0.01)), (popt.LAMB, dict(lr=0.01))]
+ALL = [
+    (popt.SGD, dict(lr=0.1, momentum=0.9)),
+    (popt.Adam, dict(lr=0.01)),
+    (popt.AdamW, dict(lr=0.01)),
+    (popt.RMSprop, dict(lr=0.01)),
+    (popt.LAMB, dict(lr=0.01)),
+]
 
 
 @pytest.mark.parametrize("cls,kw", ALL, ids=lambda v: getattr(v, "__name__", None))
@@ -93,11 +107,15 @@ def test_loss_scaling_is_undone_in_step(cls, kw):
     assert all(torch.allclose(p.grad, e, atol=1e-7) for p, e in zip(model.parameters(), expected))
 
 
-@pytest.mark.parametrize("ours,theirs,kw", [
-    (popt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-    (popt.Adam, torch.optim.Adam, dict(lr=0.01)),
-    (popt.AdamW, torch.optim.AdamW, dict(lr=0.01)),
-], ids=["SGD", "Adam", "AdamW"])
+@pytest.mark.parametrize(
+    "ours,theirs,kw",
+    [
+        (popt.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+        (popt.Adam, torch.optim.Adam, dict(lr=0.01)),
+        (popt.AdamW, torch.optim.AdamW, dict(lr=0.01)),
+    ],
+    ids=["SGD", "Adam", "AdamW"],
+)
 def test_max_grad_norm_clips_globally_like_clip_grad_norm(ours, theirs, kw):
     out = _train(lambda p: ours(p, max_grad_norm=0.05, **kw), groups=True)
     ref = _train(lambda p: theirs(p, **kw), clip=0.05, groups=True)
@@ -105,8 +123,9 @@ def test_max_grad_norm_clips_globally_like_clip_grad_norm(ours, theirs, kw):
     unclipped = _train(lambda p: theirs(p, **kw), groups=True)
     assert not all(torch.allclose(x, y) for x, y in zip(out, unclipped))
     # unscale happens before clipping
-    scaled = _train(lambda p: ours(p, max_grad_norm=0.05, loss_scaling=512.0, **kw),
-                    scale=512.0, groups=True)
+    scaled = _train(
+        lambda p: ours(p, max_grad_norm=0.05, loss_scaling=512.0, **kw), scale=512.0, groups=True
+    )
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(scaled, ref))
 
 
@@ -125,8 +144,11 @@ def _grads_and_params(steps: int = STEPS):
 
 def test_adamw_without_bias_correction_matches_formula():
     lr, b1, b2, eps, wd = 0.01, 0.8, 0.9, 1e-6, 0.1
-    out = _train(lambda p: popt.AdamW(p, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
-                                      bias_correction=False))
+    out = _train(
+        lambda p: popt.AdamW(
+            p, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, bias_correction=False
+        )
+    )
     ms = vs = None
     with torch.no_grad():
         for params, grads in _grads_and_params():
@@ -146,9 +168,17 @@ def test_adamw_without_bias_correction_matches_formula():
 @pytest.mark.parametrize("max_weight_norm", [None, 0.3])
 def test_lamb_matches_reference(bias_correction, max_weight_norm):
     lr, b1, b2, eps, wd = 0.02, 0.9, 0.99, 1e-6, 0.01
-    out = _train(lambda p: popt.LAMB(p, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
-                                     bias_correction=bias_correction,
-                                     max_weight_norm=max_weight_norm))
+    out = _train(
+        lambda p: popt.LAMB(
+            p,
+            lr=lr,
+            betas=(b1, b2),
+            eps=eps,
+            weight_decay=wd,
+            bias_correction=bias_correction,
+            max_weight_norm=max_weight_norm,
+        )
+    )
     cap = 65500.0 if max_weight_norm is None else max_weight_norm
     ms = vs = None
     with torch.no_grad():
@@ -158,8 +188,8 @@ def test_lamb_matches_reference(bias_correction, max_weight_norm):
             for p, g, m, v in zip(params, grads, ms, vs):
                 m.copy_(b1 * m + (1 - b1) * g)
                 v.copy_(b2 * v + (1 - b2) * g * g)
-                m_hat = m / (1 - b1 ** t) if bias_correction else m
-                v_hat = v / (1 - b2 ** t) if bias_correction else v
+                m_hat = m / (1 - b1**t) if bias_correction else m
+                v_hat = v / (1 - b2**t) if bias_correction else v
                 r = m_hat / (v_hat.sqrt() + eps) + wd * p
                 w_norm = min(float(p.norm()), cap)
                 r_norm = float(r.norm())
@@ -180,8 +210,9 @@ def test_lamb_trust_ratio_is_one_for_zero_weights():
 
 def test_rmsprop_tf_variant_matches_formula():
     lr, alpha, eps, mom = 0.01, 0.9, 1e-3, 0.5
-    out = _train(lambda p: popt.RMSprop(p, lr=lr, alpha=alpha, eps=eps, momentum=mom,
-                                        use_tf_variant=True))
+    out = _train(
+        lambda p: popt.RMSprop(p, lr=lr, alpha=alpha, eps=eps, momentum=mom, use_tf_variant=True)
+    )
     ms = bufs = None
     with torch.no_grad():
         for params, grads in _grads_and_params():
@@ -221,7 +252,9 @@ def test_constructor_errors():
     with pytest.raises(TypeError):
         popt.LAMB(p, max_grad_norm=1.0)  # LAMB has no max_grad_norm, as in PopTorch
     with pytest.raises(TypeError):
-        popt.RMSprop(p, max_grad_norm=1.0)  # RMSprop has no clipping at all (docs/poptorch-semantics.md §9)
+        popt.RMSprop(
+            p, max_grad_norm=1.0
+        )  # RMSprop has no clipping at all (docs/poptorch-semantics.md §9)
     with pytest.raises(ValueError, match="first_order_momentum_accum_type=torch.bfloat16"):
         popt.Adam(p, first_order_momentum_accum_type=torch.bfloat16)
     opt = popt.SGD(p, lr=0.1, accum_type=torch.float16)
@@ -243,9 +276,17 @@ def test_effective_defaults():
 
 
 def _supported(params):
-    return [popt.SGD(params, lr=0.1), popt.Adam(params), popt.AdamW(params),
-            popt.RMSprop(params), popt.LAMB(params), torch.optim.SGD(params, lr=0.1),
-            torch.optim.Adam(params), torch.optim.AdamW(params), torch.optim.RMSprop(params)]
+    return [
+        popt.SGD(params, lr=0.1),
+        popt.Adam(params),
+        popt.AdamW(params),
+        popt.RMSprop(params),
+        popt.LAMB(params),
+        torch.optim.SGD(params, lr=0.1),
+        torch.optim.Adam(params),
+        torch.optim.AdamW(params),
+        torch.optim.RMSprop(params),
+    ]
 
 
 def test_check_supported(caplog):
@@ -275,29 +316,70 @@ def test_check_supported(caplog):
         popt.check_supported(mixed)
 
 
-@pytest.mark.parametrize("make,constant,variable", [
-    (lambda p: popt.SGD(p, lr=0.1),
-     {"momentum", "dampening", "weight_decay", "nesterov", "loss_scaling", "velocity_scaling",
-      "max_grad_norm", "accum_type", "use_combined_accum"}, {"lr"}),
-    (lambda p: popt.SGD(p, lr=0.1, momentum=0.0, loss_scaling=1.0, max_grad_norm=5.0,
-                        accum_type=torch.float32),
-     {"dampening", "weight_decay", "accum_type"}, {"lr", "momentum", "loss_scaling",
-                                                    "max_grad_norm"}),
-    (lambda p: popt.Adam(p, betas=(0.9, 0.99)), {"eps", "weight_decay", "loss_scaling"},
-     {"lr", "betas"}),
-    (lambda p: popt.AdamW(p, bias_correction=True), {"bias_correction", "betas"}, {"lr"}),
-    (lambda p: popt.RMSprop(p, alpha=0.9, use_tf_variant=False),
-     {"eps", "momentum", "use_tf_variant"}, {"lr", "alpha"}),
-    (lambda p: popt.LAMB(p, max_weight_norm=10.0), {"betas", "loss_scaling"},
-     {"lr", "max_weight_norm"}),
-    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-     {"dampening", "weight_decay", "nesterov", "loss_scaling"}, {"lr", "momentum"}),
-    (lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.01, betas=(0.5, 0.6)),
-     {"weight_decay", "eps", "betas"}, {"lr"}),  # betas always constant for torch.optim
-    (lambda p: torch.optim.AdamW(p, weight_decay=0.1), {"eps"}, {"lr", "weight_decay"}),
-    (lambda p: torch.optim.RMSprop(p, alpha=0.5, eps=1e-3), {"alpha", "momentum"},
-     {"lr", "eps"}),  # alpha always constant for torch.optim
-])
+@pytest.mark.parametrize(
+    "make,constant,variable",
+    [
+        (
+            lambda p: popt.SGD(p, lr=0.1),
+            {
+                "momentum",
+                "dampening",
+                "weight_decay",
+                "nesterov",
+                "loss_scaling",
+                "velocity_scaling",
+                "max_grad_norm",
+                "accum_type",
+                "use_combined_accum",
+            },
+            {"lr"},
+        ),
+        (
+            lambda p: popt.SGD(
+                p,
+                lr=0.1,
+                momentum=0.0,
+                loss_scaling=1.0,
+                max_grad_norm=5.0,
+                accum_type=torch.float32,
+            ),
+            {"dampening", "weight_decay", "accum_type"},
+            {"lr", "momentum", "loss_scaling", "max_grad_norm"},
+        ),
+        (
+            lambda p: popt.Adam(p, betas=(0.9, 0.99)),
+            {"eps", "weight_decay", "loss_scaling"},
+            {"lr", "betas"},
+        ),
+        (lambda p: popt.AdamW(p, bias_correction=True), {"bias_correction", "betas"}, {"lr"}),
+        (
+            lambda p: popt.RMSprop(p, alpha=0.9, use_tf_variant=False),
+            {"eps", "momentum", "use_tf_variant"},
+            {"lr", "alpha"},
+        ),
+        (
+            lambda p: popt.LAMB(p, max_weight_norm=10.0),
+            {"betas", "loss_scaling"},
+            {"lr", "max_weight_norm"},
+        ),
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            {"dampening", "weight_decay", "nesterov", "loss_scaling"},
+            {"lr", "momentum"},
+        ),
+        (
+            lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.01, betas=(0.5, 0.6)),
+            {"weight_decay", "eps", "betas"},
+            {"lr"},
+        ),  # betas always constant for torch.optim
+        (lambda p: torch.optim.AdamW(p, weight_decay=0.1), {"eps"}, {"lr", "weight_decay"}),
+        (
+            lambda p: torch.optim.RMSprop(p, alpha=0.5, eps=1e-3),
+            {"alpha", "momentum"},
+            {"lr", "eps"},
+        ),  # alpha always constant for torch.optim
+    ],
+)
 def test_constant_attributes(make, constant, variable):
     consts = popt.constant_attributes(make([torch.nn.Parameter(torch.ones(2))]))
     assert constant <= consts
@@ -353,9 +435,11 @@ def test_apply_hyperparameters_updates_device_copy():
     assert float(dev_t.param_groups[0]["lr"]) == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("cls,kw", ALL + [(popt.AdamW, dict(bias_correction=False)),
-                                          (popt.RMSprop, dict(use_tf_variant=True))],
-                         ids=lambda v: getattr(v, "__name__", None))
+@pytest.mark.parametrize(
+    "cls,kw",
+    ALL + [(popt.AdamW, dict(bias_correction=False)), (popt.RMSprop, dict(use_tf_variant=True))],
+    ids=lambda v: getattr(v, "__name__", None),
+)
 def test_deepcopy_with_param_memo(cls, kw):
     host, dev_model = _model(), _model()
     opt = cls(host.parameters(), loss_scaling=2.0, **kw)
@@ -403,9 +487,17 @@ def test_step_hooks_run_once_and_closure_works():
 
 # -- 16-bit parameters (model.half()): float32 update math, float32 state ---------------------
 
-@pytest.mark.parametrize("cls, kw", [(popt.Adam, {}), (popt.AdamW, {"weight_decay": 0.01}),
-                                     (popt.SGD, {"momentum": 0.9}), (popt.LAMB, {}),
-                                     (popt.RMSprop, {"use_tf_variant": True})])
+
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (popt.Adam, {}),
+        (popt.AdamW, {"weight_decay": 0.01}),
+        (popt.SGD, {"momentum": 0.9}),
+        (popt.LAMB, {}),
+        (popt.RMSprop, {"use_tf_variant": True}),
+    ],
+)
 def test_half_parameters_update_in_float32_then_round(cls, kw):
     grads = [torch.tensor([0.0, 1e-3, 1.0, -2e-4]), torch.tensor([0.0, -1e-3, 0.5, 3e-4])]
     half = torch.nn.Parameter(torch.tensor([1.0, -0.5, 0.25, 2.0]).half())
@@ -419,8 +511,11 @@ def test_half_parameters_update_in_float32_then_round(cls, kw):
         full.data = full.data.half().float()  # the IPU stores the new value as float16
     assert half.dtype == torch.float16 and torch.isfinite(half).all()
     assert torch.equal(half.detach().float(), full.detach())
-    assert all(v.dtype == torch.float32 for v in opt_half.state[half].values()
-               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim())
+    assert all(
+        v.dtype == torch.float32
+        for v in opt_half.state[half].values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim()
+    )
 
 
 @NEEDS_CPU_HALF_BACKWARD
@@ -442,8 +537,9 @@ def test_torch_optimizer_on_a_half_model_updates_in_float32_on_the_device():
             return out, torch.nn.functional.mse_loss(out.float(), y)
 
     model = Half()
-    training = poptorch.trainingModel(model, optimizer=torch.optim.AdamW(model.parameters(),
-                                                                         lr=1e-3))
+    training = poptorch.trainingModel(
+        model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
     for _ in range(3):
         training(torch.randn(4, 2).half(), torch.randn(4, 2))
     assert all(torch.isfinite(q).all() and q.dtype == torch.float16 for q in model.parameters())

@@ -1,4 +1,5 @@
 """poptorch.Options emulation: docs/poptorch-semantics.md §1, §8.8, §8.9, §9 (toDict)."""
+
 from __future__ import annotations
 
 import copy
@@ -8,8 +9,15 @@ import pytest
 import torch
 
 from ipuloop.emulator.blocks import PipelinedExecution, ShardedExecution
-from ipuloop.emulator.enums import (AutoStage, CommGroupType, ConnectionType,
-                                    MeanReductionStrategy, OutputMode, ReductionType, SyncPattern)
+from ipuloop.emulator.enums import (
+    AutoStage,
+    CommGroupType,
+    ConnectionType,
+    MeanReductionStrategy,
+    OutputMode,
+    ReductionType,
+    SyncPattern,
+)
 from ipuloop.emulator.options import ConfigFileError, Options, TensorLocationSettings
 
 FROZEN = "Can't modify frozen Options"
@@ -17,8 +25,13 @@ FROZEN = "Can't modify frozen Options"
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for var in ("POPTORCH_CACHE_DIR", "POPTORCH_DEFAULT_OPTIONS", "POPLAR_ENGINE_OPTIONS",
-                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+    for var in (
+        "POPTORCH_CACHE_DIR",
+        "POPTORCH_DEFAULT_OPTIONS",
+        "POPLAR_ENGINE_OPTIONS",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -38,8 +51,10 @@ def test_defaults_match_poptorch():
     strategy = opts.Training.meanAccumulationAndReplicationReductionStrategy
     assert strategy is MeanReductionStrategy.Post
     assert (opts.Distributed.numProcesses, opts.Distributed.processId) == (1, 0)
-    assert opts._Popart.options == {"instrumentWithHardwareCycleCounter": False,
-                                    "rearrangeAnchorsOnHost": False}
+    assert opts._Popart.options == {
+        "instrumentWithHardwareCycleCounter": False,
+        "rearrangeAnchorsOnHost": False,
+    }
     strategy = opts._execution_strategy
     assert type(strategy) is PipelinedExecution and strategy._auto_stage == AutoStage.SameAsIpu
     for absent in ("random_seed", "use_model", "ipu_id", "model_name"):
@@ -95,26 +110,43 @@ def test_public_attribute_assignment_goes_through_set():
 
 # -- §1.3 chaining ----------------------------------------------------------------------------
 OPTION_CALLS = [
-    lambda o: o.deviceIterations(2), lambda o: o.replicationFactor(2),
+    lambda o: o.deviceIterations(2),
+    lambda o: o.replicationFactor(2),
     lambda o: o.outputMode(OutputMode.All),
-    lambda o: o.randomSeed(1), lambda o: o.enableExecutableCaching("/tmp/x"),
-    lambda o: o.enableProfiling(), lambda o: o.useIpuModel(True), lambda o: o.autoRoundNumIPUs(),
+    lambda o: o.randomSeed(1),
+    lambda o: o.enableExecutableCaching("/tmp/x"),
+    lambda o: o.enableProfiling(),
+    lambda o: o.useIpuModel(True),
+    lambda o: o.autoRoundNumIPUs(),
     lambda o: o.setExecutionStrategy(ShardedExecution()),
-    lambda o: o.setAvailableMemoryProportion({"IPU0": 0.5}), lambda o: o.useIpuId(1),
-    lambda o: o.useOfflineIpuTarget(), lambda o: o.connectionType(ConnectionType.OnDemand),
-    lambda o: o.syncPattern(SyncPattern.SinglePipeline), lambda o: o.logDir("/tmp"),
-    lambda o: o.logCycleCount(True), lambda o: o.enableSyntheticData(True),
-    lambda o: o.maxRepeatLogs(2), lambda o: o.modelName("m"),
-    lambda o: o.relaxOptimizerAttributesChecks(), lambda o: o.showCompilationProgressBar(False),
-    lambda o: o.broadcastBuffers(False), lambda o: o.disableModuleNamescope(),
-    lambda o: o.from_json('{"deviceIterations": 3}'), lambda o: o.enableStableNorm(True),
-    lambda o: o.sourceLocationExcludes(["mylib/"]), lambda o: o.appendToLocationExcludes("x/"),
+    lambda o: o.setAvailableMemoryProportion({"IPU0": 0.5}),
+    lambda o: o.useIpuId(1),
+    lambda o: o.useOfflineIpuTarget(),
+    lambda o: o.connectionType(ConnectionType.OnDemand),
+    lambda o: o.syncPattern(SyncPattern.SinglePipeline),
+    lambda o: o.logDir("/tmp"),
+    lambda o: o.logCycleCount(True),
+    lambda o: o.enableSyntheticData(True),
+    lambda o: o.maxRepeatLogs(2),
+    lambda o: o.modelName("m"),
+    lambda o: o.relaxOptimizerAttributesChecks(),
+    lambda o: o.showCompilationProgressBar(False),
+    lambda o: o.broadcastBuffers(False),
+    lambda o: o.disableModuleNamescope(),
+    lambda o: o.from_json('{"deviceIterations": 3}'),
+    lambda o: o.enableStableNorm(True),
+    lambda o: o.sourceLocationExcludes(["mylib/"]),
+    lambda o: o.appendToLocationExcludes("x/"),
 ]
 GROUP_CALLS = [
     ("Training", lambda g: g.gradientAccumulation(2)),
     ("Training", lambda g: g.accumulationAndReplicationReductionType(ReductionType.Sum)),
-    ("Training", lambda g: g.setMeanAccumulationAndReplicationReductionStrategy(
-        MeanReductionStrategy.Running)),
+    (
+        "Training",
+        lambda g: g.setMeanAccumulationAndReplicationReductionStrategy(
+            MeanReductionStrategy.Running
+        ),
+    ),
     ("Training", lambda g: g.setAutomaticLossScaling(True)),
     ("Training", lambda g: g.setConvolutionDithering(True)),
     ("TensorLocations", lambda g: g.setOptimizerLocation(TensorLocationSettings())),
@@ -307,8 +339,10 @@ def test_enable_profiling_records_engine_options_and_warns_on_env(monkeypatch, c
         opts.enableProfiling("/tmp/prof")
     assert "POPLAR_ENGINE_OPTIONS" not in caplog.text
     assert opts._Popart.options["engineOptions"] == {
-        "debug.allowOutOfMemory": "true", "autoReport.directory": "/tmp/prof",
-        "autoReport.all": "true"}
+        "debug.allowOutOfMemory": "true",
+        "autoReport.directory": "/tmp/prof",
+        "autoReport.all": "true",
+    }
     monkeypatch.setenv("POPLAR_ENGINE_OPTIONS", '{"autoReport.all": "true"}')
     with caplog.at_level(logging.WARNING, logger="poptorch::python"):
         Options().enableProfiling()
@@ -332,10 +366,18 @@ def test_executable_caching_and_offline_target():
 def test_tensor_locations_and_io_tiles():
     locations = Options().TensorLocations
     locations.setWeightLocation(
-        TensorLocationSettings().useOnChipStorage(False).minElementsForOffChip(4)
-        .useReplicatedTensorSharding().useIOTilesToLoad(False))
-    assert locations.location_weight == {"onChip": 0, "minElementsForOffChip": 4,
-                                         "useReplicatedTensorSharding": 1, "useIOTilesToLoad": 0}
+        TensorLocationSettings()
+        .useOnChipStorage(False)
+        .minElementsForOffChip(4)
+        .useReplicatedTensorSharding()
+        .useIOTilesToLoad(False)
+    )
+    assert locations.location_weight == {
+        "onChip": 0,
+        "minElementsForOffChip": 4,
+        "useReplicatedTensorSharding": 1,
+        "useIOTilesToLoad": 0,
+    }
     settings = TensorLocationSettings().useOnChipStorage(True).useOnChipStorage(None)
     assert settings.toDict() == {}
     with pytest.raises(AssertionError):
@@ -376,11 +418,15 @@ def test_poptorch_cache_dir_environment(monkeypatch):
 
 
 def test_poptorch_default_options_environment(monkeypatch):
-    monkeypatch.setenv("POPTORCH_DEFAULT_OPTIONS", (
-        '{"deviceIterations": 2, "replicationFactor": 1, "logDir": "/tmp/d",'
-        ' "enableSyntheticData": true, "Precision.enableFloatingPointExceptions": true,'
-        ' "connectionType": "ConnectionType.OnDemand",'
-        ' "_Popart.set": ["saveInitializersToFile", "my_file.onnx"]}'))
+    monkeypatch.setenv(
+        "POPTORCH_DEFAULT_OPTIONS",
+        (
+            '{"deviceIterations": 2, "replicationFactor": 1, "logDir": "/tmp/d",'
+            ' "enableSyntheticData": true, "Precision.enableFloatingPointExceptions": true,'
+            ' "connectionType": "ConnectionType.OnDemand",'
+            ' "_Popart.set": ["saveInitializersToFile", "my_file.onnx"]}'
+        ),
+    )
     from_env = Options()
     monkeypatch.delenv("POPTORCH_DEFAULT_OPTIONS")
     by_hand = Options().deviceIterations(2).replicationFactor(1).logDir("/tmp/d")
@@ -394,7 +440,8 @@ def test_from_json_dotted_accessors_and_enum_values():
     opts = Options().from_json(
         '{"Training.gradientAccumulation": 4,'
         ' "Training.accumulationAndReplicationReductionType": "ReductionType.Sum",'
-        ' "outputMode": ["OutputMode.EveryN", 2]}')
+        ' "outputMode": ["OutputMode.EveryN", 2]}'
+    )
     assert opts.Training.gradient_accumulation == 4
     assert opts.Training.accumulation_and_replication_reduction_type is ReductionType.Sum
     assert (opts.output_mode, opts.output_return_period) == (OutputMode.EveryN, 2)
@@ -402,12 +449,14 @@ def test_from_json_dotted_accessors_and_enum_values():
 
 def test_load_from_file(tmp_path):
     path = tmp_path / "opts.conf"
-    path.write_text("deviceIterations(3)\n"
-                    "setExecutionStrategy(poptorch.ShardedExecution())\n"
-                    "  replicationFactor(2)\n \n"
-                    "enableSyntheticData(True) # inline comment\n"
-                    "# a comment line\n"
-                    "Training.gradientAccumulation(5)\n")
+    path.write_text(
+        "deviceIterations(3)\n"
+        "setExecutionStrategy(poptorch.ShardedExecution())\n"
+        "  replicationFactor(2)\n \n"
+        "enableSyntheticData(True) # inline comment\n"
+        "# a comment line\n"
+        "Training.gradientAccumulation(5)\n"
+    )
     opts = Options().loadFromFile(str(path))
     assert (opts.device_iterations, opts.replication_factor) == (3, 2)
     assert type(opts._execution_strategy) is ShardedExecution

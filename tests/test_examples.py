@@ -5,6 +5,7 @@ on the emulator and with the network unreachable (proxies pointing at a closed p
 missing file can never turn into a download. The MNIST runs read a copy of the real MNIST
 files; they are skipped where that folder is absent.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 MNIST_RAW = Path(os.environ.get("IPULOOP_TEST_MNIST_RAW", "/work/shared/data/mnist/MNIST/raw"))
 HAVE_MNIST = (MNIST_RAW / "train-images-idx3-ubyte.gz").exists() or (
-    MNIST_RAW / "train-images-idx3-ubyte").exists()
-NO_MNIST = (f"the MNIST files are not in {MNIST_RAW} (set IPULOOP_TEST_MNIST_RAW to a folder "
-            "holding train-images-idx3-ubyte.gz, ...)")
+    MNIST_RAW / "train-images-idx3-ubyte"
+).exists()
+NO_MNIST = (
+    f"the MNIST files are not in {MNIST_RAW} (set IPULOOP_TEST_MNIST_RAW to a folder "
+    "holding train-images-idx3-ubyte.gz, ...)"
+)
 DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, a download fails at once
 
 
@@ -44,32 +48,78 @@ def _mnist_copy(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("examples")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "no_proxy", "NO_PROXY", "IPULOOP_DATA_DIR")}
-    env.update(IPULOOP_BACKEND="emulator", PYTHONPATH=str(REPO),
-               # the models are tiny: one thread each, so the concurrent runs do not oversubscribe
-               OMP_NUM_THREADS="1",
-               http_proxy=DEAD_PROXY, https_proxy=DEAD_PROXY,
-               HTTP_PROXY=DEAD_PROXY, HTTPS_PROXY=DEAD_PROXY)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "no_proxy", "NO_PROXY", "IPULOOP_DATA_DIR")
+    }
+    env.update(
+        IPULOOP_BACKEND="emulator",
+        PYTHONPATH=str(REPO),
+        # the models are tiny: one thread each, so the concurrent runs do not oversubscribe
+        OMP_NUM_THREADS="1",
+        http_proxy=DEAD_PROXY,
+        https_proxy=DEAD_PROXY,
+        HTTP_PROXY=DEAD_PROXY,
+        HTTPS_PROXY=DEAD_PROXY,
+    )
     empty = tmp / "empty"
     empty.mkdir()
     commands = {
-        "custom_callback": [str(EXAMPLES / "custom_callback.py"), "--epochs", "3",
-                            "--patience", "5"],
+        "custom_callback": [
+            str(EXAMPLES / "custom_callback.py"),
+            "--epochs",
+            "3",
+            "--patience",
+            "5",
+        ],
         "plain_model": [str(EXAMPLES / "plain_model_loss_fn.py"), "--epochs", "2"],
-        "mnist_missing": ["-m", "ipuloop.examples.mnist", "--max-steps", "2", "--epochs", "1",
-                          "--data-dir", str(empty)],
+        "mnist_missing": [
+            "-m",
+            "ipuloop.examples.mnist",
+            "--max-steps",
+            "2",
+            "--epochs",
+            "1",
+            "--data-dir",
+            str(empty),
+        ],
     }
     if HAVE_MNIST:
         commands["poptorch_pipeline"] = [
-            "-m", "ipuloop.emulate", str(EXAMPLES / "poptorch_mnist_pipeline.py"),
-            "--max-steps", "2", "--epochs", "1", "--workers", "1",
-            "--data-dir", str(_mnist_copy(tmp / "pipeline"))]
-        commands["mnist"] = ["-m", "ipuloop.examples.mnist", "--max-steps", "2", "--epochs", "1",
-                             "--data-dir", str(_mnist_copy(tmp / "packaged"))]
-    procs = {name: subprocess.Popen([sys.executable, *args], env=env, cwd=str(tmp),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, args in commands.items()}
+            "-m",
+            "ipuloop.emulate",
+            str(EXAMPLES / "poptorch_mnist_pipeline.py"),
+            "--max-steps",
+            "2",
+            "--epochs",
+            "1",
+            "--workers",
+            "1",
+            "--data-dir",
+            str(_mnist_copy(tmp / "pipeline")),
+        ]
+        commands["mnist"] = [
+            "-m",
+            "ipuloop.examples.mnist",
+            "--max-steps",
+            "2",
+            "--epochs",
+            "1",
+            "--data-dir",
+            str(_mnist_copy(tmp / "packaged")),
+        ]
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, *args],
+            env=env,
+            cwd=str(tmp),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
     out = {}
     try:
         for name, p in procs.items():
@@ -125,7 +175,11 @@ def test_packaged_mnist_missing_data_is_one_clear_message(runs):
     folder = os.path.join(run.args[run.args.index("--data-dir") + 1], "MNIST", "raw")
     assert folder in run.stderr and "--data-dir" in run.stderr, run.stderr
     # how to point it at local files: every file it needs, and where they go
-    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
+    for name in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         assert name in run.stderr, run.stderr
     assert "DIR/MNIST/raw" in run.stderr and "IPULOOP_DATA_DIR" in run.stderr, run.stderr

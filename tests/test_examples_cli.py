@@ -1,4 +1,5 @@
 """``python -m ipuloop.examples.mnist``: its flags, and ``--ipu-config`` driving a run."""
+
 from __future__ import annotations
 
 import re
@@ -12,12 +13,27 @@ from ipuloop.examples import mnist
 from tests.test_examples import HAVE_MNIST, MNIST_RAW, NO_MNIST
 
 # Every flag the example promises (the tutorial's, then the loop's own).
-FLAGS = {"--batch-size": "40", "--device-iterations": "10", "--gradient-accumulation": "10",
-         "--test-batch-size": "8", "--epochs": "3", "--learning-rate": "0.001",
-         "--profile": None, "--profile-dir": "./profile", "--strategy": "pipelined",
-         "--offload-optimiser": None, "--debug": None, "--data-dir": None,
-         "--checkpoint-dir": None, "--resume": None, "--replicas": "1", "--max-steps": None,
-         "--ipu-config": None, "--ipu-config-overrides": None, "--threads": None}
+FLAGS = {
+    "--batch-size": "40",
+    "--device-iterations": "10",
+    "--gradient-accumulation": "10",
+    "--test-batch-size": "8",
+    "--epochs": "3",
+    "--learning-rate": "0.001",
+    "--profile": None,
+    "--profile-dir": "./profile",
+    "--strategy": "pipelined",
+    "--offload-optimiser": None,
+    "--debug": None,
+    "--data-dir": None,
+    "--checkpoint-dir": None,
+    "--resume": None,
+    "--replicas": "1",
+    "--max-steps": None,
+    "--ipu-config": None,
+    "--ipu-config-overrides": None,
+    "--threads": None,
+}
 
 
 def test_every_flag_is_listed_with_the_tutorial_defaults(capsys):
@@ -36,13 +52,18 @@ def test_every_flag_is_listed_with_the_tutorial_defaults(capsys):
     assert mnist.parse_args(["--strategy", "sharded", "--offload-optimiser"]).strategy == "sharded"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ipu-config-overrides", "device_iterations=2"],
-     "--ipu-config-overrides changes an --ipu-config FILE: pass both"),
-    (["--resume"], "--resume needs --checkpoint-dir"),
-    (["--gradient-accumulation", "0"], "--gradient-accumulation must be >= 1"),
-    (["--strategy", "staged"], "invalid choice: 'staged'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--ipu-config-overrides", "device_iterations=2"],
+            "--ipu-config-overrides changes an --ipu-config FILE: pass both",
+        ),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--gradient-accumulation", "0"], "--gradient-accumulation must be >= 1"),
+        (["--strategy", "staged"], "invalid choice: 'staged'"),
+    ],
+)
 def test_bad_flag_combinations_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
         mnist.parse_args(argv)
@@ -60,30 +81,53 @@ def mnist_root(tmp_path_factory):
 
 
 def test_ipu_config_file_and_overrides_drive_the_run(mnist_root, tmp_path, capsys):
-    IPUConfig(device_iterations=5, gradient_accumulation_steps=3, output_mode="all",
-              inference_device_iterations=50).save(tmp_path)
-    rc = mnist.main(["--data-dir", str(mnist_root), "--ipu-config", str(tmp_path),
-                     "--ipu-config-overrides", "device_iterations=2,gradient_accumulation_steps=2",
-                     "--strategy", "sharded", "--max-steps", "1", "--epochs", "1"])
+    IPUConfig(
+        device_iterations=5,
+        gradient_accumulation_steps=3,
+        output_mode="all",
+        inference_device_iterations=50,
+    ).save(tmp_path)
+    rc = mnist.main(
+        [
+            "--data-dir",
+            str(mnist_root),
+            "--ipu-config",
+            str(tmp_path),
+            "--ipu-config-overrides",
+            "device_iterations=2,gradient_accumulation_steps=2",
+            "--strategy",
+            "sharded",
+            "--max-steps",
+            "1",
+            "--epochs",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     # The overrides, not the file or the flags' defaults (10 x 10), set the factors.
-    assert "strategy: sharded; micro-batch 40 x 2 device iterations x 2 accumulation x " \
-           "1 replica(s)" in out, out
+    assert (
+        "strategy: sharded; micro-batch 40 x 2 device iterations x 2 accumulation x "
+        "1 replica(s)" in out
+    ), out
     assert re.search(r"^trained 1 steps \(2 updates, 160 samples\)", out, re.M), out
     assert re.search(r"^Accuracy on test set: \d+\.\d\d%$", out, re.M), out
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"gradient_accumulation_steps": 0}', "gradient_accumulation_steps must be >= 1"),
-    ('{"layer_per_ipu": [1]}', "IPUConfig received unknown arguments: layer_per_ipu=[1]"),
-    ("device_iterations: 2", "is not a JSON IPUConfig"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"gradient_accumulation_steps": 0}', "gradient_accumulation_steps must be >= 1"),
+        ('{"layer_per_ipu": [1]}', "IPUConfig received unknown arguments: layer_per_ipu=[1]"),
+        ("device_iterations: 2", "is not a JSON IPUConfig"),
+    ],
+)
 def test_a_bad_ipu_config_is_one_message(tmp_path, capsys, content, message):
     (tmp_path / "ipu_config.json").write_text(content)
     # Checked before the data is read: the data folder does not even exist.
-    rc = mnist.main(["--data-dir", str(tmp_path / "no-data"), "--ipu-config", str(tmp_path),
-                     "--max-steps", "1"])
+    rc = mnist.main(
+        ["--data-dir", str(tmp_path / "no-data"), "--ipu-config", str(tmp_path), "--max-steps", "1"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith(f"error: --ipu-config {tmp_path}: ") and message in err, err
@@ -104,14 +148,17 @@ def test_data_dir_defaults_to_the_environment_then_the_torchvision_cache(monkeyp
     assert mnist._data_dir(None) == str(Path.home() / ".cache" / "torchvision")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max-steps", "0"], "--max-steps must be >= 1. Received: 0"),
-    (["--max-steps", "-1"], "--max-steps must be >= 1. Received: -1"),
-    (["--workers", "-1"], "--workers must be >= 0"),
-    (["--learning-rate", "nan"], "--learning-rate must be a finite number > 0. Received: nan"),
-    (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0. Received: inf"),
-    (["--threads", "0"], "--threads must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-steps", "0"], "--max-steps must be >= 1. Received: 0"),
+        (["--max-steps", "-1"], "--max-steps must be >= 1. Received: -1"),
+        (["--workers", "-1"], "--workers must be >= 0"),
+        (["--learning-rate", "nan"], "--learning-rate must be a finite number > 0. Received: nan"),
+        (["--learning-rate", "inf"], "--learning-rate must be a finite number > 0. Received: inf"),
+        (["--threads", "0"], "--threads must be >= 1"),
+    ],
+)
 def test_bad_flag_values_are_one_line_before_any_data(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as info:
         mnist.main(["--data-dir", str(tmp_path / "no-data"), *argv])
@@ -120,31 +167,60 @@ def test_bad_flag_values_are_one_line_before_any_data(tmp_path, capsys, argv, me
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--replicas", "3"], "--replicas 3: 3 replica(s) of 4 IPUs is 12 IPUs, but PopTorch "
-                          "reserves a power of 2 of IPUs, at most 64. Use --replicas 1, 2, 4"),
-    (["--replicas", "32", "--strategy", "sharded"], "--replicas 32: 32 replica(s) of 4 IPUs is "
-                                                    "128 IPUs"),
-    (["--gradient-accumulation", "6"], "--gradient-accumulation 6 is too small for --strategy "
-                                       "pipelined: training 4 pipeline stages needs at least 7"),
-    (["--inference-iterations", "3"], "--inference-iterations 3 is too small for --strategy "
-                                      "pipelined"),
-])
-def test_factors_the_ipus_or_the_pipeline_reject_fail_before_any_data(tmp_path, capsys, argv,
-                                                                      message):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--replicas", "3"],
+            "--replicas 3: 3 replica(s) of 4 IPUs is 12 IPUs, but PopTorch "
+            "reserves a power of 2 of IPUs, at most 64. Use --replicas 1, 2, 4",
+        ),
+        (
+            ["--replicas", "32", "--strategy", "sharded"],
+            "--replicas 32: 32 replica(s) of 4 IPUs is 128 IPUs",
+        ),
+        (
+            ["--gradient-accumulation", "6"],
+            "--gradient-accumulation 6 is too small for --strategy "
+            "pipelined: training 4 pipeline stages needs at least 7",
+        ),
+        (
+            ["--inference-iterations", "3"],
+            "--inference-iterations 3 is too small for --strategy pipelined",
+        ),
+    ],
+)
+def test_factors_the_ipus_or_the_pipeline_reject_fail_before_any_data(
+    tmp_path, capsys, argv, message
+):
     rc = mnist.main(["--data-dir", str(tmp_path / "no-data"), *argv])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
     # Sharded training has no pipeline to fill: a small accumulation is fine there.
-    mnist.check_factors(*mnist.build_options(mnist.parse_args(
-        ["--strategy", "sharded", "--gradient-accumulation", "1", "--inference-iterations",
-         "1"])), "sharded", False, {})
+    mnist.check_factors(
+        *mnist.build_options(
+            mnist.parse_args(
+                [
+                    "--strategy",
+                    "sharded",
+                    "--gradient-accumulation",
+                    "1",
+                    "--inference-iterations",
+                    "1",
+                ]
+            )
+        ),
+        "sharded",
+        False,
+        {},
+    )
 
 
 def _idx(path: Path, data: bytes, magic: int, dims: tuple[int, ...]) -> None:
     import gzip
     import struct
+
     with gzip.open(path, "wb") as f:
         f.write(struct.pack(f">{1 + len(dims)}i", magic, *dims) + data)
 
@@ -152,6 +228,7 @@ def _idx(path: Path, data: bytes, magic: int, dims: tuple[int, ...]) -> None:
 def _fake_mnist(raw: Path, train: int, test: int) -> None:
     """The four MNIST files, gzipped, in the idx format: ``train``/``test`` random images."""
     import torch
+
     g = torch.Generator().manual_seed(0)
     raw.mkdir(parents=True)
     for prefix, n in (("train", train), ("t10k", test)):
@@ -161,8 +238,9 @@ def _fake_mnist(raw: Path, train: int, test: int) -> None:
         _idx(raw / f"{prefix}-labels-idx1-ubyte.gz", labels.numpy().tobytes(), 2049, (n,))
 
 
-def test_a_read_only_gz_data_dir_is_unpacked_into_a_cache_never_beside(tmp_path, monkeypatch,
-                                                                         capsys):
+def test_a_read_only_gz_data_dir_is_unpacked_into_a_cache_never_beside(
+    tmp_path, monkeypatch, capsys
+):
     data = tmp_path / "data"
     raw = data / "MNIST" / "raw"
     _fake_mnist(raw, train=28, test=8)
@@ -173,9 +251,24 @@ def test_a_read_only_gz_data_dir_is_unpacked_into_a_cache_never_beside(tmp_path,
         p.chmod(0o444)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     try:
-        argv = ["--data-dir", str(data), "--batch-size", "2", "--device-iterations", "1",
-                "--gradient-accumulation", "7", "--test-batch-size", "1",
-                "--inference-iterations", "4", "--epochs", "1", "--threads", "1"]
+        argv = [
+            "--data-dir",
+            str(data),
+            "--batch-size",
+            "2",
+            "--device-iterations",
+            "1",
+            "--gradient-accumulation",
+            "7",
+            "--test-batch-size",
+            "1",
+            "--inference-iterations",
+            "4",
+            "--epochs",
+            "1",
+            "--threads",
+            "1",
+        ]
         assert mnist.main(argv) == 0
         assert mnist.main(argv) == 0  # the second run reads the cache as it is
         out = capsys.readouterr().out
@@ -185,8 +278,7 @@ def test_a_read_only_gz_data_dir_is_unpacked_into_a_cache_never_beside(tmp_path,
         assert after == before  # nothing written, nothing touched
         assert sorted(p.name for p in data.rglob("*")) == sorted(["MNIST", "raw", *before])
         unpacked = list((tmp_path / "cache" / "ipuloop" / "mnist").glob("*/MNIST/raw/*"))
-        assert sorted(p.name for p in unpacked if "idx" in p.name) == sorted(
-            n[:-3] for n in before)
+        assert sorted(p.name for p in unpacked if "idx" in p.name) == sorted(n[:-3] for n in before)
     finally:
         for p in (data, raw.parent, raw):
             p.chmod(0o755)

@@ -5,6 +5,7 @@ batches while it trained (OutputMode.All: every sample). Each epoch's value must
 epoch alone; an accumulation over all epochs so far reads too low once the model is good
 (e.g. 0.93 for an epoch whose own accuracy is 0.97).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from ipuloop import Callback, Loop, backend_name, poptorch
 
 
-@pytest.mark.skipif(backend_name() != "emulator",
-                    reason="reads each micro-batch's predictions with a forward hook")
+@pytest.mark.skipif(
+    backend_name() != "emulator", reason="reads each micro-batch's predictions with a forward hook"
+)
 def test_train_accuracy_is_per_epoch_over_every_training_prediction():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(240, 6, generator=g)
@@ -42,10 +44,15 @@ def test_train_accuracy_is_per_epoch_over_every_training_prediction():
 
     opts = poptorch.Options().deviceIterations(2)
     opts.Training.gradientAccumulation(3)
-    loop = Loop(model, opts, loss_fn=nn.CrossEntropyLoss(),
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
-                metrics={"accuracy": torchmetrics.Accuracy("multiclass", num_classes=3)},
-                callbacks=[Steps()], progress=False)
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+        metrics={"accuracy": torchmetrics.Accuracy("multiclass", num_classes=3)},
+        callbacks=[Steps()],
+        progress=False,
+    )
     hist = loop.fit(DataLoader(TensorDataset(x, y), batch_size=4), epochs=3)
     per_epoch = []
     for e in range(3):

@@ -8,6 +8,7 @@ written on one machine; another CPU of the same ISA level may still pick other f
 to float rounding and counters exactly. Bitwise resume parity on one machine is
 ``test_checkpoint.py``'s job.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,12 @@ def _deterministic():
 @pytest.fixture
 def copy(tmp_path):
     """A copy of a golden checkpoint: a test never touches the committed files."""
+
     def make(case: Path) -> Path:
         dst = tmp_path / case.name
         shutil.copytree(case / "checkpoint", dst)
         return dst
+
     return make
 
 
@@ -97,14 +100,19 @@ def test_golden_loads_with_weights_only(case, monkeypatch):
     assert calls == [True]
     assert m["format_version"] == case.parent.name[1:] and m["backend"] == "emulator"
     assert {"model", "optimizer", "counters", "rng", "callbacks"} <= sd.keys()
-    assert sd["counters"]["step"] == m["step"] == json.loads(
-        (case / "config.json").read_text())["stop"]
+    assert (
+        sd["counters"]["step"]
+        == m["step"]
+        == json.loads((case / "config.json").read_text())["stop"]
+    )
     torch.load(case / "expected.pt", weights_only=True)
 
 
-@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-                    reason="the recorded losses and weights are torch 2.14's arithmetic; torch "
-                           "2.0's kernels round differently (loading is tested on every torch)")
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+    reason="the recorded losses and weights are torch 2.14's arithmetic; torch "
+    "2.0's kernels round differently (loading is tested on every torch)",
+)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_golden_resumes_to_the_recorded_weights(case, copy):
     cfg = json.loads((case / "config.json").read_text())
@@ -121,8 +129,9 @@ def test_newer_major_version_is_rejected_naming_both(copy):
     rewrite_manifest(folder, format_version=f"{major + 1}.0")
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(folder)
-    assert f"format version {major + 1}.0" in str(e.value) and f"({ck.FORMAT_VERSION})" in \
-        str(e.value)
+    assert f"format version {major + 1}.0" in str(e.value) and f"({ck.FORMAT_VERSION})" in str(
+        e.value
+    )
     assert e.value.path == str(folder / ck.MANIFEST)
     rewrite_manifest(folder, format_version=f"{major}.99")  # a newer minor: still readable
     load_checkpoint(folder)

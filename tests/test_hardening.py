@@ -4,6 +4,7 @@ Kills, disk faults, signals and bad input. The subprocess tests run ``helpers_tr
 children (a tiny MLP with dropout, shuffled data, AdamW, slow saves), several at a time, and
 compare resumed runs bitwise with an uninterrupted one (``test_checkpoint.reference``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,20 +22,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import helpers_train as H
 import pytest
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_checkpoint import EPOCHS, assert_same, reference
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-import helpers_train as H
 from ipuloop import Callback, Loop, poptorch
-from ipuloop.callbacks import LRScheduler, ProfileCapture
 from ipuloop import checkpoint_io as ck
-from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
-                                          read_manifest)
-from test_checkpoint import EPOCHS, assert_same, reference
+from ipuloop.callbacks import LRScheduler, ProfileCapture
+from ipuloop.callbacks.checkpoint import (
+    CheckpointError,
+    ModelCheckpoint,
+    load_checkpoint,
+    read_manifest,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch")
 
@@ -60,8 +65,10 @@ def _one_thread():
 @contextlib.contextmanager
 def time_limit(seconds: float):
     """Fail instead of hanging: SIGALRM raises in the main thread after ``seconds``."""
+
     def alarm(signum, frame):
         raise TimeoutError(f"took more than {seconds} s")
+
     old = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -77,8 +84,11 @@ def tmpfs(path: Path, size: str):
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a size-limited tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
     try:
@@ -111,15 +121,20 @@ def assert_clean(dirpath: Path) -> None:
 
 
 def snapshot(dirpath: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(dirpath)): p.read_bytes()
-            for p in sorted(dirpath.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(dirpath)): p.read_bytes()
+        for p in sorted(dirpath.rglob("*"))
+        if p.is_file()
+    }
 
 
 # -- child processes ------------------------------------------------------------------------------
 # Starts a program with SIGINT ignored, as `nohup` or `cmd &` in a script do: a child must set
 # the SIGINT disposition it relies on, whatever it inherits.
-IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+IGNORING_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 class Child:
@@ -127,22 +142,39 @@ class Child:
 
     ``sigint_ignored``: started with SIGINT ignored (whatever this process's disposition)."""
 
-    def __init__(self, root: Path, mode: str, cfg: dict, *, env: dict | None = None,
-                 session: bool = False, sigint_ignored: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        mode: str,
+        cfg: dict,
+        *,
+        env: dict | None = None,
+        session: bool = False,
+        sigint_ignored: bool = False,
+    ) -> None:
         self.root, self.session = root, session
         (root / "cwd").mkdir(parents=True)
         (root / "cfg.json").write_text(json.dumps(cfg))
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
-               # torch makes its cache folder in TMPDIR unless told: keep TMPDIR to ipuloop
-               "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor"), **(env or {})}
+        env = {
+            **os.environ,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            # torch makes its cache folder in TMPDIR unless told: keep TMPDIR to ipuloop
+            "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor"),
+            **(env or {}),
+        }
         command = [sys.executable, str(HELPER), mode, str(root / "cfg.json")]
         if sigint_ignored:
             command[1:1] = ["-c", IGNORING_SIGINT]
         with open(root / "stderr.txt", "w") as err:
             self.proc = subprocess.Popen(
-                command, cwd=root / "cwd",
-                env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                start_new_session=session)  # its own process group, as a terminal's job
+                command,
+                cwd=root / "cwd",
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=session,
+            )  # its own process group, as a terminal's job
         self.markers: list[tuple[str, int, float]] = []
         self._cond = threading.Condition()
         self._eof = False
@@ -230,8 +262,9 @@ def alive(pid: int) -> bool:
 def resumed_state(dirpath: Path, di: int, ga: int):
     """Resume from the newest checkpoint in a new loop (other seeds); losses and state."""
     rec = H.Recorder()
-    loop, loader, _ = H.make_loop(di, ga, callbacks=[rec, ModelCheckpoint(dirpath)],
-                                  init_seed=3, seed=3)
+    loop, loader, _ = H.make_loop(
+        di, ga, callbacks=[rec, ModelCheckpoint(dirpath)], init_seed=3, seed=3
+    )
     loop.fit(loader, EPOCHS, resume_from="last")
     return rec.losses, H.comparable(loop.state_dict())
 
@@ -246,8 +279,16 @@ def at_host_call_boundary(m: dict, di: int, ga: int) -> None:
 # -- §2.2 SIGKILL in the commit, TMPDIR on another filesystem -------------------------------------
 def _kill_in_commit(root: Path, tmpdir: Path, seed: int) -> dict:
     rng = random.Random(seed)
-    cfg = {"dirpath": str(root / "ckpt"), "di": 1, "ga": 1, "epochs": EPOCHS, "chunk": 8192,
-           "delay": 0.01, "commit_delay": 0.25, "commit_marker": True}
+    cfg = {
+        "dirpath": str(root / "ckpt"),
+        "di": 1,
+        "ga": 1,
+        "epochs": EPOCHS,
+        "chunk": 8192,
+        "delay": 0.01,
+        "commit_delay": 0.25,
+        "commit_marker": True,
+    }
     child = Child(root, "kill", cfg, env={"TMPDIR": str(tmpdir)})
     target = rng.choice([2, 3, 4])
     try:
@@ -323,11 +364,14 @@ class _ArmAt(Callback):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(step=st.integers(1, 6), file=st.sampled_from([ck.STATE, ck.MANIFEST]),
-       where=st.floats(0, 1, exclude_max=True), top_k=st.sampled_from([1, 2]),
-       err=st.sampled_from([errno.ENOSPC, errno.EIO]))
-def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, where, top_k,
-                                      err):
+@given(
+    step=st.integers(1, 6),
+    file=st.sampled_from([ck.STATE, ck.MANIFEST]),
+    where=st.floats(0, 1, exclude_max=True),
+    top_k=st.sampled_from([1, 2]),
+    err=st.sampled_from([errno.ENOSPC, errno.EIO]),
+)
+def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, where, top_k, err):
     dirpath = tmp_path_factory.mktemp("full")
     offset = int(where * file_sizes[file])
     state = {"armed": False, "full": False}
@@ -342,9 +386,9 @@ def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, 
     ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=top_k)
     arm = _ArmAt(step, ckpt, lambda: state.update(armed=True))
     loop, loader, _ = H.make_loop(callbacks=[arm, ckpt])
-    with patched(ck, "CHUNK", 256), patched(ck, "write_hook", disk), \
-            pytest.warns(UserWarning, match="ModelCheckpoint.on_exception failed"), \
-            pytest.raises(CheckpointError) as e:
+    with patched(ck, "CHUNK", 256), patched(ck, "write_hook", disk), pytest.warns(
+        UserWarning, match="ModelCheckpoint.on_exception failed"
+    ), pytest.raises(CheckpointError) as e:
         loop.fit(loader, EPOCHS)
     name = f"epoch{(step - 1) // H.STEPS_PER_EPOCH}-step{step}"
     assert e.value.path == str(dirpath / name / file) and os.strerror(err) in str(e.value)
@@ -359,9 +403,20 @@ def test_disk_full_at_a_random_offset(tmp_path_factory, file_sizes, step, file, 
 
 # Each file system call of a save, failing at its n-th call in the save: mkdir of the folder,
 # mkstemp of a temporary file, a chunk write, the file's fsync, os.replace, a folder's fsync.
-FAULTS = [("mkdir", 0), ("mkstemp", 0), ("mkstemp", 1), ("write", 0), ("write", 1),
-          ("fsync", 0), ("fsync", 1), ("replace", 0), ("replace", 1), ("dirsync", 0),
-          ("dirsync", 1), ("dirsync", 2)]
+FAULTS = [
+    ("mkdir", 0),
+    ("mkstemp", 0),
+    ("mkstemp", 1),
+    ("write", 0),
+    ("write", 1),
+    ("fsync", 0),
+    ("fsync", 1),
+    ("replace", 0),
+    ("replace", 1),
+    ("dirsync", 0),
+    ("dirsync", 1),
+    ("dirsync", 2),
+]
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
@@ -383,6 +438,7 @@ def test_io_error_at_each_call_of_a_save(tmp_path, monkeypatch, op, nth, err):
             if when(*args, **kwargs):
                 fault(path_of(*args, **kwargs))
             return fn(*args, **kwargs)
+
         return faulty
 
     def is_dir(fd) -> bool:
@@ -391,22 +447,25 @@ def test_io_error_at_each_call_of_a_save(tmp_path, monkeypatch, op, nth, err):
     def fd_path(fd) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
 
-    ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=1,
-                           save_on_exception=False)
+    ckpt = ModelCheckpoint(
+        dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=1, save_on_exception=False
+    )
     arm = _ArmAt(2, ckpt, lambda: state.update(armed=True))
     loop, loader, _ = H.make_loop(callbacks=[arm, ckpt])
     if op == "mkdir":
         monkeypatch.setattr(Path, "mkdir", wrap(op, Path.mkdir, lambda p, *a, **k: p))
     elif op == "mkstemp":  # fails before it creates the file: the target names the error
-        monkeypatch.setattr(ck.tempfile, "mkstemp", wrap(op, ck.tempfile.mkstemp,
-                                                         lambda **k: Path(k["dir"])))
+        monkeypatch.setattr(
+            ck.tempfile, "mkstemp", wrap(op, ck.tempfile.mkstemp, lambda **k: Path(k["dir"]))
+        )
     elif op == "write":
         monkeypatch.setattr(ck, "write_hook", lambda path, offset: fault(path))
     elif op == "replace":
         monkeypatch.setattr(os, "replace", wrap(op, os.replace, lambda src, dst: dst))
     else:
-        monkeypatch.setattr(os, "fsync", wrap(op, os.fsync, fd_path,
-                                              lambda fd: is_dir(fd) == (op == "dirsync")))
+        monkeypatch.setattr(
+            os, "fsync", wrap(op, os.fsync, fd_path, lambda fd: is_dir(fd) == (op == "dirsync"))
+        )
     with pytest.raises(CheckpointError) as e:
         loop.fit(loader, EPOCHS)
     monkeypatch.undo()
@@ -446,12 +505,15 @@ def test_rotation_error_warns_and_the_leftover_goes_later(tmp_path, monkeypatch)
     messages = fit(once, 1)
     assert len(messages) == 1 and re.search(
         r"could not rotate out .*epoch0-step1 \(.*Input/output error\); .*epoch0-step2 is "
-        r"committed", messages[0]), messages
+        r"committed",
+        messages[0],
+    ), messages
     assert list(committed(once)) == ["epoch0-step3"]
     broken = tmp_path / "broken"  # the error persists to the fit's end
     messages = fit(broken, 2)
     assert len(messages) == 2 and re.search(
-        r"could not delete .*epoch0-step1 .*a fit resumed from .*epoch0-step3", messages[1])
+        r"could not delete .*epoch0-step1 .*a fit resumed from .*epoch0-step3", messages[1]
+    )
     assert list(committed(broken)) == ["epoch0-step1", "epoch0-step3"]
     fit(broken, 0, stop=4, resume_from="last")  # epoch0-step3 records it as rotated out
     assert list(committed(broken)) == ["epoch0-step4"]
@@ -463,8 +525,9 @@ def test_disk_full_on_a_small_tmpfs(tmp_path):
     with tmpfs(tmp_path / "disk", "64k") as dirpath:
         ckpt = ModelCheckpoint(dirpath, every_n_steps=1, every_n_epochs=None, save_top_k=1)
         loop, loader, _ = H.make_loop(callbacks=[ckpt])
-        with pytest.warns(UserWarning, match="ModelCheckpoint.on_exception failed"), \
-                pytest.raises(CheckpointError) as e:
+        with pytest.warns(UserWarning, match="ModelCheckpoint.on_exception failed"), pytest.raises(
+            CheckpointError
+        ) as e:
             loop.fit(loader, EPOCHS)
         assert e.value.path == str(dirpath / "epoch0-step2" / ck.STATE)
         assert "No space left on device" in str(e.value)
@@ -490,23 +553,35 @@ class Spy(Callback):
 def _tiny_loop(opts=None, callbacks=(), **kw) -> Loop:
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    return Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), progress=False,
-                optimizer=poptorch.optim.AdamW(model.parameters(), lr=0.01),
-                callbacks=list(callbacks), **kw)
+    return Loop(
+        model,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        optimizer=poptorch.optim.AdamW(model.parameters(), lr=0.01),
+        callbacks=list(callbacks),
+        **kw,
+    )
 
 
 def _data(n: int, features: int = 4) -> TensorDataset:
     g = torch.Generator().manual_seed(n)
-    return TensorDataset(torch.randn(n, features, generator=g), torch.randint(0, 3, (n,),
-                                                                              generator=g))
+    return TensorDataset(
+        torch.randn(n, features, generator=g), torch.randint(0, 3, (n,), generator=g)
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(b=st.integers(1, 4), di=st.integers(1, 4), ga=st.integers(1, 3),
-       rf=st.sampled_from([1, 2, 4]), n=st.integers(0, 100), drop_last=st.booleans(),
-       epochs=st.integers(1, 2))
-def test_batch_factors_run_the_documented_steps_or_fail_first(b, di, ga, rf, n, drop_last,
-                                                              epochs):
+@given(
+    b=st.integers(1, 4),
+    di=st.integers(1, 4),
+    ga=st.integers(1, 3),
+    rf=st.sampled_from([1, 2, 4]),
+    n=st.integers(0, 100),
+    drop_last=st.booleans(),
+    epochs=st.integers(1, 2),
+)
+def test_batch_factors_run_the_documented_steps_or_fail_first(b, di, ga, rf, n, drop_last, epochs):
     combined = b * di * ga * rf
     opts = poptorch.Options().deviceIterations(di).replicationFactor(rf)
     opts.Training.gradientAccumulation(ga)
@@ -520,8 +595,13 @@ def test_batch_factors_run_the_documented_steps_or_fail_first(b, di, ga, rf, n, 
             with pytest.raises(ValueError) as e:
                 loop.fit(loader, epochs)
             msg = str(e.value)
-            for part in (f"micro-batch {b} ", f"deviceIterations {di} ", f"replicationFactor {rf} ",
-                         f"gradientAccumulation {ga} ", f"= {combined} samples per host call"):
+            for part in (
+                f"micro-batch {b} ",
+                f"deviceIterations {di} ",
+                f"replicationFactor {rf} ",
+                f"gradientAccumulation {ga} ",
+                f"= {combined} samples per host call",
+            ):
                 assert part in msg, (part, msg)
             assert (spy.compiles, spy.steps) == (0, 0) and loop.train_model is None
             return
@@ -548,34 +628,64 @@ def _bad_input(case: str, spy: Spy):
     """(loop, loader) for one bad-input case."""
     x = torch.randn(32, 4)
     if case == "labels [N] vs outputs [N,1]":
-        return (Loop(nn.Linear(4, 1), loss_fn=nn.MSELoss(), progress=False, callbacks=[spy]),
-                DataLoader(TensorDataset(x, torch.randn(32)), batch_size=4))
+        return (
+            Loop(nn.Linear(4, 1), loss_fn=nn.MSELoss(), progress=False, callbacks=[spy]),
+            DataLoader(TensorDataset(x, torch.randn(32)), batch_size=4),
+        )
     if case == "labels [N] vs outputs [N,3] broadcast":  # B=3: [3,3] - [3] broadcasts silently
-        return (Loop(nn.Linear(4, 3), loss_fn=nn.MSELoss(), progress=False, callbacks=[spy]),
-                DataLoader(TensorDataset(x, torch.randn(32)), batch_size=3))
+        return (
+            Loop(nn.Linear(4, 3), loss_fn=nn.MSELoss(), progress=False, callbacks=[spy]),
+            DataLoader(TensorDataset(x, torch.randn(32)), batch_size=3),
+        )
     if case == "label batch != input batch":
-        return (_tiny_loop(callbacks=[spy]), DataLoader(_data(32), batch_size=4,
-                                                         collate_fn=lambda b: (
-            torch.randn(4, 4), torch.zeros(2, dtype=torch.long))))
+        return (
+            _tiny_loop(callbacks=[spy]),
+            DataLoader(
+                _data(32),
+                batch_size=4,
+                collate_fn=lambda b: (torch.randn(4, 4), torch.zeros(2, dtype=torch.long)),
+            ),
+        )
     if case == "float labels to CrossEntropy":
-        return (_tiny_loop(callbacks=[spy]),
-                DataLoader(TensorDataset(x, torch.randint(0, 3, (32,)).float()), batch_size=4))
+        return (
+            _tiny_loop(callbacks=[spy]),
+            DataLoader(TensorDataset(x, torch.randint(0, 3, (32,)).float()), batch_size=4),
+        )
     if case == "dict batch without labels":
         return _tiny_loop(callbacks=[spy]), DataLoader(DictData(), batch_size=4)
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case,patterns", [
-    ("labels [N] vs outputs [N,1]", [r"outputs of shape \[4, 1\]", r"labels of shape \[4\]",
-                                     "would broadcast"]),
-    ("labels [N] vs outputs [N,3] broadcast", [r"labels float32 \[3\]", r"output.*\[3, 3\]",
-                                               "would broadcast"]),
-    ("label batch != input batch", ["input 0 has batch size 4", "labels have 2"]),
-    ("float labels to CrossEntropy", [r"labels float32 \[4\]", r"inputs? \(float32 \[4, 4\]\)",
-                                      "(expected target dtype to be Long|expected scalar type Long)"]),
-    ("dict batch without labels", [r"dict batches without the labels' key label_key='labels' "
-                                   r"\(keys \['image', 'target'\]\)", r"Loop\(label_key=\.\.\.\)"]),
-])
+@pytest.mark.parametrize(
+    "case,patterns",
+    [
+        (
+            "labels [N] vs outputs [N,1]",
+            [r"outputs of shape \[4, 1\]", r"labels of shape \[4\]", "would broadcast"],
+        ),
+        (
+            "labels [N] vs outputs [N,3] broadcast",
+            [r"labels float32 \[3\]", r"output.*\[3, 3\]", "would broadcast"],
+        ),
+        ("label batch != input batch", ["input 0 has batch size 4", "labels have 2"]),
+        (
+            "float labels to CrossEntropy",
+            [
+                r"labels float32 \[4\]",
+                r"inputs? \(float32 \[4, 4\]\)",
+                "(expected target dtype to be Long|expected scalar type Long)",
+            ],
+        ),
+        (
+            "dict batch without labels",
+            [
+                r"dict batches without the labels' key label_key='labels' "
+                r"\(keys \['image', 'target'\]\)",
+                r"Loop\(label_key=\.\.\.\)",
+            ],
+        ),
+    ],
+)
 def test_bad_input_named_before_the_first_step(case, patterns):
     spy = Spy()
     loop, loader = _bad_input(case, spy)
@@ -604,10 +714,13 @@ class _Changing(Dataset):
         return (x, torch.ones(2), y) if self.change == "extra" else (x.double(), y)
 
 
-@pytest.mark.parametrize("change,match", [
-    ("extra", r"expected 2 arguments but got 3"),
-    ("dtype", r"Data type mismatch for .*expected torch.float32 but got torch.float64"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ("extra", r"expected 2 arguments but got 3"),
+        ("dtype", r"Data type mismatch for .*expected torch.float32 but got torch.float64"),
+    ],
+)
 def test_changed_arguments_after_compilation_are_rejected(change, match):
     """Step 2's batch differs from the compiled one: that step is refused, not run."""
     loop = _tiny_loop(poptorch.Options())
@@ -634,16 +747,25 @@ class Stream(IterableDataset):
         return self._gen if self._gen is not None else self._items()
 
 
-@pytest.mark.parametrize("case,match", [
-    ("zero-length", r"train_loader has 0 samples.*= 8 samples per host call"),
-    ("shorter than one host call", r"train_loader has 7 samples.*= 8 samples per host call"),
-    ("epochs=0", r"epochs must be an int >= 1\. Received: epochs=0"),
-    ("empty val_loader", r"val_loader\b.*\b0 samples"),  # validation pads: any sample will do
-    ("empty predict", r"loader is empty"),
-    ("iterable shorter than one host call", r"train_loader yielded no complete host call in "
-                                            r"epoch 0.*= 8 samples per host call"),
-    ("one-shot iterable", r"train_loader yielded no complete host call in epoch 1.*= 8 samples"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("zero-length", r"train_loader has 0 samples.*= 8 samples per host call"),
+        ("shorter than one host call", r"train_loader has 7 samples.*= 8 samples per host call"),
+        ("epochs=0", r"epochs must be an int >= 1\. Received: epochs=0"),
+        ("empty val_loader", r"val_loader\b.*\b0 samples"),  # validation pads: any sample will do
+        ("empty predict", r"loader is empty"),
+        (
+            "iterable shorter than one host call",
+            r"train_loader yielded no complete host call in "
+            r"epoch 0.*= 8 samples per host call",
+        ),
+        (
+            "one-shot iterable",
+            r"train_loader yielded no complete host call in epoch 1.*= 8 samples",
+        ),
+    ],
+)
 def test_degenerate_loaders_fail_clearly_and_fast(case, match):
     opts = poptorch.Options().deviceIterations(2)
     opts.Training.gradientAccumulation(2)  # 2 x 2 x B=2: 8 samples per host call
@@ -657,8 +779,9 @@ def test_degenerate_loaders_fail_clearly_and_fast(case, match):
         elif case == "epochs=0":
             loop.fit(DataLoader(_data(16), batch_size=2), epochs=0)
         elif case == "empty val_loader":
-            loop.fit(DataLoader(_data(16), batch_size=2), val_loader=DataLoader(_data(0),
-                                                                               batch_size=2))
+            loop.fit(
+                DataLoader(_data(16), batch_size=2), val_loader=DataLoader(_data(0), batch_size=2)
+            )
         elif case == "empty predict":
             loop.predict(DataLoader(_data(0), batch_size=2))
         elif case == "iterable shorter than one host call":
@@ -684,8 +807,14 @@ def test_iterable_dataset_without_len_trains_the_full_host_calls():
 # (a worker or thread that is never joined), not the machine's speed: the bound of §2.13 is
 # checked on the "exit" marker, written as fit raises SystemExit(143).
 TEARDOWN = 20.0
-SIG_CFG = {"di": 2, "ga": 1, "epochs": EPOCHS, "step_delay": 0.05, "chunk": 4096,
-           "delay": 0.02}  # a host call ~0.1 s, a save ~0.25 s
+SIG_CFG = {
+    "di": 2,
+    "ga": 1,
+    "epochs": EPOCHS,
+    "step_delay": 0.05,
+    "chunk": 4096,
+    "delay": 0.02,
+}  # a host call ~0.1 s, a save ~0.25 s
 
 
 def _sigterm_run(root: Path, seed: int) -> dict:
@@ -710,8 +839,14 @@ def _sigterm_run(root: Path, seed: int) -> dict:
     except BaseException:
         child.finish()
         raise
-    return {"aim": aim, "code": code, "elapsed": t_exit - t_sig, "t_sig": t_sig,
-            "markers": list(child.markers), "stderr": child.stderr()}
+    return {
+        "aim": aim,
+        "code": code,
+        "elapsed": t_exit - t_sig,
+        "t_sig": t_sig,
+        "markers": list(child.markers),
+        "stderr": child.stderr(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -744,8 +879,11 @@ def test_sigterm_at_a_random_moment(sigterm_runs, seed):
     assert exit_at - run["t_sig"] <= step + save + 2, (exit_at - run["t_sig"], step, save)
     assert run["elapsed"] <= step + save + 2 + TEARDOWN, (run["elapsed"], step, save)
     # the checkpoint is at the host-call boundary the signal reached
-    done = max([s + 1 for k, s, t in markers if k == "step-start" and t < run["t_sig"]]
-               + [s for k, s, t in markers if k == "save-start" and t < run["t_sig"]] + [0])
+    done = max(
+        [s + 1 for k, s, t in markers if k == "step-start" and t < run["t_sig"]]
+        + [s for k, s, t in markers if k == "save-start" and t < run["t_sig"]]
+        + [0]
+    )
     dirpath = root / "ckpt"
     latest = ModelCheckpoint(dirpath).latest()
     m = read_manifest(latest)
@@ -755,7 +893,7 @@ def test_sigterm_at_a_random_moment(sigterm_runs, seed):
     assert_clean(dirpath)
     ref_losses, ref_state = reference(SIG_CFG["di"], SIG_CFG["ga"], 0)
     losses, state = resumed_state(dirpath, SIG_CFG["di"], SIG_CFG["ga"])
-    assert losses == ref_losses[m["step"]:]
+    assert losses == ref_losses[m["step"] :]
     assert_same(state, ref_state)
 
 
@@ -764,9 +902,15 @@ def test_sigterm_runs_cover_steps_and_saves(sigterm_runs):
     """The random moments include a save and a step (as the test plan asks)."""
     where = set()
     for _, run in sigterm_runs:
-        last = max(((k, t) for k, s, t in run["markers"]
-                    if k in ("step-start", "save-start", "save-end") and t < run["t_sig"]),
-                   key=lambda kt: kt[1], default=("none", 0))
+        last = max(
+            (
+                (k, t)
+                for k, s, t in run["markers"]
+                if k in ("step-start", "save-start", "save-end") and t < run["t_sig"]
+            ),
+            key=lambda kt: kt[1],
+            default=("none", 0),
+        )
         where.add("save" if last[0] == "save-start" else "step")
     assert where == {"save", "step"} or SIGTERM_REPEATS < 3
 
@@ -783,6 +927,7 @@ def test_signal_handlers_chained_and_restored_in_process():
     old_term = signal.signal(signal.SIGTERM, user_term)
     old_int = signal.getsignal(signal.SIGINT)
     try:
+
         class Term(Callback):
             def on_train_step_end(self, loop) -> None:
                 assert signal.getsignal(signal.SIGTERM) is not user_term
@@ -810,6 +955,7 @@ def test_signal_handlers_chained_and_restored_in_process():
 def test_sigterm_in_epoch_end_hooks(tmp_path, epoch):
     """SIGTERM while epoch-end hooks run: no further step, a checkpoint, then 143 (also after
     the last epoch: the signal is never swallowed)."""
+
     class TermAtEnd(Callback):
         order = 95  # after ModelCheckpoint's epoch save
 
@@ -832,6 +978,7 @@ def test_sigterm_in_epoch_end_hooks(tmp_path, epoch):
 def test_sigterm_during_validation_resumes_exactly(tmp_path):
     """SIGTERM in the middle of a validation pass: the checkpoint is taken there (the epoch's
     training done, not yet counted), and the resumed fit ends as the uninterrupted one."""
+
     def run(callbacks, **kw):
         rec = H.Recorder()
         loop, loader, ds = H.make_loop(callbacks=[rec, *callbacks], **kw)
@@ -849,8 +996,11 @@ def test_sigterm_during_validation_resumes_exactly(tmp_path):
 
     rec, loop, loader, val = run([])
     loop.fit(loader, EPOCHS, val_loader=val)
-    ref_losses, ref_state, ref_history = rec.losses, H.comparable(loop.state_dict()), \
-        loop.state.history
+    ref_losses, ref_state, ref_history = (
+        rec.losses,
+        H.comparable(loop.state_dict()),
+        loop.state.history,
+    )
     rec1, loop, loader, val = run([TermInValidation(), ModelCheckpoint(tmp_path)])
     with pytest.raises(SystemExit) as e:
         loop.fit(loader, EPOCHS, val_loader=val)
@@ -865,8 +1015,15 @@ def test_sigterm_during_validation_resumes_exactly(tmp_path):
 
 
 # -- §2.14 Ctrl-C ---------------------------------------------------------------------------------
-INT_CFG = {"di": 1, "ga": 1, "epochs": EPOCHS, "workers": 2, "step_delay": 0.15,
-           "chunk": 4096, "delay": 0.03}  # a host call ~0.15 s, a save ~0.35 s
+INT_CFG = {
+    "di": 1,
+    "ga": 1,
+    "epochs": EPOCHS,
+    "workers": 2,
+    "step_delay": 0.15,
+    "chunk": 4096,
+    "delay": 0.03,
+}  # a host call ~0.15 s, a save ~0.35 s
 
 
 def _sigint_run(root: Path, case: str) -> dict:
@@ -945,8 +1102,10 @@ def test_ctrl_c(sigint_runs, case):
     dirpath = root / "ckpt"
     assert_clean(dirpath)
     m = read_manifest(ModelCheckpoint(dirpath).latest())
-    assert m["step"] == {"step": 2, "save": m["step"] in (1, 2) and m["step"],
-                         "twice": H.STEPS_PER_EPOCH}[case], m
+    assert (
+        m["step"]
+        == {"step": 2, "save": m["step"] in (1, 2) and m["step"], "twice": H.STEPS_PER_EPOCH}[case]
+    ), m
     assert not any(p.name.endswith("-exception") for p in dirpath.iterdir())
 
 
@@ -976,17 +1135,20 @@ def _torn_down(loop, handlers) -> None:
 @pytest.fixture
 def user_sigterm():
     """A user's SIGTERM handler; yields the (SIGTERM, SIGINT) handlers before the fit."""
+
     def handler(signum, frame):
         pass
+
     old = signal.signal(signal.SIGTERM, handler)
     yield handler, signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGTERM, old)
 
 
 @pytest.mark.parametrize("disk", ["injected", "tmpfs"])
-@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-                    reason="torch < 2.1's trace exporter (kineto's C++ writer) reports no "
-                           "write error")
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+    reason="torch < 2.1's trace exporter (kineto's C++ writer) reports no write error",
+)
 def test_profile_capture_disk_full(tmp_path, monkeypatch, user_sigterm, disk):
     ckdir = tmp_path / "ckpt"
     with contextlib.ExitStack() as stack:
@@ -1022,7 +1184,7 @@ def test_profile_capture_disk_full(tmp_path, monkeypatch, user_sigterm, disk):
 class FailingLR(torch.optim.lr_scheduler.LambdaLR):
     def __init__(self, optimizer, fail_at: int) -> None:
         self.fail_at, self.calls = fail_at, 0
-        super().__init__(optimizer, lambda u: 0.9 ** u)
+        super().__init__(optimizer, lambda u: 0.9**u)
 
     def step(self, *args, **kwargs):
         self.calls += 1
@@ -1041,8 +1203,14 @@ def test_lr_scheduler_failure(tmp_path, user_sigterm, fail_step):
     opt = poptorch.optim.AdamW(model.parameters(), lr=0.02)
     # call 1 is LambdaLR's own, in __init__; host step s makes calls 2+(s-1)*DI ... 1+s*DI
     sched = FailingLR(opt, fail_at=2 + (fail_step - 1) * di + 1)  # in the middle of an update
-    loop = Loop(model, poptorch.Options().deviceIterations(di), optimizer=opt, seed=1,
-                progress=False, callbacks=[LRScheduler(sched), ckpt])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(di),
+        optimizer=opt,
+        seed=1,
+        progress=False,
+        callbacks=[LRScheduler(sched), ckpt],
+    )
     loader = DataLoader(H.IndexedData(H.samples_for(di, 1)), batch_size=H.MICRO, shuffle=True)
     with pytest.raises(RuntimeError, match="scheduler exploded") as e:
         loop.fit(loader, EPOCHS)

@@ -9,17 +9,20 @@
 * ``Loop``'s per-step test of the optimizer's hyper-parameters against ``_hyper``;
 * ``Layout.align`` / ``Layout.step_loss`` computed once per layout.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_emulator_executor import (
+    Dropper,  # Linear + Dropout(0.5), loss identity_loss(out.pow(2), "mean")
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ipuloop.emulator as poptorch
 from ipuloop import Callback, Loop
 from ipuloop.outputs import ALL, EVERY_N, FINAL, SUM, Layout
-from test_emulator_executor import Dropper  # Linear + Dropout(0.5), loss identity_loss(out.pow(2), "mean")
 
 IN, OUT, B = 5, 3, 4
 
@@ -36,21 +39,29 @@ class Outputs(nn.Module):
     def forward(self, x, y):
         out = self.fc(x)
         loss = nn.functional.cross_entropy(out, y)
-        return {"out": out, "pred": out.argmax(1), "wide": out.detach().double().sum(1)}, \
-            "tag", loss
+        return (
+            {"out": out, "pred": out.argmax(1), "wide": out.detach().double().sum(1)},
+            "tag",
+            loss,
+        )
 
 
 def _data(n=3, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(B, IN, generator=g), torch.randint(0, OUT, (B,), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randn(B, IN, generator=g), torch.randint(0, OUT, (B,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _train(single: bool, mode, loss_scaling: float):
     model = Outputs()
     opts = poptorch.Options().outputMode(mode)
-    ex = poptorch.trainingModel(model, opts, poptorch.optim.SGD(
-        model.parameters(), lr=0.1, momentum=0.9, loss_scaling=loss_scaling))
+    ex = poptorch.trainingModel(
+        model,
+        opts,
+        poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=loss_scaling),
+    )
     batches = _data()
     ex.compile(*batches[0])
     assert ex._single  # DI = GA = RF = 1
@@ -59,8 +70,15 @@ def _train(single: bool, mode, loss_scaling: float):
     return results, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("mode", [poptorch.OutputMode.All, poptorch.OutputMode.Final,
-                                  poptorch.OutputMode.Sum, poptorch.OutputMode.Default])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        poptorch.OutputMode.All,
+        poptorch.OutputMode.Final,
+        poptorch.OutputMode.Sum,
+        poptorch.OutputMode.Default,
+    ],
+)
 @pytest.mark.parametrize("loss_scaling", [1.0, 8.0])
 def test_single_micro_batch_path_equals_general_path(mode, loss_scaling):
     fast, w_fast = _train(True, mode, loss_scaling)
@@ -187,14 +205,17 @@ def test_engine_backward_equals_torch_backward(ga, loss_scaling):
     ref = ScalarLoss()
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(ga)
-    ex = poptorch.trainingModel(model, opts, poptorch.optim.SGD(
-        model.parameters(), lr=0.1, momentum=0.9, loss_scaling=loss_scaling))
+    ex = poptorch.trainingModel(
+        model,
+        opts,
+        poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=loss_scaling),
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for x, y in _data(4):
         xs, ys = torch.cat([x] * ga), torch.cat([y] * ga)
         ex(xs, ys)
         for a in range(ga):
-            (ref(xs[a * B:(a + 1) * B], ys[a * B:(a + 1) * B]) / ga).backward()
+            (ref(xs[a * B : (a + 1) * B], ys[a * B : (a + 1) * B]) / ga).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -209,8 +230,9 @@ class CountingSGD(poptorch.optim.SGD):
 
 def test_an_optimizer_with_its_own_zero_grad_has_it_called_each_update():
     model = Outputs()
-    ex = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
-                                CountingSGD(model.parameters(), lr=0.1))
+    ex = poptorch.trainingModel(
+        model, poptorch.Options().deviceIterations(2), CountingSGD(model.parameters(), lr=0.1)
+    )
     for x, y in _data(2):
         ex(torch.cat([x, x]), torch.cat([y, y]))
     assert ex._device_optimizer.cleared == 4  # DI = 2 updates per call
@@ -219,8 +241,9 @@ def test_an_optimizer_with_its_own_zero_grad_has_it_called_each_update():
 
 def test_zero_grad_is_recorded_when_profiling():
     model = Outputs()
-    ex = poptorch.trainingModel(model, poptorch.Options(),
-                                poptorch.optim.SGD(model.parameters(), lr=0.1))
+    ex = poptorch.trainingModel(
+        model, poptorch.Options(), poptorch.optim.SGD(model.parameters(), lr=0.1)
+    )
     x, y = _data(1)[0]
     ex(x, y)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -230,9 +253,9 @@ def test_zero_grad_is_recorded_when_profiling():
     assert any(n.startswith("Optimizer.step#") for n in names), sorted(names)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The loop's per-step test of the optimizer
+
 
 class Mlp(nn.Module):
     def __init__(self) -> None:
@@ -263,12 +286,14 @@ class Edit(Callback):
 
 def _fit(optimizer_factory, edit, at=3, steps=6):
     g = torch.Generator().manual_seed(0)
-    ds = TensorDataset(torch.randn(steps * B, IN, generator=g),
-                       torch.randint(0, OUT, (steps * B,), generator=g))
+    ds = TensorDataset(
+        torch.randn(steps * B, IN, generator=g), torch.randint(0, OUT, (steps * B,), generator=g)
+    )
     model = Mlp()
     cb = Edit(at, edit)
-    loop = Loop(model, optimizer=optimizer_factory(model.parameters()), callbacks=[cb],
-                progress=False)
+    loop = Loop(
+        model, optimizer=optimizer_factory(model.parameters()), callbacks=[cb], progress=False
+    )
     loop.fit(DataLoader(ds, batch_size=B), epochs=1)
     return loop, cb
 
@@ -279,36 +304,47 @@ def test_an_epoch_of_one_step_fits():
 
 
 def test_a_tensor_lr_changed_in_place_is_pushed():
-    loop, cb = _fit(lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)),
-                    lambda o: o.param_groups[0]["lr"].fill_(0.05))
+    loop, cb = _fit(
+        lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)),
+        lambda o: o.param_groups[0]["lr"].fill_(0.05),
+    )
     assert loop.optimizer_pushes == 1
     assert cb.lrs == pytest.approx([0.1] * 3 + [0.05] * 3)
 
 
 def test_an_lr_set_to_an_equal_value_is_not_pushed_and_a_new_value_is():
-    loop, _ = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1),
-                   lambda o: o.param_groups[0].__setitem__("lr", float("0.1")))
+    loop, _ = _fit(
+        lambda p: poptorch.optim.SGD(p, lr=0.1),
+        lambda o: o.param_groups[0].__setitem__("lr", float("0.1")),
+    )
     assert loop.optimizer_pushes == 0
-    loop, cb = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1),
-                    lambda o: o.param_groups[0].__setitem__("lr", 0.025))
+    loop, cb = _fit(
+        lambda p: poptorch.optim.SGD(p, lr=0.1),
+        lambda o: o.param_groups[0].__setitem__("lr", 0.025),
+    )
     assert loop.optimizer_pushes == 1 and cb.lrs == pytest.approx([0.1] * 3 + [0.025] * 3)
 
 
 def test_a_changed_optimizer_attribute_is_pushed():
-    loop, cb = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1, loss_scaling=2.0),
-                    lambda o: setattr(o, "loss_scaling", 4.0))
+    loop, cb = _fit(
+        lambda p: poptorch.optim.SGD(p, lr=0.1, loss_scaling=2.0),
+        lambda o: setattr(o, "loss_scaling", 4.0),
+    )
     assert loop.optimizer_pushes == 1
     assert cb.scaling == [2.0] * 3 + [4.0] * 3
 
 
 def test_a_new_key_in_a_group_is_a_change():
-    loop, _ = _fit(lambda p: poptorch.optim.SGD(p, lr=0.1),
-                   lambda o: o.param_groups[0].__setitem__("initial_lr", 0.1))
+    loop, _ = _fit(
+        lambda p: poptorch.optim.SGD(p, lr=0.1),
+        lambda o: o.param_groups[0].__setitem__("initial_lr", 0.1),
+    )
     assert loop.optimizer_pushes == 1
 
 
 # ---------------------------------------------------------------------------------------------
 # Layout
+
 
 @pytest.mark.parametrize("mode,period", [(ALL, 1), (EVERY_N, 1)])
 def test_align_every_micro_batch_is_the_labels_in_order(mode, period):
@@ -320,9 +356,15 @@ def test_align_every_micro_batch_is_the_labels_in_order(mode, period):
     assert torch.equal(got, labels.reshape(2, 3, 1, 4).repeat(1, 1, 2, 1).reshape(-1))
 
 
-@pytest.mark.parametrize("mode,period,returned,count,exact", [
-    (SUM, 1, 2, 24, True), (FINAL, 1, 2, 2, False), (ALL, 1, 24, 24, True),
-    (EVERY_N, 2, 12, 12, False)])
+@pytest.mark.parametrize(
+    "mode,period,returned,count,exact",
+    [
+        (SUM, 1, 2, 24, True),
+        (FINAL, 1, 2, 2, False),
+        (ALL, 1, 24, 24, True),
+        (EVERY_N, 2, 12, 12, False),
+    ],
+)
 def test_step_loss_counts(mode, period, returned, count, exact):
     layout = Layout(4, 3, 2, mode, period)  # DI=4, GA=3, RF=2: 24 micro-batches
     for _ in range(2):  # computed once, then reused

@@ -5,6 +5,7 @@ loop's use of it: reading weights after a detach, precision, optimizer state, in
 options, custom batch samplers, distributed slices, the backend fallback, learning rates,
 the IPU count and recomputation checkpoints.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,9 @@ def test_copy_weights_to_host_on_a_detached_model_is_an_error():
     no longer holds, so the emulator raises; ``detachFromDevice`` already copied them back
     (``self.copyWeightsToHostIfNeeded()`` before ``poptorch_core.detachFromDevice``)."""
     model = Net()
-    train = poptorch.trainingModel(model, poptorch.Options(),
-                                   poptorch.optim.SGD(model.parameters(), lr=0.1))
+    train = poptorch.trainingModel(
+        model, poptorch.Options(), poptorch.optim.SGD(model.parameters(), lr=0.1)
+    )
     x, y = data(4)[:]
     train(x, y)
     train.detachFromDevice()
@@ -98,8 +100,11 @@ def test_checkpoints_after_validation_hold_the_trained_weights(tmp_path, when):
     else:
         loop.fit(DataLoader(data(), batch_size=4), epochs=1, val_loader=DataLoader(data(8)))
     assert not loop.train_model.isAttachedToDevice()
-    saved = loop.state_dict()["model"] if when == "after_fit" else \
-        load_checkpoint(sorted(tmp_path.glob("*/manifest.json"))[0].parent)["model"]
+    saved = (
+        loop.state_dict()["model"]
+        if when == "after_fit"
+        else load_checkpoint(sorted(tmp_path.glob("*/manifest.json"))[0].parent)["model"]
+    )
     host = loop.model.state_dict()
     assert saved.keys() == host.keys()
     assert all(torch.equal(saved[k], host[k]) for k in host)
@@ -113,8 +118,10 @@ def test_a_poptorch_that_fails_to_import_falls_back_only_under_auto(tmp_path, mo
     ``ImportError``: ``assert torch.__version__.startswith("@TORCH_VERSION@"), ("This version
     of PopTorch only works with torch==...")`` (``python/__init__.py``)."""
     from ipuloop import backend
+
     (tmp_path / "poptorch.py").write_text(
-        "raise AssertionError('This version of PopTorch only works with torch==2.0.1')\n")
+        "raise AssertionError('This version of PopTorch only works with torch==2.0.1')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("IPULOOP_BACKEND", choice)
     monkeypatch.setattr(backend, "_resolved", None)
@@ -133,8 +140,9 @@ def test_the_emulator_asserts_numbers_as_hyperparameters():
     (``_optimizer_attributes.py``, ``convertOptimizerToDict``)."""
     model = Net()
     with pytest.raises(AssertionError, match="Expected a number for lr"):
-        poptorch.trainingModel(model, poptorch.Options(),
-                               torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1)))
+        poptorch.trainingModel(
+            model, poptorch.Options(), torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+        )
     ok = torch.optim.SGD(model.parameters(), lr=0.1)
     train = poptorch.trainingModel(model, poptorch.Options(), ok)
     ok.param_groups[0]["lr"] = torch.tensor(0.05)
@@ -151,8 +159,12 @@ def test_the_loop_pushes_tensor_learning_rates_as_numbers():
             lr.mul_(0.5)
 
     model = Net()
-    loop = Loop(model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), progress=False,
-                callbacks=[Halve()])
+    loop = Loop(
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        progress=False,
+        callbacks=[Halve()],
+    )
     loop.fit(DataLoader(data(12), batch_size=4))
     assert loop.optimizer.param_groups[0]["lr"] is lr and loop.optimizer_pushes == 2
     assert loop.train_model._device_optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
@@ -164,9 +176,13 @@ def test_replicas_count_ipus_as_poptorch_reserves_them(monkeypatch):
     an IPU with no layers past the last used one is not reserved, and the system is asked for
     the rounded count."""
     from ipuloop.config import IPUConfig
+
     asked = []
-    monkeypatch.setattr(poptorch, "ipuHardwareIsAvailable",
-                        lambda num_ipus=1: asked.append(num_ipus) or num_ipus <= 64)
+    monkeypatch.setattr(
+        poptorch,
+        "ipuHardwareIsAvailable",
+        lambda num_ipus=1: asked.append(num_ipus) or num_ipus <= 64,
+    )
     loop = make_loop(opts=IPUConfig(layers_per_ipu=[2, 0], ipus_per_replica=2), replicas=64)
     assert loop.train_opts.replication_factor == 64 and asked[-1] == 64
     make_loop(opts=IPUConfig(layers_per_ipu=[1, 1, 1]), replicas=2)
@@ -179,6 +195,7 @@ def test_recomputation_checkpoints_get_tensors_only():
     """``recomputationCheckpoint`` raises ``ValueError("All inputs must be tensors")`` for any
     other argument (``ops.py``); a layer returning (tensor, None) passes the None through."""
     from ipuloop.config import _RecomputeHook
+
     with pytest.raises(ValueError, match="All inputs must be tensors"):
         poptorch.recomputationCheckpoint(torch.ones(1), None)
     out = _RecomputeHook(poptorch)(nn.Identity(), (), (torch.ones(2), None))
@@ -191,6 +208,7 @@ def test_mnist_ipu_config_inference_uses_the_training_ipus(tmp_path):
     ``AutoStage.AutoIncrement``); the example places them as training does."""
     from ipuloop.config import IPUConfig
     from ipuloop.examples import mnist
+
     IPUConfig(device_iterations=1, gradient_accumulation_steps=8).save(tmp_path / "c.json")
     args = mnist.parse_args(["--ipu-config", str(tmp_path / "c.json")])
     _, opts, inference = mnist.config_options(args)
@@ -223,24 +241,34 @@ def test_a_torch_optim_optimizer_state_stays_on_the_device():
 def test_checkpointing_a_stateful_torch_optim_optimizer_is_refused_before_training(tmp_path, how):
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
-    loop = Loop(model, optimizer=opt, progress=False,
-                callbacks=[ModelCheckpoint(tmp_path)] if how == "checkpoint" else [])
+    loop = Loop(
+        model,
+        optimizer=opt,
+        progress=False,
+        callbacks=[ModelCheckpoint(tmp_path)] if how == "checkpoint" else [],
+    )
     with pytest.raises(ValueError, match=r"poptorch.optim.AdamW\(params, lr=0.02, "):
         if how == "state_dict":
             loop.state_dict()
         else:
-            loop.fit(DataLoader(data(), batch_size=4),
-                     resume_from=str(tmp_path) if how == "resume" else None)
+            loop.fit(
+                DataLoader(data(), batch_size=4),
+                resume_from=str(tmp_path) if how == "resume" else None,
+            )
     assert loop.train_model is None  # refused before anything was compiled
     # stateless (SGD without momentum) and poptorch.optim optimizers checkpoint exactly
-    for opt in (torch.optim.SGD(model.parameters(), lr=0.1),
-                poptorch.optim.AdamW(model.parameters(), lr=0.02)):
+    for opt in (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        poptorch.optim.AdamW(model.parameters(), lr=0.02),
+    ):
         Loop(model, optimizer=opt, progress=False).state_dict()
 
 
 # -- 4. inference options ----------------------------------------------------------------------
-@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-                    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+)
 def test_inference_options_drop_training_only_settings():
     """``_TrainingOptions``: "You must not set these options for inference models"
     (``options.py``); PopART refuses automatic loss scaling for a session that does not train,
@@ -278,8 +306,9 @@ def test_the_emulator_counts_a_batch_samplers_batches():
     """With a ``batch_sampler``, PopTorch's ``DataLoader.__len__`` is ``super().__len__()`` (the
     sampler's micro-batches) and ``__iter__`` returns ``_utils.combined_batch_generator(...)``,
     a plain generator (``python/__init__.py``)."""
-    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(2), data(16),
-                                 batch_sampler=_Pairs(16))
+    loader = poptorch.DataLoader(
+        poptorch.Options().deviceIterations(2), data(16), batch_sampler=_Pairs(16)
+    )
     assert len(loader) == 8 and len(list(loader)) == 4
 
 
@@ -327,6 +356,7 @@ class _Seen(TensorDataset):
 
 def _process_plan(rank: int, loader: DataLoader, replicas: int = 1):
     from ipuloop.plan import build
+
     opts = poptorch.Options().replicationFactor(replicas).randomSeed(0)
     opts.Distributed.configureProcessId(rank, 2)
     opts.outputMode(poptorch.OutputMode.All)
@@ -360,8 +390,8 @@ def test_a_sampler_over_the_whole_dataset_gives_the_global_order():
         reads.append([int(i) for i in iter(plan.sampler)])
     sampler.generator.manual_seed(5)
     order = [int(i) for i in sampler]
-    assert reads[0] == [i for k in range(4) for i in order[8 * k:8 * k + 4]]
-    assert reads[1] == [i for k in range(4) for i in order[8 * k + 4:8 * k + 8]]
+    assert reads[0] == [i for k in range(4) for i in order[8 * k : 8 * k + 4]]
+    assert reads[1] == [i for k in range(4) for i in order[8 * k + 4 : 8 * k + 8]]
 
 
 # -- 2. one precision path ---------------------------------------------------------------------
@@ -393,8 +423,13 @@ def test_the_host_probe_computes_in_float32(precision):
 
     model = _HostFloat32()
     model.lin.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
-    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
-                precision=precision, progress=False, callbacks=[BeforeCompiling()])
+    loop = Loop(
+        model,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+        precision=precision,
+        progress=False,
+        callbacks=[BeforeCompiling()],
+    )
     loop.fit(DataLoader(data(8), batch_size=4))
     assert loop.state.step == 0 and not loop.train_model.isCompiled()
     assert seen == [torch.float32]
@@ -425,16 +460,24 @@ def test_16_bit_precisions_take_one_path_on_every_backend(monkeypatch, backend):
     its weights float32 for mixed) on the emulator and on an IPU alike: no emulator-only
     autocast. PopTorch 3.x has no autocast (``python/`` has no ``autocasting.py`` since 3.1)."""
     from ipuloop import backend as backend_mod
+
     monkeypatch.setattr(backend_mod, "backend_name", lambda: backend)
     wrapped = []
     real = poptorch.trainingModel
-    monkeypatch.setattr(poptorch, "trainingModel",
-                        lambda model, *a, **k: wrapped.append(model) or real(model, *a, **k))
+    monkeypatch.setattr(
+        poptorch,
+        "trainingModel",
+        lambda model, *a, **k: wrapped.append(model) or real(model, *a, **k),
+    )
     for precision, weights in (("16-mixed", torch.float32), ("16-true", torch.float16)):
         _DEVICE_INPUTS.clear()
         model = _Recording()
-        loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
-                    precision=precision, progress=False)
+        loop = Loop(
+            model,
+            optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+            precision=precision,
+            progress=False,
+        )
         loop.fit(DataLoader(data(8), batch_size=4), max_steps=1)
         assert wrapped[-1] is model and model.lin.weight.dtype == weights
         assert _DEVICE_INPUTS and set(_DEVICE_INPUTS) == {torch.float16}

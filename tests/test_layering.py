@@ -6,6 +6,7 @@ reads < parts < wiring < the loop < entry points): a module imports its own laye
 ones. No two modules share a basename. And at run time, a batch's way from the loader to the
 logged loss crosses few modules and takes no detour (``batch_way``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch_way import trace
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 import ipuloop
-from batch_way import trace
 from ipuloop import Loop, poptorch
 
 ROOT = Path(ipuloop.__file__).parent
@@ -47,7 +48,7 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module
@@ -103,20 +104,32 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
     for a, targets in edges.items():
         for b in sorted(targets):
             if a.startswith("ipuloop.emulator") and not (
-                    b.startswith("ipuloop.emulator") or b == "ipuloop.rules"):
+                b.startswith("ipuloop.emulator") or b == "ipuloop.rules"
+            ):
                 bad.append(f"{a} -> {b} (the emulator imports nothing of ipuloop but rules)")
             if a.startswith("ipuloop.callbacks") and b in (
-                    "ipuloop.loop", "ipuloop.executors", "ipuloop.loop_options", "ipuloop.plan"):
+                "ipuloop.loop",
+                "ipuloop.executors",
+                "ipuloop.loop_options",
+                "ipuloop.plan",
+            ):
                 bad.append(f"{a} -> {b} (callbacks reach the loop only through base.LoopView)")
-            if a == "ipuloop.loop" and b.startswith("ipuloop.callbacks") \
-                    and b != "ipuloop.callbacks.base":
+            if (
+                a == "ipuloop.loop"
+                and b.startswith("ipuloop.callbacks")
+                and b != "ipuloop.callbacks.base"
+            ):
                 bad.append(f"{a} -> {b} (the loop names no concrete callback)")
     return bad
 
 
 # Known edges that close a circle, each with its reason; removed when the code drops them.
-KNOWN = {("ipuloop.emulator.options", "ipuloop.emulator"):
-         "a function-local import of the package's public names while an options file is read"}
+KNOWN = {
+    (
+        "ipuloop.emulator.options",
+        "ipuloop.emulator",
+    ): "a function-local import of the package's public names while an options file is read"
+}
 
 
 def test_no_import_circle():
@@ -139,24 +152,30 @@ def test_the_graph_is_read():  # the reader finds relative, aliased and function
     assert "ipuloop.callbacks.base" in edges["ipuloop.loop"]
 
 
-@pytest.mark.parametrize("edges,expected", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
-    ({"a": {"a"}}, [["a"]]),
-    ({"a": {"b"}, "b": set()}, []),
-])
+@pytest.mark.parametrize(
+    "edges,expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"a"}}, [["a"]]),
+        ({"a": {"b"}, "b": set()}, []),
+    ],
+)
 def test_cycle_checker(edges, expected):
     assert cycles(edges) == expected
 
 
-@pytest.mark.parametrize("edge", [
-    ("ipuloop.emulator.executor", "ipuloop.backend"),
-    ("ipuloop.callbacks.lr", "ipuloop.loop"),
-    ("ipuloop.callbacks.checkpoint", "ipuloop.executors"),
-    ("ipuloop.callbacks.profile", "ipuloop.loop_options"),
-    ("ipuloop.callbacks.progress", "ipuloop.plan"),
-    ("ipuloop.loop", "ipuloop.callbacks.progress"),
-    ("ipuloop.loop", "ipuloop.callbacks"),
-])
+@pytest.mark.parametrize(
+    "edge",
+    [
+        ("ipuloop.emulator.executor", "ipuloop.backend"),
+        ("ipuloop.callbacks.lr", "ipuloop.loop"),
+        ("ipuloop.callbacks.checkpoint", "ipuloop.executors"),
+        ("ipuloop.callbacks.profile", "ipuloop.loop_options"),
+        ("ipuloop.callbacks.progress", "ipuloop.plan"),
+        ("ipuloop.loop", "ipuloop.callbacks.progress"),
+        ("ipuloop.loop", "ipuloop.callbacks"),
+    ],
+)
 def test_forbidden_checker(edge):
     a, b = edge
     assert len(forbidden({a: {b}})) == 1
@@ -164,9 +183,16 @@ def test_forbidden_checker(edge):
 
 
 def test_allowed_edges_pass():
-    assert forbidden({"ipuloop.emulator.data": {"ipuloop.rules", "ipuloop.emulator.options"},
-                      "ipuloop.loop": {"ipuloop.callbacks.base"},
-                      "ipuloop.callbacks.checkpoint": {"ipuloop.checkpoint_io"}}) == []
+    assert (
+        forbidden(
+            {
+                "ipuloop.emulator.data": {"ipuloop.rules", "ipuloop.emulator.options"},
+                "ipuloop.loop": {"ipuloop.callbacks.base"},
+                "ipuloop.callbacks.checkpoint": {"ipuloop.checkpoint_io"},
+            }
+        )
+        == []
+    )
 
 
 # -- the layers of docs/layout.md ----------------------------------------------------------------
@@ -176,7 +202,7 @@ def layers() -> dict[str, int]:
     out: dict[str, int] = {}
     layer = 0
     text = LAYOUT.read_text()
-    section = text[text.index("## Modules by layer"):]
+    section = text[text.index("## Modules by layer") :]
     end = section.find("\n## ")
     if end != -1:  # the next section
         section = section[:end]
@@ -209,9 +235,12 @@ def test_every_module_is_in_the_layout_and_imports_down():
     edges = graph()
     unplaced = sorted(m for m in edges if layer_of(m, table) is None)
     assert unplaced == [], f"modules missing from docs/layout.md: {unplaced}"
-    upward = [f"{a} (layer {layer_of(a, table)}) -> {b} (layer {layer_of(b, table)})"
-              for a, targets in edges.items() for b in sorted(targets)
-              if layer_of(b, table) > layer_of(a, table)]
+    upward = [
+        f"{a} (layer {layer_of(a, table)}) -> {b} (layer {layer_of(b, table)})"
+        for a, targets in edges.items()
+        for b in sorted(targets)
+        if layer_of(b, table) > layer_of(a, table)
+    ]
     assert upward == []
 
 
@@ -264,8 +293,12 @@ def _fit(kind: str):
     else:
         train = DataLoader(ds, batch_size=4, shuffle=True)
     if kind == "widest":
-        loop = Loop(_Net(log=True), poptorch.Options().deviceIterations(2), progress=False,
-                    metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=3)})
+        loop = Loop(
+            _Net(log=True),
+            poptorch.Options().deviceIterations(2),
+            progress=False,
+            metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=3)},
+        )
         way = trace(lambda: loop.fit(train, epochs=2, val_loader=val), [train, val])
     else:
         loop = Loop(_Net(), progress=False)
@@ -289,7 +322,9 @@ def test_a_batch_s_way(kind):
     logs = loop.state.logs
     logged = ["loss", "train_loss"] + (
         ["val_loss", "hits", "train_hits", "val_hits", "train_acc", "val_acc"]
-        if kind == "widest" else [])
+        if kind == "widest"
+        else []
+    )
     assert set(logged) <= set(logs)
     modules = set(way.modules([logs[k] for k in logged])) | {"loop", "state"}
     assert {"plan", "outputs", "accumulators"} <= modules  # (the walk finds them)
@@ -316,10 +351,12 @@ def test_the_way_finds_a_detour():  # a module passing on another's value is a d
 def test_the_first_layout_s_public_modules_still_import():
     """``ipuloop.distributed`` and ``ipuloop.errors`` are the names 0.1.0 documented for what
     ``processes`` and ``exceptions`` hold: code written against them still runs."""
-    code = ("import ipuloop, ipuloop.processes as p, ipuloop.exceptions as e\n"
-            "from ipuloop.distributed import is_main_process, process_index\n"
-            "from ipuloop.errors import InstanceFailedError, NonFiniteLossError\n"
-            "assert ipuloop.distributed is p and ipuloop.errors is e\n"
-            "assert is_main_process is p.is_main_process and process_index() == 0\n"
-            "assert InstanceFailedError is e.InstanceFailedError\n")
+    code = (
+        "import ipuloop, ipuloop.processes as p, ipuloop.exceptions as e\n"
+        "from ipuloop.distributed import is_main_process, process_index\n"
+        "from ipuloop.errors import InstanceFailedError, NonFiniteLossError\n"
+        "assert ipuloop.distributed is p and ipuloop.errors is e\n"
+        "assert is_main_process is p.is_main_process and process_index() == 0\n"
+        "assert InstanceFailedError is e.InstanceFailedError\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

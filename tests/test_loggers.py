@@ -3,6 +3,7 @@ sqlite store, against TensorBoardLogger's event file; their settings; resume; in
 
 Nothing reaches a network: W&B runs offline (no login), MLflow logs to a sqlite file.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,13 @@ import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch
-from ipuloop.callbacks import (LRScheduler, MLFlowLogger, ModelCheckpoint, TensorBoardLogger,
-                               WandbLogger)
+from ipuloop.callbacks import (
+    LRScheduler,
+    MLFlowLogger,
+    ModelCheckpoint,
+    TensorBoardLogger,
+    WandbLogger,
+)
 
 wandb = pytest.importorskip("wandb", reason="the test extra installs wandb")
 pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
@@ -46,11 +52,18 @@ def wandb_offline(tmp_path_factory):
     wandb.teardown()  # settings an earlier test's run left in this process are read again
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("WANDB_API_KEY", raising=False)
-        for var, value in dict(WANDB_MODE="offline", WANDB_DIR=d, WANDB_CONFIG_DIR=d / "config",
-                               WANDB_CACHE_DIR=d / "cache", WANDB_DATA_DIR=d / "data",
-                               WANDB_ARTIFACT_DIR=d / "artifacts", WANDB_CONSOLE="off",
-                               WANDB_SILENT="true", WANDB_ERROR_REPORTING="false",
-                               XDG_CACHE_HOME=d / "xdg_cache").items():  # W&B's service logs
+        for var, value in dict(
+            WANDB_MODE="offline",
+            WANDB_DIR=d,
+            WANDB_CONFIG_DIR=d / "config",
+            WANDB_CACHE_DIR=d / "cache",
+            WANDB_DATA_DIR=d / "data",
+            WANDB_ARTIFACT_DIR=d / "artifacts",
+            WANDB_CONSOLE="off",
+            WANDB_SILENT="true",
+            WANDB_ERROR_REPORTING="false",
+            XDG_CACHE_HOME=d / "xdg_cache",
+        ).items():  # W&B's service logs
             mp.setenv(var, str(value))
         yield
         wandb.teardown()
@@ -104,11 +117,11 @@ def _read_records(data: bytes) -> list:
         if room < 7:  # a block's tail too short for a header is padding
             pos += room
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding up to the block's end
             pos += room
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a record is complete
             record = wandb_internal_pb2.Record()
@@ -154,8 +167,10 @@ def series(rows: dict) -> dict[str, list[tuple[int, float]]]:
 
 def mlflow_series(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
     c = MlflowClient(tracking_uri=uri)
-    return {k: [(m.step, m.value) for m in c.get_metric_history(run_id, k)]
-            for k in c.get_run(run_id).data.metrics}
+    return {
+        k: [(m.step, m.value) for m in c.get_metric_history(run_id, k)]
+        for k in c.get_run(run_id).data.metrics
+    }
 
 
 def tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -189,17 +204,24 @@ def fit(callbacks, *, groups: int = 1, adam: bool = False, epochs: int = 2, resu
         params = [{"params": params[:2]}, {"params": params[2:], "lr": 0.5}]
     opt = torch.optim.Adam(params, lr=0.1) if adam else torch.optim.SGD(params, lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
-                optimizer=opt, progress=False, seed=0,
-                metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
-                callbacks=[LRScheduler(sched), *callbacks])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=opt,
+        progress=False,
+        seed=0,
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
+        callbacks=[LRScheduler(sched), *callbacks],
+    )
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
     loop.fit(loader, epochs=epochs, val_loader=loader, resume_from=resume_from)
     return loop
 
 
-CKPT = dict(every_n_steps=3, every_n_epochs=None, save_top_k=-1,
-            save_on_exception=False)  # as when the process is killed
+CKPT = dict(
+    every_n_steps=3, every_n_epochs=None, save_top_k=-1, save_on_exception=False
+)  # as when the process is killed
 
 
 def crash_then_resume(tmp_path: Path, first: Callback, second: Callback | None) -> None:
@@ -226,12 +248,20 @@ def same(a: dict, b: dict) -> None:
 # -- what they log -----------------------------------------------------------------------------
 def test_wandb_and_mlflow_log_what_tensorboard_logs(tmp_path, wandb_dir, mlflow_uri):
     wb = WandbLogger(project="ipuloop-tests", name="a", save_dir=wandb_dir)
-    ml = MLFlowLogger("tests", run_name="a", tracking_uri=mlflow_uri, tags={"kind": "test"},
-                      synchronous=True)
+    ml = MLFlowLogger(
+        "tests", run_name="a", tracking_uri=mlflow_uri, tags={"kind": "test"}, synchronous=True
+    )
     loop = fit([TensorBoardLogger(tmp_path / "tb"), wb, ml])
     tb = tensorboard_series(tmp_path / "tb")
-    assert set(tb) == {"loss", "lr", "samples_per_second", "train_loss", "train_acc",
-                       "val_loss", "val_acc"}
+    assert set(tb) == {
+        "loss",
+        "lr",
+        "samples_per_second",
+        "train_loss",
+        "train_acc",
+        "val_loss",
+        "val_acc",
+    }
     assert [s for s, _ in tb["loss"]] == STEPS and tb["lr"][0] == (0, pytest.approx(0.1))
     ((rows, _),) = wandb_runs(wandb_dir, wb.run_id)  # one offline folder, finished
     same(series(rows), tb)
@@ -248,9 +278,16 @@ def test_settings_and_parameter_groups(wandb_dir, mlflow_uri):
     ml = MLFlowLogger(tracking_uri=mlflow_uri, run_id=run_id)  # a run of your own
     fit([wb, ml], groups=2, adam=True, epochs=1)
     ((rows, config),) = wandb_runs(wandb_dir, wb.run_id)
-    expected = {"device_iterations": 2, "gradient_accumulation": 1, "replicas": 1,
-                "instances": 1, "optimizer": "Adam", "optimizer.lr": 0.1,
-                "optimizer.betas": [0.9, 0.999], "optimizer.amsgrad": False}
+    expected = {
+        "device_iterations": 2,
+        "gradient_accumulation": 1,
+        "replicas": 1,
+        "instances": 1,
+        "optimizer": "Adam",
+        "optimizer.lr": 0.1,
+        "optimizer.betas": [0.9, 0.999],
+        "optimizer.amsgrad": False,
+    }
     assert config["data"] == "toy"
     assert {k: config[k] for k in expected} == expected
     params = MlflowClient(tracking_uri=mlflow_uri).get_run(run_id).data.params
@@ -259,16 +296,20 @@ def test_settings_and_parameter_groups(wandb_dir, mlflow_uri):
         assert "lr" not in got
         assert got["lr/group0"][:2] == [(0, 0.1), (2, 0.1)] and got["lr/group1"][0] == (0, 0.5)
     # MLflow never changes a parameter: a later fit in the run adds new ones, warns of changes
-    with pytest.warns(UserWarning, match=r"keeps its parameters optimizer=Adam \(MLflow never "
-                                         r"changes a parameter\); this fit runs optimizer=SGD"):
+    with pytest.warns(
+        UserWarning,
+        match=r"keeps its parameters optimizer=Adam \(MLflow never "
+        r"changes a parameter\); this fit runs optimizer=SGD",
+    ):
         fit([MLFlowLogger(tracking_uri=mlflow_uri, run_id=run_id)], epochs=1, groups=2)
     params = MlflowClient(tracking_uri=mlflow_uri).get_run(run_id).data.params
     assert params["optimizer"] == "Adam" and params["optimizer.momentum"] == "0"
 
 
 # -- resume ------------------------------------------------------------------------------------
-def test_mlflow_resume_continues_the_run_and_sends_no_point_twice(tmp_path, mlflow_uri,
-                                                                   monkeypatch):
+def test_mlflow_resume_continues_the_run_and_sends_no_point_twice(
+    tmp_path, mlflow_uri, monkeypatch
+):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)  # nothing may reach MLflow's default store (./mlflow.db); a
@@ -310,8 +351,11 @@ def test_wandb_resume_continues_the_run_id_offline(tmp_path, wandb_dir):
     # offline runs), or at the checkpoint's update 6 (where it ignores resume offline)
     start = min(resumed)
     assert start in (6, 10)
-    joined = {s: {**crashed.get(s, {}), **resumed.get(s, {})} for s in {*crashed, *resumed}
-              if s >= start or s not in resumed}
+    joined = {
+        s: {**crashed.get(s, {}), **resumed.get(s, {})}
+        for s in {*crashed, *resumed}
+        if s >= start or s not in resumed
+    }
     assert {s: r.keys() for s, r in joined.items()} == {s: r.keys() for s, r in want.items()}
     assert without_throughput(joined) == without_throughput(want)
 
@@ -341,7 +385,7 @@ def test_wandb_resume_into_a_run_skips_the_steps_it_has(tmp_path, wandb_dir):
 
 
 # -- instance 0 only, installation ----------------------------------------------------------------
-TWO_PROCESSES = r'''
+TWO_PROCESSES = r"""
 import sys
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -356,7 +400,7 @@ loop = Loop(model, poptorch.Options(), loss_fn=nn.CrossEntropyLoss(), progress=F
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             callbacks=[WandbLogger(save_dir=save_dir), MLFlowLogger(tracking_uri=uri)])
 loop.fit(DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4), epochs=1)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -366,16 +410,38 @@ def test_only_instance_0_logs(tmp_path, wandb_dir, mlflow_uri):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator",
-               IPULOOP_DIST_TIMEOUT="60", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={port}", str(script), str(wandb_dir), mlflow_uri],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        IPULOOP_BACKEND="emulator",
+        IPULOOP_DIST_TIMEOUT="60",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={port}",
+            str(script),
+            str(wandb_dir),
+            mlflow_uri,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run_file,) = wandb_dir.glob("wandb/offline-run-*/*.wandb")  # one run
-    rows = series(wandb_runs(wandb_dir, run_file.stem[len("run-"):])[0][0])
+    rows = series(wandb_runs(wandb_dir, run_file.stem[len("run-") :])[0][0])
     assert [s for s, _ in rows["loss"]] == [1, 2, 3, 4]  # 32 samples / (4 per step x 2 processes)
     c = MlflowClient(tracking_uri=mlflow_uri)
     (run,) = c.search_runs([c.get_experiment_by_name("ipuloop").experiment_id])
@@ -383,8 +449,9 @@ def test_only_instance_0_logs(tmp_path, wandb_dir, mlflow_uri):
     assert run.data.params["instances"] == "2" and rows["lr"][0] == (0, 0.1)
 
 
-@pytest.mark.parametrize("cls,module,extra", [(WandbLogger, "wandb", "wandb"),
-                                              (MLFlowLogger, "mlflow", "mlflow")])
+@pytest.mark.parametrize(
+    "cls,module,extra", [(WandbLogger, "wandb", "wandb"), (MLFlowLogger, "mlflow", "mlflow")]
+)
 def test_a_missing_package_names_the_extra(cls, module, extra, monkeypatch):
     monkeypatch.setitem(sys.modules, module, None)  # its import raises ImportError
     with pytest.raises(ImportError, match=rf'pip install "ipuloop\[{extra}\]"'):
@@ -392,8 +459,16 @@ def test_a_missing_package_names_the_extra(cls, module, extra, monkeypatch):
 
 
 def test_importing_the_callbacks_imports_neither_package():
-    code = ("import sys; from ipuloop.callbacks import MLFlowLogger, WandbLogger; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'wandb', 'mlflow'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, check=True)
+    code = (
+        "import sys; from ipuloop.callbacks import MLFlowLogger, WandbLogger; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'wandb', 'mlflow'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.strip() == "[]"

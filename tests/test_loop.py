@@ -1,4 +1,5 @@
 """The Loop: event order and counts, output-mode reduction, metrics, equivalence, bad input."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,11 @@ class Net(nn.Module):
     def __init__(self, batchnorm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        layers = [nn.Linear(IN, 8)] + ([nn.BatchNorm1d(8)] if batchnorm else []) + \
-            [nn.ReLU(), nn.Linear(8, OUT)]
+        layers = (
+            [nn.Linear(IN, 8)]
+            + ([nn.BatchNorm1d(8)] if batchnorm else [])
+            + [nn.ReLU(), nn.Linear(8, OUT)]
+        )
         self.net = nn.Sequential(*layers)
         self.loss = nn.CrossEntropyLoss()
 
@@ -82,6 +86,7 @@ def inference_device_iterations(target: int, n: int, per_iteration: int) -> int:
     if n < target * per_iteration:
         return max(1, n // per_iteration)
     candidates = [d for d in range(1, target + 1) if 2 * d >= target]
+
     def padding(d: int) -> int:
         call = d * per_iteration
         return (call - n % call) % call
@@ -89,13 +94,18 @@ def inference_device_iterations(target: int, n: int, per_iteration: int) -> int:
     return max(candidates, key=lambda d: (-padding(d), d))
 
 
-@pytest.mark.parametrize("di,ga,rf,epochs", [(1, 1, 1, 1), (2, 3, 1, 2), (4, 1, 2, 3), (2, 2, 2, 2)])
+@pytest.mark.parametrize(
+    "di,ga,rf,epochs", [(1, 1, 1, 1), (2, 3, 1, 2), (4, 1, 2, 3), (2, 2, 2, 2)]
+)
 def test_event_order_and_counts_by_formula(di, ga, rf, epochs):
     n, b = 96, 2
     rec = Recorder()
     loop = Loop(Net(), options(di, ga, rf), callbacks=[rec], progress=False)
-    loop.fit(DataLoader(data(n), batch_size=b), epochs=epochs,
-             val_loader=DataLoader(data(48, 2), batch_size=4))
+    loop.fit(
+        DataLoader(data(n), batch_size=b),
+        epochs=epochs,
+        val_loader=DataLoader(data(48, 2), batch_size=4),
+    )
     steps = n // (b * di * ga * rf)
     val_di = inference_device_iterations(di * ga, 48, 4 * rf)
     val_steps = -(-48 // (4 * val_di * rf))  # the last call padded
@@ -121,10 +131,10 @@ def reference(model: nn.Module, ds: TensorDataset, b, di, ga, rf, steps, lr, red
             for a in range(ga):
                 for r in range(rf):
                     i = base + ((d * ga + a) * rf + r) * b
-                    out, loss = model(x[i:i + b], y[i:i + b])
+                    out, loss = model(x[i : i + b], y[i : i + b])
                     scale = 1.0 / (ga * rf) if reduction == "mean" else 1.0
                     (loss * scale if scale != 1.0 else loss).backward()
-                    rows.append((d, a, r, loss.item(), out.detach(), y[i:i + b]))
+                    rows.append((d, a, r, loss.item(), out.detach(), y[i : i + b]))
             opt.step()
             opt.zero_grad(set_to_none=True)
         per_step.append(rows)
@@ -148,9 +158,14 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
     net = Net()
     ref_model, per_step = reference(net, ds, b, di, ga, rf, steps, lr)
     pmode = getattr(poptorch.OutputMode, mode)
-    metrics = {} if mode == "Sum" else {
-        "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT),
-        "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro")}
+    metrics = (
+        {}
+        if mode == "Sum"
+        else {
+            "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT),
+            "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro"),
+        }
+    )
     val = data(48, 9)
     model = copy.deepcopy(net)
     step_losses = []
@@ -159,18 +174,25 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
         def on_train_step_end(self, loop):
             step_losses.append(loop.state.logs["loss"])
 
-    loop = Loop(model, options(di, ga, rf, pmode, period),
-                optimizer=torch.optim.SGD(model.parameters(), lr=lr), metrics=metrics,
-                callbacks=[Losses()], progress=False)
-    hist = loop.fit(DataLoader(ds, batch_size=b), epochs=1,
-                    val_loader=DataLoader(val, batch_size=b))
+    loop = Loop(
+        model,
+        options(di, ga, rf, pmode, period),
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        metrics=metrics,
+        callbacks=[Losses()],
+        progress=False,
+    )
+    hist = loop.fit(
+        DataLoader(ds, batch_size=b), epochs=1, val_loader=DataLoader(val, batch_size=b)
+    )
     all_sel = []
     for s, rows in enumerate(per_step):
         sel = selected(rows, mode, di, ga, rf, period)
         all_sel += sel
         assert step_losses[s] == pytest.approx(sum(r[3] for r in sel) / len(sel), rel=1e-5)
     assert hist[0]["train_loss"] == pytest.approx(
-        sum(r[3] for r in all_sel) / len(all_sel), rel=1e-5)
+        sum(r[3] for r in all_sel) / len(all_sel), rel=1e-5
+    )
     assert hist[0]["train_loss_exact"] == float(mode in ("All", "Sum"))
     if metrics:
         acc = torchmetrics.Accuracy("multiclass", num_classes=OUT)
@@ -178,21 +200,24 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
             acc.update(r[4], r[5])
         assert hist[0]["train_acc"] == pytest.approx(float(acc.compute()), abs=1e-6)
         out = torch.cat([r[4] for r in all_sel])
-        f1 = torchmetrics.functional.f1_score(out, torch.cat([r[5] for r in all_sel]),
-                                              "multiclass", num_classes=OUT, average="macro")
+        f1 = torchmetrics.functional.f1_score(
+            out, torch.cat([r[5] for r in all_sel]), "multiclass", num_classes=OUT, average="macro"
+        )
         assert hist[0]["train_f1"] == pytest.approx(float(f1), abs=1e-6)
     for p, q in zip(loop.model.parameters(), ref_model.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
     vx, vy = val.tensors  # validation after the epoch: the trained weights, every sample
     with torch.no_grad():
         vout = ref_model.net(vx)
-        vloss = torch.stack([ref_model.loss(vout[i:i + b], vy[i:i + b])
-                             for i in range(0, len(vy), b)]).mean()
+        vloss = torch.stack(
+            [ref_model.loss(vout[i : i + b], vy[i : i + b]) for i in range(0, len(vy), b)]
+        ).mean()
     assert hist[0]["val_loss"] == pytest.approx(float(vloss), rel=1e-5)
     F = torchmetrics.functional
-    for name, value in (("acc", F.accuracy(vout, vy, "multiclass", num_classes=OUT)),
-                        ("f1", F.f1_score(vout, vy, "multiclass", num_classes=OUT,
-                                          average="macro"))):
+    for name, value in (
+        ("acc", F.accuracy(vout, vy, "multiclass", num_classes=OUT)),
+        ("f1", F.f1_score(vout, vy, "multiclass", num_classes=OUT, average="macro")),
+    ):
         if metrics:
             assert hist[0][f"val_{name}"] == pytest.approx(float(value), abs=1e-5)
 
@@ -200,20 +225,25 @@ def test_losses_and_metrics_equal_plain_torch(mode, rf):
 def test_validation_loss_and_metrics_equal_plain_torch():
     net = Net()
     ds = data(64, 5)
-    loop = Loop(copy.deepcopy(net), options(2, 1, 2), progress=False,
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    loop = Loop(
+        copy.deepcopy(net),
+        options(2, 1, 2),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     logs = loop.validate(DataLoader(ds, batch_size=4))
     x, y = ds.tensors
     with torch.no_grad():
         net.eval()
-        losses = [net(x[i:i + 4], y[i:i + 4])[1] for i in range(0, 64, 4)]
+        losses = [net(x[i : i + 4], y[i : i + 4])[1] for i in range(0, 64, 4)]
         acc = torchmetrics.functional.accuracy(net(x), y, "multiclass", num_classes=OUT)
     assert logs["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)
     assert logs["val_acc"] == pytest.approx(float(acc), abs=1e-6)
 
 
-@pytest.mark.parametrize("di,ga,rf,mode", [(2, 3, 1, None), (2, 2, 2, "Final"),
-                                            (4, 1, 2, "EveryN")])
+@pytest.mark.parametrize(
+    "di,ga,rf,mode", [(2, 3, 1, None), (2, 2, 2, "Final"), (4, 1, 2, "EveryN")]
+)
 def test_fit_equals_hand_written_poptorch_loop_bitwise(di, ga, rf, mode):
     ds = data(96)
     net = Net(batchnorm=True)
@@ -248,15 +278,20 @@ def test_user_options_are_not_mutated_and_loop_picks_output_mode():
     assert opts.output_mode == poptorch.OutputMode.Default
     plain = Loop(Net(), opts, progress=False)
     assert plain.train_opts.output_mode == poptorch.OutputMode.Sum
-    with_metrics = Loop(Net(), opts, progress=False,
-                        metrics={"a": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    with_metrics = Loop(
+        Net(),
+        opts,
+        progress=False,
+        metrics={"a": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     assert with_metrics.train_opts.output_mode == poptorch.OutputMode.All
 
 
 def test_inference_options_cloned_with_ga_1():
     loop = Loop(Net(), options(2, 4, 1), progress=False)
-    loop.fit(DataLoader(data(64), batch_size=2), epochs=1,
-             val_loader=DataLoader(data(64), batch_size=2))
+    loop.fit(
+        DataLoader(data(64), batch_size=2), epochs=1, val_loader=DataLoader(data(64), batch_size=2)
+    )
     (inf,) = loop.executors.inference.values()
     o = inf._options
     assert o.Training.gradient_accumulation == 1 and o.device_iterations == 8
@@ -291,8 +326,13 @@ def test_predict_returns_every_sample_in_dataset_order():
 def test_plain_model_with_loss_fn_and_replicas_argument():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(IN, OUT))
-    loop = Loop(plain, loss_fn=nn.CrossEntropyLoss(), replicas=2, progress=False,
-                optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
+    loop = Loop(
+        plain,
+        loss_fn=nn.CrossEntropyLoss(),
+        replicas=2,
+        progress=False,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+    )
     hist = loop.fit(DataLoader(data(32), batch_size=4), epochs=2)
     assert loop.train_opts.replication_factor == 2
     assert hist[1]["train_loss"] < hist[0]["train_loss"]
@@ -358,8 +398,11 @@ def test_non_finite_loss_names_epoch_step_and_micro_batch():
     y = torch.zeros(64, dtype=torch.long)
     model = NaNAt(index=2 * 16 + 5 * 2)  # step 2 (16 samples a step), micro-batch 5 (B=2)
     loop = Loop(model, options(4, 2, 1, poptorch.OutputMode.All), progress=False)
-    with pytest.raises(NonFiniteLossError, match=r"epoch 0, step 2 .*micro-batch 5 .*"
-                                                 r"device iteration 2, accumulation step 1"):
+    with pytest.raises(
+        NonFiniteLossError,
+        match=r"epoch 0, step 2 .*micro-batch 5 .*"
+        r"device iteration 2, accumulation step 1",
+    ):
         loop.fit(DataLoader(TensorDataset(x, y), batch_size=2))
     # Sum (the default without metrics) returns one sum per replica: the replica is named.
     loop = Loop(NaNAt(index=2 * 16 + 5 * 2), options(4, 2, 1), progress=False)
@@ -384,19 +427,25 @@ class NoTuple(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.parametrize("case,match", [
-    ("empty", "fewer than one host call"),
-    ("short", "fewer than one host call"),
-    ("no_labels", "must yield \\(inputs..., labels\\)"),
-    ("no_loss", "must return \\(output, loss\\)"),
-    ("two_optimizers", "only support one optimizer"),
-    ("epochs0", "epochs must be an int >= 1"),
-    ("label_batch", "input 0 has batch size"),
-    ("broadcast", "would broadcast"),
-    ("clip_torch", "Gradient clipping runs on the device only"),
-    ("sum_metrics", "OutputMode.Sum"),
-    ("every_n_period", r"must divide deviceIterations \(4\)\. Received: output_return_period=3"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("empty", "fewer than one host call"),
+        ("short", "fewer than one host call"),
+        ("no_labels", "must yield \\(inputs..., labels\\)"),
+        ("no_loss", "must return \\(output, loss\\)"),
+        ("two_optimizers", "only support one optimizer"),
+        ("epochs0", "epochs must be an int >= 1"),
+        ("label_batch", "input 0 has batch size"),
+        ("broadcast", "would broadcast"),
+        ("clip_torch", "Gradient clipping runs on the device only"),
+        ("sum_metrics", "OutputMode.Sum"),
+        (
+            "every_n_period",
+            r"must divide deviceIterations \(4\)\. Received: output_return_period=3",
+        ),
+    ],
+)
 def test_bad_input_rejected_before_the_first_step(case, match):
     calls = []
 
@@ -419,8 +468,9 @@ def test_bad_input_rejected_before_the_first_step(case, match):
     elif case == "epochs0":
         fit["epochs"] = 0
     elif case == "label_batch":
-        loader = DataLoader(data(96), batch_size=4,
-                            collate_fn=lambda b: (torch.randn(8, IN), torch.zeros(4).long()))
+        loader = DataLoader(
+            data(96), batch_size=4, collate_fn=lambda b: (torch.randn(8, IN), torch.zeros(4).long())
+        )
     elif case == "broadcast":
         model = nn.Linear(IN, 1)
         kwargs["loss_fn"] = nn.MSELoss()
@@ -442,8 +492,8 @@ def test_bad_input_rejected_before_the_first_step(case, match):
 def test_plain_batch_sampler_gives_the_micro_batch():
     """DataLoader(batch_sampler=BatchSampler(...)) has batch_size None: the sampler's is used."""
     from torch.utils.data import BatchSampler, SequentialSampler
-    loader = DataLoader(data(32), batch_sampler=BatchSampler(SequentialSampler(range(32)), 4,
-                                                             True))
+
+    loader = DataLoader(data(32), batch_sampler=BatchSampler(SequentialSampler(range(32)), 4, True))
     loop = Loop(Net(), options(di=2), progress=False)
     loop.fit(loader)
     assert loop.state.samples == 32 and loop.state.step == 4

@@ -4,6 +4,7 @@ Float64 inputs, metrics that reject the output, multi-input predict, a fit with 
 left, misnamed hooks, on_exception on every failing call, and the update count a scheduler
 needs.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -68,20 +69,37 @@ class TupleOutput(nn.Module):
         return out if labels is None else (out, nn.functional.cross_entropy(logits, labels))
 
 
-@pytest.mark.parametrize("model, metric, shapes", [
-    (_model, torchmetrics.Accuracy(task="binary"), "output float32 [2, 3] and labels int64 [2]"),
-    (_model, torchmetrics.Accuracy(task="multiclass", num_classes=2),
-     "output float32 [2, 3] and labels int64 [2]"),
-    (TupleOutput, torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES),
-     "output tuple (float32 [2, 3], float32 [2, 1]) and labels int64 [2]"),
-])
+@pytest.mark.parametrize(
+    "model, metric, shapes",
+    [
+        (
+            _model,
+            torchmetrics.Accuracy(task="binary"),
+            "output float32 [2, 3] and labels int64 [2]",
+        ),
+        (
+            _model,
+            torchmetrics.Accuracy(task="multiclass", num_classes=2),
+            "output float32 [2, 3] and labels int64 [2]",
+        ),
+        (
+            TupleOutput,
+            torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES),
+            "output tuple (float32 [2, 3], float32 [2, 1]) and labels int64 [2]",
+        ),
+    ],
+)
 def test_a_metric_that_rejects_the_output_fails_before_compiling(model, metric, shapes):
     model = model()
-    loop = _loop(model, loss_fn=None if isinstance(model, TupleOutput) else nn.CrossEntropyLoss(),
-                 metrics={"acc": metric})
+    loop = _loop(
+        model,
+        loss_fn=None if isinstance(model, TupleOutput) else nn.CrossEntropyLoss(),
+        metrics={"acc": metric},
+    )
     x, y = _data()
-    with pytest.raises(ValueError, match=r"metrics\['acc'\] \(MulticlassAccuracy|BinaryAccuracy"
-                       ) as info:
+    with pytest.raises(
+        ValueError, match=r"metrics\['acc'\] \(MulticlassAccuracy|BinaryAccuracy"
+    ) as info:
         loop.fit(DataLoader(TensorDataset(x, y), batch_size=B))
     assert shapes in str(info.value) and "metric_output=" in str(info.value)
     assert loop.train_model is None  # nothing compiled, no step run
@@ -90,11 +108,18 @@ def test_a_metric_that_rejects_the_output_fails_before_compiling(model, metric, 
 
 def test_metric_output_picks_what_metrics_receive_in_training_and_validation():
     model = TupleOutput()
-    loop = _loop(model, loss_fn=None, metric_output=lambda out: out[0],
-                 metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)})
+    loop = _loop(
+        model,
+        loss_fn=None,
+        metric_output=lambda out: out[0],
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)},
+    )
     x, y = _data()
-    history = loop.fit(DataLoader(TensorDataset(x, y), batch_size=B), epochs=1,
-                       val_loader=DataLoader(TensorDataset(x, y), batch_size=B))
+    history = loop.fit(
+        DataLoader(TensorDataset(x, y), batch_size=B),
+        epochs=1,
+        val_loader=DataLoader(TensorDataset(x, y), batch_size=B),
+    )
     logits, _ = loop.predict(DataLoader(TensorDataset(x), batch_size=B))
     expected = (logits.argmax(-1) == y).double().mean().item()
     assert history[-1]["val_acc"] == pytest.approx(expected)
@@ -125,8 +150,9 @@ class TwoInputs(nn.Module):
         return self.a(a) + self.b(b)
 
 
-@pytest.mark.parametrize("make, loss_fn", [(TwoInputsWithLoss, None),
-                                           (TwoInputs, nn.CrossEntropyLoss())])
+@pytest.mark.parametrize(
+    "make, loss_fn", [(TwoInputsWithLoss, None), (TwoInputs, nn.CrossEntropyLoss())]
+)
 def test_predict_feeds_every_input_the_model_was_fit_with(make, loss_fn):
     model = make()
     loop = _loop(model, loss_fn=loss_fn)
@@ -150,11 +176,15 @@ def test_fit_with_no_more_epochs_than_done_says_so():
     loader = DataLoader(TensorDataset(x, y), batch_size=B)
     loop.fit(loader, epochs=2)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.warns(UserWarning, match=r"fit\(epochs=2\) has no epoch to run: 2 epoch\(s\) "
-                      r"are already complete.*Pass epochs=4 to train 2 more"):
+    with pytest.warns(
+        UserWarning,
+        match=r"fit\(epochs=2\) has no epoch to run: 2 epoch\(s\) "
+        r"are already complete.*Pass epochs=4 to train 2 more",
+    ):
         loop.fit(loader, epochs=2)
-    assert loop.state.epoch == 2 and all(torch.equal(p, q) for p, q in
-                                         zip(before, model.parameters()))
+    assert loop.state.epoch == 2 and all(
+        torch.equal(p, q) for p, q in zip(before, model.parameters())
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop.fit(loader, epochs=3)  # one more epoch to run: no warning
@@ -178,7 +208,8 @@ def test_a_method_named_like_a_hook_warns_with_the_closest_event():
         "Mine.on_train_batch_end is a Lightning hook, which the loop never calls: the nearest "
         "loop event is on_train_step_end (fires once per step: one host call of DI*GA*RF "
         "micro-batches, none of which the host sees alone). (All events: "
-        "ipuloop.callbacks.base.EVENTS.)"]
+        "ipuloop.callbacks.base.EVENTS.)",
+    ]
     assert record[0].filename == __file__  # points at the construction
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -186,6 +217,7 @@ def test_a_method_named_like_a_hook_warns_with_the_closest_event():
 
         class Fine(Callback):
             def on_fit_start(self, loop): ...
+
         Fine()
 
 
@@ -226,16 +258,22 @@ def test_on_exception_fires_for_every_failing_fit_validate_and_predict():
 
 
 # -- the number of updates a fit runs, and schedulers that cycle momentum ------------------------
-@pytest.mark.parametrize("n, b, di, ga, rf", [(32, 2, 2, 1, 1), (37, 2, 2, 3, 1),
-                                              (64, 1, 3, 2, 2), (40, 4, 1, 1, 1)])
+@pytest.mark.parametrize(
+    "n, b, di, ga, rf", [(32, 2, 2, 1, 1), (37, 2, 2, 3, 1), (64, 1, 3, 2, 2), (40, 4, 1, 1, 1)]
+)
 def test_num_updates_is_the_updates_fit_runs(n, b, di, ga, rf):
     x, y = _data(n)
     loader = DataLoader(TensorDataset(x, y), batch_size=b, shuffle=True)
     opts = poptorch.Options().deviceIterations(di).replicationFactor(rf)
     opts.Training.gradientAccumulation(ga)
     model = _model()
-    loop = Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), progress=False,
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the dropped remainder
         updates = Loop.num_updates(loader, opts, epochs=3)
@@ -260,20 +298,31 @@ def _one_cycle_fit(opt_factory, **sched_kwargs):
     loader = DataLoader(TensorDataset(x, y), batch_size=B)
     opts = poptorch.Options().deviceIterations(2)
     sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=0.1, total_steps=Loop.num_updates(loader, opts, 2), **sched_kwargs)
-    loop = Loop(model, opts, optimizer=opt, loss_fn=nn.CrossEntropyLoss(), progress=False,
-                callbacks=[LRScheduler(sched)])
+        opt, max_lr=0.1, total_steps=Loop.num_updates(loader, opts, 2), **sched_kwargs
+    )
+    loop = Loop(
+        model,
+        opts,
+        optimizer=opt,
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        callbacks=[LRScheduler(sched)],
+    )
     loop.fit(loader, epochs=2)
     return loop, sched
 
 
-@pytest.mark.parametrize("factory, name, fix", [
-    (lambda p: poptorch.optim.AdamW(p, lr=0.1), "betas", "AdamW(params, lr=..., betas=(0.9"),
-    (lambda p: poptorch.optim.SGD(p, lr=0.1), "momentum", "SGD(params, lr=..., momentum=0.9)"),
-    (lambda p: torch.optim.AdamW(p, lr=0.1), "betas", "use poptorch.optim.AdamW(params"),
-])
+@pytest.mark.parametrize(
+    "factory, name, fix",
+    [
+        (lambda p: poptorch.optim.AdamW(p, lr=0.1), "betas", "AdamW(params, lr=..., betas=(0.9"),
+        (lambda p: poptorch.optim.SGD(p, lr=0.1), "momentum", "SGD(params, lr=..., momentum=0.9)"),
+        (lambda p: torch.optim.AdamW(p, lr=0.1), "betas", "use poptorch.optim.AdamW(params"),
+    ],
+)
 def test_a_scheduler_cycling_a_constant_momentum_fails_before_any_step_naming_the_fix(
-        factory, name, fix):
+    factory, name, fix
+):
     with pytest.raises(ValueError) as info:
         _one_cycle_fit(factory)
     msg = str(info.value)
@@ -281,11 +330,14 @@ def test_a_scheduler_cycling_a_constant_momentum_fails_before_any_step_naming_th
     assert fix in msg and "cycle_momentum=False" in msg
 
 
-@pytest.mark.parametrize("factory, kwargs", [
-    (lambda p: poptorch.optim.AdamW(p, lr=0.1, betas=(0.9, 0.999)), {}),
-    (lambda p: poptorch.optim.SGD(p, lr=0.1, momentum=0.9), {}),
-    (lambda p: poptorch.optim.AdamW(p, lr=0.1), {"cycle_momentum": False}),
-])
+@pytest.mark.parametrize(
+    "factory, kwargs",
+    [
+        (lambda p: poptorch.optim.AdamW(p, lr=0.1, betas=(0.9, 0.999)), {}),
+        (lambda p: poptorch.optim.SGD(p, lr=0.1, momentum=0.9), {}),
+        (lambda p: poptorch.optim.AdamW(p, lr=0.1), {"cycle_momentum": False}),
+    ],
+)
 def test_a_scheduler_cycling_a_variable_momentum_runs_the_whole_schedule(factory, kwargs):
     loop, sched = _one_cycle_fit(factory, **kwargs)
     assert sched.last_epoch == loop.state.update == sched.total_steps  # every update, no more
@@ -296,14 +348,16 @@ def test_a_hand_written_loss_fn_trains_as_a_torch_loss_function():
     (poptorch ``python/_impl.py``: "Couldn't find a loss in graph!"); the loop marks
     ``loss_fn``'s result, so arithmetic losses train like ``F.mse_loss``."""
     import torch.nn.functional as F
+
     torch.manual_seed(0)
     x, y = torch.randn(64, 4), torch.randn(64, 1)
     weights = []
     for loss_fn in (lambda o, t: ((o - t) ** 2).mean(), F.mse_loss):
         torch.manual_seed(1)
         m = nn.Linear(4, 1)
-        loop = Loop(m, loss_fn=loss_fn, optimizer=poptorch.optim.SGD(m.parameters(), lr=0.1),
-                    progress=False)
+        loop = Loop(
+            m, loss_fn=loss_fn, optimizer=poptorch.optim.SGD(m.parameters(), lr=0.1), progress=False
+        )
         loop.fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=1)
         weights.append(m.weight.detach().clone())
     torch.testing.assert_close(weights[0], weights[1])

@@ -3,16 +3,17 @@ wrong result: changed data factors, options changed by a callback, "last" in a s
 partial micro-batches in validation, PopTorch's default optimizer, a different optimizer, and
 filename templates.
 """
+
 from __future__ import annotations
 
 import warnings
 
+import helpers_train as H
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import helpers_train as H
 import ipuloop
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.callbacks.checkpoint import CheckpointError, ModelCheckpoint, read_manifest
@@ -68,11 +69,14 @@ def test_mid_epoch_resume_with_whole_new_host_calls_continues_at_the_same_sample
     assert loop.state.epoch == EPOCHS and loop.state.epoch_step == 0
 
 
-@pytest.mark.parametrize("change,named", [
-    ({"di": 2}, "deviceIterations 1 -> 2"),
-    ({"micro": 4}, "micro-batch size 2 -> 4"),
-    ({"n": N + 4}, "dataset length 19 -> 23"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"di": 2}, "deviceIterations 1 -> 2"),
+        ({"micro": 4}, "micro-batch size 2 -> 4"),
+        ({"n": N + 4}, "dataset length 19 -> 23"),
+    ],
+)
 def test_mid_epoch_resume_off_the_new_host_calls_fails_naming_each_change(tmp_path, change, named):
     _stopped_at(tmp_path, 3)  # 12 samples read: not a whole number of host calls of 8
     kw = {"di": 1, "ga": 2, **change}
@@ -106,9 +110,14 @@ def _fit_linear(di: int, callbacks=()) -> Loop:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g))
-    loop = Loop(nn.Linear(4, 3), ipuloop.poptorch.Options().deviceIterations(di),
-                loss_fn=nn.CrossEntropyLoss(), callbacks=list(callbacks), progress=False,
-                optimizer=None)
+    loop = Loop(
+        nn.Linear(4, 3),
+        ipuloop.poptorch.Options().deviceIterations(di),
+        loss_fn=nn.CrossEntropyLoss(),
+        callbacks=list(callbacks),
+        progress=False,
+        optimizer=None,
+    )
     loop.fit(DataLoader(data, batch_size=2), epochs=2)
     return loop
 
@@ -199,7 +208,7 @@ def test_val_loss_without_loss_fn_says_once_how_many_samples_it_covers():
 
 # -- 5. PopTorch's default optimizer resumes -------------------------------------------------------
 def test_default_optimizer_run_resumes_exactly(tmp_path):
-    default = (lambda p: None)
+    default = lambda p: None
     ref = H.Recorder()
     loop, loader, _ = H.make_loop(1, 2, callbacks=[ref], n=N, optimizer=default)
     loop.fit(loader, EPOCHS)
@@ -217,10 +226,13 @@ def _two_groups(p):
     return poptorch.optim.AdamW([{"params": p[:2]}, {"params": p[2:], "lr": 0.01}], lr=0.02)
 
 
-@pytest.mark.parametrize("optimizer,named", [
-    (lambda p: torch.optim.SGD(p, lr=0.1), r"AdamW with 1 parameter group.*\[4\].*SGD"),
-    (_two_groups, r"AdamW with 1 parameter group\(s\) of \[4\].*AdamW with 2 of \[2, 2\]"),
-])
+@pytest.mark.parametrize(
+    "optimizer,named",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), r"AdamW with 1 parameter group.*\[4\].*SGD"),
+        (_two_groups, r"AdamW with 1 parameter group\(s\) of \[4\].*AdamW with 2 of \[2, 2\]"),
+    ],
+)
 def test_resume_into_another_optimizer_fails_before_any_step(tmp_path, optimizer, named):
     _stopped_at(tmp_path, 3)
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -237,23 +249,34 @@ def test_resume_into_another_optimizer_fails_before_any_step(tmp_path, optimizer
 
 
 # -- 7. ModelCheckpoint ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kw,match", [
-    ({"filename": "epoch{epoch}-step{stpe}"}, r"\{stpe\}.*neither a counter"),
-    ({"filename": "runs/step{step}"}, "no path separator"),
-    ({"filename": "step{step}-{val_loss:.3f}", "every_n_steps": 10},
-     r"\{val_loss\}, a log written at the end of an epoch"),
-    ({"filename": "epoch{epoch}"}, r"has no \{step\}"),
-    ({"filename": "step{step:q}"}, "cannot be formatted"),
-    ({"filename": "step{}"}, "names only"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"filename": "epoch{epoch}-step{stpe}"}, r"\{stpe\}.*neither a counter"),
+        ({"filename": "runs/step{step}"}, "no path separator"),
+        (
+            {"filename": "step{step}-{val_loss:.3f}", "every_n_steps": 10},
+            r"\{val_loss\}, a log written at the end of an epoch",
+        ),
+        ({"filename": "epoch{epoch}"}, r"has no \{step\}"),
+        ({"filename": "step{step:q}"}, "cannot be formatted"),
+        ({"filename": "step{}"}, "names only"),
+    ],
+)
 def test_filename_checked_at_construction(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         ModelCheckpoint(tmp_path, **kw)
 
 
 def test_monitored_step_saves_before_the_first_validation(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path, monitor="val_loss", save_top_k=1, every_n_steps=2,
-                           every_n_epochs=None, filename="step{step}")
+    ckpt = ModelCheckpoint(
+        tmp_path,
+        monitor="val_loss",
+        save_top_k=1,
+        every_n_steps=2,
+        every_n_epochs=None,
+        filename="step{step}",
+    )
     loop, loader, ds = H.make_loop(1, 2, callbacks=[ckpt], n=N)
     with pytest.warns(UserWarning, match="val_loss.*no such log yet at step 2"):
         loop.fit(loader, 3, val_loader=DataLoader(ds, batch_size=2))

@@ -3,6 +3,7 @@
 Each expected sequence is written out from the pseudocode; the loop's recorded calls must
 equal it, event for event.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,7 @@ def _hook(name):
         self.events.append(name)
         if self.react is not None:
             self.react(name, loop)
+
     return hook
 
 
@@ -49,10 +51,15 @@ def run(react=None, epochs=2, **fit):
     rec = Recorder(react)
     opts = poptorch.Options().deviceIterations(DI)
     opts.Training.gradientAccumulation(GA)
-    loop = Loop(nn.Linear(IN, OUT), opts, loss_fn=nn.CrossEntropyLoss(), callbacks=[rec],
-                progress=False)
-    loop.fit(DataLoader(data(N, 1), batch_size=B), epochs=epochs,
-             val_loader=DataLoader(data(16, 2), batch_size=B), **fit)
+    loop = Loop(
+        nn.Linear(IN, OUT), opts, loss_fn=nn.CrossEntropyLoss(), callbacks=[rec], progress=False
+    )
+    loop.fit(
+        DataLoader(data(N, 1), batch_size=B),
+        epochs=epochs,
+        val_loader=DataLoader(data(16, 2), batch_size=B),
+        **fit,
+    )
     return loop, rec.events
 
 
@@ -61,8 +68,12 @@ STEP = ["on_train_step_start", "on_train_step_end"]
 
 
 def validation(first: bool) -> list[str]:
-    return (["on_validation_start"] + (COMPILE if first else [])
-            + ["on_validation_step_end"] * VAL_STEPS + ["on_validation_end"])
+    return (
+        ["on_validation_start"]
+        + (COMPILE if first else [])
+        + ["on_validation_step_end"] * VAL_STEPS
+        + ["on_validation_end"]
+    )
 
 
 def epoch(first: bool, steps: int = STEPS, val: bool = True) -> list[str]:
@@ -85,7 +96,14 @@ def test_stop_mid_epoch_leaves_the_epoch_incomplete(how):
             loop.stop()
 
     loop, events = run(react, epochs=3, **({"max_steps": at} if how == "max_steps" else {}))
-    assert events == ["on_configure", "on_fit_start", *epoch(True), "on_epoch_start", *STEP * 2, "on_fit_end"]
+    assert events == [
+        "on_configure",
+        "on_fit_start",
+        *epoch(True),
+        "on_epoch_start",
+        *STEP * 2,
+        "on_fit_end",
+    ]
     st = loop.state
     assert (st.epoch, st.step, st.epoch_step, len(st.history)) == (1, at, 2, 1)
 
@@ -112,7 +130,14 @@ def test_cancel_step_skips_the_rest_of_that_step_only():
 
     loop, events = run(react, epochs=1)
     first = ["on_epoch_start", *COMPILE, *STEP * 3, "on_train_step_start", *STEP * (STEPS - 4)]
-    assert events == ["on_configure", "on_fit_start", *first, *validation(True), "on_epoch_end", "on_fit_end"]
+    assert events == [
+        "on_configure",
+        "on_fit_start",
+        *first,
+        *validation(True),
+        "on_epoch_end",
+        "on_fit_end",
+    ]
     assert loop.state.step == STEPS - 1
 
 
@@ -122,7 +147,13 @@ def test_cancel_epoch_from_a_step_still_validates():
             raise CancelEpoch
 
     loop, events = run(react, epochs=2)
-    assert events == ["on_configure", "on_fit_start", *epoch(True, steps=2), *epoch(False, steps=2), "on_fit_end"]
+    assert events == [
+        "on_configure",
+        "on_fit_start",
+        *epoch(True, steps=2),
+        *epoch(False, steps=2),
+        "on_fit_end",
+    ]
     assert loop.state.epoch == 2 and loop.state.step == 4
 
 
@@ -134,8 +165,15 @@ def test_cancel_epoch_from_validation_skips_to_epoch_end_without_val_logs():
             raise CancelEpoch  # the epoch is over: no effect
 
     loop, events = run(react, epochs=2)
-    cut = ["on_epoch_start", *COMPILE, *STEP * STEPS, "on_validation_start", *COMPILE,
-           "on_validation_step_end", "on_epoch_end"]
+    cut = [
+        "on_epoch_start",
+        *COMPILE,
+        *STEP * STEPS,
+        "on_validation_start",
+        *COMPILE,
+        "on_validation_step_end",
+        "on_epoch_end",
+    ]
     assert events == ["on_configure", "on_fit_start", *cut, *epoch(False), "on_fit_end"]
     h = loop.state.history
     assert "val_loss" not in h[0] and "val_loss" in h[1] and "train_loss" in h[0]
@@ -164,13 +202,25 @@ def test_cancel_fit_from_fit_start():
 
 def test_validate_and_predict_alone():
     rec = Recorder()
-    loop = Loop(nn.Linear(IN, OUT), poptorch.Options().deviceIterations(2),
-                loss_fn=nn.CrossEntropyLoss(), callbacks=[rec], progress=False)
+    loop = Loop(
+        nn.Linear(IN, OUT),
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        callbacks=[rec],
+        progress=False,
+    )
     loop.validate(DataLoader(data(16, 2), batch_size=2))
     loop.validate(DataLoader(data(16, 2), batch_size=2))
     steps = ["on_validation_step_end"] * (16 // (2 * 2))  # micro-batch 2 x DI 2
-    assert rec.events == ["on_validation_start", *COMPILE, *steps, "on_validation_end",
-                          "on_validation_start", *steps, "on_validation_end"]
+    assert rec.events == [
+        "on_validation_start",
+        *COMPILE,
+        *steps,
+        "on_validation_end",
+        "on_validation_start",
+        *steps,
+        "on_validation_end",
+    ]
     rec.events.clear()
     loop.predict(DataLoader(data(9, 3), batch_size=2))
     loop.predict(DataLoader(data(9, 3), batch_size=2))
@@ -192,8 +242,13 @@ def test_cancel_in_a_standalone_validation_ends_it_without_logs():
             raise CancelEpoch
 
     rec = Recorder(react)
-    loop = Loop(nn.Linear(IN, OUT), poptorch.Options().deviceIterations(2),
-                loss_fn=nn.CrossEntropyLoss(), callbacks=[rec], progress=False)
+    loop = Loop(
+        nn.Linear(IN, OUT),
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        callbacks=[rec],
+        progress=False,
+    )
     assert loop.validate(DataLoader(data(16, 2), batch_size=2)) == {}
     assert rec.events == ["on_validation_start", *COMPILE, "on_validation_step_end"]
     assert "val_loss" not in loop.state.logs

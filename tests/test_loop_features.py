@@ -4,6 +4,7 @@ Each feature is checked against what it must equal: the recorded event order wri
 from the pseudocode, a host computation with the step's weights, a plain-torch loop doing
 the same math, and an uninterrupted run for the resumed ones (bitwise).
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,19 +20,19 @@ import sys
 import warnings
 from pathlib import Path
 
+import helpers_train as H
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
+from test_checkpoint import assert_same
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import helpers_train as H
 from ipuloop import Callback, CancelEpoch, Loop, poptorch
 from ipuloop.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from ipuloop.callbacks.base import EVENTS
 from ipuloop.checkpoint_io import read_manifest
-from test_checkpoint import assert_same
 
 ROOT = Path(__file__).resolve().parents[1]
 IN, OUT, B = 4, 3, 2
@@ -64,11 +65,16 @@ def _hook(name):
     def hook(self, loop):
         self.events.append((name, loop.state.step))
         if name == "on_validation_end":
-            self.val.append((loop.state.step, {k: v for k, v in loop.state.logs.items()
-                                               if k.startswith("val_")}))
+            self.val.append(
+                (
+                    loop.state.step,
+                    {k: v for k, v in loop.state.logs.items() if k.startswith("val_")},
+                )
+            )
             self.weights.append({k: v.clone() for k, v in loop.model.state_dict().items()})
         if self.react is not None:
             self.react(name, loop)
+
     return hook
 
 
@@ -86,18 +92,33 @@ def fit_linear(react=None, epochs=2, steps=STEPS, callbacks=(), metrics=None, **
     rec = Recorder(react)
     model = nn.Linear(IN, OUT)
     opts = poptorch.Options().deviceIterations(2)
-    loop = Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), callbacks=[rec, *callbacks],
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.2), progress=False,
-                inference_opts=poptorch.Options().deviceIterations(3), metrics=metrics)
-    history = loop.fit(DataLoader(data(steps * 4, 1), batch_size=B), epochs=epochs,
-                       val_loader=DataLoader(data(10, 2), batch_size=B), **fit)
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        callbacks=[rec, *callbacks],
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.2),
+        progress=False,
+        inference_opts=poptorch.Options().deviceIterations(3),
+        metrics=metrics,
+    )
+    history = loop.fit(
+        DataLoader(data(steps * 4, 1), batch_size=B),
+        epochs=epochs,
+        val_loader=DataLoader(data(10, 2), batch_size=B),
+        **fit,
+    )
     return loop, rec, history
 
 
 def validation(step: int, first: bool = False) -> list[tuple[str, int]]:
     compile_ = [("on_compile_start", step), ("on_compile_end", step)] if first else []
-    return ([("on_validation_start", step)] + compile_
-            + [("on_validation_step_end", step)] * VAL + [("on_validation_end", step)])
+    return (
+        [("on_validation_start", step)]
+        + compile_
+        + [("on_validation_step_end", step)] * VAL
+        + [("on_validation_end", step)]
+    )
 
 
 def steps(first: int, last: int, val_every: int, first_val: int | None) -> list:
@@ -123,8 +144,15 @@ def test_validation_every_n_steps_runs_before_that_steps_end(every):
     if STEPS % every:
         epoch1 += validation(STEPS)
     epoch2 = [("on_epoch_start", STEPS), *steps(STEPS + 1, 2 * STEPS, every, first_val)]
-    expected = [("on_configure", 0), ("on_fit_start", 0), *epoch1, ("on_epoch_end", STEPS),
-                *epoch2, ("on_epoch_end", 2 * STEPS), ("on_fit_end", 2 * STEPS)]
+    expected = [
+        ("on_configure", 0),
+        ("on_fit_start", 0),
+        *epoch1,
+        ("on_epoch_end", STEPS),
+        *epoch2,
+        ("on_epoch_end", 2 * STEPS),
+        ("on_fit_end", 2 * STEPS),
+    ]
     assert rec.events == expected
     validated = sorted({*range(every, 2 * STEPS + 1, every), STEPS})
     assert [s for s, _ in rec.val] == validated
@@ -152,8 +180,11 @@ def test_each_validation_scores_the_weights_of_its_step():
 def test_max_steps_at_a_validation_step_validates_and_leaves_the_epoch_incomplete():
     loop, rec, history = fit_linear(val_every_n_steps=2, max_steps=4)
     assert [s for s, _ in rec.val] == [2, 4]
-    assert rec.events[-3:] == [("on_validation_end", 4), ("on_train_step_end", 4),
-                               ("on_fit_end", 4)]
+    assert rec.events[-3:] == [
+        ("on_validation_end", 4),
+        ("on_train_step_end", 4),
+        ("on_fit_end", 4),
+    ]
     assert (loop.state.epoch, loop.state.step, history) == (0, 4, [])
 
 
@@ -164,17 +195,24 @@ def test_cancel_epoch_in_a_steps_validation_ends_the_epoch_without_val_logs():
 
     loop, rec, history = fit_linear(react, epochs=1, val_every_n_steps=3)
     # the epoch ends at step 3: its logs, no other validation (step 3 had one), on_epoch_end
-    assert rec.events[-4:] == [("on_train_step_start", 2), ("on_validation_start", 3),
-                               ("on_epoch_end", 3), ("on_fit_end", 3)]
+    assert rec.events[-4:] == [
+        ("on_train_step_start", 2),
+        ("on_validation_start", 3),
+        ("on_epoch_end", 3),
+        ("on_fit_end", 3),
+    ]
     assert (loop.state.step, loop.state.epoch) == (3, 1)
     assert "val_loss" not in history[0] and "train_loss" in history[0]
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"val_every_n_steps": 0}, "val_every_n_steps must be an int >= 1"),
-    ({"val_every_n_steps": 2.0}, "val_every_n_steps must be an int >= 1"),
-    ({"val_every_n_steps": True}, "val_every_n_steps must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"val_every_n_steps": 0}, "val_every_n_steps must be an int >= 1"),
+        ({"val_every_n_steps": 2.0}, "val_every_n_steps must be an int >= 1"),
+        ({"val_every_n_steps": True}, "val_every_n_steps must be an int >= 1"),
+    ],
+)
 def test_val_every_n_steps_is_checked(kw, match):
     with pytest.raises(ValueError, match=match):
         fit_linear(**kw)
@@ -183,8 +221,9 @@ def test_val_every_n_steps_is_checked(kw, match):
 def test_val_every_n_steps_needs_a_val_loader():
     model = nn.Linear(IN, OUT)
     loop = Loop(model, loss_fn=nn.CrossEntropyLoss(), progress=False)
-    with pytest.raises(ValueError, match="val_every_n_steps=2 validates on val_loader, but this "
-                                         "fit has none"):
+    with pytest.raises(
+        ValueError, match="val_every_n_steps=2 validates on val_loader, but this fit has none"
+    ):
         loop.fit(DataLoader(data(8, 1), batch_size=B), val_every_n_steps=2)
     assert loop.train_model is None  # before anything compiled
 
@@ -209,8 +248,9 @@ def test_early_stopping_checks_each_validation_and_stops_mid_epoch(capsys):
     """val_count is 1, then 2: the validation at step 6 does not improve on the one at step
     3, so patience=1 stops the fit after step 6, in the middle of the 8-step epoch."""
     stop = EarlyStopping("val_count", patience=1)
-    loop, rec, history = fit_linear(epochs=2, steps=8, callbacks=[stop], val_every_n_steps=3,
-                                    metrics={"count": Count()})
+    loop, rec, history = fit_linear(
+        epochs=2, steps=8, callbacks=[stop], val_every_n_steps=3, metrics={"count": Count()}
+    )
     assert [(s, logs["val_count"]) for s, logs in rec.val] == [(3, 1.0), (6, 2.0)]
     assert (loop.state.step, loop.state.epoch, history) == (6, 0, [])
     assert stop.stopped_epoch == 1 and stop.reason.endswith("for 1 validations")
@@ -227,14 +267,16 @@ def test_early_stopping_counts_an_epoch_end_validation_once(capsys):
 
 
 def test_step_saves_at_validation_steps_are_ranked_by_that_validation(tmp_path):
-    ckpt = ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3, monitor="val_loss",
-                           save_top_k=-1)
+    ckpt = ModelCheckpoint(
+        tmp_path, every_n_epochs=None, every_n_steps=3, monitor="val_loss", save_top_k=-1
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "kept unranked" warning
         loop, rec, _ = fit_linear(callbacks=[ckpt], val_every_n_steps=3)
     scores = {s: logs["val_loss"] for s, logs in rec.val}
     assert {p.name: v for p, v in ckpt.best_k.items()} == {
-        f"epoch{(s - 1) // STEPS}-step{s}": scores[s] for s in (3, 6, 9, 12)}
+        f"epoch{(s - 1) // STEPS}-step{s}": scores[s] for s in (3, 6, 9, 12)
+    }
     assert ckpt.best_score == min(scores.values())
 
 
@@ -244,16 +286,23 @@ def test_csv_logger_writes_a_row_at_each_steps_validation(tmp_path):
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     # rows: validation at step 4 (mid-epoch), epoch 1 end (6), validation at 8, at 12, epoch 2
-    assert [(r["epoch"], r["step"]) for r in rows] == [("0", "4"), ("1", "6"), ("1", "8"),
-                                                      ("1", "12"), ("2", "12")]
+    assert [(r["epoch"], r["step"]) for r in rows] == [
+        ("0", "4"),
+        ("1", "6"),
+        ("1", "8"),
+        ("1", "12"),
+        ("2", "12"),
+    ]
     assert all(r["val_loss"] and r["loss"] for r in rows)
     assert [bool(r["train_loss"]) for r in rows] == [False, True, False, False, True]
 
 
 def test_tensorboard_writes_val_logs_at_each_validation(tmp_path):
     event_accumulator = pytest.importorskip(
-        "tensorboard.backend.event_processing.event_accumulator")
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
     from ipuloop.callbacks import TensorBoardLogger
+
     loop, rec, _ = fit_linear(callbacks=[TensorBoardLogger(tmp_path)], val_every_n_steps=4)
     acc = event_accumulator.EventAccumulator(str(tmp_path))
     acc.Reload()
@@ -322,10 +371,12 @@ def test_sigterm_during_a_steps_validation_resumes_exactly(tmp_path, at):
     rec2, loop, loader, val = resume_run([ModelCheckpoint(tmp_path)], init_seed=3, seed=3)
     loop.fit(loader, 3, val_loader=val, val_every_n_steps=3, resume_from="last")
     first = rec2.events.index(("on_validation_start", at))
-    assert rec2.events[first - 2:first] == [("on_fit_start", at), ("on_epoch_start", at)]
+    assert rec2.events[first - 2 : first] == [("on_fit_start", at), ("on_epoch_start", at)]
     assert ("on_train_step_start", at - 1) not in rec2.events  # the step itself ran before
-    assert rec2.events[rec2.events.index(("on_validation_end", at)) + 1] == \
-        ("on_train_step_end", at)
+    assert rec2.events[rec2.events.index(("on_validation_end", at)) + 1] == (
+        "on_train_step_end",
+        at,
+    )
     assert rec1.val + rec2.val == ref_rec.val
     assert_same(H.comparable(loop.state_dict()), ref_state)
     assert loop.state.history == ref_history
@@ -340,10 +391,13 @@ class ModelOutput(collections.OrderedDict):
     def __post_init__(self) -> None:
         fields = dataclasses.fields(self)
         first = getattr(self, fields[0].name)
-        if first is not None and not isinstance(first, torch.Tensor) and all(
-                getattr(self, f.name) is None for f in fields[1:]):
+        if (
+            first is not None
+            and not isinstance(first, torch.Tensor)
+            and all(getattr(self, f.name) is None for f in fields[1:])
+        ):
             object.__setattr__(self, fields[0].name, None)  # (key, value) pairs, or a dict
-            for k, v in (first.items() if isinstance(first, dict) else first):
+            for k, v in first.items() if isinstance(first, dict) else first:
                 setattr(self, k, v)
         for f in fields:
             if getattr(self, f.name) is not None:
@@ -393,8 +447,9 @@ class TokenClassifier(nn.Module):
 class Tokens(Dataset):
     """A Hugging Face-style dataset: each sample a dict of tensors."""
 
-    def __init__(self, n: int, seed: int = 0, label_key: str = "labels",
-                 extra: str | None = None) -> None:
+    def __init__(
+        self, n: int, seed: int = 0, label_key: str = "labels", extra: str | None = None
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, VOCAB, (n, LEN), generator=g)
         self.mask = (torch.rand(n, LEN, generator=g) > 0.2).float()
@@ -415,8 +470,14 @@ def token_loop(model=None, di=2, metrics=None, **kw):
     if model is None:
         torch.manual_seed(0)
         model = TokenClassifier()
-    loop = Loop(model, poptorch.Options().deviceIterations(di), metrics=metrics,
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5), progress=False, **kw)
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(di),
+        metrics=metrics,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+        progress=False,
+        **kw,
+    )
     return loop, model
 
 
@@ -441,8 +502,9 @@ def test_a_transformers_style_model_trains_on_dict_batches_as_plain_torch(return
     loss_key=0 from Transformers' (loss, logits) tuple: the same weights as plain torch."""
     ds = Tokens(24)
     torch.manual_seed(0)
-    loop, model = token_loop(TokenClassifier(return_dict=return_dict),
-                             loss_key="loss" if return_dict else 0)
+    loop, model = token_loop(
+        TokenClassifier(return_dict=return_dict), loss_key="loss" if return_dict else 0
+    )
     torch.manual_seed(0)
     ref = TokenClassifier(return_dict=return_dict)
     history = loop.fit(DataLoader(ds, batch_size=B), epochs=2)
@@ -465,8 +527,9 @@ def test_metrics_validation_and_predict_read_dict_batches():
     predict drops the labels, pads, and returns the model's output type with one row per
     sample, in order."""
     acc = torchmetrics.Accuracy(task="multiclass", num_classes=OUT)
-    loop, model = token_loop(metrics={"acc": acc},
-                             inference_opts=poptorch.Options().deviceIterations(3))
+    loop, model = token_loop(
+        metrics={"acc": acc}, inference_opts=poptorch.Options().deviceIterations(3)
+    )
     val = Tokens(14, seed=3)
     loop.fit(DataLoader(Tokens(24), batch_size=B), epochs=1)
     logs = loop.validate(DataLoader(val, batch_size=B))
@@ -490,9 +553,14 @@ def test_a_plain_model_with_loss_fn_gets_the_other_keys():
 
     torch.manual_seed(0)
     model = Plain()
-    loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
-                label_key="label", progress=False,
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5))
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        label_key="label",
+        progress=False,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+    )
     ds = Tokens(24, label_key="label")
     loop.fit(DataLoader(ds, batch_size=B), epochs=1)
     torch.manual_seed(0)
@@ -510,15 +578,19 @@ def test_a_plain_model_with_loss_fn_gets_the_other_keys():
 def test_a_dict_batch_without_the_label_key_is_an_error_naming_its_keys():
     acc = torchmetrics.Accuracy(task="multiclass", num_classes=OUT)
     loop, _ = token_loop(metrics={"acc": acc})
-    with pytest.raises(ValueError, match=r"without the labels' key label_key='labels' \(keys "
-                                         r"\['input_ids', 'attention_mask', 'label'\]\).*"
-                                         r"Loop\(label_key=\.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"without the labels' key label_key='labels' \(keys "
+        r"\['input_ids', 'attention_mask', 'label'\]\).*"
+        r"Loop\(label_key=\.\.\.\)",
+    ):
         loop.fit(DataLoader(Tokens(8, label_key="label"), batch_size=B))
 
 
 def test_a_model_computing_its_loss_needs_no_labels():
     """An autoencoder-style model-with-loss: the batch has no labels and the loop needs
     none (no loss_fn, no metrics)."""
+
     class Reconstruct(nn.Module):
         def __init__(self):
             super().__init__()
@@ -543,8 +615,11 @@ def test_a_model_computing_its_loss_needs_no_labels():
 
 def test_a_key_forward_does_not_take_fails_before_compiling_with_the_fix():
     loop, _ = token_loop()
-    with pytest.raises(ValueError, match=r"unexpected keyword argument 'index'.*each of its "
-                                         r"keys must be a parameter of forward"):
+    with pytest.raises(
+        ValueError,
+        match=r"unexpected keyword argument 'index'.*each of its "
+        r"keys must be a parameter of forward",
+    ):
         loop.fit(DataLoader(Tokens(8, extra="index"), batch_size=B))
     assert loop.train_model is None
 
@@ -555,8 +630,9 @@ def test_dict_inputs_of_different_batch_sizes_are_named():
         return {**batch, "attention_mask": torch.ones(2 * len(samples), LEN)}
 
     loop, _ = token_loop()
-    with pytest.raises(ValueError, match="input 'attention_mask' has batch size 4 but the labels "
-                                         "have 2"):
+    with pytest.raises(
+        ValueError, match="input 'attention_mask' has batch size 4 but the labels have 2"
+    ):
         loop.fit(DataLoader(Tokens(8), batch_size=B, collate_fn=collate))
 
 
@@ -570,8 +646,11 @@ def test_a_keyword_only_parameter_fails_as_it_would_on_an_ipu():
         def forward(self, x, *, scale=1.0):
             return self.net(x) * scale
 
-    with pytest.raises(TypeError, match=r"keyword-only parameter\(s\) scale, which PopTorch "
-                                        r"passes by position"):
+    with pytest.raises(
+        TypeError,
+        match=r"keyword-only parameter\(s\) scale, which PopTorch "
+        r"passes by position",
+    ):
         poptorch.inferenceModel(KeywordOnly())(torch.ones(2, IN), scale=2.0)
 
 
@@ -591,8 +670,11 @@ def test_a_dict_subclass_output_is_taken_apart_and_keeps_its_type():
     with its entries; keyword inputs bind to forward's parameters in any order."""
     torch.manual_seed(0)
     model = TokenClassifier()
-    train = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2),
-                                   optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5))
+    train = poptorch.trainingModel(
+        model,
+        poptorch.Options().deviceIterations(2),
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+    )
     ds = Tokens(4)
     before = model.head.weight.detach().clone()
     out = train(input_ids=ds.ids, attention_mask=ds.mask, labels=ds.y)
@@ -602,8 +684,11 @@ def test_a_dict_subclass_output_is_taken_apart_and_keeps_its_type():
     assert type(again) is ClassifierOutput and float(again.loss) != float(out.loss)
     train.copyWeightsToHost()
     assert not torch.equal(model.head.weight, before)  # trained
-    with pytest.raises(poptorch.Error, match=r"Type mismatch for attention_mask: expected "
-                                             r"<class 'torch.Tensor'> but got <class 'NoneType'>"):
+    with pytest.raises(
+        poptorch.Error,
+        match=r"Type mismatch for attention_mask: expected "
+        r"<class 'torch.Tensor'> but got <class 'NoneType'>",
+    ):
         train(ds.ids, labels=ds.y)  # compiled with a mask: the default None is another graph
 
 
@@ -631,8 +716,13 @@ def logging_fit(mode=None, di=2, ga=2, n=32, epochs=1, callbacks=(), **fit):
     opts.Training.gradientAccumulation(ga)
     if mode is not None:  # (EveryN: every 2nd device iteration)
         opts.outputMode(mode, 2 if mode == poptorch.OutputMode.EveryN else None)
-    loop = Loop(model, opts, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
-                callbacks=list(callbacks), progress=False)
+    loop = Loop(
+        model,
+        opts,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=list(callbacks),
+        progress=False,
+    )
     ds = data(n, 1)
     history = loop.fit(DataLoader(ds, batch_size=B), epochs=epochs, **fit)
     return loop, history, ds
@@ -642,12 +732,14 @@ def x0_per_micro_batch(ds: TensorDataset) -> torch.Tensor:
     return ds.tensors[0][:, 0].reshape(-1, B).mean(1).double()
 
 
-@pytest.mark.parametrize("mode, exact", [("All", True), ("Sum", True), ("Final", False),
-                                         ("EveryN", False)])
+@pytest.mark.parametrize(
+    "mode, exact", [("All", True), ("Sum", True), ("Final", False), ("EveryN", False)]
+)
 def test_logged_values_reduce_over_the_step_as_the_loss_does(mode, exact):
     """x0 is known per micro-batch: All and Sum log the exact mean over the step's 4
     micro-batches; Final logs the step's last micro-batch, EveryN(2) the last device
     iteration's two (estimates: train_loss_exact is 0)."""
+
     class StepLogs(Callback):
         def __init__(self):
             self.x0 = []
@@ -658,8 +750,12 @@ def test_logged_values_reduce_over_the_step_as_the_loss_does(mode, exact):
     rec = StepLogs()
     loop, history, ds = logging_fit(getattr(poptorch.OutputMode, mode), callbacks=[rec])
     per_step = x0_per_micro_batch(ds).reshape(-1, 4)  # 2 device iterations x 2 accumulation
-    expected = {"All": per_step.mean(1), "Sum": per_step.mean(1), "Final": per_step[:, 3],
-                "EveryN": per_step[:, 2:].mean(1)}[mode]
+    expected = {
+        "All": per_step.mean(1),
+        "Sum": per_step.mean(1),
+        "Final": per_step[:, 3],
+        "EveryN": per_step[:, 2:].mean(1),
+    }[mode]
     assert rec.x0 == pytest.approx(expected.tolist(), abs=1e-6)
     h = history[0]
     assert h["train_loss_exact"] == float(exact)
@@ -673,8 +769,11 @@ def test_logged_values_are_validated_over_every_micro_batch_without_padding():
     torch.manual_seed(0)
     loop, _, _ = logging_fit()
     val = data(11, 2)
-    with pytest.warns(UserWarning, match=r"val_acc, val_x0: the mean over the micro-batches "
-                                         r"without padding; the last 1 samples"):
+    with pytest.warns(
+        UserWarning,
+        match=r"val_acc, val_x0: the mean over the micro-batches "
+        r"without padding; the last 1 samples",
+    ):
         logs = loop.validate(DataLoader(val, batch_size=B))
     x0 = val.tensors[0][:10, 0].reshape(5, B).mean(1)
     assert logs["val_x0"] == pytest.approx(float(x0.mean()), abs=1e-6)
@@ -683,8 +782,11 @@ def test_logged_values_are_validated_over_every_micro_batch_without_padding():
 def test_a_dict_output_logs_its_logs_entry():
     acc = torchmetrics.Accuracy(task="multiclass", num_classes=OUT)
     loop, model = token_loop(TokenClassifier(log=True), metrics={"top1": acc})
-    history = loop.fit(DataLoader(Tokens(24), batch_size=B), epochs=1,
-                       val_loader=DataLoader(Tokens(8, seed=4), batch_size=B))
+    history = loop.fit(
+        DataLoader(Tokens(24), batch_size=B),
+        epochs=1,
+        val_loader=DataLoader(Tokens(8, seed=4), batch_size=B),
+    )
     h = history[0]
     # the model's accuracy over every micro-batch (the metrics ask for All) equals the metric's
     # over every sample: micro-batches of the same size
@@ -693,14 +795,17 @@ def test_a_dict_output_logs_its_logs_entry():
     assert 0 < h["train_acc"] < 1
 
 
-@pytest.mark.parametrize("logs, match", [
-    ({"loss": 1}, "'loss' would clash with the loop's own logs"),
-    ({"step": 1}, "'step' would clash with the loop's own logs"),
-    ({"val_acc": 1}, "'val_acc' would clash with the train_/val_ prefixes"),
-    ({"acc": 1}, "'acc' would clash with a metric's name"),
-    ({"two words": 1}, "must be an identifier"),
-    ({"acc2": "vector"}, r"'acc2' has shape \[2\]: a logged value must be a scalar"),
-])
+@pytest.mark.parametrize(
+    "logs, match",
+    [
+        ({"loss": 1}, "'loss' would clash with the loop's own logs"),
+        ({"step": 1}, "'step' would clash with the loop's own logs"),
+        ({"val_acc": 1}, "'val_acc' would clash with the train_/val_ prefixes"),
+        ({"acc": 1}, "'acc' would clash with a metric's name"),
+        ({"two words": 1}, "must be an identifier"),
+        ({"acc2": "vector"}, r"'acc2' has shape \[2\]: a logged value must be a scalar"),
+    ],
+)
 def test_logged_values_are_checked_before_compiling(logs, match):
     class Logs(nn.Module):
         def __init__(self):
@@ -711,14 +816,18 @@ def test_logged_values_are_checked_before_compiling(logs, match):
             out = self.net(x)
             if labels is None:
                 return out
-            values = {k: (out[:, :2].mean(0) if v == "vector" else out.mean())
-                      for k, v in logs.items()}
+            values = {
+                k: (out[:, :2].mean(0) if v == "vector" else out.mean()) for k, v in logs.items()
+            }
             return out, F.cross_entropy(out, labels), values
 
     model = Logs()
-    loop = Loop(model, progress=False, metrics={"acc": torchmetrics.Accuracy(
-        task="multiclass", num_classes=OUT)}, optimizer=poptorch.optim.SGD(model.parameters(),
-                                                                           lr=0.1))
+    loop = Loop(
+        model,
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=OUT)},
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+    )
     with pytest.raises(ValueError, match=match):
         loop.fit(DataLoader(data(8, 1), batch_size=B))
     assert loop.train_model is None
@@ -728,8 +837,9 @@ def test_an_interrupted_epoch_resumes_its_logged_values_exactly(tmp_path):
     _, whole, _ = logging_fit(epochs=2, n=48)
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, every_n_epochs=None)
     logging_fit(epochs=2, n=48, callbacks=[ckpt], max_steps=4)  # 3 steps an epoch
-    loop, resumed, _ = logging_fit(epochs=2, n=48, callbacks=[ModelCheckpoint(tmp_path)],
-                                   resume_from="last")
+    loop, resumed, _ = logging_fit(
+        epochs=2, n=48, callbacks=[ModelCheckpoint(tmp_path)], resume_from="last"
+    )
     assert resumed == whole  # train_acc and train_x0 of epoch 2 summed before and after
 
 
@@ -743,7 +853,7 @@ def test_csv_logger_writes_the_step_logs(tmp_path):
 
 
 # -- 1, 3, 7 on two processes -------------------------------------------------------------------
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -798,7 +908,7 @@ history = loop.fit(DataLoader(Tokens(64, 1), batch_size=4, shuffle=True), epochs
 with open(os.path.join(cfg["out"], f"result{rank}.json"), "w") as f:
     json.dump({"val": val.val, "history": history,
                "weight": model.net.weight.tolist()}, f)
-'''
+"""
 
 
 def _free_port() -> int:
@@ -813,16 +923,33 @@ def _run(tmp_path: Path, name: str, replicas: int, processes: int) -> Path:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cfg = json.dumps({"replicas": replicas, "out": str(out)})
-    cmd = [sys.executable, str(script), cfg] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-        f"--master_port={_free_port()}", "--monitor_interval=0.5", str(script), cfg]
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator", IPULOOP_DIST_TIMEOUT="30",
-               PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=170)
+    cmd = (
+        [sys.executable, str(script), cfg]
+        if processes == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            f"--master_port={_free_port()}",
+            "--monitor_interval=0.5",
+            str(script),
+            cfg,
+        ]
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        IPULOOP_BACKEND="emulator",
+        IPULOOP_DIST_TIMEOUT="30",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

@@ -1,4 +1,5 @@
 """Loop.predict and validation against plain torch: every sample, dataset order, any layout."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,9 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.ReLU(),
-                                 nn.Dropout(0.5), nn.Linear(8, OUT))
+        self.net = nn.Sequential(
+            nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, OUT)
+        )
         with torch.no_grad():  # running statistics far from a batch's own
             self.net[1].running_mean.fill_(3.0)
             self.net[1].running_var.fill_(4.0)
@@ -52,8 +54,9 @@ def plain_eval(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return net(x)
 
 
-@pytest.mark.parametrize("di,ga,rf,n,b", [(1, 1, 1, 7, 2), (3, 2, 1, 53, 4), (2, 2, 2, 53, 3),
-                                          (4, 1, 2, 5, 2)])
+@pytest.mark.parametrize(
+    "di,ga,rf,n,b", [(1, 1, 1, 7, 2), (3, 2, 1, 53, 4), (2, 2, 2, 53, 3), (4, 1, 2, 5, 2)]
+)
 def test_predict_every_sample_in_dataset_order(di, ga, rf, n, b):
     net = Net()
     ds = data(n)
@@ -66,12 +69,14 @@ def test_predict_every_sample_in_dataset_order(di, ga, rf, n, b):
 def test_predict_after_fit_uses_trained_weights_in_eval_mode():
     net = Net()
     ds = data(64)
-    loop = Loop(net, options(2, 2, 2), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                progress=False)
+    loop = Loop(
+        net, options(2, 2, 2), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), progress=False
+    )
     loop.fit(DataLoader(ds, batch_size=4), epochs=1)
     out = loop.predict(DataLoader(data(21, 3), batch_size=4))
-    torch.testing.assert_close(out, plain_eval(loop.model, data(21, 3).tensors[0]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out, plain_eval(loop.model, data(21, 3).tensors[0]), rtol=1e-5, atol=1e-6
+    )
     assert loop.model.training  # left ready to train
 
 
@@ -79,9 +84,12 @@ def test_predict_after_fit_uses_trained_weights_in_eval_mode():
 def test_predict_and_validate_with_input_replica_grouping(orthogonal):
     net = Net()
     ds = data(37)
-    loop = Loop(copy.deepcopy(net), options(2, 1, 4, group=2, orthogonal=orthogonal),
-                progress=False,
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    loop = Loop(
+        copy.deepcopy(net),
+        options(2, 1, 4, group=2, orthogonal=orthogonal),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     out = loop.predict(DataLoader(ds, batch_size=3))
     expected = plain_eval(net, ds.tensors[0])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
@@ -118,7 +126,8 @@ def test_predict_structured_outputs(kind):
     model = Structured(kind)
     x = data(19).tensors[0]
     out = Loop(model, options(2, 1, 2), progress=False).predict(
-        DataLoader(TensorDataset(x), batch_size=2))
+        DataLoader(TensorDataset(x), batch_size=2)
+    )
     logits = model.lin(x).detach()
     if kind == "dict":
         got = (out["logits"], out["probs"])
@@ -204,25 +213,32 @@ def test_validation_counts_every_sample(n, group):
     # call is padded; metrics see every sample, the loss every whole micro-batch of samples.
     net = Net()
     ds = data(n, 8)
-    loop = Loop(copy.deepcopy(net), options(2, 1, 4 if group else 2, group=group),
-                progress=False,
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT),
-                         "f1": torchmetrics.F1Score("multiclass", num_classes=OUT,
-                                                    average="macro")})
+    loop = Loop(
+        copy.deepcopy(net),
+        options(2, 1, 4 if group else 2, group=group),
+        progress=False,
+        metrics={
+            "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT),
+            "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro"),
+        },
+    )
     logs = loop.validate(DataLoader(ds, batch_size=4, shuffle=True))
     x, y = ds.tensors
     out = plain_eval(net, x)
-    losses = [nn.functional.cross_entropy(out[i:i + 4], y[i:i + 4])
-              for i in range(0, n - n % 4, 4)]
+    losses = [
+        nn.functional.cross_entropy(out[i : i + 4], y[i : i + 4]) for i in range(0, n - n % 4, 4)
+    ]
     if losses:
         assert logs["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)
     else:  # fewer samples than one micro-batch: no whole micro-batch to take a loss from
         assert "val_loss" not in logs
     F = torchmetrics.functional
     assert logs["val_acc"] == pytest.approx(
-        float(F.accuracy(out, y, "multiclass", num_classes=OUT)), abs=1e-6)
+        float(F.accuracy(out, y, "multiclass", num_classes=OUT)), abs=1e-6
+    )
     assert logs["val_f1"] == pytest.approx(
-        float(F.f1_score(out, y, "multiclass", num_classes=OUT, average="macro")), abs=1e-6)
+        float(F.f1_score(out, y, "multiclass", num_classes=OUT, average="macro")), abs=1e-6
+    )
 
 
 def test_validation_device_iterations_need_no_padding_when_they_can(recwarn):
@@ -230,15 +246,19 @@ def test_validation_device_iterations_need_no_padding_when_they_can(recwarn):
     # padding with DI=4, so validation takes DI=3 (24 samples a call).
     net = Net()
     ds = data(48, 7)
-    loop = Loop(copy.deepcopy(net), options(4, 1, 2), progress=False,
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    loop = Loop(
+        copy.deepcopy(net),
+        options(4, 1, 2),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     logs = loop.validate(DataLoader(ds, batch_size=4))
     assert not [w for w in recwarn if "dropped" in str(w.message)]
     (inference,) = loop.executors.inference.values()
     assert inference.options.device_iterations == 3
     x, y = ds.tensors
     out = plain_eval(net, x)
-    losses = [nn.functional.cross_entropy(out[i:i + 4], y[i:i + 4]) for i in range(0, 48, 4)]
+    losses = [nn.functional.cross_entropy(out[i : i + 4], y[i : i + 4]) for i in range(0, 48, 4)]
     assert logs["val_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)
     acc = torchmetrics.functional.accuracy(out, y, "multiclass", num_classes=OUT)
     assert logs["val_acc"] == pytest.approx(float(acc), abs=1e-6)
@@ -262,17 +282,24 @@ class TrainingOnlyLoss(nn.Module):
 
 def test_validation_of_a_model_without_a_loss_in_eval_mode():
     net = TrainingOnlyLoss()
-    loop = Loop(net, options(2, 1, 2), progress=False,
-                optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)})
+    loop = Loop(
+        net,
+        options(2, 1, 2),
+        progress=False,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+    )
     val = data(16, 2)
     with pytest.warns(UserWarning, match="no val_loss"):
-        hist = loop.fit(DataLoader(data(32), batch_size=2), epochs=2,
-                        val_loader=DataLoader(val, batch_size=2))
+        hist = loop.fit(
+            DataLoader(data(32), batch_size=2), epochs=2, val_loader=DataLoader(val, batch_size=2)
+        )
     x, y = val.tensors
-    acc = torchmetrics.functional.accuracy(plain_eval(loop.model, x), y, "multiclass",
-                                           num_classes=OUT)
+    acc = torchmetrics.functional.accuracy(
+        plain_eval(loop.model, x), y, "multiclass", num_classes=OUT
+    )
     assert hist[-1]["val_acc"] == pytest.approx(float(acc), abs=1e-6)
     assert "val_loss" not in hist[-1] and "train_loss" in hist[-1]
-    torch.testing.assert_close(loop.predict(DataLoader(TensorDataset(x), batch_size=2)),
-                               plain_eval(loop.model, x))
+    torch.testing.assert_close(
+        loop.predict(DataLoader(TensorDataset(x), batch_size=2)), plain_eval(loop.model, x)
+    )

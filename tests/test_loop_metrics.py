@@ -1,4 +1,5 @@
 """Host-side metrics: a MetricCollection, per-class values, reset each epoch, against torch."""
+
 from __future__ import annotations
 
 import copy
@@ -45,11 +46,11 @@ def plain_run(net, ds, b, di, ga, rf, epochs, lr):
                 for a in range(ga):
                     for r in range(rf):
                         i = start + ((d * ga + a) * rf + r) * b
-                        out, loss = model(x[i:i + b], y[i:i + b])
+                        out, loss = model(x[i : i + b], y[i : i + b])
                         (loss / (ga * rf)).backward()
                         if d == di - 1 and a == ga - 1:
                             outs.append(out.detach())
-                            labels.append(y[i:i + b])
+                            labels.append(y[i : i + b])
                 opt.step()
                 opt.zero_grad()
         returned.append((torch.cat(outs), torch.cat(labels)))
@@ -61,16 +62,25 @@ def test_metric_collection_per_class_values_reset_each_epoch_final_mode():
     net, ds, val = Net(), data(96, 1), data(48, 2)
     ref_model, returned = plain_run(net, ds, b, di, ga, rf, epochs, lr)
     model = copy.deepcopy(net)
-    metrics = torchmetrics.MetricCollection({
-        "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT, average=None),
-        "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro")})
+    metrics = torchmetrics.MetricCollection(
+        {
+            "acc": torchmetrics.Accuracy("multiclass", num_classes=OUT, average=None),
+            "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro"),
+        }
+    )
     opts = poptorch.Options().deviceIterations(di).replicationFactor(rf)
     opts.Training.gradientAccumulation(ga)
     opts.outputMode(poptorch.OutputMode.Final)
-    loop = Loop(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                metrics=metrics, progress=False)
-    hist = loop.fit(DataLoader(ds, batch_size=b), epochs=epochs,
-                    val_loader=DataLoader(val, batch_size=b))
+    loop = Loop(
+        model,
+        opts,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        metrics=metrics,
+        progress=False,
+    )
+    hist = loop.fit(
+        DataLoader(ds, batch_size=b), epochs=epochs, val_loader=DataLoader(val, batch_size=b)
+    )
     F = torchmetrics.functional
     for e, (out, y) in enumerate(returned):  # each epoch: that epoch's outputs only
         per_class = F.accuracy(out, y, "multiclass", num_classes=OUT, average=None)

@@ -1,4 +1,5 @@
 """The options lifecycle and ``replicas=``: clones, lazy executors built once, one attached."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,14 @@ def data(n: int, seed: int = 1) -> TensorDataset:
 def make_loop(opts=None, **kwargs) -> Loop:
     torch.manual_seed(0)
     model = nn.Linear(IN, OUT)
-    return Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), progress=False,
-                optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    return Loop(
+        model,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        progress=False,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        **kwargs,
+    )
 
 
 def test_user_options_untouched_and_executors_built_lazily_once(monkeypatch):
@@ -63,7 +70,10 @@ def test_only_the_running_executor_is_attached():
 
     class Check(Callback):
         def attached(self, loop):
-            return [m.isAttachedToDevice() for m in (loop.train_model, *loop.executors.inference.values())]
+            return [
+                m.isAttachedToDevice()
+                for m in (loop.train_model, *loop.executors.inference.values())
+            ]
 
         def on_train_step_end(self, loop):
             seen.append(("train", self.attached(loop)))
@@ -72,8 +82,9 @@ def test_only_the_running_executor_is_attached():
             seen.append(("val", self.attached(loop)))
 
     loop = make_loop(poptorch.Options().deviceIterations(2), callbacks=[Check()])
-    loop.fit(DataLoader(data(8), batch_size=2), epochs=2,
-             val_loader=DataLoader(data(8, 2), batch_size=2))
+    loop.fit(
+        DataLoader(data(8), batch_size=2), epochs=2, val_loader=DataLoader(data(8, 2), batch_size=2)
+    )
     assert [k for k, _ in seen] == ["train", "train", "val", "val"] * 2
     assert seen[0][1] == [True]
     assert all(a == ([True, False] if k == "train" else [False, True]) for k, a in seen[2:])
@@ -111,9 +122,15 @@ def test_replicas_not_a_power_of_two_with_auto_rounding_or_ipu_model():
         assert loop.train_opts.replication_factor == 3
 
 
-@pytest.mark.parametrize("replicas,match", [
-    (0, "int >= 1 or 'auto'"), ("two", "int >= 1 or 'auto'"), (True, "int >= 1 or 'auto'"),
-    (128, "at most 64")])
+@pytest.mark.parametrize(
+    "replicas,match",
+    [
+        (0, "int >= 1 or 'auto'"),
+        ("two", "int >= 1 or 'auto'"),
+        (True, "int >= 1 or 'auto'"),
+        (128, "at most 64"),
+    ],
+)
 def test_bad_replicas(replicas, match):
     with pytest.raises(ValueError, match=match):
         make_loop(replicas=replicas)
@@ -143,10 +160,14 @@ def test_poptorch_loader_built_for_other_options_names_every_factor():
     opts = poptorch.Options().deviceIterations(2).replicationFactor(2)
     opts.Training.gradientAccumulation(3)
     loader = poptorch.DataLoader(poptorch.Options().deviceIterations(4), data(96), batch_size=2)
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             r"built for micro-batch 2 x deviceIterations 4 x replicationFactor 1 x "
             r"gradientAccumulation 1 = 8 samples .* runs micro-batch 2 x deviceIterations 2 x "
-            r"replicationFactor 2 x gradientAccumulation 3 = 24 samples")):
+            r"replicationFactor 2 x gradientAccumulation 3 = 24 samples"
+        ),
+    ):
         make_loop(opts).fit(loader)
     ok = poptorch.DataLoader(opts, data(96), batch_size=2, shuffle=True)
     assert len(make_loop(opts).fit(ok)) == 1
@@ -160,7 +181,9 @@ def test_validation_before_training_sees_the_trained_weights_after():
     after = loop.validate(DataLoader(val, batch_size=2))["val_loss"]
     x, y = val.tensors
     with torch.no_grad():
-        losses = [nn.functional.cross_entropy(loop.model.model(x[i:i + 2]), y[i:i + 2])
-                  for i in range(0, 16, 2)]
+        losses = [
+            nn.functional.cross_entropy(loop.model.model(x[i : i + 2]), y[i : i + 2])
+            for i in range(0, 16, 2)
+        ]
     assert after == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)
     assert after != pytest.approx(first)

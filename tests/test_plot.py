@@ -1,4 +1,5 @@
 """``python -m ipuloop.plot``: curves from a real CSVLogger file; a clear failure on other files."""
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,15 @@ def log_file(tmp_path_factory):
     x = torch.randn(64, 4)
     y = (x[:, 0] > 0).long()
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
-                optimizer=torch.optim.SGD(model.parameters(), lr=0.1), progress=False,
-                metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
-                callbacks=[CSVLogger(path, every_n_steps=1)])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
+        callbacks=[CSVLogger(path, every_n_steps=1)],
+    )
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     loop.fit(loader, epochs=3, val_loader=loader)
     return path, loop
@@ -51,6 +57,7 @@ def test_writes_a_png_with_one_panel_per_quantity(log_file, tmp_path, capsys):
     assert main([str(path), "-o", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out}: loss, acc"
     import matplotlib.image
+
     image = matplotlib.image.imread(str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert image.shape[1] > image.shape[0] > 100  # two panels side by side
@@ -60,20 +67,33 @@ def test_module_entry_point(log_file, tmp_path):
     path, _ = log_file
     out = tmp_path / "c.png"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-m", "ipuloop.plot", str(path), "-o", str(out)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "ipuloop.plot", str(path), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert out.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("content,message", [
-    (b"", "not a CSVLogger file: its header must begin with epoch,step,update, found 'an empty"),
-    (b"a,b\n1,2\n", "not a CSVLogger file: its header must begin with epoch,step,update, found "
-                    "'a,b'"),
-    (b"epoch,step,update,loss\n", "a CSVLogger file with no rows"),
-    (b"epoch,step,update,loss\n1,2,4,abc\n", "line 2: could not convert string to float"),
-    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not a CSVLogger file (not text"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (
+            b"",
+            "not a CSVLogger file: its header must begin with epoch,step,update, found 'an empty",
+        ),
+        (
+            b"a,b\n1,2\n",
+            "not a CSVLogger file: its header must begin with epoch,step,update, found 'a,b'",
+        ),
+        (b"epoch,step,update,loss\n", "a CSVLogger file with no rows"),
+        (b"epoch,step,update,loss\n1,2,4,abc\n", "line 2: could not convert string to float"),
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "not a CSVLogger file (not text"),
+    ],
+)
 def test_not_a_csvlogger_file_is_one_line_and_exit_2(tmp_path, capsys, content, message):
     bad = tmp_path / "bad.csv"
     bad.write_bytes(content)
@@ -96,15 +116,15 @@ def test_missing_matplotlib_names_the_extra(log_file, tmp_path, capsys, monkeypa
     assert 'pip install "ipuloop[plot]"' in capsys.readouterr().err
 
 
-
 def test_mnist_example_csv_option_plots(tmp_path, monkeypatch):
     from ipuloop.examples import mnist
 
     def tiny(data_dir, train):  # one host call of training data (40 x 10 x 10), 32 test images
         n = 4000 if train else 32
         g = torch.Generator().manual_seed(int(train))
-        return TensorDataset(torch.randn(n, 1, 28, 28, generator=g),
-                             torch.randint(0, 10, (n,), generator=g))
+        return TensorDataset(
+            torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+        )
 
     monkeypatch.setattr(mnist, "load_mnist", tiny)
     logs = tmp_path / "logs.csv"

@@ -1,4 +1,5 @@
 """16-bit precision: mixed (float16 inputs, float32 weights) and pure (half weights)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ from ipuloop.callbacks import Callback
 # ops it lacks in float32, but not autograd's backward, so 16-bit training needs torch >= 2.1.
 NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
+    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+)
 
 
 def task():
@@ -28,8 +30,14 @@ def fit(precision: str):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
     opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
-    loop = Loop(model, poptorch.Options().deviceIterations(4), loss_fn=nn.CrossEntropyLoss(),
-                optimizer=opt, precision=precision, progress=False)
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(4),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=opt,
+        precision=precision,
+        progress=False,
+    )
     hist = loop.fit(task(), epochs=5)
     return loop, model, hist
 
@@ -68,9 +76,15 @@ def test_automatic_loss_scaling_with_mixed_precision():
         def on_train_step_end(self, loop):  # the device optimizer's state, read by PopTorch
             factors.append(float(opt.state_dict()["ipu_state"]["lossScaleUpdateFactor"]))
 
-    loop = Loop(model, IPUConfig(device_iterations=4, auto_loss_scaling=True),
-                loss_fn=nn.CrossEntropyLoss(), optimizer=opt, precision="16-mixed",
-                callbacks=[Factor()], progress=False)
+    loop = Loop(
+        model,
+        IPUConfig(device_iterations=4, auto_loss_scaling=True),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=opt,
+        precision="16-mixed",
+        callbacks=[Factor()],
+        progress=False,
+    )
     hist = loop.fit(task(), epochs=5)
     assert abs(hist[-1]["train_loss"] - h32[-1]["train_loss"]) < 0.05
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -94,8 +108,10 @@ def test_unknown_precision_rejected(bad):
         Loop(nn.Linear(2, 2), loss_fn=nn.MSELoss(), precision=bad)
 
 
-@pytest.mark.parametrize("given, meant", [(32, "32"), ("32-true", "32"), (16, "16-mixed"),
-                                          ("16", "16-mixed"), ("16-true", "16-true")])
+@pytest.mark.parametrize(
+    "given, meant",
+    [(32, "32"), ("32-true", "32"), (16, "16-mixed"), ("16", "16-mixed"), ("16-true", "16-true")],
+)
 def test_lightning_precision_spellings(given, meant):
     """Lightning IPU users wrote precision=16 (mixed) or 32; lightning-graphcore "32-true"."""
     model = nn.Linear(2, 2)
@@ -112,8 +128,13 @@ def _underflow_step(loss_scaling: float, precision: str) -> torch.Tensor:
     lin = nn.Linear(1, 1, bias=False)
     nn.init.zeros_(lin.weight)
     opt = poptorch.optim.SGD(lin.parameters(), lr=1.0, loss_scaling=loss_scaling)
-    loop = Loop(lin, loss_fn=lambda out, y: poptorch.identity_loss(out * 1e-8, "sum"),
-                optimizer=opt, precision=precision, progress=False)
+    loop = Loop(
+        lin,
+        loss_fn=lambda out, y: poptorch.identity_loss(out * 1e-8, "sum"),
+        optimizer=opt,
+        precision=precision,
+        progress=False,
+    )
     x, y = torch.full((1, 1), 1000.0), torch.zeros(1, 1)
     loop.fit(DataLoader(TensorDataset(x, y), batch_size=1), epochs=1)
     return lin.weight.detach().float().reshape(())
@@ -124,10 +145,13 @@ def test_static_loss_scaling_rescues_underflowing_16_bit_gradients():
     assert _underflow_step(1.0, "16-true") == 0.0  # the gradient underflowed: no update
     # Scaled by 2**15 in backward, divided by it before the update: the true step, to float16
     # rounding (a subnormal near 1e-5 has a spacing of 6e-8).
-    assert _underflow_step(2.0 ** 15, "16-true").item() == pytest.approx(-1e-5, rel=0.01)
+    assert _underflow_step(2.0**15, "16-true").item() == pytest.approx(-1e-5, rel=0.01)
     # In float32 the scale cancels: the update is the same with and without it.
-    assert _underflow_step(1.0, "32") == _underflow_step(2.0 ** 15, "32") == \
-        pytest.approx(-1e-5, rel=1e-6)
+    assert (
+        _underflow_step(1.0, "32")
+        == _underflow_step(2.0**15, "32")
+        == pytest.approx(-1e-5, rel=1e-6)
+    )
 
 
 def test_loss_scaling_leaves_32_bit_training_unchanged():
@@ -137,12 +161,14 @@ def test_loss_scaling_leaves_32_bit_training_unchanged():
     for scale in (1.0, 1024.0):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-        opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=scale,
-                                 max_grad_norm=0.5)
+        opt = poptorch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, loss_scaling=scale, max_grad_norm=0.5
+        )
         opts = poptorch.Options().deviceIterations(2)
         opts.Training.gradientAccumulation(2)
-        Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), optimizer=opt,
-             progress=False).fit(task(), epochs=1)
+        Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), optimizer=opt, progress=False).fit(
+            task(), epochs=1
+        )
         weights.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*weights):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -160,9 +186,14 @@ def test_pure_16_bit_adamw_trains_close_to_32_bit():
     for precision in ("32", "16-true"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-        loop = Loop(model, poptorch.Options().deviceIterations(4), loss_fn=nn.CrossEntropyLoss(),
-                    optimizer=poptorch.optim.AdamW(model.parameters(), lr=1e-2),
-                    precision=precision, progress=False)
+        loop = Loop(
+            model,
+            poptorch.Options().deviceIterations(4),
+            loss_fn=nn.CrossEntropyLoss(),
+            optimizer=poptorch.optim.AdamW(model.parameters(), lr=1e-2),
+            precision=precision,
+            progress=False,
+        )
         losses[precision] = [e["train_loss"] for e in loop.fit(task(), epochs=3)]
         if precision == "16-true":
             assert all(p.dtype == torch.float16 for p in model.parameters())

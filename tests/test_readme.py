@@ -9,6 +9,7 @@ a profile there), and where it computes something to check, a function of ``CHEC
 the same way) checks it. docs/from-lightning.md is one program read top to bottom:
 tests/test_docs_lightning.py runs its blocks in order, in one namespace.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = ROOT / "docs"
 ONE_PROGRAM = PAGES / "from-lightning.md"  # run by tests/test_docs_lightning.py
-DOCS = (README, ROOT / "examples" / "README.md",
-        *sorted(p for p in PAGES.rglob("*.md") if p != ONE_PROGRAM))
+DOCS = (
+    README,
+    ROOT / "examples" / "README.md",
+    *sorted(p for p in PAGES.rglob("*.md") if p != ONE_PROGRAM),
+)
 
 
 def blocks(lang: str, path: pathlib.Path = README) -> list[str]:
@@ -49,23 +53,35 @@ def _data(n: int, batch_size: int) -> DataLoader:
 
 def _model_with_loss() -> nn.Module:
     torch.manual_seed(0)
-    return WithLoss(nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)),
-                    nn.CrossEntropyLoss())
+    return WithLoss(
+        nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 2)), nn.CrossEntropyLoss()
+    )
 
 
 def _top_of_readme() -> dict:
     """The first snippet: ``model_with_loss``, its ``model``, ``opts`` and the two loaders."""
     model_with_loss = _model_with_loss()
-    return {"Loop": Loop, "poptorch": poptorch, "model_with_loss": model_with_loss,
-            "model": model_with_loss.model, "opts": poptorch.Options().deviceIterations(2),
-            "train_loader": _data(64, 4), "val_loader": _data(16, 4)}
+    return {
+        "Loop": Loop,
+        "poptorch": poptorch,
+        "model_with_loss": model_with_loss,
+        "model": model_with_loss.model,
+        "opts": poptorch.Options().deviceIterations(2),
+        "train_loader": _data(64, 4),
+        "val_loader": _data(16, 4),
+    }
 
 
 def _callbacks() -> dict:
     """The callbacks snippet: a model-with-loss, options and loaders of 600 steps an epoch,
     so a step save (every_n_steps=500) comes before the first validation."""
-    return {"model": _model_with_loss(), "opts": poptorch.Options().deviceIterations(2),
-            "loader": _data(2400, 2), "val": _data(32, 2), "epochs": 2}
+    return {
+        "model": _model_with_loss(),
+        "opts": poptorch.Options().deviceIterations(2),
+        "loader": _data(2400, 2),
+        "val": _data(32, 2),
+        "epochs": 2,
+    }
 
 
 # A line of the snippet -> the stand-ins for the names it uses without defining them.
@@ -75,8 +91,11 @@ STAND_INS = {
     "WandbLogger(project=": _top_of_readme,
 }
 
-SNIPPETS = [pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{i}]")
-            for path in DOCS for i, code in enumerate(blocks("python", path))]
+SNIPPETS = [
+    pytest.param(path, i, code, id=f"{path.relative_to(README.parent)}[{i}]")
+    for path in DOCS
+    for i, code in enumerate(blocks("python", path))
+]
 
 
 def test_the_snippets_are_found():
@@ -107,8 +126,9 @@ def one_thread():
 
 
 @pytest.mark.parametrize("path, index, code", SNIPPETS)
-def test_every_python_snippet_runs_as_written(path, index, code, tmp_path, monkeypatch, capsys,
-                                              one_thread):
+def test_every_python_snippet_runs_as_written(
+    path, index, code, tmp_path, monkeypatch, capsys, one_thread
+):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for marker, stand_ins in STAND_INS.items():
@@ -132,8 +152,12 @@ def _check_one_example(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> No
 
 def _check_print_lr(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     model = _model_with_loss()
-    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05),
-                callbacks=[ns["PrintLR"]()], progress=False)
+    loop = Loop(
+        model,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05),
+        callbacks=[ns["PrintLR"]()],
+        progress=False,
+    )
     loop.fit(_data(400, 2), epochs=1)  # 200 steps: PrintLR prints at steps 100 and 200
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert [(int(s), float(lr)) for s, lr, _ in lines] == [(100, 0.05), (200, 0.05)]
@@ -141,6 +165,7 @@ def _check_print_lr(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
 
 def _check_loggers(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     from mlflow import MlflowClient
+
     wandb_logger, mlflow_logger = ns["loop"].callbacks[:2]
     assert wandb_logger.run is None and wandb_logger.run_id  # the offline run, finished
     client = MlflowClient(tracking_uri="sqlite:///mlflow.db")
@@ -192,14 +217,18 @@ def _check_batch_sampler(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> 
 
 def _check_precision(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     half = ns["half"]
-    assert half.dtype == torch.float16 and half.shape == (512, 2) and out.split()[-1] == \
-        "torch.float16"
+    assert (
+        half.dtype == torch.float16
+        and half.shape == (512, 2)
+        and out.split()[-1] == "torch.float16"
+    )
     first, last = ns["history"][0]["train_loss"], ns["history"][-1]["train_loss"]
     assert last < first < 0.8  # float16 inputs with a static loss scale: it learns
 
 
 def _check_ipu_config(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     from ipuloop import IPUConfig
+
     lines = out.strip().splitlines()
     assert lines[0] == "[0, 0, 0, 0, 1, 1, 1, 1, 1]"  # the remainder on the last IPU
     assert lines[-1].split() == ["16", "4"]
@@ -234,8 +263,13 @@ def test_the_hook_order_in_the_docs_is_the_module_docstring():
     block = re.search(r"::\n\n((?:    .*\n)+)", base.__doc__).group(1)  # the indented pseudocode
     doc_lines = [line[4:] for line in block.splitlines()]
     for path in (README, PAGES / "callbacks.md"):
-        shown = re.search(r"```(?:text)?\n(\[first fit only: on_configure\].*?)```",
-                          path.read_text(), re.S).group(1).splitlines()
+        shown = (
+            re.search(
+                r"```(?:text)?\n(\[first fit only: on_configure\].*?)```", path.read_text(), re.S
+            )
+            .group(1)
+            .splitlines()
+        )
         assert shown[-1].startswith("on_exception"), path
         assert shown[:-1] == doc_lines, path  # the same pseudocode, line for line
 
@@ -258,10 +292,12 @@ def _flat(text: str) -> str:
 
 
 def test_the_docs_say_what_cancel_step_skips_and_it_does():
-    assert ("`CancelStep` from `on_train_step_start` skips the training step itself: its host "
-            "batch is read but never runs on the device (no update, no loss; counted only in "
-            "`epoch_step`, the batches the epoch has read, so a resume does not read it "
-            "again)") in page("callbacks.md")
+    assert (
+        "`CancelStep` from `on_train_step_start` skips the training step itself: its host "
+        "batch is read but never runs on the device (no update, no loss; counted only in "
+        "`epoch_step`, the batches the epoch has read, so a resume does not read it "
+        "again)"
+    ) in page("callbacks.md")
     from ipuloop import Callback, CancelStep
 
     class Skip(Callback):
@@ -270,15 +306,19 @@ def test_the_docs_say_what_cancel_step_skips_and_it_does():
 
     model = _model_with_loss()
     before = [p.detach().clone() for p in model.parameters()]
-    loop = Loop(model, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
-                callbacks=[Skip()], progress=False)
+    loop = Loop(
+        model,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+        callbacks=[Skip()],
+        progress=False,
+    )
     loop.fit(_data(16, 2), epochs=1)
     assert (loop.state.step, loop.state.update, loop.state.samples) == (0, 0, 0)
     assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 
 
 def test_the_docs_say_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
-    assert ("float16 under `\"16-mixed\"` and `\"16-true\"` alike") in page("precision.md")
+    assert ('float16 under `"16-mixed"` and `"16-true"` alike') in page("precision.md")
     monkeypatch.delenv("IPULOOP_EMULATOR_DEVICE", raising=False)
     loop = Loop(_model_with_loss(), precision="16-mixed", progress=False)
     x = torch.randn(8, 20)
@@ -286,9 +326,11 @@ def test_the_docs_say_the_dtype_predict_returns_under_16_mixed_and_it_does(monke
 
 
 def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
-    assert ("Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
-            "outputs, so the train metrics, like `train_loss`, are computed over those "
-            "micro-batches only: estimates") in page("loop.md")
+    assert (
+        "Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
+        "outputs, so the train metrics, like `train_loss`, are computed over those "
+        "micro-batches only: estimates"
+    ) in page("loop.md")
     import torchmetrics
 
     class Rows(torchmetrics.Metric):  # counts the samples a metric is updated with
@@ -304,8 +346,7 @@ def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
 
     rows = {}
     for mode in ("All", "Final"):
-        opts = poptorch.Options().deviceIterations(2).outputMode(getattr(poptorch.OutputMode,
-                                                                        mode))
+        opts = poptorch.Options().deviceIterations(2).outputMode(getattr(poptorch.OutputMode, mode))
         opts.Training.gradientAccumulation(2)
         loop = Loop(_model_with_loss(), opts, metrics={"rows": Rows()}, progress=False)
         rows[mode] = loop.fit(_data(64, 2), epochs=1)[-1]["train_rows"]
@@ -317,6 +358,7 @@ def test_the_docs_say_how_many_threads_on_a_small_cpu_and_the_example_picks_them
     assert "set `OMP_NUM_THREADS=1` or call `torch.set_num_threads(1)`" in text
     assert "`--threads N`" in text
     from ipuloop.examples import mnist
+
     monkeypatch.setattr(mnist.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
     assert mnist._default_threads() == 1  # a busy host: one thread
     monkeypatch.setattr(mnist.os, "getloadavg", lambda: (0.0, 0.0, 0.0))

@@ -4,27 +4,32 @@ before the filename's log exists, an unwritable folder, and TensorBoard after a 
 
 Each resume is compared with a run that was never interrupted, bitwise.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import tempfile
 import time
-import warnings
 
+import helpers_train as H
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import helpers_train as H
 from ipuloop import Callback, CancelStep, Loop, poptorch
 from ipuloop.callbacks import TensorBoardLogger
-from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
-                                          read_manifest)
+from ipuloop.callbacks.checkpoint import (
+    CheckpointError,
+    ModelCheckpoint,
+    load_checkpoint,
+    read_manifest,
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch",
-                                        "ignore:val_loss covers")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*samples are dropped each epoch", "ignore:val_loss covers"
+)
 
 N = H.samples_for(1, 2)  # 19 samples: 4 host calls of 4 (micro-batch 2, DI 1, GA 2) per epoch
 EPOCHS = 2
@@ -32,7 +37,8 @@ EPOCHS = 2
 # torch 2.0's CPU has no float16 kernels for backward and optimizer ops (as test_precision.py)
 NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
     tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
+    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -61,9 +67,16 @@ def _half_loop(optimizer, batch_norm: bool, callbacks=()) -> Loop:
     torch.manual_seed(0)
     norm = [nn.BatchNorm1d(16)] if batch_norm else []
     model = nn.Sequential(nn.Linear(8, 16), *norm, nn.ReLU(), nn.Linear(16, 2))
-    return Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
-                optimizer=optimizer(model.parameters()), precision="16-true", seed=1,
-                progress=False, callbacks=list(callbacks))
+    return Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=optimizer(model.parameters()),
+        precision="16-true",
+        seed=1,
+        progress=False,
+        callbacks=list(callbacks),
+    )
 
 
 ADAMW = ("AdamW", lambda p: poptorch.optim.AdamW(p, lr=1e-2))
@@ -71,29 +84,39 @@ MOMENTUM = ("SGD momentum", lambda p: poptorch.optim.SGD(p, lr=0.1, momentum=0.9
 
 
 @NEEDS_CPU_HALF_BACKWARD
-@pytest.mark.parametrize("optimizer,batch_norm,stop", [
-    (ADAMW, False, 8), (ADAMW, True, 8), (MOMENTUM, False, 8), (MOMENTUM, True, 8),
-    (ADAMW, True, 6),  # an epoch-end save, taken after validation (read back from the host)
-], ids=lambda v: v[0] if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "optimizer,batch_norm,stop",
+    [
+        (ADAMW, False, 8),
+        (ADAMW, True, 8),
+        (MOMENTUM, False, 8),
+        (MOMENTUM, True, 8),
+        (ADAMW, True, 6),  # an epoch-end save, taken after validation (read back from the host)
+    ],
+    ids=lambda v: v[0] if isinstance(v, tuple) else str(v),
+)
 def test_16_true_with_optimizer_state_resumes_bitwise(tmp_path, optimizer, batch_norm, stop):
     """precision="16-true": the optimizer's float32 moments of float16 weights are restored in
     float32 (not cast to float16, where small second moments become 0), so a resumed fit ends
     with bitwise the weights of an uninterrupted one; 6 steps per epoch."""
     ref = _half_loop(optimizer[1], batch_norm)
     ref.fit(_data(), 3, val_loader=_data(seed=1))
-    first = _half_loop(optimizer[1], batch_norm,
-                       [ModelCheckpoint(tmp_path, every_n_steps=1), H.StopAt(stop)])
+    first = _half_loop(
+        optimizer[1], batch_norm, [ModelCheckpoint(tmp_path, every_n_steps=1), H.StopAt(stop)]
+    )
     first.fit(_data(), 3, val_loader=_data(seed=1))
     saved = load_checkpoint(ModelCheckpoint(tmp_path).latest())["optimizer"]["state"]
-    assert all(v.dtype == torch.float32 for s in saved.values() for k, v in s.items()
-               if k != "step")  # the moments are checkpointed as the device holds them
+    assert all(
+        v.dtype == torch.float32 for s in saved.values() for k, v in s.items() if k != "step"
+    )  # the moments are checkpointed as the device holds them
     resumed = _half_loop(optimizer[1], batch_norm, [ModelCheckpoint(tmp_path, every_n_steps=1)])
     resumed.fit(_data(), 3, val_loader=_data(seed=1), resume_from="last")
     assert resumed.state.step == ref.state.step == 18
     assert_same_weights(resumed.model, ref.model)
     state = resumed.optimizer.state_dict()["state"]
-    assert all(v.dtype == torch.float32 for s in state.values() for k, v in s.items()
-               if k != "step")
+    assert all(
+        v.dtype == torch.float32 for s in state.values() for k, v in s.items() if k != "step"
+    )
 
 
 # -- a checkpoint loaded after validate() ---------------------------------------------------------
@@ -136,8 +159,9 @@ def test_a_cancelled_step_counts_as_read_in_the_resume_position(tmp_path):
 
     first = H.Recorder()
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, save_top_k=-1)
-    loop1, loader, ds1 = H.make_loop(1, 2, callbacks=[first, _CancelOnce(1), ckpt, H.StopAt(2)],
-                                     n=N)
+    loop1, loader, ds1 = H.make_loop(
+        1, 2, callbacks=[first, _CancelOnce(1), ckpt, H.StopAt(2)], n=N
+    )
     first.dataset = ds1
     loop1.fit(loader, EPOCHS)  # batches 0 (step 1), 1 (cancelled), 2 (step 2), then stop
     assert loop1.state.step == 2 and loop1.state.epoch_step == 3
@@ -169,8 +193,9 @@ def test_step_saves_are_not_ranked_by_an_earlier_steps_validation(tmp_path):
     the validation scored) are ranked; a mid-epoch step save carries the previous epoch's
     value, which its weights never produced, so it is unranked (kept as the last only) and
     cannot push out the checkpoint that did score it."""
-    ckpt = ModelCheckpoint(tmp_path, monitor="val_score", save_top_k=1, every_n_steps=2,
-                           every_n_epochs=1)
+    ckpt = ModelCheckpoint(
+        tmp_path, monitor="val_score", save_top_k=1, every_n_steps=2, every_n_epochs=1
+    )
     loop, loader, ds = H.make_loop(1, 2, callbacks=[_ValScore([1.0, 2.0]), ckpt], n=N)
     with pytest.warns(UserWarning, match="val_score.*kept unranked"):
         loop.fit(loader, EPOCHS, val_loader=DataLoader(ds, batch_size=2))
@@ -186,8 +211,14 @@ def _linear_loop(groups, callbacks=()) -> Loop:
     model = nn.Linear(6, 3)
     params = {"weight": model.weight, "bias": model.bias}
     opt = poptorch.optim.SGD([{"params": [params[g]]} for g in groups], lr=0.1, momentum=0.9)
-    return Loop(model, poptorch.Options(), loss_fn=nn.CrossEntropyLoss(), optimizer=opt,
-                progress=False, callbacks=list(callbacks))
+    return Loop(
+        model,
+        poptorch.Options(),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=opt,
+        progress=False,
+        callbacks=list(callbacks),
+    )
 
 
 def _linear_data() -> DataLoader:
@@ -200,14 +231,18 @@ def test_swapped_parameter_groups_are_refused_before_any_step(tmp_path):
     """A checkpoint of groups [weight], [bias] resumed into [bias], [weight] (same counts) is
     a ValueError naming each group's saved and current parameter shapes, before anything is
     restored or run; the saved order resumes."""
-    _linear_loop(["weight", "bias"], [ModelCheckpoint(tmp_path, every_n_steps=1),
-                                      H.StopAt(3)]).fit(_linear_data(), 1)
+    _linear_loop(["weight", "bias"], [ModelCheckpoint(tmp_path, every_n_steps=1), H.StopAt(3)]).fit(
+        _linear_data(), 1
+    )
     rec = H.Recorder()
     loop = _linear_loop(["bias", "weight"], [rec])
     before = {k: v.clone() for k, v in loop.model.state_dict().items()}
     path = ModelCheckpoint(tmp_path).latest()
-    with pytest.raises(ValueError, match=r"group 0: saved \[\[3, 6\]\], now \[\[3\]\]; "
-                                         r"group 1: saved \[\[3\]\], now \[\[3, 6\]\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"group 0: saved \[\[3, 6\]\], now \[\[3\]\]; "
+        r"group 1: saved \[\[3\]\], now \[\[3, 6\]\]",
+    ):
         loop.fit(_linear_data(), 1, resume_from=str(path))
     assert rec.losses == [] and loop.state.step == 0
     for k, v in loop.model.state_dict().items():
@@ -220,8 +255,9 @@ def test_swapped_parameter_groups_are_refused_before_any_step(tmp_path):
 def test_a_checkpoint_without_group_shapes_still_loads(tmp_path):
     """Checkpoints written before the shapes were recorded resume as before (group sizes
     checked only)."""
-    _linear_loop(["weight", "bias"], [ModelCheckpoint(tmp_path, every_n_steps=1),
-                                      H.StopAt(3)]).fit(_linear_data(), 1)
+    _linear_loop(["weight", "bias"], [ModelCheckpoint(tmp_path, every_n_steps=1), H.StopAt(3)]).fit(
+        _linear_data(), 1
+    )
     sd = load_checkpoint(ModelCheckpoint(tmp_path).latest())
     assert sd.pop("optimizer_shapes") == [[[3, 6]], [[3]]]
     loop = _linear_loop(["weight", "bias"])
@@ -256,15 +292,18 @@ def test_sigterm_save_is_written_without_a_missing_or_stale_log(tmp_path, at, na
     rec1 = H.Recorder()
     ckpt = ModelCheckpoint(tmp_path, filename=FILENAME)
     loop, loader, ds = H.make_loop(callbacks=[rec1, _At(at, "term"), ckpt])
-    with pytest.warns(UserWarning, match=r"names val_loss.*preemption checkpoint is saved "
-                                         rf"without it, as '{name}'"), \
-            pytest.raises(SystemExit) as e:
+    with pytest.warns(
+        UserWarning,
+        match=r"names val_loss.*preemption checkpoint is saved "
+        rf"without it, as '{name}'",
+    ), pytest.raises(SystemExit) as e:
         loop.fit(loader, EPOCHS, val_loader=DataLoader(ds, batch_size=2))
     assert e.value.code == 143
     assert ckpt.latest() == tmp_path / name and read_manifest(ckpt.latest())["step"] == at + 1
     rec2 = H.Recorder()
-    loop2, loader, ds = H.make_loop(callbacks=[rec2, ModelCheckpoint(tmp_path, filename=FILENAME)],
-                                    init_seed=3)
+    loop2, loader, ds = H.make_loop(
+        callbacks=[rec2, ModelCheckpoint(tmp_path, filename=FILENAME)], init_seed=3
+    )
     loop2.fit(loader, EPOCHS, val_loader=DataLoader(ds, batch_size=2), resume_from="last")
     ref = H.Recorder()
     loop3, loader, ds = H.make_loop(callbacks=[ref])
@@ -280,15 +319,18 @@ def test_exception_save_is_written_without_a_missing_log(tmp_path):
     writes is still a ValueError naming it."""
     ckpt = ModelCheckpoint(tmp_path, filename=FILENAME)
     loop, loader, ds = H.make_loop(callbacks=[_At(2, "raise"), ckpt])
-    with pytest.warns(UserWarning, match="exception checkpoint is saved without it"), \
-            pytest.raises(RuntimeError, match="boom"):
+    with pytest.warns(UserWarning, match="exception checkpoint is saved without it"), pytest.raises(
+        RuntimeError, match="boom"
+    ):
         loop.fit(loader, EPOCHS, val_loader=DataLoader(ds, batch_size=2))
     m = read_manifest(tmp_path / "epoch0-step2-exception")
     assert m["exception"] == "RuntimeError" and m["step"] == 2
     # A regular save still fails on a log the fit never writes (here: no val_loader)
-    loop, loader, _ = H.make_loop(callbacks=[ModelCheckpoint(tmp_path / "regular",
-                                                             filename=FILENAME,
-                                                             save_on_exception=False)])
+    loop, loader, _ = H.make_loop(
+        callbacks=[
+            ModelCheckpoint(tmp_path / "regular", filename=FILENAME, save_on_exception=False)
+        ]
+    )
     with pytest.raises(ValueError, match="no log 'val_loss' at epoch 1, step 4"):
         loop.fit(loader, EPOCHS)
 
@@ -296,8 +338,10 @@ def test_exception_save_is_written_without_a_missing_log(tmp_path):
 # -- an unwritable checkpoint folder --------------------------------------------------------------
 def _refuse(monkeypatch, error: OSError) -> None:
     """Make every new file fail as the system would (as root, chmod does not stop writes)."""
+
     def refuse(*args, **kwargs):
         raise error
+
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
 
 
@@ -352,6 +396,7 @@ def test_tensorboard_after_a_resume_shows_each_update_once(tmp_path, every_n_ste
     uninterrupted run (the crashed run's updates after its checkpoint purged, those at the
     checkpoint's own update kept once). Checkpoints at step 3 (mid-epoch) and step 4 (the
     epoch's last step, before its epoch logs); DI 2: two updates per step."""
+
     def run(log_dir, callbacks, **fit):
         loop, loader, ds = H.make_loop(2, 1, callbacks=[TensorBoardLogger(log_dir), *callbacks])
         loop.fit(loader, 3, val_loader=DataLoader(ds, batch_size=2), **fit)
@@ -359,12 +404,21 @@ def test_tensorboard_after_a_resume_shows_each_update_once(tmp_path, every_n_ste
     run(tmp_path / "ref", [])
     ckpts = tmp_path / "ckpt"
     with pytest.raises(RuntimeError, match="crash"):
-        run(tmp_path / "run", [ModelCheckpoint(ckpts, every_n_steps=every_n_steps,
-                                               every_n_epochs=None, save_on_exception=False),
-                               _Crash(crash)])
+        run(
+            tmp_path / "run",
+            [
+                ModelCheckpoint(
+                    ckpts, every_n_steps=every_n_steps, every_n_epochs=None, save_on_exception=False
+                ),
+                _Crash(crash),
+            ],
+        )
     time.sleep(1.1)  # a new process's event file: its name (the time in seconds) sorts after
-    run(tmp_path / "run", [ModelCheckpoint(ckpts, every_n_steps=every_n_steps,
-                                           every_n_epochs=None)], resume_from="last")
+    run(
+        tmp_path / "run",
+        [ModelCheckpoint(ckpts, every_n_steps=every_n_steps, every_n_epochs=None)],
+        resume_from="last",
+    )
     ref, got = _scalars(tmp_path / "ref"), _scalars(tmp_path / "run")
     assert set(got) == set(ref)
     for tag in ref:

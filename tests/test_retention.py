@@ -6,6 +6,7 @@ crash is a snapshot of the checkpoint folder taken at a chosen I/O event of a sa
 written, or a rotation's delete) and put back after the process "died": exactly what a SIGKILL
 at that moment leaves, with no cleanup run.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,21 +14,32 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import helpers_train as H
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-import helpers_train as H
 from ipuloop import Callback
 from ipuloop import checkpoint_io as ck
-from ipuloop.callbacks.checkpoint import (CheckpointError, ModelCheckpoint, load_checkpoint,
-                                          read_manifest)
+from ipuloop.callbacks.checkpoint import (
+    CheckpointError,
+    ModelCheckpoint,
+    load_checkpoint,
+    read_manifest,
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*samples are dropped each epoch",
-                                        "ignore:Not overwriting")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*samples are dropped each epoch", "ignore:Not overwriting"
+)
 
 EPOCHS = 1000  # fits end by StopAfter, never by running out of epochs
 MAX_EXAMPLES = int(os.environ.get("IPULOOP_RETENTION_EXAMPLES", "40"))
@@ -39,8 +51,7 @@ class Crash(BaseException):
 
 # Where a save crashes: before its i-th chunk of state.pt, before the manifest's write (the
 # commit), or before its i-th rotation delete (after the commit). Past the last one: no crash.
-CRASH = st.none() | st.tuples(st.sampled_from(["state", "manifest", "rotate"]),
-                              st.integers(0, 11))
+CRASH = st.none() | st.tuples(st.sampled_from(["state", "manifest", "rotate"]), st.integers(0, 11))
 
 
 class Disk:
@@ -105,8 +116,9 @@ class Steps(Callback):
 
     order = 95  # after ModelCheckpoint
 
-    def __init__(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None,
-                 machine) -> None:
+    def __init__(
+        self, n: int, save_at: set[int], crash_at: tuple[str, int] | None, machine
+    ) -> None:
         self.n, self.save_at, self.crash_at, self.machine = n, save_at, crash_at, machine
         self.done = 0
 
@@ -147,13 +159,15 @@ class Retention(RuleBasedStateMachine):
 
     # -- the process --------------------------------------------------------------------------
     def _process(self) -> None:
-        self.ckpt = CrashableCheckpoint(self.dirpath, every_n_epochs=None, save_top_k=self.k,
-                                        save_on_exception=False)
+        self.ckpt = CrashableCheckpoint(
+            self.dirpath, every_n_epochs=None, save_top_k=self.k, save_on_exception=False
+        )
         self.steps = Steps(0, set(), None, self)
         self.loop, self.loader, _ = H.make_loop(callbacks=[self.ckpt, self.steps])
 
-    def _fit(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None,
-             resume: bool = False) -> None:
+    def _fit(
+        self, n: int, save_at: set[int], crash_at: tuple[str, int] | None, resume: bool = False
+    ) -> None:
         self.steps.n, self.steps.crash_at, self.steps.done = n, crash_at, 0
         self.steps.save_at = {s for s in save_at if s <= n}
         try:
@@ -186,8 +200,7 @@ class Retention(RuleBasedStateMachine):
         self._process()
 
     @precondition(lambda self: self.loop is not None)
-    @rule(n=st.integers(1, 3), save_at=st.sets(st.integers(1, 3)),
-          crash_at=CRASH)
+    @rule(n=st.integers(1, 3), save_at=st.sets(st.integers(1, 3)), crash_at=CRASH)
     def train(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None) -> None:
         self._fit(n, save_at, crash_at)
 
@@ -212,8 +225,7 @@ class Retention(RuleBasedStateMachine):
         self.clean = clean  # no save was running: nothing new left behind
 
     @precondition(lambda self: self.loop is None and self.saved)
-    @rule(n=st.integers(1, 3), save_at=st.sets(st.integers(1, 3)),
-          crash_at=CRASH)
+    @rule(n=st.integers(1, 3), save_at=st.sets(st.integers(1, 3)), crash_at=CRASH)
     def resume(self, n: int, save_at: set[int], crash_at: tuple[str, int] | None) -> None:
         self._process()
         self.protected = self.ckpt.latest().name
@@ -266,6 +278,12 @@ def test_retention_state_machine(monkeypatch):
     monkeypatch.setattr(ck, "CHUNK", 4096)  # ~11 writes a state file: many crash points
     monkeypatch.setattr(ck, "write_hook", _write_hook)
     monkeypatch.setattr(ck, "remove", _remove)
-    run_state_machine_as_test(Retention, settings=settings(
-        max_examples=MAX_EXAMPLES, stateful_step_count=12, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    run_state_machine_as_test(
+        Retention,
+        settings=settings(
+            max_examples=MAX_EXAMPLES,
+            stateful_step_count=12,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )

@@ -1,4 +1,5 @@
 """The PopTorch rules both sides read (``ipuloop.rules``), checked against the emulator."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,8 @@ def test_host_call_factor_counts_input_groups_and_accumulation():
     assert rules.host_call_factor(opts(2, 4, 3, g=2), training=True) == 2 * 2 * 3
     assert rules.describe_factors(opts(2, 4, 3, g=2), 5, True) == (
         "micro-batch 5 x deviceIterations 2 x replicationFactor 4 / input_group_size 2 x "
-        "gradientAccumulation 3 = 60 samples per host call")
+        "gradientAccumulation 3 = 60 samples per host call"
+    )
 
 
 def test_ipu_count():
@@ -39,8 +41,11 @@ def test_ipu_count():
 
 def test_return_period():
     rules.check_return_period(2, 4)
-    with pytest.raises(ValueError, match=r"must divide deviceIterations \(4\)\. Received: "
-                                         r"output_return_period=3\. Use one of \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"must divide deviceIterations \(4\)\. Received: "
+        r"output_return_period=3\. Use one of \[1, 2, 4\]",
+    ):
         rules.check_return_period(3, 4)
     with pytest.raises(poptorch.Error, match="Return period must be a factor"):
         rules.check_return_period(0, 4, poptorch.Error)
@@ -79,6 +84,7 @@ def test_dist_timeout_is_a_finite_number_of_seconds_on_both_sides(text, monkeypa
         rules.dist_timeout(env)
     monkeypatch.setenv(rules.DIST_TIMEOUT_ENV, text)
     from ipuloop.emulator.distributed import timeout_seconds
+
     with pytest.raises(poptorch.Error, match="expected a number of seconds > 0"):
         timeout_seconds()
     assert rules.dist_timeout({}) == rules.DEFAULT_DIST_TIMEOUT == 300.0

@@ -1,4 +1,5 @@
 """TensorBoardLogger: the event file holds the logged scalars (read with TensorBoard's reader)."""
+
 from __future__ import annotations
 
 import sys
@@ -21,13 +22,20 @@ def fit(log_dir, groups=1):
     y = (x[:, 0] > 0).long()
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     params = list(model.parameters())
-    opt = torch.optim.SGD(params if groups == 1 else
-                          [{"params": params[:2]}, {"params": params[2:], "lr": 0.5}], lr=0.1)
+    opt = torch.optim.SGD(
+        params if groups == 1 else [{"params": params[:2]}, {"params": params[2:], "lr": 0.5}],
+        lr=0.1,
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
-                optimizer=opt, progress=False,
-                metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
-                callbacks=[LRScheduler(sched), TensorBoardLogger(log_dir)])
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=opt,
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
+        callbacks=[LRScheduler(sched), TensorBoardLogger(log_dir)],
+    )
     loader = DataLoader(TensorDataset(x, y), batch_size=8)  # 4 steps of 2 updates per epoch
     history = loop.fit(loader, epochs=2, val_loader=loader)
     return loop, history
@@ -42,8 +50,15 @@ def scalars(log_dir):
 def test_step_epoch_lr_and_throughput_scalars(tmp_path):
     loop, history = fit(tmp_path)
     s = scalars(tmp_path)
-    assert set(s) == {"loss", "lr", "samples_per_second", "train_loss", "train_acc", "val_loss",
-                      "val_acc"}
+    assert set(s) == {
+        "loss",
+        "lr",
+        "samples_per_second",
+        "train_loss",
+        "train_acc",
+        "val_loss",
+        "val_acc",
+    }
     assert [step for step, _ in s["loss"]] == [2, 4, 6, 8, 10, 12, 14, 16]  # updates done
     assert s["loss"][-1][1] == pytest.approx(loop.state.logs["loss"])
     for key in ("train_loss", "train_acc", "val_loss", "val_acc"):

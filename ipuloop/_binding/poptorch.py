@@ -5,6 +5,7 @@ forkserver loader worker (multiprocessing's start methods that run a new interpr
 Python subprocess inherit, so they bind ``poptorch`` to the emulator as their parent does.
 Importing this module replaces it in ``sys.modules`` with ``ipuloop.emulator``.
 """
+
 from __future__ import annotations
 
 import importlib.util

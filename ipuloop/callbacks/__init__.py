@@ -1,4 +1,5 @@
 """Callbacks: the base class, cancel exceptions and the built-in callbacks."""
+
 from __future__ import annotations
 
 from .base import Callback, CancelEpoch, CancelFit, CancelStep
@@ -13,6 +14,21 @@ from .scalars import ScalarLogger
 from .tensorboard import TensorBoardLogger
 from .wandb_logger import WandbLogger
 
-__all__ = ["CSVLogger", "Callback", "CancelEpoch", "CancelFit", "CancelStep", "CheckpointError",
-           "EarlyStopping", "LRScheduler", "MLFlowLogger", "ModelCheckpoint", "ProfileCapture",
-           "ProgressBar", "ScalarLogger", "TensorBoardLogger", "WandbLogger", "load_checkpoint"]
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "CancelEpoch",
+    "CancelFit",
+    "CancelStep",
+    "CheckpointError",
+    "EarlyStopping",
+    "LRScheduler",
+    "MLFlowLogger",
+    "ModelCheckpoint",
+    "ProfileCapture",
+    "ProgressBar",
+    "ScalarLogger",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "load_checkpoint",
+]

@@ -53,6 +53,7 @@ to the epoch logs); from on_epoch_end: no effect. ``CancelFit`` from any fit hoo
 
 Hooks fire per step, never per micro-batch: the host never sees a micro-batch on an IPU.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -63,15 +64,40 @@ from typing import Any, Callable, Protocol
 
 from ..state import State
 
-__all__ = ["Callback", "CancelStep", "CancelEpoch", "CancelFit", "EVENTS", "LoopView",
-           "register_default", "arrange", "resume_path", "check_mode", "monitored", "overridden",
-           "check_monitor", "LIGHTNING_HOOKS"]
+__all__ = [
+    "Callback",
+    "CancelStep",
+    "CancelEpoch",
+    "CancelFit",
+    "EVENTS",
+    "LoopView",
+    "register_default",
+    "arrange",
+    "resume_path",
+    "check_mode",
+    "monitored",
+    "overridden",
+    "check_monitor",
+    "LIGHTNING_HOOKS",
+]
 
 EVENTS = (
-    "on_configure", "on_fit_start", "on_epoch_start", "on_compile_start", "on_compile_end",
-    "on_train_step_start", "on_train_step_end", "on_validation_start",
-    "on_validation_step_end", "on_validation_end", "on_epoch_end", "on_fit_end",
-    "on_save_checkpoint", "on_load_checkpoint", "on_preempt", "on_exception",
+    "on_configure",
+    "on_fit_start",
+    "on_epoch_start",
+    "on_compile_start",
+    "on_compile_end",
+    "on_train_step_start",
+    "on_train_step_end",
+    "on_validation_start",
+    "on_validation_step_end",
+    "on_validation_end",
+    "on_epoch_end",
+    "on_fit_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_preempt",
+    "on_exception",
 )
 
 
@@ -177,17 +203,25 @@ class Callback:
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # Callback classes already checked
 _SYNONYMS = (("begin", "start"), ("batch", "step"))  # other loops' words for the same events
 
-_PER_STEP = ("fires once per step: one host call of DI*GA*RF micro-batches, none of which the "
-             "host sees alone")
-_TRANSFER = ("the compiled step takes the host batch as the loader yields it and PopTorch "
-             "sends it to the device; change batches in the dataset or the DataLoader's "
-             "collate_fn")
-_ON_DEVICE = ("backward and the optimizer step run on the device inside the compiled step, so "
-              "the host sees no gradients; clip with Loop(max_grad_norm=), or change the "
-              "optimizer's hyper-parameters in on_train_step_start")
-_MODULE = ("it is a LightningModule method: put the step's computation in the model's forward "
-           "(returning (output, loss) when given labels), or pass a plain model and loss_fn= to "
-           "Loop")
+_PER_STEP = (
+    "fires once per step: one host call of DI*GA*RF micro-batches, none of which the "
+    "host sees alone"
+)
+_TRANSFER = (
+    "the compiled step takes the host batch as the loader yields it and PopTorch "
+    "sends it to the device; change batches in the dataset or the DataLoader's "
+    "collate_fn"
+)
+_ON_DEVICE = (
+    "backward and the optimizer step run on the device inside the compiled step, so "
+    "the host sees no gradients; clip with Loop(max_grad_norm=), or change the "
+    "optimizer's hyper-parameters in on_train_step_start"
+)
+_MODULE = (
+    "it is a LightningModule method: put the step's computation in the model's forward "
+    "(returning (output, loss) when given labels), or pass a plain model and loss_fn= to "
+    "Loop"
+)
 _PREDICT = "Loop.predict fires only on_compile_start and on_compile_end"
 
 # Lightning's hooks the loop never calls: the nearest loop event and how it differs, or None
@@ -196,16 +230,21 @@ LIGHTNING_HOOKS: dict[str, tuple[str | None, str]] = {
     "on_train_batch_start": ("on_train_step_start", _PER_STEP),
     "on_train_batch_end": ("on_train_step_end", _PER_STEP),
     "on_validation_batch_end": ("on_validation_step_end", _PER_STEP),
-    "on_validation_batch_start": (None, "validation has no event before each step: use "
-                                  "on_validation_start, or on_validation_step_end"),
+    "on_validation_batch_start": (
+        None,
+        "validation has no event before each step: use "
+        "on_validation_start, or on_validation_step_end",
+    ),
     "on_train_epoch_start": ("on_epoch_start", "the same moment"),
     "on_train_epoch_end": ("on_epoch_end", "which fires after the epoch's validation"),
     "on_validation_epoch_start": ("on_validation_start", "the same moment"),
     "on_validation_epoch_end": ("on_validation_end", "the val logs are in state.logs there"),
     "on_train_start": ("on_fit_start", "the same moment"),
     "on_train_end": ("on_fit_end", "the same moment"),
-    "setup": ("on_configure", "fires once per loop, before its first fit; on_fit_start fires "
-              "at every fit"),
+    "setup": (
+        "on_configure",
+        "fires once per loop, before its first fit; on_fit_start fires at every fit",
+    ),
     "teardown": ("on_fit_end", "fires when each fit ends, however it ends"),
     "on_before_batch_transfer": (None, _TRANSFER),
     "on_after_batch_transfer": (None, _TRANSFER),
@@ -222,10 +261,16 @@ LIGHTNING_HOOKS: dict[str, tuple[str | None, str]] = {
     "test_step": (None, _MODULE),
     "predict_step": (None, _MODULE),
     "configure_optimizers": (None, "pass the optimizer to Loop(optimizer=)"),
-    "on_sanity_check_start": (None, "the loop runs no sanity check: before compiling, it runs "
-                              "one micro-batch through the model on the host"),
-    "on_sanity_check_end": (None, "the loop runs no sanity check: before compiling, it runs "
-                            "one micro-batch through the model on the host"),
+    "on_sanity_check_start": (
+        None,
+        "the loop runs no sanity check: before compiling, it runs "
+        "one micro-batch through the model on the host",
+    ),
+    "on_sanity_check_end": (
+        None,
+        "the loop runs no sanity check: before compiling, it runs "
+        "one micro-batch through the model on the host",
+    ),
     "on_predict_start": (None, _PREDICT),
     "on_predict_end": (None, _PREDICT),
     "on_predict_batch_start": (None, _PREDICT),
@@ -237,16 +282,26 @@ def _warn_misnamed_hooks(cls: type) -> None:
     """Warn about each method of ``cls`` the loop would never call as its author meant: a
     Lightning hook, an ``on_*`` name close to an event but not one, or an event written with
     Lightning's arguments."""
-    methods = {n: v for klass in reversed(cls.__mro__) if klass is not Callback
-               and klass is not object for n, v in vars(klass).items() if callable(v)}
+    methods = {
+        n: v
+        for klass in reversed(cls.__mro__)
+        if klass is not Callback and klass is not object
+        for n, v in vars(klass).items()
+        if callable(v)
+    }
     for name in sorted(methods):
         if name in LIGHTNING_HOOKS:
             event, note = LIGHTNING_HOOKS[name]
             warnings.warn(
                 f"{cls.__name__}.{name} is a Lightning hook, which the loop never calls: "
-                + (f"the nearest loop event is {event} ({note})." if event is not None
-                   else f"the loop has no such event; {note}.")
-                + " (All events: ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
+                + (
+                    f"the nearest loop event is {event} ({note})."
+                    if event is not None
+                    else f"the loop has no such event; {note}."
+                )
+                + " (All events: ipuloop.callbacks.base.EVENTS.)",
+                stacklevel=3,
+            )
         elif name in EVENTS:
             _warn_lightning_arguments(cls, name, methods[name])
         elif name.startswith("on_"):
@@ -255,9 +310,12 @@ def _warn_misnamed_hooks(cls: type) -> None:
                 key = key.replace(word, ours)
             close = difflib.get_close_matches(key, EVENTS, n=1, cutoff=0.6)
             if close:
-                warnings.warn(f"{cls.__name__}.{name} is not a loop event, so the loop never "
-                              f"calls it. Did you mean {close[0]}? (All events: "
-                              "ipuloop.callbacks.base.EVENTS.)", stacklevel=3)
+                warnings.warn(
+                    f"{cls.__name__}.{name} is not a loop event, so the loop never "
+                    f"calls it. Did you mean {close[0]}? (All events: "
+                    "ipuloop.callbacks.base.EVENTS.)",
+                    stacklevel=3,
+                )
 
 
 def _warn_lightning_arguments(cls: type, name: str, method: Callable) -> None:
@@ -266,13 +324,18 @@ def _warn_lightning_arguments(cls: type, name: str, method: Callable) -> None:
         params = list(inspect.signature(method).parameters.values())[1:]  # after self
     except (TypeError, ValueError):  # no signature to read (a builtin): nothing to say
         return
-    needed = [p.name for p in params if p.default is p.empty
-              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    needed = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if len(needed) > 1:
-        warnings.warn(f"{cls.__name__}.{name} takes ({', '.join(needed)}), as Lightning's hooks "
-                      "do, but the loop calls every event with the loop alone, so it would "
-                      f"fail there. Define {name}(self, loop) (loop.state, loop.optimizer...).",
-                      stacklevel=4)
+        warnings.warn(
+            f"{cls.__name__}.{name} takes ({', '.join(needed)}), as Lightning's hooks "
+            "do, but the loop calls every event with the loop alone, so it would "
+            f"fail there. Define {name}(self, loop) (loop.state, loop.optimizer...).",
+            stacklevel=4,
+        )
 
 
 # Factories of the callbacks a loop adds unless given one: f(callbacks, progress) -> Callback
@@ -290,18 +353,21 @@ def arrange(callbacks: Any, progress: Any) -> list[Callback]:
     cbs = list(callbacks)
     for cb in cbs:
         if not isinstance(cb, Callback):
-            raise TypeError(f"callbacks must be ipuloop.Callback instances. Received: "
-                            f"{type(cb).__name__}.")
+            raise TypeError(
+                f"callbacks must be ipuloop.Callback instances. Received: {type(cb).__name__}."
+            )
     cbs += [cb for cb in (f(cbs, progress) for f in _DEFAULTS) if cb is not None]
     cbs.sort(key=lambda cb: cb.order)
     keys = [cb.state_key for cb in cbs]
     shared = sorted({k for k in keys if keys.count(k) > 1})
     if shared:
         same = [_describe(cb) for cb in cbs if cb.state_key in shared]
-        raise ValueError(f"Several callbacks have the state_key {', '.join(map(repr, shared))} "
-                         f"({', '.join(same)}), so a checkpoint could not tell their states "
-                         "apart. Give each its own: ModelCheckpoint(..., name='best') sets it; "
-                         "another Callback class overrides its state_key property.")
+        raise ValueError(
+            f"Several callbacks have the state_key {', '.join(map(repr, shared))} "
+            f"({', '.join(same)}), so a checkpoint could not tell their states "
+            "apart. Give each its own: ModelCheckpoint(..., name='best') sets it; "
+            "another Callback class overrides its state_key property."
+        )
     return cbs
 
 
@@ -314,17 +380,23 @@ def resume_path(callbacks: list[Callback]) -> Any:
     ``resume_path`` name; of several, the one written last (None, with a warning: none yet)."""
     finders = [cb for cb in callbacks if overridden(cb, "resume_path")]
     if not finders:
-        raise ValueError('resume_from="last" needs a ModelCheckpoint callback to know '
-                         "the folder; pass a checkpoint path instead.")
+        raise ValueError(
+            'resume_from="last" needs a ModelCheckpoint callback to know '
+            "the folder; pass a checkpoint path instead."
+        )
     paths = [p for p in (cb.resume_path() for cb in finders) if p is not None]
     if not paths:
-        warnings.warn(f'resume_from="last": no checkpoint yet '
-                      f'({", ".join(map(_describe, finders))})'
-                      ": starting from scratch.", stacklevel=4)
+        warnings.warn(
+            f'resume_from="last": no checkpoint yet '
+            f"({', '.join(map(_describe, finders))})"
+            ": starting from scratch.",
+            stacklevel=4,
+        )
         return None
     if len(paths) == 1:
         return paths[0]
     from ..checkpoint_io import newest  # (the manifests say when each was written)
+
     return newest(paths)
 
 
@@ -344,7 +416,8 @@ def check_monitor(state: State, monitor: str | None, who: str) -> None:
         raise ValueError(
             f"{who}: monitor={monitor!r} is a validation log, but this fit has no val_loader, "
             "so it is never written. Pass val_loader= to fit, or monitor a log of the "
-            "training (e.g. 'train_loss').")
+            "training (e.g. 'train_loss')."
+        )
 
 
 def monitored(state: State, monitor: str, who: str) -> float:
@@ -352,8 +425,10 @@ def monitored(state: State, monitor: str, who: str) -> float:
     the epoch and step, and the logs there are when it is missing."""
     logs = state.logs
     if monitor not in logs:
-        raise ValueError(f"{who}: monitor={monitor!r} is not in the logs at epoch "
-                         f"{state.epoch}, step {state.step}. Available: {sorted(logs)}.")
+        raise ValueError(
+            f"{who}: monitor={monitor!r} is not in the logs at epoch "
+            f"{state.epoch}, step {state.step}. Available: {sorted(logs)}."
+        )
     return float(logs[monitor])
 
 

@@ -6,6 +6,7 @@ ones out. A save that fails (disk full, Ctrl-C) removes its own
 uncommitted folder; what a killed save leaves (temporary files, a folder without a manifest,
 old checkpoints its rotation did not reach, which each checkpoint lists) goes at the next start.
 """
+
 from __future__ import annotations
 
 import io as _bytes
@@ -19,13 +20,25 @@ from typing import Any
 import torch
 
 from .. import checkpoint_io as cio
-from ..checkpoint_io import (FORMAT_VERSION, MANIFEST, STATE, TMP_PREFIX, CheckpointError,
-                             load_checkpoint, read_manifest)
+from ..checkpoint_io import (
+    FORMAT_VERSION,
+    MANIFEST,
+    STATE,
+    TMP_PREFIX,
+    CheckpointError,
+    load_checkpoint,
+    read_manifest,
+)
 from ..exceptions import NonFiniteLossError
 from .base import Callback, LoopView, check_mode, check_monitor, monitored, overridden
 
-__all__ = ["ModelCheckpoint", "CheckpointError", "load_checkpoint", "read_manifest",
-           "FORMAT_VERSION"]
+__all__ = [
+    "ModelCheckpoint",
+    "CheckpointError",
+    "load_checkpoint",
+    "read_manifest",
+    "FORMAT_VERSION",
+]
 
 COUNTERS = ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
 _GROWING = ("step", "update", "micro_batch", "samples")  # larger at every training step
@@ -33,9 +46,12 @@ _GROWING = ("step", "update", "micro_batch", "samples")  # larger at every train
 
 def _check_filename(filename: str, monitor: str | None, every_n_steps: int | None) -> None:
     """``ModelCheckpoint``'s filename template, checked before any save."""
+
     def bad(why: str) -> ValueError:
-        return ValueError(f"ModelCheckpoint: filename={filename!r} {why}. Example: "
-                          "filename='epoch{epoch}-step{step}-{val_loss:.3f}'.")
+        return ValueError(
+            f"ModelCheckpoint: filename={filename!r} {why}. Example: "
+            "filename='epoch{epoch}-step{step}-{val_loss:.3f}'."
+        )
 
     if not isinstance(filename, str):
         raise bad("must be a str")
@@ -46,24 +62,31 @@ def _check_filename(filename: str, monitor: str | None, every_n_steps: int | Non
     keys = {f for _, f, _, _ in parts if f is not None}
     text = "".join(t for t, _, _, _ in parts)
     if any(sep and sep in text for sep in ("/", os.sep, os.altsep)) or text.startswith("."):
-        raise bad("must give a plain folder name inside dirpath: no path separator, no "
-                  "leading '.'")
+        raise bad("must give a plain folder name inside dirpath: no path separator, no leading '.'")
     for key in sorted(keys):
         if not key.isidentifier():
-            raise bad(f"has the field {{{key}}}: use names only (a counter or a log), no "
-                      "positional fields, attributes or indices")
+            raise bad(
+                f"has the field {{{key}}}: use names only (a counter or a log), no "
+                "positional fields, attributes or indices"
+            )
         epoch_log = key.startswith(("train_", "val_"))
         if key not in COUNTERS and key != "loss" and key != monitor and not epoch_log:
-            raise bad(f"names {{{key}}}, which is neither a counter ({', '.join(COUNTERS)}) "
-                      "nor a log the loop writes (loss, train_<name>, val_<name>) nor the "
-                      f"monitored log (monitor={monitor!r})")
+            raise bad(
+                f"names {{{key}}}, which is neither a counter ({', '.join(COUNTERS)}) "
+                "nor a log the loop writes (loss, train_<name>, val_<name>) nor the "
+                f"monitored log (monitor={monitor!r})"
+            )
         if epoch_log and every_n_steps:
-            raise bad(f"names {{{key}}}, a log written at the end of an epoch, so the step saves "
-                      f"(every_n_steps={every_n_steps}) before the first epoch end could not "
-                      "name their folder. Leave it out, or set every_n_steps=None")
+            raise bad(
+                f"names {{{key}}}, a log written at the end of an epoch, so the step saves "
+                f"(every_n_steps={every_n_steps}) before the first epoch end could not "
+                "name their folder. Leave it out, or set every_n_steps=None"
+            )
     if not keys & set(_GROWING):
-        raise bad("has no {step} (or {update}, {micro_batch}, {samples}): two saves would "
-                  "get the same name, and the later would overwrite a kept checkpoint")
+        raise bad(
+            "has no {step} (or {update}, {micro_batch}, {samples}): two saves would "
+            "get the same name, and the later would overwrite a kept checkpoint"
+        )
     try:  # a format spec that a counter (int) or a log (float) rejects
         filename.format(**{k: 0 if k in COUNTERS else 0.0 for k in keys})
     except (ValueError, TypeError) as e:
@@ -84,8 +107,13 @@ def _without(template: str, fields: set[str]) -> str:
             continue
         out.append(text.replace("{", "{{").replace("}", "}}"))
         if field is not None:
-            out.append("{" + field + (f"!{conversion}" if conversion else "")
-                       + (f":{spec}" if spec else "") + "}")
+            out.append(
+                "{"
+                + field
+                + (f"!{conversion}" if conversion else "")
+                + (f":{spec}" if spec else "")
+                + "}"
+            )
     return "".join(out)
 
 
@@ -154,19 +182,30 @@ class ModelCheckpoint(Callback):
     order = 90  # after the callbacks that change state or logs at the same event (the save
     # must include their update for this step), before the progress display
 
-    def __init__(self, dirpath: str | os.PathLike, *, every_n_epochs: int | None = 1,
-                 every_n_steps: int | None = None, monitor: str | None = None,
-                 mode: str = "min", save_top_k: int = 1, save_last: bool = True,
-                 save_on_exception: bool = True,
-                 filename: str = "epoch{epoch}-step{step}", name: str | None = None,
-                 load_best_at_end: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        *,
+        every_n_epochs: int | None = 1,
+        every_n_steps: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool = True,
+        save_on_exception: bool = True,
+        filename: str = "epoch{epoch}-step{step}",
+        name: str | None = None,
+        load_best_at_end: bool = False,
+    ) -> None:
         self._sign = check_mode(mode)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty str or None. Received: name={name!r}.")
         if load_best_at_end and monitor is None:
-            raise ValueError("ModelCheckpoint(load_best_at_end=True) needs monitor=, the log "
-                             "that says which checkpoint is best (e.g. monitor='val_loss'). "
-                             "Received: monitor=None.")
+            raise ValueError(
+                "ModelCheckpoint(load_best_at_end=True) needs monitor=, the log "
+                "that says which checkpoint is best (e.g. monitor='val_loss'). "
+                "Received: monitor=None."
+            )
         for k, v in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{k} must be an int >= 0 or None. Received: {k}={v!r}.")
@@ -174,8 +213,11 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"save_top_k must be an int >= -1. Received: {save_top_k!r}.")
         self.dirpath = Path(dirpath)
         if self.dirpath.is_file():
-            raise CheckpointError(self.dirpath, "is a file: dirpath must be a folder (created "
-                                  "if missing) for the checkpoint folders")
+            raise CheckpointError(
+                self.dirpath,
+                "is a file: dirpath must be a folder (created "
+                "if missing) for the checkpoint folders",
+            )
         _check_filename(filename, monitor, every_n_steps)
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
@@ -220,7 +262,7 @@ class ModelCheckpoint(Callback):
         newer first); not the one kept only as the last."""
         ranked = [e for e in self.kept[::-1] if _is_score(e.get("score"))]
         ranked.sort(key=lambda e: self._sign * e["score"])
-        return ranked if self.save_top_k < 0 else ranked[:self.save_top_k]
+        return ranked if self.save_top_k < 0 else ranked[: self.save_top_k]
 
     @property
     def best_k(self) -> dict[Path, float]:
@@ -247,18 +289,23 @@ class ModelCheckpoint(Callback):
         return self.dirpath / self.kept[-1]["name"] if self.kept else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kept": [dict(e) for e in self.kept], "name": self._saving,
-                "rotating": list(self._rotating)}
+        return {
+            "kept": [dict(e) for e in self.kept],
+            "name": self._saving,
+            "rotating": list(self._rotating),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Names come from a file: keep only plain names, so rotation stays inside dirpath.
-        self.kept = [dict(e) for e in state.get("kept", [])
-                     if cio.plain_name(str(e.get("name", "")))]
+        self.kept = [
+            dict(e) for e in state.get("kept", []) if cio.plain_name(str(e.get("name", "")))
+        ]
         name = state.get("name")
         self.resumed_from = name if isinstance(name, str) and cio.plain_name(name) else None
         # A crash between a commit and its rotation left these behind: delete them at start.
-        self._pending = [n for n in state.get("rotating", [])
-                         if isinstance(n, str) and cio.plain_name(n)]
+        self._pending = [
+            n for n in state.get("rotating", []) if isinstance(n, str) and cio.plain_name(n)
+        ]
         self._val_at = self._epoch_end_at = None  # another run's steps
         self._best_weights = None
 
@@ -267,13 +314,17 @@ class ModelCheckpoint(Callback):
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's
-            if (other is not self and isinstance(other, ModelCheckpoint)
-                    and other.filename == self.filename
-                    and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath)):
+            if (
+                other is not self
+                and isinstance(other, ModelCheckpoint)
+                and other.filename == self.filename
+                and os.path.abspath(other.dirpath) == os.path.abspath(self.dirpath)
+            ):
                 raise ValueError(
                     f"{self!r} and {other!r} would write the same checkpoint folders "
                     f"(dirpath={str(self.dirpath)!r}, filename={self.filename!r}), and each "
-                    "would rotate out the other's. Give them other dirpaths or filenames.")
+                    "would rotate out the other's. Give them other dirpaths or filenames."
+                )
         if loop.state.instance == 0:  # several processes: instance 0 owns the folder
             cio.check_writable(self.dirpath)  # now, rather than at the first save
             self._clean_up()
@@ -283,10 +334,13 @@ class ModelCheckpoint(Callback):
         self._last = None
         st = loop.state
         if st.step == 0 and st.epoch == 0 and next(self.dirpath.glob(f"*/{MANIFEST}"), None):
-            warnings.warn(f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
-                          "fit starts from scratch: its checkpoints go beside them, and "
-                          'resume_from="last" takes the newest written. Pass resume_from= to '
-                          "continue one, or use another folder.", stacklevel=2)
+            warnings.warn(
+                f"ModelCheckpoint: {self.dirpath} already holds checkpoints and this "
+                "fit starts from scratch: its checkpoints go beside them, and "
+                'resume_from="last" takes the newest written. Pass resume_from= to '
+                "continue one, or use another folder.",
+                stacklevel=2,
+            )
 
     def _clean_up(self) -> None:
         """Remove what a killed process left: temporary files, uncommitted folders, and the
@@ -295,8 +349,9 @@ class ModelCheckpoint(Callback):
         try:
             self.dirpath.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file there, no permission...
-            raise CheckpointError(self.dirpath, f"cannot be used as the checkpoint folder: "
-                                  f"{e}") from e
+            raise CheckpointError(
+                self.dirpath, f"cannot be used as the checkpoint folder: {e}"
+            ) from e
         for p in [*self.dirpath.glob(TMP_PREFIX + "*"), *self.dirpath.glob(f"*/{TMP_PREFIX}*")]:
             cio.remove(p)  # left by a save that was killed
         for p in self.dirpath.iterdir():  # interrupted saves: a state.pt and no manifest
@@ -331,9 +386,11 @@ class ModelCheckpoint(Callback):
             try:
                 cio.remove(self.dirpath / name)
             except OSError as err:
-                warnings.warn(f"ModelCheckpoint: could not delete {self.dirpath / name} "
-                              f"({err}); a fit resumed from {self.latest()} deletes it.",
-                              stacklevel=2)
+                warnings.warn(
+                    f"ModelCheckpoint: could not delete {self.dirpath / name} "
+                    f"({err}); a fit resumed from {self.latest()} deletes it.",
+                    stacklevel=2,
+                )
         self._deferred = []
         self.resumed_from = None
         if self.load_best_at_end and not loop.state.preempted:  # (preempted: the process exits)
@@ -343,9 +400,12 @@ class ModelCheckpoint(Callback):
     def _load_best(self, loop: LoopView) -> None:
         best = self.best_path
         if best is None:
-            warnings.warn(f"{self!r}: load_best_at_end, but no checkpoint is ranked by "
-                          f"monitor={self.monitor!r} (see the class docstring: ranking): the "
-                          "model keeps the last step's weights.", stacklevel=2)
+            warnings.warn(
+                f"{self!r}: load_best_at_end, but no checkpoint is ranked by "
+                f"monitor={self.monitor!r} (see the class docstring: ranking): the "
+                "model keeps the last step's weights.",
+                stacklevel=2,
+            )
             return
         if self._best_weights is not None and self._best_weights[0] == best.name:
             weights = self._best_weights[1]  # saved by this fit: every instance holds it
@@ -364,8 +424,12 @@ class ModelCheckpoint(Callback):
         source = loop.state.exception_source  # (a failed save restored its own)
         stateful = source not in (None, self) and overridden(source, "state_dict")
         error = loop.state.exception
-        self.save(loop, exception=error,
-                  tainted=isinstance(error, NonFiniteLossError) or stateful, always=True)
+        self.save(
+            loop,
+            exception=error,
+            tainted=isinstance(error, NonFiniteLossError) or stateful,
+            always=True,
+        )
 
     # -- saving --------------------------------------------------------------------------------
     def _fresh(self, log: str, step: int) -> bool:
@@ -387,13 +451,19 @@ class ModelCheckpoint(Callback):
         if (at_step or always) and (missing or not self._fresh(monitor, st.step)):
             if not self._warned_unranked:  # e.g. val_loss at a mid-epoch step save
                 self._warned_unranked = True
-                why = ("no such log yet" if missing else
-                       "its value was computed from the weights of an earlier step")
-                warnings.warn(f"ModelCheckpoint(monitor={monitor!r}): {why} at step {st.step}: "
-                              "saves between the steps that write it are kept unranked (as "
-                              "the last, never among the best). Save at epoch ends "
-                              "(every_n_epochs) to rank by a validation log, or every_n_steps "
-                              "a multiple of fit(val_every_n_steps=).", stacklevel=3)
+                why = (
+                    "no such log yet"
+                    if missing
+                    else "its value was computed from the weights of an earlier step"
+                )
+                warnings.warn(
+                    f"ModelCheckpoint(monitor={monitor!r}): {why} at step {st.step}: "
+                    "saves between the steps that write it are kept unranked (as "
+                    "the last, never among the best). Save at epoch ends "
+                    "(every_n_epochs) to rank by a validation log, or every_n_steps "
+                    "a multiple of fit(val_every_n_steps=).",
+                    stacklevel=3,
+                )
             return math.nan
         return monitored(st, monitor, "ModelCheckpoint")
 
@@ -406,7 +476,7 @@ class ModelCheckpoint(Callback):
         if self.monitor is not None:
             ranked = [e for e in ranked if _is_score(e["score"])]  # unranked: no best slot
             ranked.sort(key=lambda e: self._sign * e["score"])
-        keep = {e["name"] for e in ranked[:self.save_top_k]}
+        keep = {e["name"] for e in ranked[: self.save_top_k]}
         return keep | {newest} if self.save_last else keep
 
     def _name(self, st: Any, always: bool, exception: BaseException | None) -> str:
@@ -419,21 +489,32 @@ class ModelCheckpoint(Callback):
             return self.filename.format(**values)
         if not always:
             missing = sorted(f for f in gone if f not in values)[0]
-            raise ValueError(f"ModelCheckpoint(filename={self.filename!r}): no log "
-                             f"{missing!r} at epoch {st.epoch}, step {st.step}. Available logs: "
-                             f"{sorted(st.logs)}.")
+            raise ValueError(
+                f"ModelCheckpoint(filename={self.filename!r}): no log "
+                f"{missing!r} at epoch {st.epoch}, step {st.step}. Available logs: "
+                f"{sorted(st.logs)}."
+            )
         name = _without(self.filename, gone).format(**values)
         kind = "exception" if exception is not None else "preemption"
-        warnings.warn(f"ModelCheckpoint: filename={self.filename!r} names "
-                      f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
-                      f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
-                      f"{'it' if len(gone) == 1 else 'them'}, as "
-                      f"{name + ('-exception' if exception is not None else '')!r}.", stacklevel=2)
+        warnings.warn(
+            f"ModelCheckpoint: filename={self.filename!r} names "
+            f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
+            f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
+            f"{'it' if len(gone) == 1 else 'them'}, as "
+            f"{name + ('-exception' if exception is not None else '')!r}.",
+            stacklevel=2,
+        )
         return name
 
-    def save(self, loop: LoopView, *, exception: BaseException | None = None,
-             tainted: bool = False, at_step: bool = False, always: bool = False
-             ) -> Path | None:
+    def save(
+        self,
+        loop: LoopView,
+        *,
+        exception: BaseException | None = None,
+        tainted: bool = False,
+        at_step: bool = False,
+        always: bool = False,
+    ) -> Path | None:
         """Write, commit, then rotate; returns the folder, or None when it is not kept.
 
         ``at_step``: a save between epoch ends, where the monitored log may not exist yet or
@@ -446,15 +527,21 @@ class ModelCheckpoint(Callback):
         name = self._name(st, always, exception)
         name += "-exception" if exception else ""
         if not cio.plain_name(name):
-            raise ValueError(f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
-                             f"plain folder name inside {self.dirpath}.")
+            raise ValueError(
+                f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
+                f"plain folder name inside {self.dirpath}."
+            )
         if name == self.resumed_from:
-            warnings.warn(f"Not overwriting {self.dirpath / name}: this fit resumed from it.",
-                          stacklevel=2)
+            warnings.warn(
+                f"Not overwriting {self.dirpath / name}: this fit resumed from it.", stacklevel=2
+            )
             return None
         folder = self.dirpath / name
-        if (self._last == tuple(st.counters().values()) and name in {e["name"] for e in self.kept}
-                and (folder / MANIFEST).is_file()):
+        if (
+            self._last == tuple(st.counters().values())
+            and name in {e["name"] for e in self.kept}
+            and (folder / MANIFEST).is_file()
+        ):
             return folder  # saved at this point already: rewriting it would only risk it
         if not self._cleaned:  # a save before any fit: a killed process's leftovers go first
             self._clean_up()
@@ -478,8 +565,12 @@ class ModelCheckpoint(Callback):
             torch.save(sd, buf)
             data = buf.getvalue()
             best = self.best_path
-            if (self.load_best_at_end and exception is None and best is not None
-                    and best.name == name):  # for the fit's end (sd holds a copy already)
+            if (
+                self.load_best_at_end
+                and exception is None
+                and best is not None
+                and best.name == name
+            ):  # for the fit's end (sd holds a copy already)
                 best_weights: tuple | None = (name, sd["model"])
             else:
                 best_weights = None
@@ -488,10 +579,17 @@ class ModelCheckpoint(Callback):
                 self._best_weights = best_weights or self._best_weights
                 return folder
             touched = True  # from here on, the folder holds no committed checkpoint
-            cio.write_checkpoint(folder, data, {
-                **st.counters(), "tainted": tainted,
-                "exception": type(exception).__name__ if exception else None,
-                "monitor": self.monitor, "score": entry["score"]})
+            cio.write_checkpoint(
+                folder,
+                data,
+                {
+                    **st.counters(),
+                    "tainted": tainted,
+                    "exception": type(exception).__name__ if exception else None,
+                    "monitor": self.monitor,
+                    "score": entry["score"],
+                },
+            )
         except BaseException:
             self.kept = old
             if touched:  # no partial checkpoint stays behind (the old ones are untouched)
@@ -511,9 +609,12 @@ class ModelCheckpoint(Callback):
                     cio.remove(self.dirpath / e["name"])
                 except OSError as err:  # the new checkpoint is committed: keep training
                     self._deferred.append(e["name"])  # retried at fit end, recorded in saves
-                    warnings.warn(f"ModelCheckpoint: could not rotate out "
-                                  f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
-                                  "Retrying when the fit ends (or at a resume).", stacklevel=2)
+                    warnings.warn(
+                        f"ModelCheckpoint: could not rotate out "
+                        f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
+                        "Retrying when the fit ends (or at a resume).",
+                        stacklevel=2,
+                    )
         return folder
 
     # -- finding -------------------------------------------------------------------------------
@@ -528,5 +629,4 @@ class ModelCheckpoint(Callback):
 
 
 def _is_score(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and not math.isnan(value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

@@ -1,4 +1,5 @@
 """``CSVLogger``: the logs as a CSV file, one row per epoch (and optionally every N steps)."""
+
 from __future__ import annotations
 
 import csv
@@ -38,10 +39,15 @@ class CSVLogger(Callback):
     main_instance_only = True
 
     def __init__(self, path: str | os.PathLike, every_n_steps: int | None = None) -> None:
-        if every_n_steps is not None and (not isinstance(every_n_steps, int)
-                                          or isinstance(every_n_steps, bool) or every_n_steps < 1):
-            raise ValueError(f"every_n_steps must be an int >= 1 or None. Received: "
-                             f"every_n_steps={every_n_steps!r}.")
+        if every_n_steps is not None and (
+            not isinstance(every_n_steps, int)
+            or isinstance(every_n_steps, bool)
+            or every_n_steps < 1
+        ):
+            raise ValueError(
+                f"every_n_steps must be an int >= 1 or None. Received: "
+                f"every_n_steps={every_n_steps!r}."
+            )
         self.path = os.fspath(path)
         self.every_n_steps = every_n_steps
         self.columns: list[str] = ["epoch", "step", "update"]
@@ -63,8 +69,12 @@ class CSVLogger(Callback):
         os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half
 
     def _write(self, loop: LoopView, logs: dict[str, Any]) -> None:
-        row = {**logs, "epoch": loop.state.epoch, "step": loop.state.step,
-               "update": loop.state.update}
+        row = {
+            **logs,
+            "epoch": loop.state.epoch,
+            "step": loop.state.step,
+            "update": loop.state.update,
+        }
         new = [k for k in row if k not in self.columns]
         if new or self.rows == 0:
             self.columns += new
@@ -76,11 +86,13 @@ class CSVLogger(Callback):
 
     def on_fit_start(self, loop: LoopView) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        kept = self._read()[:self.rows]
+        kept = self._read()[: self.rows]
         if self.rows and len(kept) < self.rows:
-            warnings.warn(f"CSVLogger: {self.path} has {len(kept)} rows but the checkpoint "
-                          f"recorded {self.rows}: appending after the rows there are.",
-                          stacklevel=2)
+            warnings.warn(
+                f"CSVLogger: {self.path} has {len(kept)} rows but the checkpoint "
+                f"recorded {self.rows}: appending after the rows there are.",
+                stacklevel=2,
+            )
         self.rows = len(kept)
         self._rewrite(kept)
 
@@ -91,8 +103,14 @@ class CSVLogger(Callback):
         st = loop.state
         validated = self._val_at == st.step  # a validation at this step: before this event
         if validated or (self.every_n_steps and st.step % self.every_n_steps == 0):
-            self._write(loop, {k: v for k, v in st.logs.items() if not k.startswith("train_")
-                               and (validated or not k.startswith("val_"))})
+            self._write(
+                loop,
+                {
+                    k: v
+                    for k, v in st.logs.items()
+                    if not k.startswith("train_") and (validated or not k.startswith("val_"))
+                },
+            )
 
     def on_epoch_end(self, loop: LoopView) -> None:
         self._write(loop, loop.state.logs)

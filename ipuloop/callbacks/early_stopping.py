@@ -1,4 +1,5 @@
 """``EarlyStopping``: ends the fit when a monitored log stops improving."""
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,14 @@ class EarlyStopping(Callback):
 
     order = 10  # after callbacks that add logs at epoch end (LRScheduler)
 
-    def __init__(self, monitor: str = "val_loss", patience: int = 3, min_delta: float = 0.0,
-                 mode: str = "min", check_finite: bool = True) -> None:
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "min",
+        check_finite: bool = True,
+    ) -> None:
         self._sign = check_mode(mode)
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
             raise ValueError(f"patience must be an int >= 1. Received: patience={patience!r}.")
@@ -89,8 +96,10 @@ class EarlyStopping(Callback):
             if self.wait < self.patience:
                 return
             checks = "validations" if self.monitor.startswith("val_") else "epochs"
-            self.reason = (f"{self.monitor} did not improve on {self.best:.6g} by more than "
-                           f"{self.min_delta:g} for {self.wait} {checks}")
+            self.reason = (
+                f"{self.monitor} did not improve on {self.best:.6g} by more than "
+                f"{self.min_delta:g} for {self.wait} {checks}"
+            )
         self.stopped_epoch = epoch
         print(f"EarlyStopping: stopping {where}: {self.reason}.", flush=True)
         loop.stop()

@@ -1,4 +1,5 @@
 """``LRScheduler``: steps a torch LR scheduler per optimizer update or per epoch."""
+
 from __future__ import annotations
 
 import re
@@ -25,9 +26,11 @@ def _plain(x: Any, path: str) -> Any:
         return type(x)(_plain(v, f"{path}[{i}]") for i, v in enumerate(x))
     if type(x).__module__ == "numpy":
         return x.item() if getattr(x, "ndim", 0) == 0 else torch.from_numpy(x.copy())
-    raise TypeError(f"LRScheduler: the scheduler's state {path} is a {type(x).__name__}, which a "
-                    "checkpoint cannot hold (tensors, numbers, strings, lists and dicts only). "
-                    "Keep such objects out of the scheduler's __dict__ (e.g. in a closure).")
+    raise TypeError(
+        f"LRScheduler: the scheduler's state {path} is a {type(x).__name__}, which a "
+        "checkpoint cannot hold (tensors, numbers, strings, lists and dicts only). "
+        "Keep such objects out of the scheduler's __dict__ (e.g. in a closure)."
+    )
 
 
 class LRScheduler(Callback):
@@ -59,24 +62,32 @@ class LRScheduler(Callback):
 
     order = -10  # steps before callbacks that save its state at the same event (ModelCheckpoint)
 
-    def __init__(self, scheduler: Any, interval: str | None = None,
-                 monitor: str | None = None) -> None:
+    def __init__(
+        self, scheduler: Any, interval: str | None = None, monitor: str | None = None
+    ) -> None:
         self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if not (hasattr(scheduler, "step") and hasattr(scheduler, "optimizer")):
-            raise TypeError("scheduler must be a torch LR scheduler (with .step() and "
-                            f".optimizer). Received: scheduler={type(scheduler).__name__}.")
+            raise TypeError(
+                "scheduler must be a torch LR scheduler (with .step() and "
+                f".optimizer). Received: scheduler={type(scheduler).__name__}."
+            )
         interval = interval or ("epoch" if self.plateau else "update")
         if interval not in ("update", "epoch"):
-            raise ValueError(f'interval must be "update" or "epoch". Received: '
-                             f"interval={interval!r}.")
+            raise ValueError(
+                f'interval must be "update" or "epoch". Received: interval={interval!r}.'
+            )
         if self.plateau and (interval != "epoch" or monitor is None):
-            raise ValueError('ReduceLROnPlateau steps on a monitored log at epoch end: pass '
-                             f'interval="epoch" and monitor=, e.g. "val_loss". Received: '
-                             f"interval={interval!r}, monitor={monitor!r}.")
+            raise ValueError(
+                "ReduceLROnPlateau steps on a monitored log at epoch end: pass "
+                f'interval="epoch" and monitor=, e.g. "val_loss". Received: '
+                f"interval={interval!r}, monitor={monitor!r}."
+            )
         if monitor is not None and not self.plateau:
-            raise ValueError(f"monitor is only used with ReduceLROnPlateau; "
-                             f"{type(scheduler).__name__} takes no metric. Received: "
-                             f"monitor={monitor!r}.")
+            raise ValueError(
+                f"monitor is only used with ReduceLROnPlateau; "
+                f"{type(scheduler).__name__} takes no metric. Received: "
+                f"monitor={monitor!r}."
+            )
         self.scheduler = scheduler
         self.interval = interval
         self.monitor = monitor
@@ -89,9 +100,11 @@ class LRScheduler(Callback):
     def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "LRScheduler")
         if self.scheduler.optimizer is not loop.optimizer:
-            raise ValueError("LRScheduler: the scheduler drives another optimizer than the "
-                             "loop's, so its LR would never reach the device. Build the "
-                             "scheduler over the optimizer passed to Loop(optimizer=...).")
+            raise ValueError(
+                "LRScheduler: the scheduler drives another optimizer than the "
+                "loop's, so its LR would never reach the device. Build the "
+                "scheduler over the optimizer passed to Loop(optimizer=...)."
+            )
         self._check_cycled_momentum(loop.optimizer)
         # A checkpoint or a device read-back can hold the LR the device last ran, one scheduler
         # step behind: the schedule's LR wins, and the loop pushes it before the first step.
@@ -112,11 +125,15 @@ class LRScheduler(Callback):
         variable_attrs = getattr(opt, "variable_attrs", None)  # poptorch.optim optimizers
         if variable_attrs is not None:
             constant = variable_attrs.isConstant(name)
-            why = (f"{name} was not passed to its constructor (PopTorch makes an attribute "
-                   "variable only when it is passed)")
-            fix = (f"pass {name} explicitly, e.g. {type(opt).__name__}(params, lr=..., "
-                   + ("betas=(0.9, 0.999))" if name == "betas" else "momentum=0.9)")
-                   + f" or opt.variable_attrs.markAsVariable({name!r}), or")
+            why = (
+                f"{name} was not passed to its constructor (PopTorch makes an attribute "
+                "variable only when it is passed)"
+            )
+            fix = (
+                f"pass {name} explicitly, e.g. {type(opt).__name__}(params, lr=..., "
+                + ("betas=(0.9, 0.999))" if name == "betas" else "momentum=0.9)")
+                + f" or opt.variable_attrs.markAsVariable({name!r}), or"
+            )
         else:  # torch.optim: PopTorch keeps betas constant whatever the constructor was given
             constant = name == "betas"
             why = "PopTorch keeps a torch.optim optimizer's betas constant"
@@ -125,7 +142,8 @@ class LRScheduler(Callback):
             raise ValueError(
                 f"LRScheduler: {type(self.scheduler).__name__} with cycle_momentum=True changes "
                 f"{name} every update, but {name} cannot change after compilation: {why}. "
-                f"To cycle it, {fix} build the scheduler with cycle_momentum=False.")
+                f"To cycle it, {fix} build the scheduler with cycle_momentum=False."
+            )
 
     def on_train_step_end(self, loop: LoopView) -> None:
         if self.interval == "update":
@@ -143,8 +161,11 @@ class LRScheduler(Callback):
     def state_dict(self) -> dict[str, Any]:
         # A method of the scheduler itself (torch 2.0's OneCycleLR keeps ``anneal_func``) is
         # made again by its __init__: not state.
-        state = {k: v for k, v in self.scheduler.state_dict().items()
-                 if getattr(v, "__self__", None) is not self.scheduler}
+        state = {
+            k: v
+            for k, v in self.scheduler.state_dict().items()
+            if getattr(v, "__self__", None) is not self.scheduler
+        }
         return _plain(state, "state_dict()")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
 """``MLFlowLogger``: the loop's logs, learning rate and throughput as MLflow metrics."""
+
 from __future__ import annotations
 
 import time
@@ -51,17 +52,26 @@ class MLFlowLogger(ScalarLogger):
         loop = Loop(model, opts, callbacks=[MLFlowLogger("mnist", tracking_uri="http://host:5000")])
     """
 
-    def __init__(self, experiment_name: str = "ipuloop", run_name: str | None = None, *,
-                 tracking_uri: str | None = None, tags: dict[str, Any] | None = None,
-                 run_id: str | None = None, log_hparams: bool = True,
-                 synchronous: bool | None = False) -> None:
+    def __init__(
+        self,
+        experiment_name: str = "ipuloop",
+        run_name: str | None = None,
+        *,
+        tracking_uri: str | None = None,
+        tags: dict[str, Any] | None = None,
+        run_id: str | None = None,
+        log_hparams: bool = True,
+        synchronous: bool | None = False,
+    ) -> None:
         try:
             import mlflow  # noqa: F401  (the package itself: its submodules may be cached)
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError as e:
-            raise ImportError(f"MLFlowLogger needs MLflow, which is not installed ({e}). "
-                              f"Install it with: {INSTALL}") from e
+            raise ImportError(
+                f"MLFlowLogger needs MLflow, which is not installed ({e}). "
+                f"Install it with: {INSTALL}"
+            ) from e
         super().__init__()
         self._metric = Metric
         self._param = Param
@@ -95,8 +105,9 @@ class MLFlowLogger(ScalarLogger):
         c = self.client
         if self.run_id is None:
             exp = c.get_experiment_by_name(self.experiment_name)
-            exp_id = (exp.experiment_id if exp is not None
-                      else c.create_experiment(self.experiment_name))
+            exp_id = (
+                exp.experiment_id if exp is not None else c.create_experiment(self.experiment_name)
+            )
             run = c.create_run(exp_id, run_name=self.run_name, tags=self.tags)
             self.run_id = run.info.run_id
         else:
@@ -107,8 +118,10 @@ class MLFlowLogger(ScalarLogger):
         self._last = {}
         self._pending = []
         if self._resumed:  # the points the run has from the interrupted fit are not sent again
-            self._last = {key: max(m.step for m in c.get_metric_history(self.run_id, key))
-                          for key in run.data.metrics}
+            self._last = {
+                key: max(m.step for m in c.get_metric_history(self.run_id, key))
+                for key in run.data.metrics
+            }
             self._resumed = False
         if self.log_hparams:
             self._log_params(run.data.params, hyperparameters(loop))
@@ -117,26 +130,33 @@ class MLFlowLogger(ScalarLogger):
         new = {k: str(v) for k, v in params.items() if k not in logged}
         changed = sorted(k for k, v in params.items() if k in logged and logged[k] != str(v))
         if changed:
-            warnings.warn(f"MLFlowLogger: run {self.run_id} keeps its parameters "
-                          + ", ".join(f"{k}={logged[k]}" for k in changed) + " (MLflow never "
-                          "changes a parameter); this fit runs "
-                          + ", ".join(f"{k}={params[k]}" for k in changed) + ".", stacklevel=2)
+            warnings.warn(
+                f"MLFlowLogger: run {self.run_id} keeps its parameters "
+                + ", ".join(f"{k}={logged[k]}" for k in changed)
+                + " (MLflow never "
+                "changes a parameter); this fit runs "
+                + ", ".join(f"{k}={params[k]}" for k in changed)
+                + ".",
+                stacklevel=2,
+            )
         if new:
             self.client.log_batch(self.run_id, params=[self._param(k, v) for k, v in new.items()])
 
     def log_scalars(self, values: dict[str, float], update: int) -> None:
         now = int(time.time() * 1000)
         last = self._last
-        self._pending += [self._metric(k, v, now, update) for k, v in values.items()
-                          if update > last.get(k, -1)]
+        self._pending += [
+            self._metric(k, v, now, update) for k, v in values.items() if update > last.get(k, -1)
+        ]
 
     def _send(self) -> None:
         """One request for the points gathered: a step's LR goes with the step's end values."""
         if self._pending:
             points = self._pending
             self._pending = []
-            queued = self.client.log_batch(self.run_id, metrics=points,
-                                           synchronous=self.synchronous)
+            queued = self.client.log_batch(
+                self.run_id, metrics=points, synchronous=self.synchronous
+            )
             if queued is not None:
                 self._queued.append(queued)
 

@@ -1,4 +1,5 @@
 """``ProfileCapture``: a profile of a window of training steps (PopVision, or torch.profiler)."""
+
 from __future__ import annotations
 
 import inspect
@@ -38,8 +39,9 @@ class ProfileCapture(Callback):
 
     order = 200  # starts after other step-start hooks; its steps then include every end hook
 
-    def __init__(self, start_step: int = 1, num_steps: int = 3,
-                 dirpath: str | os.PathLike = "profile") -> None:
+    def __init__(
+        self, start_step: int = 1, num_steps: int = 3, dirpath: str | os.PathLike = "profile"
+    ) -> None:
         for name, value, low in (("start_step", start_step, 0), ("num_steps", num_steps, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}.")
@@ -62,8 +64,11 @@ class ProfileCapture(Callback):
             return
         loop.train_opts.enableProfiling(self.dirpath)  # autoReport.all, autoReport.directory
         self.written = [self.dirpath]
-        print(f"ProfileCapture: PopVision reports go to {self.dirpath} (open them with the "
-              "PopVision Graph Analyser).", flush=True)
+        print(
+            f"ProfileCapture: PopVision reports go to {self.dirpath} (open them with the "
+            "PopVision Graph Analyser).",
+            flush=True,
+        )
 
     def on_train_step_start(self, loop: LoopView) -> None:
         if self._prof is not None:
@@ -72,6 +77,7 @@ class ProfileCapture(Callback):
         if backend_name() == "poptorch" or loop.state.step != self.start_step:
             return
         from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
         acts = [ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # emulating on CUDA
             acts.append(ProfilerActivity.CUDA)
@@ -94,8 +100,11 @@ class ProfileCapture(Callback):
         if self._prof is not None:  # the fit ended inside the window
             self._finish(loop)
         elif not self.written and backend_name() != "poptorch":
-            warnings.warn(f"ProfileCapture: the fit ended before step {self.start_step}, so "
-                          "nothing was profiled. Lower start_step.", stacklevel=2)
+            warnings.warn(
+                f"ProfileCapture: the fit ended before step {self.start_step}, so "
+                "nothing was profiled. Lower start_step.",
+                stacklevel=2,
+            )
 
     def on_exception(self, loop: LoopView) -> None:
         self._close()
@@ -129,9 +138,15 @@ class ProfileCapture(Callback):
             raise self._error(e) from e
         self.written = [trace, ops]
         first = loop.state.step - self._seen
-        print(f"ProfileCapture: steps {first}-{loop.state.step - 1} profiled: trace {trace} "
-              f"(chrome://tracing or ui.perfetto.dev), top operations {ops}.", flush=True)
+        print(
+            f"ProfileCapture: steps {first}-{loop.state.step - 1} profiled: trace {trace} "
+            f"(chrome://tracing or ui.perfetto.dev), top operations {ops}.",
+            flush=True,
+        )
 
     def _error(self, e: OSError) -> OSError:
-        return OSError(e.errno, f"ProfileCapture cannot write to dirpath={self.dirpath!r}: "
-                       f"{e.strerror or e}. Free space or pass another dirpath.")
+        return OSError(
+            e.errno,
+            f"ProfileCapture cannot write to dirpath={self.dirpath!r}: "
+            f"{e.strerror or e}. Free space or pass another dirpath.",
+        )

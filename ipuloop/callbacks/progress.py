@@ -1,4 +1,5 @@
 """Progress display: a tqdm bar per epoch on a terminal, plain periodic lines otherwise."""
+
 from __future__ import annotations
 
 import sys
@@ -41,9 +42,15 @@ class ProgressBar(Callback):
         self._t0_step = loop.state.step
         if self._tty():
             from tqdm.auto import tqdm
-            self._bar = tqdm(total=self._steps, initial=loop.state.epoch_step,
-                             desc=f"Epoch {loop.state.epoch + 1}", file=self.stream or sys.stderr,
-                             leave=True, dynamic_ncols=True)
+
+            self._bar = tqdm(
+                total=self._steps,
+                initial=loop.state.epoch_step,
+                desc=f"Epoch {loop.state.epoch + 1}",
+                file=self.stream or sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+            )
 
     def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
@@ -57,8 +64,12 @@ class ProgressBar(Callback):
         if st.epoch_step % every == 0:
             total = f"/{self._steps}" if self._steps else ""
             rate = (st.step - self._t0_step) / max(time.perf_counter() - self._start, 1e-9)
-            print(f"epoch {st.epoch + 1} step {st.epoch_step}{total}  loss {st.logs['loss']:.4f}"
-                  f"  {rate:.2f} steps/s", file=self.stream or sys.stdout, flush=True)
+            print(
+                f"epoch {st.epoch + 1} step {st.epoch_step}{total}  loss {st.logs['loss']:.4f}"
+                f"  {rate:.2f} steps/s",
+                file=self.stream or sys.stdout,
+                flush=True,
+            )
 
     def on_epoch_end(self, loop: LoopView) -> None:
         if self._bar is not None:
@@ -66,11 +77,17 @@ class ProgressBar(Callback):
             self._bar = None
         logs = loop.state.logs
         keys = [k for k in logs if k.startswith(("train_", "val_")) and k != "train_loss_exact"]
-        approx = ("" if logs.get("train_loss_exact", 1.0) else
-                  " (train_loss estimated from the micro-batches the output mode returns)")
+        approx = (
+            ""
+            if logs.get("train_loss_exact", 1.0)
+            else " (train_loss estimated from the micro-batches the output mode returns)"
+        )
         took = time.perf_counter() - self._start
-        print(f"epoch {loop.state.epoch}: {_fmt(logs, keys)}  [{took:.1f}s]{approx}",
-              file=self.stream or sys.stdout, flush=True)
+        print(
+            f"epoch {loop.state.epoch}: {_fmt(logs, keys)}  [{took:.1f}s]{approx}",
+            file=self.stream or sys.stdout,
+            flush=True,
+        )
 
     def on_fit_end(self, loop: LoopView) -> None:
         if self._bar is not None:

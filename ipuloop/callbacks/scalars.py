@@ -3,6 +3,7 @@
 TensorBoard, Weights & Biases and MLflow get the same numbers at the same x (``state.update``)
 from this one base; each subclass only says how a batch of values reaches its backend.
 """
+
 from __future__ import annotations
 
 import time
@@ -82,8 +83,13 @@ class ScalarLogger(Callback):
     def on_train_step_start(self, loop: LoopView) -> None:
         groups = loop.optimizer.param_groups if loop.optimizer is not None else []
         if groups:
-            self.log_scalars({"lr" if len(groups) == 1 else f"lr/group{i}": float(g["lr"])
-                              for i, g in enumerate(groups)}, loop.state.update)
+            self.log_scalars(
+                {
+                    "lr" if len(groups) == 1 else f"lr/group{i}": float(g["lr"])
+                    for i, g in enumerate(groups)
+                },
+                loop.state.update,
+            )
 
     def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
@@ -97,8 +103,11 @@ class ScalarLogger(Callback):
 
     def on_epoch_end(self, loop: LoopView) -> None:
         st = loop.state
-        values = {k: float(v) for k, v in st.logs.items()
-                  if k.startswith("train_") and not k.endswith("_exact")}
+        values = {
+            k: float(v)
+            for k, v in st.logs.items()
+            if k.startswith("train_") and not k.endswith("_exact")
+        }
         if values:
             self.log_scalars(values, st.update)
 
@@ -107,10 +116,12 @@ def hyperparameters(loop: LoopView) -> dict[str, Any]:
     """The run's settings a logger records once per fit: the options' factors, the number of
     processes, and the optimizer's class with its scalar defaults (``optimizer.lr``, ...)."""
     opts = loop.train_opts
-    out: dict[str, Any] = {"device_iterations": opts.device_iterations,
-                           "gradient_accumulation": opts.Training.gradient_accumulation,
-                           "replicas": opts.replication_factor,
-                           "instances": loop.state.instances}
+    out: dict[str, Any] = {
+        "device_iterations": opts.device_iterations,
+        "gradient_accumulation": opts.Training.gradient_accumulation,
+        "replicas": opts.replication_factor,
+        "instances": loop.state.instances,
+    }
     opt = loop.optimizer
     if opt is not None:
         out["optimizer"] = type(opt).__name__
@@ -118,6 +129,7 @@ def hyperparameters(loop: LoopView) -> dict[str, Any]:
             if isinstance(value, (bool, int, float, str)):
                 out[f"optimizer.{key}"] = value
             elif isinstance(value, (tuple, list)) and all(
-                    isinstance(v, (int, float)) for v in value):  # Adam's betas
+                isinstance(v, (int, float)) for v in value
+            ):  # Adam's betas
                 out[f"optimizer.{key}"] = list(value)
     return out

@@ -1,4 +1,5 @@
 """``TensorBoardLogger``: the loop's logs, learning rate and throughput as TensorBoard scalars."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,10 @@ class TensorBoardLogger(ScalarLogger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # torch imports tensorboard there, and raises without it
-            raise ImportError(f"TensorBoardLogger needs the tensorboard package, which is not "
-                              f"installed ({e}). Install it with: {INSTALL}") from e
+            raise ImportError(
+                f"TensorBoardLogger needs the tensorboard package, which is not "
+                f"installed ({e}). Install it with: {INSTALL}"
+            ) from e
         super().__init__()
         self._writer_type = SummaryWriter
         self.log_dir = os.fspath(log_dir)
@@ -68,8 +71,10 @@ class TensorBoardLogger(ScalarLogger):
 
     def on_save_checkpoint(self, loop: LoopView) -> None:
         update = loop.state.update
-        self._saved = {"update": update,
-                       "scalars": dict(self._written) if update == self._update else {}}
+        self._saved = {
+            "update": update,
+            "scalars": dict(self._written) if update == self._update else {},
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self._saved)
@@ -87,8 +92,9 @@ class TensorBoardLogger(ScalarLogger):
             # update written before it are written again.
             update = int(resumed["update"])
             self.writer = self._writer_type(log_dir=self.log_dir, purge_step=update)
-            self.log_scalars({tag: float(value) for tag, value in
-                              resumed.get("scalars", {}).items()}, update)
+            self.log_scalars(
+                {tag: float(value) for tag, value in resumed.get("scalars", {}).items()}, update
+            )
         elif self.writer is None:
             self.writer = self._writer_type(log_dir=self.log_dir)
 

@@ -1,4 +1,5 @@
 """``WandbLogger``: the loop's logs, learning rate and throughput in a Weights & Biases run."""
+
 from __future__ import annotations
 
 import os
@@ -48,20 +49,36 @@ class WandbLogger(ScalarLogger):
         loop = Loop(model, opts, callbacks=[WandbLogger(project="mnist", name="di8")])
     """
 
-    def __init__(self, project: str | None = None, name: str | None = None, *,
-                 id: str | None = None, save_dir: str | os.PathLike | None = None,
-                 config: dict[str, Any] | None = None, tags: list[str] | None = None,
-                 offline: bool = False, experiment: Any = None, log_hparams: bool = True,
-                 **init_kwargs: Any) -> None:
+    def __init__(
+        self,
+        project: str | None = None,
+        name: str | None = None,
+        *,
+        id: str | None = None,
+        save_dir: str | os.PathLike | None = None,
+        config: dict[str, Any] | None = None,
+        tags: list[str] | None = None,
+        offline: bool = False,
+        experiment: Any = None,
+        log_hparams: bool = True,
+        **init_kwargs: Any,
+    ) -> None:
         try:
             import wandb
         except ImportError as e:
-            raise ImportError(f"WandbLogger needs the wandb package, which is not installed "
-                              f"({e}). Install it with: {INSTALL}") from e
+            raise ImportError(
+                f"WandbLogger needs the wandb package, which is not installed "
+                f"({e}). Install it with: {INSTALL}"
+            ) from e
         super().__init__()
         self._wandb = wandb
-        self._init = {k: v for k, v in dict(project=project, name=name, config=config, tags=tags,
-                                           **init_kwargs).items() if v is not None}
+        self._init = {
+            k: v
+            for k, v in dict(
+                project=project, name=name, config=config, tags=tags, **init_kwargs
+            ).items()
+            if v is not None
+        }
         if offline:
             self._init["mode"] = "offline"
         self.save_dir = os.fspath(save_dir) if save_dir is not None else None

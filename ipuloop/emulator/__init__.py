@@ -3,60 +3,138 @@
 Same names, same semantics, same errors as poptorch 3.x, where the host can reproduce them
 (see docs/emulator.md, "Running PopTorch programs without an IPU").
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
-from . import _pytree as pytree
 
-from . import _logging
+from . import _logging, optim, poptorch_core
+from . import _pytree as pytree
 from . import checks as _checks
 from . import ctc as _ctc
 from ._logging import logger
-from . import optim
-from .blocks import (AutoStage, BeginBlock, Block, BlockFunction, ParallelPhasedExecution, Phase,
-                     PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
-                     module_repr, removeBlocks)
+from .blocks import (
+    AutoStage,
+    BeginBlock,
+    Block,
+    BlockFunction,
+    ParallelPhasedExecution,
+    Phase,
+    PipelinedExecution,
+    SerialPhasedExecution,
+    ShardedExecution,
+    Stage,
+    module_repr,
+    removeBlocks,
+)
 from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
-from .enums import (CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior,
-                    Liveness, MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType,
-                    OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
-                    VariableRetrievalMode)
+from .enums import (
+    CommGroupType,
+    ConnectionType,
+    DataLoaderMode,
+    HalfFloatCastingBehavior,
+    Liveness,
+    MatMulSerializationMode,
+    MeanReductionStrategy,
+    MultiConvPlanType,
+    OutputMode,
+    OverlapMode,
+    ReductionType,
+    SharingStrategy,
+    SyncPattern,
+    VariableRetrievalMode,
+)
 from .errors import Error
-from . import poptorch_core
-from .poptorch_core import RecoverableError, UnrecoverableError
-from .executor import (PoplarExecutor, identity_loss, inferenceModel, isRunningOnIpu,
-                       registerPostCompileHook, registerPreCompileHook, trainingModel)
+from .executor import (
+    PoplarExecutor,
+    identity_loss,
+    inferenceModel,
+    isRunningOnIpu,
+    registerPostCompileHook,
+    registerPreCompileHook,
+    trainingModel,
+)
 from .ops import cond, dynamic_slice, dynamic_update, for_loop, ipu_print_tensor
 from .options import Options, TensorLocationSettings
+from .poptorch_core import RecoverableError, UnrecoverableError
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
 
 __all__ = [
-    "AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockFunction", "CPU",
-    "CommGroupType", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
-    "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MatMulSerializationMode",
+    "AsynchronousDataAccessor",
+    "AutoStage",
+    "BeginBlock",
+    "Block",
+    "BlockFunction",
+    "CPU",
+    "CommGroupType",
+    "ConnectionType",
+    "DataLoader",
+    "DataLoaderMode",
+    "Error",
+    "HalfFloatCastingBehavior",
+    "ICustomArgParser",
+    "Liveness",
+    "MatMulSerializationMode",
     "MeanReductionStrategy",
-    "MultiConv", "MultiConvPlanType", "NameScope", "Options", "OutputMode", "OverlapMode",
-    "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
-    "RecoverableError", "ReductionType", "UnrecoverableError", "logger", "poptorch_core",
-    "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "SyncPattern",
-    "TensorLocationSettings", "VariableRetrievalMode", "cond", "ctc_beam_search_decoder",
+    "MultiConv",
+    "MultiConvPlanType",
+    "NameScope",
+    "Options",
+    "OutputMode",
+    "OverlapMode",
+    "ParallelPhasedExecution",
+    "Phase",
+    "PipelinedExecution",
+    "PoplarExecutor",
+    "RecoverableError",
+    "ReductionType",
+    "UnrecoverableError",
+    "logger",
+    "poptorch_core",
+    "SerialPhasedExecution",
+    "ShardedExecution",
+    "SharingStrategy",
+    "Stage",
+    "SyncPattern",
+    "TensorLocationSettings",
+    "VariableRetrievalMode",
+    "cond",
+    "ctc_beam_search_decoder",
     "custom_op",
-    "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
-    "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
-    "module_repr", "nop", "optim", "recomputationCheckpoint", "registerCustomArgParser",
-    "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "serializedMatMul",
+    "dynamic_slice",
+    "dynamic_update",
+    "for_loop",
+    "identity_loss",
+    "inferenceModel",
+    "ipuHardwareIsAvailable",
+    "ipuHardwareVersion",
+    "ipu_print_tensor",
+    "isRunningOnIpu",
+    "load",
+    "module_repr",
+    "nop",
+    "optim",
+    "recomputationCheckpoint",
+    "registerCustomArgParser",
+    "registerPostCompileHook",
+    "registerPreCompileHook",
+    "removeBlocks",
+    "serializedMatMul",
     "setLogLevel",
-    "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel",
+    "set_available_memory",
+    "set_overlap_for_input",
+    "set_overlap_for_output",
+    "trainingModel",
 ]
 
 _REMOVED = {
     "AnchorMode": "poptorch.AnchorMode was removed in PopTorch 2.5: use poptorch.OutputMode "
-                  "(same members and values) with Options.outputMode().",
+    "(same members and values) with Options.outputMode().",
     "autocast": "poptorch.autocast was removed in PopTorch 3.1: remove it (mixed "
-                "float16/float32 ops follow PyTorch's type promotion).",
+    "float16/float32 ops follow PyTorch's type promotion).",
 }
 
 
@@ -112,12 +190,14 @@ def set_available_memory(tensor, available_memory_proportion: float):
 
 def _check_overlap(tensors: Any, mode: OverlapMode, what: str) -> Any:
     assert isinstance(mode, OverlapMode), (
-        f"mode must be a poptorch.OverlapMode. Received: mode={mode!r}.")
+        f"mode must be a poptorch.OverlapMode. Received: mode={mode!r}."
+    )
     leaves = pytree.tree_leaves(tensors)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
-            raise Error(f"You may only set overlap for torch.tensor {what}. "
-                        f"{type(leaf)} is not supported.")
+            raise Error(
+                f"You may only set overlap for torch.tensor {what}. {type(leaf)} is not supported."
+            )
     _checks.note_overlap(leaves, what)  # a model input / output (checked when compiled)
     return tensors
 
@@ -132,13 +212,19 @@ def set_overlap_for_output(output_tensors: Any, mode: OverlapMode) -> Any:
     return _check_overlap(output_tensors, mode, "outputs")
 
 
-def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode,
-                     factor: int = 0, keep_precision: bool = False) -> torch.Tensor:
+def serializedMatMul(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    mode: MatMulSerializationMode,
+    factor: int = 0,
+    keep_precision: bool = False,
+) -> torch.Tensor:
     """``lhs @ rhs`` (an IPU splits it into ``factor`` pieces to save memory: same result)."""
     assert isinstance(keep_precision, bool), "keep_precision must be a bool"
     assert isinstance(factor, int), "factor must be an int"
     assert isinstance(mode, MatMulSerializationMode), (
-        f"mode must be a poptorch.MatMulSerializationMode. Received: mode={mode!r}.")
+        f"mode must be a poptorch.MatMulSerializationMode. Received: mode={mode!r}."
+    )
     return torch.matmul(lhs, rhs)
 
 
@@ -176,8 +262,9 @@ class MultiConv:
         return self._record("partials_types", value)
 
     def enableConvDithering(self, value: bool | list[bool]) -> MultiConv:
-        if not all(isinstance(v, bool) for v in (value if isinstance(value, (list, tuple))
-                                                 else [value])):
+        if not all(
+            isinstance(v, bool) for v in (value if isinstance(value, (list, tuple)) else [value])
+        ):
             raise ValueError("value must be bool or list of bools")
         return self._record("enable_conv_dithering", value)
 
@@ -217,25 +304,41 @@ class NameScope:
         return None
 
 
-def custom_op(inputs: tuple, name: str, domain: str, domain_version: int,
-              example_outputs: tuple, attributes: dict | None = None) -> list[torch.Tensor]:
+def custom_op(
+    inputs: tuple,
+    name: str,
+    domain: str,
+    domain_version: int,
+    example_outputs: tuple,
+    attributes: dict | None = None,
+) -> list[torch.Tensor]:
     """Not available on the emulator: PopART custom ops are compiled IPU code."""
-    raise Error(f"poptorch.custom_op({name!r}) runs a PopART custom op, which is compiled IPU "
-                "code the ipuloop emulator cannot load. On the emulator, compute the op with "
-                "torch inside forward() instead (e.g. `if not poptorch.ipuHardwareIsAvailable()`).")
+    raise Error(
+        f"poptorch.custom_op({name!r}) runs a PopART custom op, which is compiled IPU "
+        "code the ipuloop emulator cannot load. On the emulator, compute the op with "
+        "torch inside forward() instead (e.g. `if not poptorch.ipuHardwareIsAvailable()`)."
+    )
 
 
-def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0,
-                            beam_width: int = 100, top_paths: int = 1) -> list[torch.Tensor]:
+def ctc_beam_search_decoder(
+    probs: torch.Tensor,
+    lengths: torch.Tensor,
+    blank: int = 0,
+    beam_width: int = 100,
+    top_paths: int = 1,
+) -> list[torch.Tensor]:
     """The ``top_paths`` most likely CTC labellings of the log probabilities ``probs``
     ([input_length, batch_size, num_classes]): their log probabilities, lengths and labels
     (``ctc.py``); outside a wrapped model, PopTorch's CPU kernel (zeros of those shapes)."""
-    return _ctc.ctc_beam_search_decoder(probs, lengths, blank, beam_width, top_paths,
-                                        on_device=isRunningOnIpu())
+    return _ctc.ctc_beam_search_decoder(
+        probs, lengths, blank, beam_width, top_paths, on_device=isRunningOnIpu()
+    )
 
 
 def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:
     """Not available on the emulator: there are no Poplar executables to load."""
-    raise Error(f"poptorch.load({filename!r}) needs a Poplar executable written by "
-                "compileAndExport(), which the ipuloop emulator cannot produce or load. Save "
-                "model.state_dict() with torch.save and re-wrap the model instead.")
+    raise Error(
+        f"poptorch.load({filename!r}) needs a Poplar executable written by "
+        "compileAndExport(), which the ipuloop emulator cannot produce or load. Save "
+        "model.state_dict() with torch.save and re-wrap the model instead."
+    )

@@ -6,6 +6,7 @@ what PopTorch's Python side logs and also what its C++ side (PopTorch's compiler
 logs about the options and the optimizer state, at the level PopTorch logs it. Its level is
 ``POPTORCH_LOG_LEVEL`` when the module is imported (WARN when unset), then ``setLogLevel``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -14,8 +15,14 @@ import os
 import sys
 from typing import ClassVar
 
-__all__ = ["logger", "setLogLevel", "setPopartLogLevel", "popart_log_level", "LEVEL_NAMES",
-           "show_compilation_progress"]
+__all__ = [
+    "logger",
+    "setLogLevel",
+    "setPopartLogLevel",
+    "popart_log_level",
+    "LEVEL_NAMES",
+    "show_compilation_progress",
+]
 
 logger = logging.getLogger("poptorch::python")
 
@@ -36,8 +43,9 @@ _popart_level = ["WARN"]
 
 def _unknown(level: object) -> ValueError:
     names = list(LEVEL_NAMES)
-    return ValueError(f"Unknown log level: {level}. Valid values are "
-                      f"{', '.join(names[:-1])} and {names[-1]}")
+    return ValueError(
+        f"Unknown log level: {level}. Valid values are {', '.join(names[:-1])} and {names[-1]}"
+    )
 
 
 def setLogLevel(level: int | str) -> None:
@@ -74,8 +82,11 @@ def show_compilation_progress() -> None:
     emulator's compilation (a trace and checks) has no stages worth showing one by one."""
     import tqdm  # only where a compilation shows it
 
-    bar = tqdm.tqdm(desc="Graph compilation", total=100,
-                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+    bar = tqdm.tqdm(
+        desc="Graph compilation",
+        total=100,
+        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]",
+    )
     bar.update(100)
     bar.close()
 
@@ -84,9 +95,13 @@ class _Formatter(logging.Formatter):
     """PopTorch's console format: lower-case level names, milliseconds, and colours only when
     both stdout and stderr are terminals."""
 
-    _COLOURS: ClassVar[dict[int, str]] = {logging.DEBUG: "\033[36m", logging.INFO: "\033[0m",
-                logging.WARNING: "\033[1;33m", logging.ERROR: "\033[1;31m",
-                logging.CRITICAL: "\033[1;31m"}
+    _COLOURS: ClassVar[dict[int, str]] = {
+        logging.DEBUG: "\033[36m",
+        logging.INFO: "\033[0m",
+        logging.WARNING: "\033[1;33m",
+        logging.ERROR: "\033[1;31m",
+        logging.CRITICAL: "\033[1;31m",
+    }
     _FMT = "[%(asctime)s] [%(name)s] [%(levelname)s] %(message)s"
 
     def __init__(self) -> None:
@@ -94,8 +109,9 @@ class _Formatter(logging.Formatter):
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         t = datetime.datetime.fromtimestamp(record.created)
-        return t.strftime(datefmt) if datefmt else \
-            f"{t.strftime('%H:%M:%S')}.{int(record.msecs):03d}"
+        return (
+            t.strftime(datefmt) if datefmt else f"{t.strftime('%H:%M:%S')}.{int(record.msecs):03d}"
+        )
 
     def format(self, record: logging.LogRecord) -> str:
         record = logging.makeLogRecord(record.__dict__)  # other handlers keep the original
@@ -140,5 +156,6 @@ _env = os.environ.get("POPTORCH_LOG_LEVEL", "WARN")
 try:
     setLogLevel(_env)
 except ValueError as e:  # PopTorch fails its import on a bad value too
-    raise ValueError(f"POPTORCH_LOG_LEVEL={_env!r}: {e}. Set it to one of "
-                     f"{', '.join(LEVEL_NAMES)}, or unset it.") from None
+    raise ValueError(
+        f"POPTORCH_LOG_LEVEL={_env!r}: {e}. Set it to one of {', '.join(LEVEL_NAMES)}, or unset it."
+    ) from None

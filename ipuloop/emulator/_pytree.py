@@ -1,4 +1,5 @@
 """``torch.utils._pytree`` as every supported torch release (2.0 to 2.14) spells it."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -6,14 +7,22 @@ from typing import Any, Callable
 import torch.utils._pytree as _p
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["tree_flatten", "tree_unflatten", "tree_map", "tree_leaves", "register_pytree_node",
-           "deregister_pytree_node", "SUPPORTED_NODES"]
+__all__ = [
+    "tree_flatten",
+    "tree_unflatten",
+    "tree_map",
+    "tree_leaves",
+    "register_pytree_node",
+    "deregister_pytree_node",
+    "SUPPORTED_NODES",
+]
 
 SUPPORTED_NODES = _p.SUPPORTED_NODES  # the registered types (one dict in every release)
 
 if hasattr(_p, "tree_leaves"):
     tree_leaves = _p.tree_leaves
 else:  # torch 2.0
+
     def tree_leaves(tree: Any) -> list[Any]:
         return tree_flatten(tree)[0]
 

@@ -6,6 +6,7 @@ value), "Gradient___<name>" (its per-micro-batch gradient, times loss_scaling) a
 "UpdatedVar___<name>" (its value after the call's last update). "model." may prefix <name>.
 With automatic loss scaling, also "finalLossScale" and "lossScaleUpdateFactor" (Final).
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,8 +19,15 @@ from . import _pytree as pytree
 from .enums import OutputMode
 from .errors import Error
 
-__all__ = ["out_leaves", "out_unflatten", "to_host", "assemble", "NARROWED", "Anchors",
-           "register_mappings"]
+__all__ = [
+    "out_leaves",
+    "out_unflatten",
+    "to_host",
+    "assemble",
+    "NARROWED",
+    "Anchors",
+    "register_mappings",
+]
 
 NARROWED = frozenset({torch.int64, torch.float64})  # outputs ``to_host`` narrows
 
@@ -33,8 +41,10 @@ def register_mappings(out: Any) -> None:
         cls = type(out)
         if cls not in pytree.SUPPORTED_NODES:
             pytree.register_pytree_node(
-                cls, lambda d: (list(d.values()), list(d.keys())),
-                lambda values, keys, cls=cls: cls(dict(zip(keys, values))))
+                cls,
+                lambda d: (list(d.values()), list(d.keys())),
+                lambda values, keys, cls=cls: cls(dict(zip(keys, values))),
+            )
         items = out.values()
     elif isinstance(out, (tuple, list)):
         items = out
@@ -102,9 +112,15 @@ class Anchors:
     not this call's).
     """
 
-    def __init__(self, options: Any, training: bool, weights: Any,
-                 factors: tuple[int, int, int, bool], version: Callable[[], int],
-                 scalars: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        options: Any,
+        training: bool,
+        weights: Any,
+        factors: tuple[int, int, int, bool],
+        version: Callable[[], int],
+        scalars: dict[str, Callable[[], torch.Tensor]] | None = None,
+    ) -> None:
         self._training = training
         self._scalars = dict(scalars or {})  # name -> its current value (one per call)
         self._weights = weights
@@ -135,28 +151,39 @@ class Anchors:
             kind_name = long_name
             for kind in ("Gradient___", "UpdatedVar___", ""):
                 if long_name.startswith(kind + "model.") and long_name not in names:
-                    kind_name = kind + long_name[len(kind) + len("model."):]
+                    kind_name = kind + long_name[len(kind) + len("model.") :]
                     break
             if kind_name not in names:
-                raise Error(f"Options.anchorTensor({short!r}, {long_name!r}): the ipuloop emulator "
-                            "can anchor a parameter, its gradient or its updated value. Valid "
-                            f"names: {', '.join(names)} (see getTensorNames()).")
+                raise Error(
+                    f"Options.anchorTensor({short!r}, {long_name!r}): the ipuloop emulator "
+                    "can anchor a parameter, its gradient or its updated value. Valid "
+                    f"names: {', '.join(names)} (see getTensorNames())."
+                )
             kind, i = names[kind_name]
             mode = model_mode if inherit else OutputMode(mode)
             period = o.output_return_period if inherit else period
             if kind != "Gradient___" and mode != OutputMode.Final:
-                raise Error(f"Options.anchorTensor({short!r}, {long_name!r}) with output mode "
-                            f"{mode.name}: the ipuloop emulator anchors weights and updated "
-                            "weights with OutputMode.Final only. Pass output_mode="
-                            "poptorch.OutputMode.Final to anchorTensor.")
+                raise Error(
+                    f"Options.anchorTensor({short!r}, {long_name!r}) with output mode "
+                    f"{mode.name}: the ipuloop emulator anchors weights and updated "
+                    "weights with OutputMode.Final only. Pass output_mode="
+                    "poptorch.OutputMode.Final to anchorTensor."
+                )
             if mode == OutputMode.EveryN:
-                rules.check_return_period(period, self._factors[0], Error,
-                                          f"anchorTensor({short!r}, ..., EveryN, {period})")
+                rules.check_return_period(
+                    period,
+                    self._factors[0],
+                    Error,
+                    f"anchorTensor({short!r}, ..., EveryN, {period})",
+                )
             self._anchors[short] = (kind, kind_name if kind == "Scalar" else i, mode, period)
             if kind == "Gradient___" and i not in self._grads:
                 self._grads[i] = [-1, []]
-                self._hooks.append(self._weights.host_params[i].register_hook(
-                    functools.partial(self._record_gradient, self._grads[i])))
+                self._hooks.append(
+                    self._weights.host_params[i].register_hook(
+                        functools.partial(self._record_gradient, self._grads[i])
+                    )
+                )
 
     def parameters(self) -> set[int]:
         """Indices (in the weights' ``host_params``) of the parameters anchored."""
@@ -187,13 +214,17 @@ class Anchors:
             return self._scalars[i]()
         if kind != "Gradient___":  # Final: one copy per replica (replicas hold equal weights)
             w = self._weights.dev_params[i].detach()
-            return to_host(w.clone() if rf == 1 else torch.cat([w] * rf) if w.dim()
-                           else w.repeat(rf))
+            return to_host(
+                w.clone() if rf == 1 else torch.cat([w] * rf) if w.dim() else w.repeat(rf)
+            )
         version, grads = self._grads[i]
         assert version == self._version() - 1 and len(grads) == di * ga * rf, (
-            "No tensor with name " + short_name + " found: run the model first.")
-        rows = [sum((grads[j] for j in row[1:]), grads[row[0]])
-                for row in rules.returned_rows(mode, di, ga, rf, period)]
+            "No tensor with name " + short_name + " found: run the model first."
+        )
+        rows = [
+            sum((grads[j] for j in row[1:]), grads[row[0]])
+            for row in rules.returned_rows(mode, di, ga, rf, period)
+        ]
         if len(rows) == 1:
             return to_host(rows[0])
         return to_host(torch.stack(rows) if rows[0].dim() == 0 else torch.cat(rows))

@@ -6,6 +6,7 @@ PopTorch's are on CPU. The executor wraps the trace of its first micro-batch in
 which IPUs it uses, following docs/poptorch-semantics.md §5, and to check a phased execution's
 phases. Every strategy runs the unsplit model's arithmetic.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,7 +42,8 @@ class Stage:
 
     def __init__(self, *block_ids: str) -> None:
         assert all(isinstance(b, str) for b in block_ids), (
-            f"Block IDs are supposed to be strings but got {block_ids}")
+            f"Block IDs are supposed to be strings but got {block_ids}"
+        )
         self._blocks = block_ids
         self._stage_id = -1
         self._phase_id = -1
@@ -55,7 +57,8 @@ class Stage:
     def ipu(self, ipu: int) -> Stage:
         """Run this stage on IPU ``ipu`` (overrides the blocks' ``ipu_id``)."""
         assert isinstance(ipu, int) and ipu >= 0, (
-            f"Stage.ipu expects an int >= 0. Received: ipu={ipu!r}.")
+            f"Stage.ipu expects an int >= 0. Received: ipu={ipu!r}."
+        )
         self._ipu = ipu
         return self
 
@@ -103,7 +106,8 @@ class StageTrace:
         block_map = self._strategy._block_map
         if block_map:
             assert block_id in block_map, (
-                f"Unknown Block '{block_id}' list of expected Blocks: {list(block_map)}")
+                f"Unknown Block '{block_id}' list of expected Blocks: {list(block_map)}"
+            )
             return block_map[block_id]
         if block_id not in self._auto_stages:
             stage = Stage(block_id)
@@ -111,7 +115,8 @@ class StageTrace:
                 assert ipu_from_block is not None, (
                     f"poptorch.AutoStage.SameAsIpu was selected but no IPU was specified for block "
                     f"{block_id}. Pass ipu_id=... to the block, or use "
-                    f"PipelinedExecution(AutoStage.AutoIncrement) or explicit stages.")
+                    f"PipelinedExecution(AutoStage.AutoIncrement) or explicit stages."
+                )
                 stage._stage_id = ipu_from_block
             else:
                 stage._stage_id = self._next_stage_id
@@ -130,7 +135,8 @@ class StageTrace:
             raise Error(
                 f"Pipeline stages must be used in ascending order: block '{block_id}' (stage "
                 f"{stage._stage_id}) runs after stage {self.blocks[-1][1]}. Reorder the stages, or "
-                f"use PipelinedExecution(AutoStage.AutoIncrement) when an IPU is revisited.")
+                f"use PipelinedExecution(AutoStage.AutoIncrement) when an IPU is revisited."
+            )
         if self._phased is not None:
             self._phased.check_block(block_id, stage, ipu)
         if ipu != self._current_ipu:
@@ -159,10 +165,12 @@ class _OpWatcher(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", "") != "__get__" and isinstance(out, torch.Tensor):
             if not self._trace.in_block:
-                raise Error(f"No active Block, all the ops must belong to a Block: "
-                            f"{getattr(func, '__name__', func)}() runs after a `with "
-                            "poptorch.Block(...)` ended and before the next block began. Move it "
-                            "into a block (for example the loss into the last block).")
+                raise Error(
+                    f"No active Block, all the ops must belong to a Block: "
+                    f"{getattr(func, '__name__', func)}() runs after a `with "
+                    "poptorch.Block(...)` ended and before the next block began. Move it "
+                    "into a block (for example the loss into the last block)."
+                )
             if not self._trace.blocks:
                 self._trace._ran_before_first_block = True
         return out
@@ -183,8 +191,9 @@ def trace_stages(strategy: _IExecutionStrategy | None = None) -> Iterator[StageT
 def _check_ids(user_id: Any, ipu_id: Any) -> None:
     # An int is PopTorch's legacy form: a block id of its own (Stage ids must then match it).
     if user_id is not None and (not isinstance(user_id, (str, int)) or isinstance(user_id, bool)):
-        raise TypeError(f"Block user_id must be a str, an int or None. Received: "
-                        f"user_id={user_id!r}.")
+        raise TypeError(
+            f"Block user_id must be a str, an int or None. Received: user_id={user_id!r}."
+        )
     if ipu_id is not None and not (isinstance(ipu_id, int) and ipu_id >= 0):
         raise TypeError(f"Block ipu_id must be an int >= 0 or None. Received: ipu_id={ipu_id!r}.")
 
@@ -265,8 +274,10 @@ def module_repr(m: torch.nn.Module) -> str:
     """``repr(m)`` with each module's forward pre-hooks (its ``BeginBlock``) before its name."""
     extra = m.extra_repr()
     lines = extra.split("\n") if extra else []
-    lines += [f"({name}): " + (module_repr(child) if child is not None else "None")
-              .replace("\n", "\n  ") for name, child in m._modules.items()]
+    lines += [
+        f"({name}): " + (module_repr(child) if child is not None else "None").replace("\n", "\n  ")
+        for name, child in m._modules.items()
+    ]
     hooks = "".join(f"{hook!r} " for hook in m._forward_pre_hooks.values())
     if len(lines) == 1 and extra and not m._modules:
         body = lines[0]
@@ -275,24 +286,30 @@ def module_repr(m: torch.nn.Module) -> str:
     return f"{hooks}{m._get_name()}({body})"
 
 
-def BeginBlock(layer_to_call: torch.nn.Module, user_id: str | None = None,
-               ipu_id: int | None = None) -> torch.nn.Module:
+def BeginBlock(
+    layer_to_call: torch.nn.Module, user_id: str | None = None, ipu_id: int | None = None
+) -> torch.nn.Module:
     """Start block ``user_id`` (on ``ipu_id``) each time ``layer_to_call`` runs; returns it."""
     _check_ids(user_id, ipu_id)
     if not isinstance(layer_to_call, torch.nn.Module):
         if callable(layer_to_call):
             return _LegacyBeginBlockFn(layer_to_call, user_id, ipu_id)  # type: ignore[return-value]
-        raise Error("module is not an instance of torch.nn.Module or function. "
-                    f"Received: {type(layer_to_call).__name__}.")
+        raise Error(
+            "module is not an instance of torch.nn.Module or function. "
+            f"Received: {type(layer_to_call).__name__}."
+        )
     if any(isinstance(h, _BlockHook) for h in layer_to_call._forward_pre_hooks.values()):
-        raise Error("module has already been assigned to a block. Call "
-                    "poptorch.removeBlocks(module) first to re-assign it.")
+        raise Error(
+            "module has already been assigned to a block. Call "
+            "poptorch.removeBlocks(module) first to re-assign it."
+        )
     layer_to_call.register_forward_pre_hook(_BlockHook(user_id, ipu_id))
     return layer_to_call
 
 
-def BlockFunction(user_id: str | None = None, ipu_id: int | None = None
-                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def BlockFunction(
+    user_id: str | None = None, ipu_id: int | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: the decorated function runs inside ``Block(user_id, ipu_id)``."""
     _check_ids(user_id, ipu_id)
 
@@ -301,14 +318,17 @@ def BlockFunction(user_id: str | None = None, ipu_id: int | None = None
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with Block(user_id, ipu_id):
                 return func(*args, **kwargs)
+
         return wrapper
+
     return decorator
 
 
 def removeBlocks(module: torch.nn.Module) -> None:
     """Remove every ``BeginBlock`` annotation from ``module`` and its sub-modules."""
     assert isinstance(module, torch.nn.Module), (
-        f"removeBlocks expects a torch.nn.Module. Received: {type(module).__name__}.")
+        f"removeBlocks expects a torch.nn.Module. Received: {type(module).__name__}."
+    )
     for m in module.modules():
         for key in [k for k, h in m._forward_pre_hooks.items() if isinstance(h, _BlockHook)]:
             del m._forward_pre_hooks[key]
@@ -352,7 +372,8 @@ class PipelinedExecution(_IExecutionStrategy):
                 else:
                     assert all(isinstance(b, str) for b in arg), (
                         "Stages must be Stage objects, block ids or lists of block ids. "
-                        f"Received: {arg!r}.")
+                        f"Received: {arg!r}."
+                    )
                     stage = Stage(*arg)
                 stage._stage_id = stage_id
                 for block in stage.blocks:
@@ -382,7 +403,8 @@ class Phase:
         else:
             assert all(isinstance(a, str) for a in arg), (
                 "All arguments must either be block IDs (strings) or Stages: "
-                f"{[type(a) for a in arg]}")
+                f"{[type(a) for a in arg]}"
+            )
             self.stages = [Stage(*arg)]
 
     def stage(self, idx: int) -> Stage:
@@ -391,7 +413,8 @@ class Phase:
     def ipus(self, *ipus: int) -> None:
         """Assign one IPU to each stage of this phase."""
         assert len(ipus) == len(self.stages), (
-            f"Phase contains {len(self.stages)} stages but you provided {len(ipus)} ipus")
+            f"Phase contains {len(self.stages)} stages but you provided {len(ipus)} ipus"
+        )
         for stage, ipu in zip(self.stages, ipus):
             stage.ipu(ipu)
 
@@ -404,8 +427,10 @@ class _IPhasedExecution(_IExecutionStrategy):
     _serial = True
 
     def __init__(self, *phases: Phase | list[Any]) -> None:
-        assert phases, ("There is currently no AutoStage for PhasedExecution, please explicitly "
-                        "specify the phases")
+        assert phases, (
+            "There is currently no AutoStage for PhasedExecution, please explicitly "
+            "specify the phases"
+        )
         self._tensors_liveness = Liveness.AlwaysLive
         self._separate_backward_phase = False
         self._phases: list[Phase] = []
@@ -432,8 +457,11 @@ class _IPhasedExecution(_IExecutionStrategy):
         return self
 
     def backendOptions(self) -> dict[str, Any]:
-        return {"execution_mode": 2, "separate_backward_phase": self._separate_backward_phase,
-                "tensors_liveness": int(self._tensors_liveness)}
+        return {
+            "execution_mode": 2,
+            "separate_backward_phase": self._separate_backward_phase,
+            "tensors_liveness": int(self._tensors_liveness),
+        }
 
     def check_block(self, block_id: str, stage: Stage, ipu: int) -> None:
         """PopTorch's checks (``Compiler::setActiveIpu``) as block ``block_id`` of ``stage``
@@ -441,21 +469,28 @@ class _IPhasedExecution(_IExecutionStrategy):
         kind = type(self).__name__
         liveness = Liveness(self._tensors_liveness)
         # Off-chip liveness modes space the forward phases 2 or 4 apart, serial phases only.
-        spacing = {Liveness.OffChipAfterFwdNoOverlap: 2,
-                   Liveness.OffChipAfterEachPhase: 4}.get(liveness, 1)
+        spacing = {Liveness.OffChipAfterFwdNoOverlap: 2, Liveness.OffChipAfterEachPhase: 4}.get(
+            liveness, 1
+        )
         if spacing > 1 and not self._serial:
-            raise Error(f"This is only supported for serial phase execution: {kind} with "
-                        f"tensors liveness {liveness.name}. Use SerialPhasedExecution, or "
-                        "Liveness.AlwaysLive / OffChipAfterFwd.")
+            raise Error(
+                f"This is only supported for serial phase execution: {kind} with "
+                f"tensors liveness {liveness.name}. Use SerialPhasedExecution, or "
+                "Liveness.AlwaysLive / OffChipAfterFwd."
+            )
         if ipu < 0:
-            raise Error(f"{kind}: block '{block_id}' (phase {stage._phase_id}) has no IPU. Give "
-                        "its stage one with Stage(...).ipu(n) or Phase(...).ipus(...), or the "
-                        "block with Block(..., ipu_id=n).")
+            raise Error(
+                f"{kind}: block '{block_id}' (phase {stage._phase_id}) has no IPU. Give "
+                "its stage one with Stage(...).ipu(n) or Phase(...).ipus(...), or the "
+                "block with Block(..., ipu_id=n)."
+            )
         phase = stage._phase_id * spacing
         if not self._serial and phase % 2 != ipu % 2:
-            raise Error("When phases are executed in parallel: even phases must run on even "
-                        f"IPUs and odd phases on odd IPUs. Received: block '{block_id}' in "
-                        f"phase {phase} on IPU {ipu}.")
+            raise Error(
+                "When phases are executed in parallel: even phases must run on even "
+                f"IPUs and odd phases on odd IPUs. Received: block '{block_id}' in "
+                f"phase {phase} on IPU {ipu}."
+            )
 
 
 class ParallelPhasedExecution(_IPhasedExecution):

@@ -23,6 +23,7 @@ reassigned by ``forward`` (``check_addresses``), cycle-count logging (``check_op
 and the IPUs they need (``check_stages``) and ``backward()`` on a model's outputs
 (``forbid_backward``).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,31 +33,70 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.overrides import TorchFunctionMode
-from . import _logging
-from . import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
+from . import _logging
+from . import _pytree as pytree
 from . import unsupported as _unsupported
 from .enums import ConnectionType
 from .errors import Error
 
-__all__ = ["LossCapture", "TraceChecks", "check_addresses", "check_options",
-           "check_replicated_updates",
-           "check_stages", "check_updatable_buffers",
-           "forbid_backward", "note_inference_only", "note_identity_loss", "note_multiconv",
-           "note_overlap", "tensor_addresses"]
+__all__ = [
+    "LossCapture",
+    "TraceChecks",
+    "check_addresses",
+    "check_options",
+    "check_replicated_updates",
+    "check_stages",
+    "check_updatable_buffers",
+    "forbid_backward",
+    "note_inference_only",
+    "note_identity_loss",
+    "note_multiconv",
+    "note_overlap",
+    "tensor_addresses",
+]
 
-_LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss",
-    "cross_entropy", "ctc_loss", "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss",
-    "kl_div", "l1_loss", "margin_ranking_loss", "mse_loss", "multi_margin_loss",
-    "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss", "poisson_nll_loss",
-    "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
-    "triplet_margin_with_distance_loss") if hasattr(F, name))
+_LOSS_FUNCTIONS = frozenset(
+    getattr(F, name)
+    for name in (
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "cosine_embedding_loss",
+        "cross_entropy",
+        "ctc_loss",
+        "gaussian_nll_loss",
+        "hinge_embedding_loss",
+        "huber_loss",
+        "kl_div",
+        "l1_loss",
+        "margin_ranking_loss",
+        "mse_loss",
+        "multi_margin_loss",
+        "multilabel_margin_loss",
+        "multilabel_soft_margin_loss",
+        "nll_loss",
+        "poisson_nll_loss",
+        "smooth_l1_loss",
+        "soft_margin_loss",
+        "triplet_margin_loss",
+        "triplet_margin_with_distance_loss",
+    )
+    if hasattr(F, name)
+)
 
-_CONVOLUTIONS = frozenset(getattr(F, name) for name in (
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"))
+_CONVOLUTIONS = frozenset(
+    getattr(F, name)
+    for name in (
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+    )
+)
 
 _NO_LOSSES: frozenset[int] = frozenset()
 _active: _LossMode | None = None
@@ -105,9 +145,11 @@ class LossCapture(_LossMode):
         """The final loss of the micro-batch that just ran (and forget that micro-batch's)."""
         seen, self.seen = self.seen, []
         if len(seen) <= self.index:
-            raise Error(f"The model's forward computed {len(seen)} loss(es) in this call, but "
-                        f"its first call's final loss was loss #{self.index}: a training graph "
-                        "is fixed when compiled. Compute the same losses on every call.")
+            raise Error(
+                f"The model's forward computed {len(seen)} loss(es) in this call, but "
+                f"its first call's final loss was loss #{self.index}: a training graph "
+                "is fixed when compiled. Compute the same losses on every call."
+            )
         return seen[self.index]
 
 
@@ -129,11 +171,17 @@ class TraceChecks(_LossMode):
         self._used_inputs: set[int] = set()
         self._overlap_outputs: list[torch.Tensor] = []
         self._graph: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> losses it uses
-        named = [nt for model in models
-                 for nt in [*model.named_parameters(), *model.named_buffers()]]
+        named = [
+            nt for model in models for nt in [*model.named_parameters(), *model.named_buffers()]
+        ]
         # Normalisation statistics are PopART's to update, not an in-place write of a buffer.
-        stats = {id(t) for model in models for m in model.modules() if isinstance(m, _NormBase)
-                 for t in m.buffers()}
+        stats = {
+            id(t)
+            for model in models
+            for m in model.modules()
+            if isinstance(m, _NormBase)
+            for t in m.buffers()
+        }
         self._names = {id(t): n for n, t in named if id(t) not in stats}
         for t in [*(t for _, t in named), *_tensors(inputs)]:
             self._graph[t] = _NO_LOSSES
@@ -155,13 +203,15 @@ class TraceChecks(_LossMode):
         in_graph = [self._in_graph(t) for t in inputs]
         if any(in_graph) and not all(in_graph) and func is not torch.Tensor.to:
             cpu = inputs[in_graph.index(False)]
-            raise Error(f"Expected an IPU tensor but got tensor(device={cpu.device.type}, "
-                        f"shape={list(cpu.shape)}, dtype={_dtype_name(cpu.dtype)}).\nConstant "
-                        "tensors should be moved explicitly to the IPU, via "
-                        "cpu_tensor.to(ipu_tensor.device). A tensor made inside forward() by "
-                        "a legacy constructor (torch.LongTensor([...])), from numpy, or kept as "
-                        "a plain module attribute stays on the host: make it with torch.tensor("
-                        "...) or register it as a buffer.")
+            raise Error(
+                f"Expected an IPU tensor but got tensor(device={cpu.device.type}, "
+                f"shape={list(cpu.shape)}, dtype={_dtype_name(cpu.dtype)}).\nConstant "
+                "tensors should be moved explicitly to the IPU, via "
+                "cpu_tensor.to(ipu_tensor.device). A tensor made inside forward() by "
+                "a legacy constructor (torch.LongTensor([...])), from numpy, or kept as "
+                "a plain module attribute stays on the host: make it with torch.tensor("
+                "...) or register it as a buffer."
+            )
         if all(in_graph):
             _unsupported.check(func, args, kwargs)
             if self._multiconv is not None and func in _CONVOLUTIONS:
@@ -183,8 +233,9 @@ class TraceChecks(_LossMode):
             for t in outputs:
                 self._graph[t] = losses
             if not self.half_grads:  # a float16 tensor the backward computes a gradient for
-                self.half_grads = any(t.dtype == torch.float16 and t.requires_grad
-                                      for t in (*inputs, *outputs))
+                self.half_grads = any(
+                    t.dtype == torch.float16 and t.requires_grad for t in (*inputs, *outputs)
+                )
         return out
 
     def multiconv(self, begin: bool) -> None:
@@ -206,23 +257,31 @@ class TraceChecks(_LossMode):
         for t in tensors:
             position = self._inputs.get(id(t))
             if position is None:
-                raise Error("poptorch.set_overlap_for_input applied on a node which is not a "
-                            "tensor input to the model.")
+                raise Error(
+                    "poptorch.set_overlap_for_input applied on a node which is not a "
+                    "tensor input to the model."
+                )
             if id(t) in self._used_inputs:
-                raise Error("poptorch.set_overlap_for_input must be the only op applied to an "
-                            f"input. This is not the case for input {position} to the model.")
+                raise Error(
+                    "poptorch.set_overlap_for_input must be the only op applied to an "
+                    f"input. This is not the case for input {position} to the model."
+                )
 
     def check_overlap_outputs(self, outputs: list[Any]) -> None:
         """Each tensor ``set_overlap_for_output`` marked is returned, once."""
         for t in self._overlap_outputs:
             returned = sum(o is t for o in outputs)
             if returned == 0:
-                raise Error("poptorch.set_overlap_for_output applied on a node which is not a "
-                            "tensor output to the model.")
+                raise Error(
+                    "poptorch.set_overlap_for_output applied on a node which is not a "
+                    "tensor output to the model."
+                )
             if returned > 1:
-                raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that "
-                            "is returned twice. Please check all returned tensors including "
-                            "those nested in tuples/lists.")
+                raise Error(
+                    "poptorch.set_overlap_for_output cannot be used with a tensor that "
+                    "is returned twice. Please check all returned tensors including "
+                    "those nested in tuples/lists."
+                )
 
     def note_loss(self, t: torch.Tensor) -> None:
         """``t`` is an ``identity_loss``: a loss of the graph."""
@@ -232,19 +291,25 @@ class TraceChecks(_LossMode):
     def find_loss(self, outputs: list[Any]) -> tuple[int | None, int]:
         """The graph's one final loss (PopTorch's loss pass): its index among ``outputs`` (None
         when the outputs only use it) and among the losses in the order forward made them."""
-        used = _NO_LOSSES.union(*(self._graph.get(t, _NO_LOSSES) for t in outputs
-                                  if isinstance(t, torch.Tensor)))  # others are dead code
-        folded = _NO_LOSSES.union(*(self._graph[t] - {i} for i, t in enumerate(self.losses)
-                                    if i in used))
+        used = _NO_LOSSES.union(
+            *(self._graph.get(t, _NO_LOSSES) for t in outputs if isinstance(t, torch.Tensor))
+        )  # others are dead code
+        folded = _NO_LOSSES.union(
+            *(self._graph[t] - {i} for i, t in enumerate(self.losses) if i in used)
+        )
         final = sorted(used - folded)
         if not final:
-            raise Error("Couldn't find a loss in graph! A training model must return its loss: "
-                        "a torch loss function's output (for example `return output, "
-                        "F.mse_loss(output, target)`), or a custom loss wrapped in "
-                        "poptorch.identity_loss(loss, reduction=...).")
+            raise Error(
+                "Couldn't find a loss in graph! A training model must return its loss: "
+                "a torch loss function's output (for example `return output, "
+                "F.mse_loss(output, target)`), or a custom loss wrapped in "
+                "poptorch.identity_loss(loss, reduction=...)."
+            )
         if len(final) > 1:
-            raise Error("Multiple independent losses found in graph. Graph must have one final "
-                        "loss. Wrap final graph loss in poptorch.identity_loss.")
+            raise Error(
+                "Multiple independent losses found in graph. Graph must have one final "
+                "loss. Wrap final graph loss in poptorch.identity_loss."
+            )
         loss = self.losses[final[0]]
         returned = [i for i, t in enumerate(outputs) if t is loss]
         return (returned[0] if returned else None), final[0]
@@ -252,10 +317,18 @@ class TraceChecks(_LossMode):
 
 def _dtype_name(dtype: torch.dtype) -> str:
     """torch.int64 -> "Long", as c10 prints scalar types."""
-    return {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
-            torch.uint8: "Byte", torch.bool: "Bool", torch.float32: "Float",
-            torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(
-                dtype, str(dtype).replace("torch.", ""))
+    return {
+        torch.int64: "Long",
+        torch.int32: "Int",
+        torch.int16: "Short",
+        torch.int8: "Char",
+        torch.uint8: "Byte",
+        torch.bool: "Bool",
+        torch.float32: "Float",
+        torch.float64: "Double",
+        torch.float16: "Half",
+        torch.bfloat16: "BFloat16",
+    }.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def note_identity_loss(t: torch.Tensor) -> None:
@@ -286,10 +359,12 @@ def note_inference_only(op: str, fix: str) -> None:
 def check_replicated_updates(checks: TraceChecks, options: Any) -> None:
     """Replicas broadcasting their buffers cannot have them written in place (PopTorch)."""
     if checks.updated and options.replication_factor > 1 and options.broadcast_buffers:
-        raise Error("PopTorch does not support broadcasting buffers. If your model is able to "
-                    "tolerate buffers becoming out of sync between replicas, you can disable "
-                    "buffer broadcasting using poptorch.Options.broadcastBuffers(False). "
-                    f"Written in place by forward(): {', '.join(checks.updated)}.")
+        raise Error(
+            "PopTorch does not support broadcasting buffers. If your model is able to "
+            "tolerate buffers becoming out of sync between replicas, you can disable "
+            "buffer broadcasting using poptorch.Options.broadcastBuffers(False). "
+            f"Written in place by forward(): {', '.join(checks.updated)}."
+        )
 
 
 # BatchNorm replaces its statistics' tensors as it likes; PopTorch does not check them.
@@ -298,9 +373,12 @@ _BUFFERS_CAN_CHANGE = (_BatchNorm,)
 
 def tensor_addresses(model: torch.nn.Module) -> tuple[dict, dict]:
     """Buffers and parameters of ``model`` by name: (tensor, storage address) each."""
-    buffers = {name: (t, t.data_ptr()) for prefix, m in model.named_modules()
-               if not isinstance(m, _BUFFERS_CAN_CHANGE)
-               for name, t in m.named_buffers(prefix=prefix, recurse=False)}
+    buffers = {
+        name: (t, t.data_ptr())
+        for prefix, m in model.named_modules()
+        if not isinstance(m, _BUFFERS_CAN_CHANGE)
+        for name, t in m.named_buffers(prefix=prefix, recurse=False)
+    }
     params = {name: (t, t.data_ptr()) for name, t in model.named_parameters()}
     return buffers, params
 
@@ -310,13 +388,16 @@ def check_addresses(before: tuple[dict, dict], after: tuple[dict, dict]) -> None
     for kind, old, new in zip(("Buffer", "Parameter"), before, after):
         for name, (_, address) in old.items():
             if name not in new:
-                raise Error(f"{kind} {name} is removed from the model when calling the forward "
-                            "method.")
+                raise Error(
+                    f"{kind} {name} is removed from the model when calling the forward method."
+                )
             if new[name][1] != address:
-                raise Error(f"{kind} {name} is reassigned within the model when calling the "
-                            "forward method. This is not supported. Consider using "
-                            f"self.{name}.copy_(src) to copy data from a source tensor, where "
-                            "src is the name of the source tensor.")
+                raise Error(
+                    f"{kind} {name} is reassigned within the model when calling the "
+                    "forward method. This is not supported. Consider using "
+                    f"self.{name}.copy_(src) to copy data from a source tensor, where "
+                    "src is the name of the source tensor."
+                )
 
 
 def check_options(options: Any) -> None:
@@ -325,30 +406,40 @@ def check_options(options: Any) -> None:
     if options.connection_type == ConnectionType.Never:  # useOfflineIpuTarget
         # PopTorch's createDevice: an offline target is a Poplar device of its own.
         if rules.uses_ipu_model(options):
-            raise Error("ConnectionType.Never / poptorch.Options.useOfflineIpuTarget not "
-                        "supported for the IPU model: call useIpuModel(False) (or unset "
-                        "POPTORCH_IPU_MODEL) to compile for an offline IPU target.")
+            raise Error(
+                "ConnectionType.Never / poptorch.Options.useOfflineIpuTarget not "
+                "supported for the IPU model: call useIpuModel(False) (or unset "
+                "POPTORCH_IPU_MODEL) to compile for an offline IPU target."
+            )
         if options.exists("ipu_id"):
-            raise Error("Offline compilation targeting a specific id not supported: remove "
-                        "Options.useIpuId() when using useOfflineIpuTarget().")
+            raise Error(
+                "Offline compilation targeting a specific id not supported: remove "
+                "Options.useIpuId() when using useOfflineIpuTarget()."
+            )
     engine = options._Popart.options.get("engineOptions", {})
-    if any(k.startswith("autoReport.") for k in engine) or \
-            "autoReport." in os.environ.get("POPLAR_ENGINE_OPTIONS", ""):
+    if any(k.startswith("autoReport.") for k in engine) or "autoReport." in os.environ.get(
+        "POPLAR_ENGINE_OPTIONS", ""
+    ):
         _logging.logger.warning(
             "Profiling is on (Options.enableProfiling or Poplar's autoReport engine options), "
             "but the ipuloop emulator has no Poplar engine to profile and writes no PopVision "
-            "report: use ipuloop.callbacks.ProfileCapture or torch.profiler for a host trace.")
+            "report: use ipuloop.callbacks.ProfileCapture or torch.profiler for a host trace."
+        )
     if options._Popart.options.get("instrumentWithHardwareCycleCounter"):
-        raise Error("Cycle count logging is only supported on actual IPU hardware. The ipuloop "
-                    "emulator has no cycle counters: set poptorch.Options().logCycleCount(False) "
-                    "(time host calls instead, e.g. ipuloop.callbacks.ProfileCapture).")
+        raise Error(
+            "Cycle count logging is only supported on actual IPU hardware. The ipuloop "
+            "emulator has no cycle counters: set poptorch.Options().logCycleCount(False) "
+            "(time host calls instead, e.g. ipuloop.callbacks.ProfileCapture)."
+        )
 
 
 def _backward_error(*args: Any, **kwargs: Any) -> None:
-    raise Error("backward() cannot be called explicitly on outputs of a PopTorch model. If "
-                "you're using a trainingModel, the backwards pass is performed automatically "
-                "when invoking the model. If you're using an inferenceModel, you should use a "
-                "trainingModel instead.")
+    raise Error(
+        "backward() cannot be called explicitly on outputs of a PopTorch model. If "
+        "you're using a trainingModel, the backwards pass is performed automatically "
+        "when invoking the model. If you're using an inferenceModel, you should use a "
+        "trainingModel instead."
+    )
 
 
 def forbid_backward(out: Any) -> Any:
@@ -366,11 +457,15 @@ def forbid_backward(out: Any) -> Any:
 
 def check_updatable_buffers(options: Any, model: torch.nn.Module) -> None:
     """``Options.updatableNamedBuffers`` must name buffers of ``model``."""
-    unknown = sorted(set(options._Popart.options.get("updatableNamedBuffers", ())) -
-                     {name for name, _ in model.named_buffers()})
+    unknown = sorted(
+        set(options._Popart.options.get("updatableNamedBuffers", ()))
+        - {name for name, _ in model.named_buffers()}
+    )
     if unknown:
-        raise Error(f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
-                    "the model: use names from model.named_buffers().")
+        raise Error(
+            f"Options.updatableNamedBuffers names {unknown}, which are not buffers of "
+            "the model: use names from model.named_buffers()."
+        )
 
 
 def check_stages(trace: Any, options: Any, training: bool, di: int, ga: int, rf: int) -> int:
@@ -384,21 +479,23 @@ def check_stages(trace: Any, options: Any, training: bool, di: int, ga: int, rf:
                 f"equal to the number of pipeline stages ({2 * f - 1}) when using "
                 f"poptorch.PipelinedExecution. Please note that a model with {f} pipeline "
                 f"stages in PopTorch will have an additional {f - 1} stages when training. "
-                f"Received: gradientAccumulation={ga}.")
+                f"Received: gradientAccumulation={ga}."
+            )
         if not training and di < f:
             raise Error(
                 "poptorch.Options().deviceIterations must be greater than or equal to the "
                 f"number of pipeline stages ({f}) when using poptorch.PipelinedExecution. "
-                f"Received: deviceIterations={di}.")
+                f"Received: deviceIterations={di}."
+            )
     ipus = trace.ipus or {0}
     per_replica = max(len(ipus), max(ipus) + 1)
     n = per_replica * rf
     problem = rules.ipu_count_error(options, rf, per_replica)
     if problem is not None:
-        raise Error(f"The model needs {per_replica} IPU(s) per replica x "
-                    f"replicationFactor({rf}): {problem}")
+        raise Error(
+            f"The model needs {per_replica} IPU(s) per replica x replicationFactor({rf}): {problem}"
+        )
     reserved = rules.reserved_ipus(options, n)
     if reserved != n:
-        _logging.logger.warning(
-            "Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
+        _logging.logger.warning("Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
     return n

@@ -16,6 +16,7 @@ Attributes held directly, or in lists, tuples and dicts, are covered; parameters
 (the device's weights, ``device_state``) are never frozen, wherever they are referenced from.
 A model without such attributes gets no plan, and its calls no work.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -83,8 +84,11 @@ class _Capture:
         self.live = live
         self.modules = list(model.modules())
         # (attribute dict, name, value, fingerprint, copy) of every plain attribute
-        self.slots = [(m.__dict__, k, v, _fingerprint(v), _copy(v, live))
-                      for m in self.modules for k, v in _plain(m).items()]
+        self.slots = [
+            (m.__dict__, k, v, _fingerprint(v), _copy(v, live))
+            for m in self.modules
+            for k, v in _plain(m).items()
+        ]
 
 
 def capture(model: torch.nn.Module, live: list[torch.Tensor]) -> _Capture:

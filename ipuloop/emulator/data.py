@@ -8,6 +8,7 @@ shared memory, and a thread of the host process prefetches them into a bounded b
 yields the same batches in the same order as Sync mode, and returns fresh tensors (PopTorch's
 are overwritten by the next batch, so code that clones them behaves the same on both).
 """
+
 from __future__ import annotations
 
 import abc
@@ -24,11 +25,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing
-from . import _logging
-from . import _pytree as pytree
 from torch.utils.data import IterableDataset
 
 from .. import rules
+from . import _logging
+from . import _pytree as pytree
 from .enums import DataLoaderMode, SharingStrategy
 from .errors import Error
 from .options import Options
@@ -82,8 +83,10 @@ def registerCustomArgParser(arg_data_type: type, arg_parser: ICustomArgParser | 
     """Use ``arg_parser`` for arguments of type ``arg_data_type`` (replacing any parser it had);
     ``None`` removes the type's parser."""
     if arg_parser is not None and not isinstance(arg_parser, ICustomArgParser):
-        raise Error("arg_parser must inherit from ICustomArgParser. Received: "
-                    f"{type(arg_parser).__name__}. Subclass poptorch.ICustomArgParser.")
+        raise Error(
+            "arg_parser must inherit from ICustomArgParser. Received: "
+            f"{type(arg_parser).__name__}. Subclass poptorch.ICustomArgParser."
+        )
     if _custom_arg_parsers.pop(arg_data_type, None) is not None:
         pytree.deregister_pytree_node(arg_data_type)
     if arg_parser is None:
@@ -91,8 +94,10 @@ def registerCustomArgParser(arg_data_type: type, arg_parser: ICustomArgParser | 
     _custom_arg_parsers[arg_data_type] = arg_parser
     # As a pytree node, the type is taken apart and rebuilt wherever inputs/outputs are.
     pytree.register_pytree_node(
-        arg_data_type, lambda x: (list(arg_parser.yieldTensors(x)), _CustomStructure(x)),
-        lambda tensors, context: arg_parser.reconstruct(context.obj, iter(tensors)))
+        arg_data_type,
+        lambda x: (list(arg_parser.yieldTensors(x)), _CustomStructure(x)),
+        lambda tensors, context: arg_parser.reconstruct(context.obj, iter(tensors)),
+    )
 
 
 def _custom_parser(x: Any) -> ICustomArgParser | None:
@@ -203,21 +208,26 @@ class _SubDataset:
 
     def shuffle_global_indices(self) -> None:
         if self._generator is None:
-            assert self._seed is not None, ("Seed must be set when shuffling so that all instances "
-                                            "end up with the same shuffled global indices.")
+            assert self._seed is not None, (
+                "Seed must be set when shuffling so that all instances "
+                "end up with the same shuffled global indices."
+            )
             self._generator = torch.Generator().manual_seed(self._seed)
         self._permutation = torch.randperm(len(self._dataset), generator=self._generator)
         self._publish()
 
     def swap_range(self) -> None:
-        self._offset = self._base_offset + self._leftovers if self._offset == self._base_offset \
+        self._offset = (
+            self._base_offset + self._leftovers
+            if self._offset == self._base_offset
             else self._base_offset
+        )
         self._publish()
 
     def _publish(self) -> None:
         if self._permutation is None:
             return
-        indices = self._permutation[self._offset:self._offset + self._length]
+        indices = self._permutation[self._offset : self._offset + self._length]
         if self._indices is None:
             self._indices = indices.clone().share_memory_()
         else:
@@ -253,15 +263,25 @@ class DataLoader(torch.utils.data.DataLoader):
             loss = training_model(x, y)
     """
 
-    def __init__(self, options: Options, dataset: Any, batch_size: int | None = 1,
-                 shuffle: bool | None = None, num_workers: int = 0, drop_last: bool = True,
-                 persistent_workers: bool | None = None, auto_distributed_partitioning: bool = True,
-                 mode: DataLoaderMode = DataLoaderMode.Sync,
-                 async_options: dict[str, Any] | None = None,
-                 rebatched_worker_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        options: Options,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        persistent_workers: bool | None = None,
+        auto_distributed_partitioning: bool = True,
+        mode: DataLoaderMode = DataLoaderMode.Sync,
+        async_options: dict[str, Any] | None = None,
+        rebatched_worker_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         assert isinstance(options, Options), (
             "DataLoader expects a poptorch.Options as first argument. "
-            f"Received: {type(options).__name__}.")
+            f"Received: {type(options).__name__}."
+        )
         options._freeze()
         shuffle = bool(shuffle)
         if persistent_workers is None:
@@ -281,19 +301,24 @@ class DataLoader(torch.utils.data.DataLoader):
         self._is_user_batch_sampler_set = kwargs.get("batch_sampler") is not None
         self.rebatched_drop_last = drop_last  # the user's drop_last, read by the accessor
         rebatched_size = None
-        torch_kwargs = dict(num_workers=num_workers, persistent_workers=persistent_workers,
-                            **kwargs)
+        torch_kwargs = dict(
+            num_workers=num_workers, persistent_workers=persistent_workers, **kwargs
+        )
 
         batch_sampler = kwargs.get("batch_sampler")
         if batch_sampler is not None:
             if batch_size != 1 or shuffle:
-                raise ValueError("`batch_sampler` option is mutually exclusive with batch_size, "
-                                 f"shuffle. Received: batch_size={batch_size!r}, "
-                                 f"shuffle={shuffle!r}.")
+                raise ValueError(
+                    "`batch_sampler` option is mutually exclusive with batch_size, "
+                    f"shuffle. Received: batch_size={batch_size!r}, "
+                    f"shuffle={shuffle!r}."
+                )
             if procs > 1 and auto_distributed_partitioning:
-                raise ValueError("`batch_sampler` option is mutually exclusive with "
-                                 "auto_distributed_partitioning when Distributed.numProcesses > 1: "
-                                 "pass auto_distributed_partitioning=False and partition yourself.")
+                raise ValueError(
+                    "`batch_sampler` option is mutually exclusive with "
+                    "auto_distributed_partitioning when Distributed.numProcesses > 1: "
+                    "pass auto_distributed_partitioning=False and partition yourself."
+                )
             micro = getattr(batch_sampler, "batch_size", None)
             self._combined_batch_size = None if micro is None else micro * factor
             self._combine = factor
@@ -302,8 +327,11 @@ class DataLoader(torch.utils.data.DataLoader):
                 logger.warning(
                     "The number of batches generated by the batch sampler (%d) is not divisible by "
                     "the number of batches combined per step (%d): the last %d batch(es) are %s.",
-                    length, factor, length % factor,
-                    "dropped (drop_last=True)" if drop_last else "combined into a smaller batch")
+                    length,
+                    factor,
+                    length % factor,
+                    "dropped (drop_last=True)" if drop_last else "combined into a smaller batch",
+                )
             super().__init__(dataset, **torch_kwargs)
         else:
             combined = None if batch_size is None else batch_size * factor
@@ -311,13 +339,17 @@ class DataLoader(torch.utils.data.DataLoader):
             if isinstance(dataset, IterableDataset):
                 if auto_distributed_partitioning:
                     assert procs == 1, (
-                        "auto_distributed_partitioning not supported for IterableDataset")
+                        "auto_distributed_partitioning not supported for IterableDataset"
+                    )
                 if num_workers > 1 and "worker_init_fn" not in kwargs:
                     logger.warning(
                         "IterableDataset used with num_workers=%d but no worker_init_fn specified: "
                         "as a result the DataLoader will return %d times each element in the "
                         "dataset (See torch.utils.data.IterableDataset's documentation for more "
-                        "information)", num_workers, num_workers)
+                        "information)",
+                        num_workers,
+                        num_workers,
+                    )
             else:
                 n = len(dataset)
                 if not drop_last and combined is not None and n % (combined * procs):
@@ -325,14 +357,20 @@ class DataLoader(torch.utils.data.DataLoader):
                         "The number of elements in the dataset (%d) is not divisible by the number "
                         "of elements processed per step (%d) and drop_last=False. The last tensor "
                         "will have a batch size of %d. To avoid having to handle this special case "
-                        "switch to drop_last=True", n, combined * procs, n % (combined * procs))
+                        "switch to drop_last=True",
+                        n,
+                        combined * procs,
+                        n % (combined * procs),
+                    )
                 if procs > 1 and auto_distributed_partitioning:
                     assert not shuffle or options.exists("random_seed"), (
                         "When using auto_distributed_partitioning you must set "
                         "poptorch.Options.randomSeed() to ensure that tensors are in the same "
-                        "order in all processes.")
+                        "order in all processes."
+                    )
                     assert combined is not None, (
-                        "batch_size=None not allowed when using auto_distributed_partitioning.")
+                        "batch_size=None not allowed when using auto_distributed_partitioning."
+                    )
                     dataset = _SubDataset(dataset, options, combined, drop_last)
                     self._shuffle_distributed, shuffle = shuffle, False
 
@@ -345,20 +383,28 @@ class DataLoader(torch.utils.data.DataLoader):
                 if rebatched_worker_size is not None:
                     assert rebatched_worker_size <= combined, (
                         f"The rebatched_worker_size ({rebatched_worker_size}) must be <= to the "
-                        f"combined batch size ({combined})")
+                        f"combined batch size ({combined})"
+                    )
                     worker_batch = rebatched_worker_size
             # torch rejects drop_last=True without batching; there is nothing to drop then.
-            super().__init__(dataset, batch_size=worker_batch, shuffle=shuffle,
-                             drop_last=drop_last and worker_batch is not None, **torch_kwargs)
+            super().__init__(
+                dataset,
+                batch_size=worker_batch,
+                shuffle=shuffle,
+                drop_last=drop_last and worker_batch is not None,
+                **torch_kwargs,
+            )
 
         if mode != DataLoaderMode.Sync:
             async_options = dict(async_options or {})
             assert "rebatched_size" not in async_options, (
                 "You cannot use DataLoaderMode.AsyncRebatched and manually specify the "
-                "rebatched_size in async_options")
+                "rebatched_size in async_options"
+            )
             # A weak proxy: the prefetch thread must not keep this loader alive.
-            self._accessor = AsynchronousDataAccessor(weakref.proxy(self), **async_options,
-                                                      rebatched_size=rebatched_size)
+            self._accessor = AsynchronousDataAccessor(
+                weakref.proxy(self), **async_options, rebatched_size=rebatched_size
+            )
 
     @property
     def combinedBatchSize(self) -> int | None:
@@ -394,8 +440,11 @@ class DataLoader(torch.utils.data.DataLoader):
             self.dataset.shuffle_global_indices()
             self.dataset.swap_range()
         batches = super().__iter__()
-        return _combine(batches, self._combine, self._combine_drop_last) if self._combine > 1 \
+        return (
+            _combine(batches, self._combine, self._combine_drop_last)
+            if self._combine > 1
             else batches
+        )
 
     def terminate(self) -> None:
         """Stop the background prefetch thread (Async modes); no effect in Sync mode."""
@@ -420,8 +469,9 @@ _ITEM, _EOF = 0, 1
 _ERROR, _EPOCH, _STOP = 2, 3, 4
 
 
-def _worker_main(make_iter: Callable[[], Iterator[Any]], commands: Any, out: Any,
-                 credits: Any) -> None:
+def _worker_main(
+    make_iter: Callable[[], Iterator[Any]], commands: Any, out: Any, credits: Any
+) -> None:
     """The accessor's worker process: on each ``(_EPOCH, n)`` command, iterate a new epoch and
     send ``(n, _ITEM, batch)`` messages then ``(n, _EOF, None)``, each once the host has a free
     slot (``credits``); a new command abandons the epoch. Ctrl-C ends it quietly, as
@@ -447,9 +497,11 @@ def _worker_main(make_iter: Callable[[], Iterator[Any]], commands: Any, out: Any
         return
 
 
-def _worker_epoch(make_iter: Callable[[], Iterator[Any]], epoch: int, commands: Any, out: Any,
-                  credits: Any) -> tuple[int | None, int]:
+def _worker_epoch(
+    make_iter: Callable[[], Iterator[Any]], epoch: int, commands: Any, out: Any, credits: Any
+) -> tuple[int | None, int]:
     """One epoch of ``_worker_main``; returns the command that cut it short, or (None, 0)."""
+
     def send(kind: int, payload: Any) -> tuple[int | None, int]:
         while not credits.acquire(timeout=0.05):
             if commands.poll():
@@ -460,9 +512,16 @@ def _worker_epoch(make_iter: Callable[[], Iterator[Any]], epoch: int, commands: 
         try:
             out.put((epoch, kind, payload))
         except Exception as e:  # noqa: BLE001 - e.g. a batch that cannot be pickled
-            out.put((epoch, _ERROR, RuntimeError(
-                f"the worker process could not send a batch to the host process: "
-                f"{type(e).__name__}: {e}")))
+            out.put(
+                (
+                    epoch,
+                    _ERROR,
+                    RuntimeError(
+                        f"the worker process could not send a batch to the host process: "
+                        f"{type(e).__name__}: {e}"
+                    ),
+                )
+            )
         return None, 0
 
     try:
@@ -496,8 +555,11 @@ class _WorkerProcess:
         self._epoch = 0
         self._stopped = False
         logger.debug("AsynchronousDataAccessor parent process: %d", os.getpid())
-        self.process = ctx.Process(target=_worker_main, name="AsynchronousDataAccessor",
-                                   args=(make_iter, commands, self._out, self._credits))
+        self.process = ctx.Process(
+            target=_worker_main,
+            name="AsynchronousDataAccessor",
+            args=(make_iter, commands, self._out, self._credits),
+        )
         self.process.start()
         self.pid = self.process.pid
         self._data_buffers: Any = None  # set by the accessor: what PopTorch's ring buffer holds
@@ -632,9 +694,10 @@ class _Channel:
                     self.cond.notify_all()
                     return kind, payload
                 if self.error is not None:  # PopTorch's words, then what the dataset raised
-                    raise AssertionError("An error occurred in the data fetcher: "
-                                         f"{type(self.error).__name__}: {self.error}"
-                                         ) from self.error
+                    raise AssertionError(
+                        "An error occurred in the data fetcher: "
+                        f"{type(self.error).__name__}: {self.error}"
+                    ) from self.error
                 if self.finished or self.stopped:
                     return _EOF, None
                 self.cond.wait()
@@ -655,14 +718,20 @@ def _stop_all(channel: _Channel, worker: _WorkerProcess) -> None:
     worker.stop()
 
 
-def _epoch(make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
-           drop_last: bool) -> Iterator[Any]:
+def _epoch(
+    make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None, drop_last: bool
+) -> Iterator[Any]:
     batches = make_iter()
     return _rebatch(batches, rebatched_size, drop_last) if rebatched_size else batches
 
 
-def _produce(channel: _Channel, make_iter: Callable[[], Iterator[Any]], rebatched_size: int | None,
-             drop_last: bool, load_indefinitely: bool) -> None:
+def _produce(
+    channel: _Channel,
+    make_iter: Callable[[], Iterator[Any]],
+    rebatched_size: int | None,
+    drop_last: bool,
+    load_indefinitely: bool,
+) -> None:
     """Prefetch thread body: fill ``channel`` epoch after epoch until stopped."""
     try:
         try:  # as in PopTorch's worker, the first batch is read at once: a broken dataset fails
@@ -688,8 +757,11 @@ def _produce(channel: _Channel, make_iter: Callable[[], Iterator[Any]], rebatche
             batches = first = None
             if completed and not channel.put(gen, _EOF, None):
                 completed = False
-            gen = channel.next_epoch(gen, load_indefinitely) if completed else \
-                (None if channel.stopped else channel.gen)
+            gen = (
+                channel.next_epoch(gen, load_indefinitely)
+                if completed
+                else (None if channel.stopped else channel.gen)
+            )
     except BaseException as e:  # noqa: BLE001 - re-raised in the consumer thread
         with channel.cond:
             channel.error = e
@@ -724,33 +796,51 @@ class AsynchronousDataAccessor:
         accessor.terminate()
     """
 
-    def __init__(self, dataset: Any, buffer_size: int = 3, miss_sleep_time_in_ms: float = 0.1,
-                 load_indefinitely: bool = True, early_preload: bool = False,
-                 sharing_strategy: SharingStrategy = SharingStrategy.ForkServer,
-                 rebatched_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        buffer_size: int = 3,
+        miss_sleep_time_in_ms: float = 0.1,
+        load_indefinitely: bool = True,
+        early_preload: bool = False,
+        sharing_strategy: SharingStrategy = SharingStrategy.ForkServer,
+        rebatched_size: int | None = None,
+    ) -> None:
         self._channel: _Channel | None = None
         ours = isinstance(dataset, DataLoader)
         if ours and dataset._accessor is not None:
-            raise Error("The DataLoader already uses an AsynchronousDataAccessor internally. "
-                        "Either use the existing one or set mode='poptorch.DataLoaderMode.Sync' "
-                        "in the DataLoader.")
+            raise Error(
+                "The DataLoader already uses an AsynchronousDataAccessor internally. "
+                "Either use the existing one or set mode='poptorch.DataLoaderMode.Sync' "
+                "in the DataLoader."
+            )
         # (PopTorch: a user's batch_sampler batches as it likes: not checked)
-        if ours and not dataset.drop_last and rebatched_size is None and \
-                dataset._combine == 1 and not dataset._is_user_batch_sampler_set:
+        if (
+            ours
+            and not dataset.drop_last
+            and rebatched_size is None
+            and dataset._combine == 1
+            and not dataset._is_user_batch_sampler_set
+        ):
             assert dataset.combinedBatchSize is None or dataset.combinedBatchSize == 1, (
                 "The 'drop_last=False' option from the DataLoader only works if 'rebatched_size' "
-                "is specified too.")
+                "is specified too."
+            )
         if rebatched_size is not None:
             assert rebatched_size > 1, (
-                f"rebatched_size must be None or greater than 1. Received: {rebatched_size!r}.")
+                f"rebatched_size must be None or greater than 1. Received: {rebatched_size!r}."
+            )
         self._dataset = dataset
         self.rebatched_size = rebatched_size
         self._load_indefinitely = load_indefinitely
         # as given (PopTorch's worker process object holds them), for a loader rebuilt alike
-        self._settings = {"buffer_size": buffer_size,
-                          "miss_sleep_time_in_ms": miss_sleep_time_in_ms,
-                          "load_indefinitely": load_indefinitely, "early_preload": early_preload,
-                          "sharing_strategy": sharing_strategy}
+        self._settings = {
+            "buffer_size": buffer_size,
+            "miss_sleep_time_in_ms": miss_sleep_time_in_ms,
+            "load_indefinitely": load_indefinitely,
+            "early_preload": early_preload,
+            "sharing_strategy": sharing_strategy,
+        }
         self._consumed = False  # something was returned since the last iter()
         self._at_eof = False
 
@@ -761,9 +851,17 @@ class AsynchronousDataAccessor:
         worker = self._worker = _WorkerProcess(make_iter, buffer_size)
         worker._data_buffers = _RingBufferView(channel)
         thread = threading.Thread(
-            target=_produce, name="poptorch.AsynchronousDataAccessor", daemon=True,
-            args=(channel, worker.epoch, rebatched_size,
-                  getattr(dataset, "rebatched_drop_last", True), load_indefinitely))
+            target=_produce,
+            name="poptorch.AsynchronousDataAccessor",
+            daemon=True,
+            args=(
+                channel,
+                worker.epoch,
+                rebatched_size,
+                getattr(dataset, "rebatched_drop_last", True),
+                load_indefinitely,
+            ),
+        )
         self._channel, self._thread = channel, thread
         self._stop_at_exit = functools.partial(_stop_all, channel, worker)
         atexit.register(self._stop_at_exit)  # never block interpreter exit
@@ -771,8 +869,10 @@ class AsynchronousDataAccessor:
         error = channel.wait_ready()
         if error is not None:
             self.terminate()
-            raise Error("AsynchronousDataAccessor worker thread failed to start (Check above for "
-                        f"details): {type(error).__name__}: {error}") from error
+            raise Error(
+                "AsynchronousDataAccessor worker thread failed to start (Check above for "
+                f"details): {type(error).__name__}: {error}"
+            ) from error
         if early_preload:
             with channel.cond:
                 channel.started = True
@@ -813,8 +913,9 @@ class AsynchronousDataAccessor:
         with channel.cond:
             if not channel.started:
                 channel.started = True
-            elif ((self._consumed and not (self._at_eof and self._load_indefinitely))
-                    or (self._at_eof and not self._load_indefinitely)):
+            elif (self._consumed and not (self._at_eof and self._load_indefinitely)) or (
+                self._at_eof and not self._load_indefinitely
+            ):
                 channel.gen += 1  # restart: abandon what was prefetched
                 channel.buf.clear()
             channel.cond.notify_all()

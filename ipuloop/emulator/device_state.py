@@ -7,6 +7,7 @@ back afterwards (``swap_out``). Which parameters and buffers the device holds is
 module when it is bound (``bind``): at wrap time and again at compile time, as PopTorch traces
 the module as it is when it compiles.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -16,8 +17,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceWeights", "wrapped_class", "device_dtype", "emulator_device", "rng_state",
-           "swap_rng"]
+__all__ = [
+    "DeviceWeights",
+    "wrapped_class",
+    "device_dtype",
+    "emulator_device",
+    "rng_state",
+    "swap_rng",
+]
 
 
 def emulator_device() -> torch.device:
@@ -26,8 +33,10 @@ def emulator_device() -> torch.device:
     name = os.environ.get("IPULOOP_EMULATOR_DEVICE", "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"IPULOOP_EMULATOR_DEVICE={name!r} asks for CUDA, but torch sees "
-                           "no CUDA device. Unset it to emulate on the CPU.")
+        raise RuntimeError(
+            f"IPULOOP_EMULATOR_DEVICE={name!r} asks for CUDA, but torch sees "
+            "no CUDA device. Unset it to emulate on the CPU."
+        )
     return device
 
 
@@ -49,11 +58,26 @@ def swap_rng(state: torch.Tensor, device: torch.device) -> torch.Tensor:
         gen.set_state(state)
     return old
 
+
 # -- the host module: wrapped in place, as PopTorch does, so reading it syncs device weights back
 
-_SYNC_ON_READ = frozenset({"_parameters", "_buffers", "_modules", "forward", "state_dict",
-                           "parameters", "named_parameters", "buffers", "named_buffers",
-                           "modules", "named_modules", "children", "named_children"})
+_SYNC_ON_READ = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "forward",
+        "state_dict",
+        "parameters",
+        "named_parameters",
+        "buffers",
+        "named_buffers",
+        "modules",
+        "named_modules",
+        "children",
+        "named_children",
+    }
+)
 _wrapped_classes: dict[type, type] = {}
 
 
@@ -62,13 +86,21 @@ def wrapped_class(cls: type) -> type:
     buffer of an instance whose ``_poptorch_executor`` trained since its last sync first copies
     the device's weights back; it pickles as ``cls``."""
     if cls not in _wrapped_classes:
+
         def __getattribute__(self, name):
             if name in _SYNC_ON_READ or not name.startswith("__"):
                 d = object.__getattribute__(self, "__dict__")
                 ex = d.get("_poptorch_executor")
-                if ex is not None and ex._host_dirty and (
-                        name in _SYNC_ON_READ or name in d["_modules"]
-                        or name in d["_parameters"] or name in d["_buffers"]):
+                if (
+                    ex is not None
+                    and ex._host_dirty
+                    and (
+                        name in _SYNC_ON_READ
+                        or name in d["_modules"]
+                        or name in d["_parameters"]
+                        or name in d["_buffers"]
+                    )
+                ):
                     ex.copyWeightsToHost()
             return cls.__getattribute__(self, name)
 
@@ -94,13 +126,18 @@ def wrapped_class(cls: type) -> type:
             return ex.copyWeightsToHostIfNeeded() if ex is not None else False
 
         # PopTorch's wrapper class exposes destroy() and copyWeightsToHostIfNeeded() too.
-        _wrapped_classes[cls] = type(f"Poptorch{cls.__name__}", (cls,),
-                                     {"__getattribute__": __getattribute__,
-                                      "__reduce_ex__": __reduce_ex__,
-                                      "destroy": destroy,
-                                      "copyWeightsToHostIfNeeded": copyWeightsToHostIfNeeded,
-                                      "_poptorch_wrapped_base": cls,
-                                      "__module__": cls.__module__})
+        _wrapped_classes[cls] = type(
+            f"Poptorch{cls.__name__}",
+            (cls,),
+            {
+                "__getattribute__": __getattribute__,
+                "__reduce_ex__": __reduce_ex__,
+                "destroy": destroy,
+                "copyWeightsToHostIfNeeded": copyWeightsToHostIfNeeded,
+                "_poptorch_wrapped_base": cls,
+                "__module__": cls.__module__,
+            },
+        )
     return _wrapped_classes[cls]
 
 
@@ -148,8 +185,12 @@ def device_dtype(dtype: torch.dtype) -> torch.dtype:
 def _buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
     """Where ``model``'s buffers live (module, name, full name): a buffer reassigned later is
     read from its slot."""
-    return [(m, n, f"{prefix}.{n}" if prefix else n) for prefix, m in model.named_modules()
-            for n, b in m.__dict__["_buffers"].items() if b is not None]
+    return [
+        (m, n, f"{prefix}.{n}" if prefix else n)
+        for prefix, m in model.named_modules()
+        for n, b in m.__dict__["_buffers"].items()
+        if b is not None
+    ]
 
 
 class DeviceWeights:
@@ -160,8 +201,9 @@ class DeviceWeights:
     (a training model's do).
     """
 
-    def __init__(self, owner: Any, model: torch.nn.Module, device: torch.device,
-                 wrap: bool) -> None:
+    def __init__(
+        self, owner: Any, model: torch.nn.Module, device: torch.device, wrap: bool
+    ) -> None:
         self.model = model
         self.device = device
         self._owner = weakref.ref(owner)
@@ -204,11 +246,16 @@ class DeviceWeights:
                         self._classes[base] = _host_parameter_class(owner, base)
                     p.__class__ = self._classes[base]
         self.dev_params = [old[id(p)] if id(p) in old else self.device_tensor(p) for p in params]
-        old_buffers = {id(b): d for b, d in zip(self.host_buffers, self.dev_buffers)} \
-            if self.buffer_slots else {}
+        old_buffers = (
+            {id(b): d for b, d in zip(self.host_buffers, self.dev_buffers)}
+            if self.buffer_slots
+            else {}
+        )
         self.buffer_slots = _buffer_slots(model)
-        self.dev_buffers = [old_buffers[id(b)] if id(b) in old_buffers else self.device_tensor(b)
-                            for b in self.host_buffers]
+        self.dev_buffers = [
+            old_buffers[id(b)] if id(b) in old_buffers else self.device_tensor(b)
+            for b in self.host_buffers
+        ]
         self.replica_buffers = None
 
     def unwrap(self) -> None:
@@ -313,6 +360,7 @@ class DeviceWeights:
     def to_host(self) -> None:
         """Copy the device's parameters and (replica 0's) buffers into the host module."""
         with torch.no_grad():
-            for h, d in zip(self.host_params + self.host_buffers,
-                            self.dev_params + self.dev_buffers):
+            for h, d in zip(
+                self.host_params + self.host_buffers, self.dev_params + self.dev_buffers
+            ):
                 h.copy_(d)

@@ -52,6 +52,7 @@ weights only warn: each instance's replicas then start from that instance's weig
 Refused with ``poptorch.Error``: sparse gradients; a group whose rank or size is not
 processId / numProcesses; N > 1 with neither a process group nor a launcher's environment.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -62,8 +63,8 @@ from typing import Any
 
 import torch
 
-from . import _logging
 from .. import rules
+from . import _logging
 from . import optim as _optim
 from .enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
@@ -84,10 +85,13 @@ def timeout_seconds() -> float:
 
 def _dist() -> Any:
     import torch.distributed as dist
+
     if not dist.is_available():
-        raise Error("Options.Distributed.numProcesses > 1 needs torch.distributed, which this "
-                    "torch build lacks: use a torch built with distributed support, or run one "
-                    "process (Options.Distributed.disable()).")
+        raise Error(
+            "Options.Distributed.numProcesses > 1 needs torch.distributed, which this "
+            "torch build lacks: use a torch built with distributed support, or run one "
+            "process (Options.Distributed.disable())."
+        )
     return dist
 
 
@@ -108,7 +112,8 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
                 f"{', '.join(missing)}. Launch every instance with "
                 f"`python -m torch.distributed.run --nproc-per-node {n} SCRIPT` (torchrun), or "
                 "call torch.distributed.init_process_group() before the first call, or run one "
-                "process (Options.Distributed.disable()).")
+                "process (Options.Distributed.disable())."
+            )
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timeout_seconds()
         if device.type == "cuda" and device.index is not None:
@@ -120,7 +125,8 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
                 f"{_where(pid, n)} could not join the other instances within {timeout:g} s "
                 f"({backend} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
                 f"): an instance died or was never started. {TIMEOUT_ENV} sets the timeout. "
-                f"Cause: {type(e).__name__}: {e}") from e
+                f"Cause: {type(e).__name__}: {e}"
+            ) from e
         atexit.register(rules.leave_process_group)
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (pid, n):
@@ -128,7 +134,8 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
             f"Options.Distributed says process {pid} of {n}, but the torch.distributed group "
             f"says rank {rank} of {size}. Set opts.Distributed.configureProcessId(rank, "
             "world_size) from the launcher (torchrun: "
-            'opts.Distributed.setEnvVarNames("WORLD_SIZE", "RANK")).')
+            'opts.Distributed.setEnvVarNames("WORLD_SIZE", "RANK")).'
+        )
     return dist
 
 
@@ -137,11 +144,13 @@ def _collective_error(pid: int, n: int, what: str, e: BaseException) -> Error:
         f"{_where(pid, n)}: {what} across instances failed: another instance died, stopped "
         f"calling the model, or ran a different program ({TIMEOUT_ENV}, default "
         f"{DEFAULT_TIMEOUT_S:g} s, bounds the wait on groups the emulator creates). "
-        f"Cause: {type(e).__name__}: {e}")
+        f"Cause: {type(e).__name__}: {e}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Agreement at compile
+
 
 def _record(options: Any, optimizer: Any, model: torch.nn.Module) -> dict[str, Any]:
     o = options
@@ -152,11 +161,12 @@ def _record(options: Any, optimizer: Any, model: torch.nn.Module) -> dict[str, A
         "Training.gradientAccumulation": o.Training.gradient_accumulation,
         "inputReplicaGrouping": (o.input_group_size, CommGroupType(o.input_cgt).name),
         "outputMode": (OutputMode(o.output_mode).name, o.output_return_period),
-        "Training.accumulationAndReplicationReductionType":
-            ReductionType(o.Training.accumulation_and_replication_reduction_type).name,
-        "Training.meanAccumulationAndReplicationReductionStrategy":
-            MeanReductionStrategy(
-                o.Training.meanAccumulationAndReplicationReductionStrategy).name,
+        "Training.accumulationAndReplicationReductionType": ReductionType(
+            o.Training.accumulation_and_replication_reduction_type
+        ).name,
+        "Training.meanAccumulationAndReplicationReductionStrategy": MeanReductionStrategy(
+            o.Training.meanAccumulationAndReplicationReductionStrategy
+        ).name,
         "optimizer type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
     }
     hp = _optim.hyperparameters(optimizer)
@@ -167,7 +177,8 @@ def _record(options: Any, optimizer: Any, model: torch.nn.Module) -> dict[str, A
     for k, v in sorted(hp["global"].items()):
         record[f"optimizer.{k}"] = repr(v)
     record["model parameters (name, shape, dtype)"] = [
-        (name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+        (name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()
+    ]
     return record
 
 
@@ -176,8 +187,9 @@ def _fingerprint(params: list[torch.Tensor]) -> list[float]:
         return [float(v) for p in params for v in (p.double().sum(), p.double().abs().sum())]
 
 
-def _check_agreement(dist: Any, pid: int, n: int, record: dict[str, Any],
-                     weights: list[float]) -> None:
+def _check_agreement(
+    dist: Any, pid: int, n: int, record: dict[str, Any], weights: list[float]
+) -> None:
     records: list[Any] = [None] * n
     try:
         dist.all_gather_object(records, (record, weights))
@@ -192,16 +204,20 @@ def _check_agreement(dist: Any, pid: int, n: int, record: dict[str, Any],
                     f"Options differ across instances: instance {other} has {key} = "
                     f"{rec.get(key)!r} where instance 0 has {first.get(key)!r}. Every instance of "
                     "a multi-process run must compile the same model with the same options and "
-                    "optimizer (only Distributed.processId differs).")
+                    "optimizer (only Distributed.processId differs)."
+                )
     if any(w != first_weights for _, w in records[1:]) and pid == 0:
-        logger.warning("The instances' initial weights differ: each replica starts from its own "
-                       "instance's weights. Seed torch identically (Options.randomSeed) or load "
-                       "the same checkpoint on every instance.")
+        logger.warning(
+            "The instances' initial weights differ: each replica starts from its own "
+            "instance's weights. Seed torch identically (Options.randomSeed) or load "
+            "the same checkpoint on every instance."
+        )
         warnings.warn("initial weights differ across instances", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------
 # Gradient reduction
+
 
 class GradientReducer:
     """All-reduces an optimizer's gradients across the N processes: one collective per dtype."""
@@ -234,10 +250,15 @@ class GradientReducer:
         for p in params:
             g = p.grad
             if g is not None and g.is_sparse:
-                raise Error("Sparse gradients (nn.Embedding(sparse=True)) cannot be reduced "
-                            "across instances by the emulator: use dense gradients.")
-            pieces.append(torch.zeros(p.numel(), dtype=wire, device=p.device) if g is None
-                          else g.reshape(-1).to(wire))
+                raise Error(
+                    "Sparse gradients (nn.Embedding(sparse=True)) cannot be reduced "
+                    "across instances by the emulator: use dense gradients."
+                )
+            pieces.append(
+                torch.zeros(p.numel(), dtype=wire, device=p.device)
+                if g is None
+                else g.reshape(-1).to(wire)
+            )
             present.append(0.0 if g is None else 1.0)
         pieces.append(torch.tensor(present, dtype=wire, device=params[0].device))
         flat = torch.cat(pieces)
@@ -257,7 +278,7 @@ class GradientReducer:
         for p, flag in zip(params, flags):
             k = p.numel()
             if flag > 0:
-                value = flat[offset:offset + k].view(p.shape)
+                value = flat[offset : offset + k].view(p.shape)
                 if p.grad is None:
                     p.grad = value.to(dtype) if wire != dtype else value
                 else:
@@ -274,12 +295,18 @@ class GradientReducer:
         def reducing_step(closure: Any = None) -> Any:
             self.reduce(optimizer)
             return step(closure)
+
         reducing_step._reduces_across_instances = True  # type: ignore[attr-defined]
         optimizer.step = reducing_step
 
 
-def join(options: Any, device: torch.device, optimizer: torch.optim.Optimizer | None,
-         model: torch.nn.Module, params: list[torch.Tensor]) -> GradientReducer | None:
+def join(
+    options: Any,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | None,
+    model: torch.nn.Module,
+    params: list[torch.Tensor],
+) -> GradientReducer | None:
     """At a training model's compile: None for one process; else join the group, check that
     every instance agrees, and return the reducer whose ``wrap`` the device optimizer gets.
     ``optimizer`` is None for inference models, which join nothing."""
@@ -288,10 +315,14 @@ def join(options: Any, device: torch.device, optimizer: torch.optim.Optimizer | 
     if n <= 1 or optimizer is None:
         return None
     if not 0 <= pid < n:
-        raise Error(f"Options.Distributed.processId is {pid} but numProcesses is {n}: the id "
-                    f"must be in 0..{n - 1}.")
+        raise Error(
+            f"Options.Distributed.processId is {pid} but numProcesses is {n}: the id "
+            f"must be in 0..{n - 1}."
+        )
     dist = _group(pid, n, device)
     _check_agreement(dist, pid, n, _record(options, optimizer, model), _fingerprint(params))
-    mean = ReductionType(options.Training.accumulation_and_replication_reduction_type) \
+    mean = (
+        ReductionType(options.Training.accumulation_and_replication_reduction_type)
         == ReductionType.Mean
+    )
     return GradientReducer(dist, pid, n, mean, device)

@@ -1,4 +1,5 @@
 """PopTorch's enums, with PopTorch's names and integer values (``poptorch/enums.py``)."""
+
 from __future__ import annotations
 
 from enum import Enum, IntEnum

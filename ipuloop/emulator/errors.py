@@ -1,4 +1,5 @@
 """PopTorch's error type."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,13 @@ class Error(RuntimeError):
     own checks, as for PopTorch's Python layer) and ``location`` (where it was raised; empty
     unless a context was given)."""
 
-    def __init__(self, *args: Any, type: str = "poptorch_py_error", location: str = "",
-                 message: str | None = None) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        type: str = "poptorch_py_error",
+        location: str = "",
+        message: str | None = None,
+    ) -> None:
         super().__init__(*args)
         self.message = message if message is not None else (str(args[0]) if args else "")
         self.type = type

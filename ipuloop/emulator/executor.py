@@ -21,6 +21,7 @@ and host-side optimizer changes reach the device only through ``setOptimizer``, 
 Inputs become what the device gets in ``inputs``; outputs and anchored tensors come back
 through ``anchors``. This module compiles (traces) and runs.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,8 +33,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.autograd.variable import Variable
 
-from . import _logging
 from .. import rules
+from . import _logging
 from . import anchors as _anchors
 from . import blocks as _blocks
 from . import checks as _checks
@@ -50,7 +51,8 @@ from .errors import Error
 from .hardware_only import HardwareOnly
 from .optimizer_sync import OptimizerSync
 from .precision import MixedFloat
-from .signature import Signature, unflatten as _unflatten
+from .signature import Signature
+from .signature import unflatten as _unflatten
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
@@ -71,7 +73,8 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     """Mark ``x`` as the graph's final loss; ``reduction`` is "sum", "mean" or "none"."""
     assert reduction in ("sum", "mean", "none"), (
         f'Unsupported reduction type! reduction must be "sum", "mean" or "none". Received: '
-        f'reduction={reduction!r}.')
+        f"reduction={reduction!r}."
+    )
     out = x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x * 1
     _checks.note_identity_loss(out)  # a loss of the graph being traced, if any
     return out
@@ -85,9 +88,15 @@ class PoplarExecutor(HardwareOnly):
     _precompile_hooks: ClassVar[dict[int, Callable[[], Any]]] = collections.OrderedDict()
     _postcompile_hooks: ClassVar[dict[int, Callable[[], Any]]] = collections.OrderedDict()
 
-    def __init__(self, model: torch.nn.Module, options: Any, training: bool,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        options: Any,
+        training: bool,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         from .options import Options
+
         options = Options() if options is None else options
         options._freeze()  # PopTorch freezes the user's object ...
         opts = options.clone()  # ... and works on a resolved copy
@@ -129,9 +138,11 @@ class PoplarExecutor(HardwareOnly):
         if training:
             ex = model.__dict__.get("_poptorch_executor")
             if ex is not None:
-                raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. "
-                                   "Call model.destroy() on the model to unwrap before "
-                                   "wrapping again.")
+                raise RuntimeError(
+                    "Model has already been wrapped in 'poptorch.trainingModel'. "
+                    "Call model.destroy() on the model to unwrap before "
+                    "wrapping again."
+                )
             self._opt = OptimizerSync(self, model, optimizer)
             model.__class__ = wrapped_class(type(model))
             model.__dict__["_poptorch_executor"] = self
@@ -173,9 +184,11 @@ class PoplarExecutor(HardwareOnly):
         executable is pickled); a training wrapper (it owns the model's class and parameters)
         does not."""
         if self._training:
-            raise Error("A poptorch.trainingModel cannot be pickled: save the module's "
-                        "state_dict() (and the optimizer's) with torch.save, and wrap it again "
-                        "after loading.")
+            raise Error(
+                "A poptorch.trainingModel cannot be pickled: save the module's "
+                "state_dict() (and the optimizer's) with torch.save, and wrap it again "
+                "after loading."
+            )
         return (inferenceModel, (self._user_model, self._options))
 
     @property
@@ -223,8 +236,7 @@ class PoplarExecutor(HardwareOnly):
         if not self._compiled:
             raise Error("Please compile the model before obtaining compilation time.")
         if not self._options._show_compilation_progress_bar:
-            raise Error("Please set showCompilationProgressBar option to obtain compilation "
-                        "time.")
+            raise Error("Please set showCompilationProgressBar option to obtain compilation time.")
         return datetime.timedelta(seconds=self._compile_time)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
@@ -247,8 +259,10 @@ class PoplarExecutor(HardwareOnly):
         _checks.check_options(o)
         di, ga, rf, rfg = self._factors()
         if (self._training and ga < 1) or di < 1 or rf < 1:
-            raise Error(f"deviceIterations, replicationFactor and gradientAccumulation must be "
-                        f">= 1. Received: {di}, {rf}, {ga}.")
+            raise Error(
+                f"deviceIterations, replicationFactor and gradientAccumulation must be "
+                f">= 1. Received: {di}, {rf}, {ga}."
+            )
         mode = OutputMode(o.output_mode)
         if mode == OutputMode.EveryN:
             rules.check_return_period(o.output_return_period, di, Error)
@@ -257,8 +271,12 @@ class PoplarExecutor(HardwareOnly):
         # wrapping is what the device holds (and the optimizer's parameters what it trains).
         self._weights.bind(self._opt.params() if self._opt is not None else ())
         self._grouped = _replica_groups.resolve(
-            self._replica_grouping, self._user_model, self._weights, o,
-            self._opt.optimizer if self._opt is not None else None)
+            self._replica_grouping,
+            self._user_model,
+            self._weights,
+            o,
+            self._opt.optimizer if self._opt is not None else None,
+        )
         self._signature = Signature(self._user_model.forward, args, kwargs)
         leaves, spec = self._signature.flatten(args, kwargs), self._signature.spec
         prod = di * rfg * ga
@@ -298,9 +316,14 @@ class PoplarExecutor(HardwareOnly):
         """Trace the first micro-batch: finds the loss, the blocks and the pipeline stages."""
         # Copies: the trace must not apply a forward's in-place edits of its inputs, which the
         # call that follows applies once, as the device run does.
-        micro = [self._prepare(x)[:x.shape[0] // prod].clone() if isinstance(x, torch.Tensor)
-                 and x.dim() else self._prepare(x).clone() if isinstance(x, torch.Tensor) else x
-                 for x in leaves]
+        micro = [
+            self._prepare(x)[: x.shape[0] // prod].clone()
+            if isinstance(x, torch.Tensor) and x.dim()
+            else self._prepare(x).clone()
+            if isinstance(x, torch.Tensor)
+            else x
+            for x in leaves
+        ]
         margs, mkwargs = _unflatten(micro, spec)
         weights = self._weights
         saved = [b.clone() for b in weights.dev_buffers]
@@ -316,8 +339,7 @@ class PoplarExecutor(HardwareOnly):
         strided = _group_norm.strided(self._options)
         # forward's Python runs once on an IPU: what the trace changes stays changed on the
         # host, and each call sees the attributes as the trace found them (``constants``).
-        before = _constants.capture(self._user_model,
-                                    [*weights.host_params, *weights.host_buffers])
+        before = _constants.capture(self._user_model, [*weights.host_params, *weights.host_buffers])
         try:
             # the checks see the device's tensors in the user's module
             weights.swap_in(self._training)
@@ -326,8 +348,9 @@ class PoplarExecutor(HardwareOnly):
             checks = _checks.TraceChecks([self._user_model], micro, self._training)
             addresses = _checks.tensor_addresses(self._user_model)
             _running_on_ipu = True
-            with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(self._training), \
-                    mixed, (_group_norm.StridedGroupNorm() if strided else _NO_CAPTURE), checks:
+            with _blocks.trace_stages(strategy) as trace, torch.set_grad_enabled(
+                self._training
+            ), mixed, _group_norm.StridedGroupNorm() if strided else _NO_CAPTURE, checks:
                 out = self._user_model(*margs, **mkwargs)
             _checks.check_addresses(addresses, _checks.tensor_addresses(self._user_model))
         finally:
@@ -338,8 +361,9 @@ class PoplarExecutor(HardwareOnly):
                 for b, s in zip(weights.dev_buffers, saved):
                     b.copy_(s)
             traced_rng = self._swap_rng(host_rng)
-        self._op_modes = tuple(m for m, on in ((MixedFloat, mixed.cast),
-                                               (_group_norm.StridedGroupNorm, strided)) if on)
+        self._op_modes = tuple(
+            m for m, on in ((MixedFloat, mixed.cast), (_group_norm.StridedGroupNorm, strided)) if on
+        )
         self._attributes = _constants.settle(before)
         # PopTorch runs the traced graph: if the trace drew no random numbers, no call will, and
         # calls need not swap the device generator in and out (``__call__``).
@@ -351,8 +375,9 @@ class PoplarExecutor(HardwareOnly):
         if self._training:
             self._loss_index, nth = checks.find_loss(out_leaves)
             # A final loss the outputs only use is taken from each forward as it runs.
-            self._loss_capture = _NO_CAPTURE if self._loss_index is not None else \
-                _checks.LossCapture(nth)
+            self._loss_capture = (
+                _NO_CAPTURE if self._loss_index is not None else _checks.LossCapture(nth)
+            )
             if _loss_scaling.settings(self._options) is not None:
                 _loss_scaling.check_float16_gradients(checks.half_grads)
         _checks.check_replicated_updates(checks, self._options)
@@ -360,20 +385,31 @@ class PoplarExecutor(HardwareOnly):
         if self._anchors is not None:
             self._anchors.remove()
         o = self._options
-        mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
+        mean = (
+            ReductionType(o.Training.accumulation_and_replication_reduction_type)
             == ReductionType.Mean
-        self._anchors = _anchors.Anchors(o, self._training, self._weights, (di, ga, rf, mean),
-                                         lambda: self._trained_version,
-                                         self._opt.anchor_scalars() if self._training else {})
+        )
+        self._anchors = _anchors.Anchors(
+            o,
+            self._training,
+            self._weights,
+            (di, ga, rf, mean),
+            lambda: self._trained_version,
+            self._opt.anchor_scalars() if self._training else {},
+        )
         if self._grouped is not None and self._anchors.parameters() & self._grouped.indices:
-            raise Error("Options.anchorTensor names a weight given replicaGrouping(): the "
-                        "ipuloop emulator does not anchor grouped weights. Read the weight "
-                        "from the host model (copyWeightsToHost) instead.")
+            raise Error(
+                "Options.anchorTensor names a weight given replicaGrouping(): the "
+                "ipuloop emulator does not anchor grouped weights. Read the weight "
+                "from the host model (copyWeightsToHost) instead."
+            )
 
     def _attach(self) -> None:
         if self._options.connection_type == ConnectionType.Never:
-            raise AssertionError("Trying to attach to an offline device (ConnectionType.Never): "
-                                 "a model for an offline IPU target can only be compiled.")
+            raise AssertionError(
+                "Trying to attach to an offline device (ConnectionType.Never): "
+                "a model for an offline IPU target can only be compiled."
+            )
         self._attached = True
         if self._source is not None:
             self._source.copyWeightsToHostIfNeeded()
@@ -437,13 +473,17 @@ class PoplarExecutor(HardwareOnly):
             raise Error(_NO_EXECUTABLE)
         names = self._options._Popart.options.get("updatableNamedBuffers")
         if names is None:
-            raise Error("No named buffers marked as updatable via updatableNamedBuffers option. "
-                        "Call options.updatableNamedBuffers([...]) before wrapping the model.")
+            raise Error(
+                "No named buffers marked as updatable via updatableNamedBuffers option. "
+                "Call options.updatableNamedBuffers([...]) before wrapping the model."
+            )
         known = [name for name, _ in self._user_model.named_buffers()]
         for name in names:
             if name not in known:
-                raise Error(f"updatableNamedBuffers names {name!r}, which is not a buffer of "
-                            f"the model. Its buffers: {sorted(known)}.")
+                raise Error(
+                    f"updatableNamedBuffers names {name!r}, which is not a buffer of "
+                    f"the model. Its buffers: {sorted(known)}."
+                )
         self._weights.named_buffers_to_device(names)
 
     def copyWeightsToHost(self) -> None:
@@ -451,9 +491,11 @@ class PoplarExecutor(HardwareOnly):
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)  # the device copy would overwrite host edits
         if not self._attached:  # PopTorch runs a program on a device it no longer holds
-            raise Error("copyWeightsToHost() on a model detached from its device: detaching "
-                        "already copied the weights to the host. Read them from the host "
-                        "module, or call attachToDevice() first.")
+            raise Error(
+                "copyWeightsToHost() on a model detached from its device: detaching "
+                "already copied the weights to the host. Read them from the host "
+                "module, or call attachToDevice() first."
+            )
         self._host_dirty = False
         self._weights.to_host()
         self._host_weights_version += 1
@@ -477,9 +519,11 @@ class PoplarExecutor(HardwareOnly):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._offline:
-            raise AssertionError("Trying to run a model on an offline device "
-                                 "(ConnectionType.Never): use model.compile(inputs) instead of "
-                                 "model(inputs)")
+            raise AssertionError(
+                "Trying to run a model on an offline device "
+                "(ConnectionType.Never): use model.compile(inputs) instead of "
+                "model(inputs)"
+            )
         ready = None
         if not self._compiled:
             self._compile(args, kwargs)
@@ -506,14 +550,23 @@ class PoplarExecutor(HardwareOnly):
         else:
             prepare = self._prepare
             given, leaves = leaves, [prepare(x) for x in leaves]
-            edited = [(x, y, y._version) for x, y in zip(given, leaves)
-                      if isinstance(y, torch.Tensor) and y is not x]
+            edited = [
+                (x, y, y._version)
+                for x, y in zip(given, leaves)
+                if isinstance(y, torch.Tensor) and y is not x
+            ]
         single = self._single
         if not single:
             di, ga, rf, rfg = self._consts[:4]
             prod = di * ga * rfg
-            chunks = [x.split(x.shape[0] // prod) if isinstance(x, torch.Tensor) else None
-                      for x in leaves] if prod > 1 else [None] * len(leaves)
+            chunks = (
+                [
+                    x.split(x.shape[0] // prod) if isinstance(x, torch.Tensor) else None
+                    for x in leaves
+                ]
+                if prod > 1
+                else [None] * len(leaves)
+            )
         draws_random = self._draws_random
         if draws_random:
             host_rng = self._swap_rng(self._rng_state)
@@ -527,14 +580,20 @@ class PoplarExecutor(HardwareOnly):
             if frozen is not None:
                 host_attributes = frozen.enter()
             if self._loss_capture is _NO_CAPTURE and not self._op_modes:  # no modes to enter
-                out = self._run_single(leaves, spec) if single else \
-                    self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
+                out = (
+                    self._run_single(leaves, spec)
+                    if single
+                    else self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
+                )
             else:
                 with self._loss_capture, contextlib.ExitStack() as modes:
                     for mode in self._op_modes:
                         modes.enter_context(mode())
-                    out = self._run_single(leaves, spec) if single else \
-                        self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
+                    out = (
+                        self._run_single(leaves, spec)
+                        if single
+                        else self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
+                    )
             if self._training:
                 self._host_dirty = True
                 self._trained_version += 1
@@ -558,12 +617,23 @@ class PoplarExecutor(HardwareOnly):
         o = self._options
         period = o.output_return_period if mode == OutputMode.EveryN else 1
         grouped = o.input_cgt == 2  # CommGroupType.Orthogonal
-        mean = ReductionType(o.Training.accumulation_and_replication_reduction_type) \
+        mean = (
+            ReductionType(o.Training.accumulation_and_replication_reduction_type)
             == ReductionType.Mean
+        )
         return di, ga, rf, rfg, mode, period, grouped, o.input_group_size, mean
 
-    def _run(self, leaves: list, chunks: list, spec: Any, di: int, ga: int, rf: int,
-             rfg: int, buffers: list[torch.Tensor]) -> Any:
+    def _run(
+        self,
+        leaves: list,
+        chunks: list,
+        spec: Any,
+        di: int,
+        ga: int,
+        rf: int,
+        rfg: int,
+        buffers: list[torch.Tensor],
+    ) -> Any:
         mode, _, grouped, g, mean = self._consts[4:]
         model = self._user_model
         training = self._training
@@ -604,9 +674,14 @@ class PoplarExecutor(HardwareOnly):
                     if anchored:
                         kept.append(outs)
                     elif is_sum:
-                        final[r] = outs if final[r] is None else [
-                            s + t if isinstance(t, torch.Tensor) else t
-                            for s, t in zip(final[r], outs)]
+                        final[r] = (
+                            outs
+                            if final[r] is None
+                            else [
+                                s + t if isinstance(t, torch.Tensor) else t
+                                for s, t in zip(final[r], outs)
+                            ]
+                        )
                     elif last_d and a == ga - 1:
                         final[r] = outs
             if training:
@@ -634,8 +709,15 @@ class PoplarExecutor(HardwareOnly):
         if type(loss) is torch.Tensor and loss.grad_fn is not None:
             # loss.backward() without its Python layers: the engine, seeded as backward()
             # seeds it (a fresh seed: autograd may keep it as a gradient and add to it)
-            _run_backward((loss,), (torch.ones_like(loss),), False, False, (),
-                          allow_unreachable=True, accumulate_grad=True)
+            _run_backward(
+                (loss,),
+                (torch.ones_like(loss),),
+                False,
+                False,
+                (),
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
         elif loss.requires_grad:
             loss.backward()
         # else the loss depends on no trained weight (frozen, or not used): as on an IPU, the
@@ -675,8 +757,9 @@ class PoplarExecutor(HardwareOnly):
         return self._anchors.get(short_name)
 
 
-def _register_hook(hooks: dict[int, Callable[[], Any]], hook: Callable[[], Any], what: str
-                   ) -> torch.utils.hooks.RemovableHandle:
+def _register_hook(
+    hooks: dict[int, Callable[[], Any]], hook: Callable[[], Any], what: str
+) -> torch.utils.hooks.RemovableHandle:
     if not callable(hook):
         raise RuntimeError(f"{what} hook must be callable. Received: {hook!r}.")
     handle = torch.utils.hooks.RemovableHandle(hooks)
@@ -694,8 +777,9 @@ def registerPostCompileHook(hook: Callable[[], Any]) -> torch.utils.hooks.Remova
     return _register_hook(PoplarExecutor._postcompile_hooks, hook, "Post-compile")
 
 
-def trainingModel(model: torch.nn.Module, options: Any = None,
-                  optimizer: torch.optim.Optimizer | None = None) -> PoplarExecutor:
+def trainingModel(
+    model: torch.nn.Module, options: Any = None, optimizer: torch.optim.Optimizer | None = None
+) -> PoplarExecutor:
     """Wrap ``model`` for training: each call runs DI optimizer updates (see module doc)."""
     if isinstance(model, PoplarExecutor):
         model = model._user_model
@@ -708,17 +792,26 @@ def inferenceModel(model: torch.nn.Module, options: Any = None) -> PoplarExecuto
         model = model._user_model
     if options is not None and options.Training.gradient_accumulation != 1:
         strategy = getattr(options, "_execution_strategy", None)
-        pipelined = isinstance(strategy, _blocks.PipelinedExecution) and \
-            not isinstance(strategy, _blocks.ShardedExecution)
-        raise Error("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
-                    "it as its default value (1) when running a poptorch.inferenceModel()."
-                    + (" Use poptorch.Options().deviceIterations to process a sufficient number "
-                       "of batches each run for pipelined execution instead." if pipelined else "")
-                    + f" Received: gradientAccumulation={options.Training.gradient_accumulation}.")
+        pipelined = isinstance(strategy, _blocks.PipelinedExecution) and not isinstance(
+            strategy, _blocks.ShardedExecution
+        )
+        raise Error(
+            "You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
+            "it as its default value (1) when running a poptorch.inferenceModel()."
+            + (
+                " Use poptorch.Options().deviceIterations to process a sufficient number "
+                "of batches each run for pipelined execution instead."
+                if pipelined
+                else ""
+            )
+            + f" Received: gradientAccumulation={options.Training.gradient_accumulation}."
+        )
     if options is not None and options._Popart.options.get("automaticLossScalingSettings.enabled"):
         # PopART refuses it for a session that does not train (Training options: "You must not
         # set these options for inference models")
-        raise Error("Automatic loss scaling is a training setting: an inferenceModel cannot use "
-                    "options with Training.setAutomaticLossScaling(True). Clone the options and "
-                    "call Training.setAutomaticLossScaling(False) for inference.")
+        raise Error(
+            "Automatic loss scaling is a training setting: an inferenceModel cannot use "
+            "options with Training.setAutomaticLossScaling(True). Clone the options and "
+            "call Training.setAutomaticLossScaling(False) for inference."
+        )
     return PoplarExecutor(model, options, training=False)

@@ -1,6 +1,7 @@
 """PopART's strided channel grouping of group norms (``opts._Popart.set(
 "groupNormStridedChannelGrouping", True)``): group g holds channels g, g + G, g + 2G, ...
 (PopLibs' popnn/GroupNorm.hpp) where torch's holds channels g * C/G to (g + 1) * C/G - 1."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,8 +18,13 @@ def strided(options: Any) -> bool:
     return bool(options._Popart.options.get("groupNormStridedChannelGrouping", False))
 
 
-def _strided_group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
-                        bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def _strided_group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
     channels = x.shape[1]
     per_group = channels // num_groups
     # channel k * G + g moves to position g * C/G + k: torch's contiguous groups are then

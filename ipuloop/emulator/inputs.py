@@ -3,6 +3,7 @@ host-call factor, and each tensor detached, float32 where the IPU has no such ty
 and on the emulated device (``prepare``); with a shortcut for inputs that need none of it
 (``as_ready``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,8 +12,15 @@ import torch
 
 from . import _logging
 
-__all__ = ["SENT_AS_FLOAT32", "check_batch", "prepare", "ready_shapes", "as_ready",
-           "write_back", "warn_at_compile"]
+__all__ = [
+    "SENT_AS_FLOAT32",
+    "check_batch",
+    "prepare",
+    "ready_shapes",
+    "as_ready",
+    "write_back",
+    "warn_at_compile",
+]
 
 logger = _logging.logger
 
@@ -35,7 +43,8 @@ def check_batch(leaves: list[Any], di: int, ga: int, rf: int, g: int) -> None:
                 f"Options.Training.gradientAccumulation({ga}) = {prod} because it is used to "
                 "calculate the batch size which will be executed on the device in any given "
                 "iteration. For a full explanation see the batching semantics page of the "
-                "documentation.")
+                "documentation."
+            )
 
 
 def warn_at_compile(leaves: list[Any]) -> None:
@@ -43,8 +52,10 @@ def warn_at_compile(leaves: list[Any]) -> None:
     requires_grad=True is detached (``_preprocessGraph``)."""
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.requires_grad:
-            logger.warning("Input tensor has requires_grad=True set. This tensor will be "
-                           "detached because backward pass via inputs is not supported.")
+            logger.warning(
+                "Input tensor has requires_grad=True set. This tensor will be "
+                "detached because backward pass via inputs is not supported."
+            )
 
 
 def prepare(x: Any, device: torch.device, on_cpu: bool) -> Any:
@@ -58,8 +69,10 @@ def prepare(x: Any, device: torch.device, on_cpu: bool) -> Any:
     if not x.is_contiguous():
         if "contig" not in _warned:
             _warned.add("contig")
-            logger.warning("At least one input tensor is not contiguous: non-contiguous "
-                           "tensors will be converted.")
+            logger.warning(
+                "At least one input tensor is not contiguous: non-contiguous "
+                "tensors will be converted."
+            )
         x = x.contiguous()
     if x.is_cpu if on_cpu else x.device == device:
         return x
@@ -83,8 +96,14 @@ def as_ready(args: tuple, ready: list) -> list | None:
     if len(args) != len(ready):
         return None
     for x, (shape, dtype) in zip(args, ready):
-        if not (type(x) is torch.Tensor and x.dtype == dtype and x.shape == shape
-                and x.is_cpu and not x.requires_grad and x.is_contiguous()):
+        if not (
+            type(x) is torch.Tensor
+            and x.dtype == dtype
+            and x.shape == shape
+            and x.is_cpu
+            and not x.requires_grad
+            and x.is_contiguous()
+        ):
             return None
     return list(args)
 

@@ -25,6 +25,7 @@ ops reading the loss scale); float32 gradients are not counted. PopART also leav
 gradient op that reads a weight directly (a float16 weight's data gradient): the emulator
 counts those too. A model with no float16 gradient is refused at compile, with PopART's error.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,11 +40,23 @@ __all__ = ["AutoLossScale", "check_float16_gradients", "settings"]
 _PREFIX = "automaticLossScalingSettings."
 _DEFAULTS = {"binEdgeLocation": 0.125, "thresholdUpperCountProportion": 1e-7, "updatePeriod": 1}
 _FP16_MAX = 65504.0
-_MAX_SCALE = 2.0 ** 15  # the largest power of two float16 holds: PopART's clip
+_MAX_SCALE = 2.0**15  # the largest power of two float16 holds: PopART's clip
 # Backward ops that only change a view (PopART's isInplaceViewChange/isOutplaceViewChange):
 # their gradients are not counted. Keyed by the autograd node's name without "Backward<n>".
-_VIEW_CHANGES = frozenset({"View", "UnsafeView", "Reshape", "ReshapeAlias", "T", "Transpose",
-                           "Permute", "Squeeze", "Unsqueeze", "Alias"})
+_VIEW_CHANGES = frozenset(
+    {
+        "View",
+        "UnsafeView",
+        "Reshape",
+        "ReshapeAlias",
+        "T",
+        "Transpose",
+        "Permute",
+        "Squeeze",
+        "Unsqueeze",
+        "Alias",
+    }
+)
 
 
 def settings(options: Any) -> dict[str, float] | None:
@@ -55,12 +68,16 @@ def settings(options: Any) -> dict[str, float] | None:
     values = {k: popart.get(_PREFIX + k, v) for k, v in _DEFAULTS.items()}
     for name in ("binEdgeLocation", "thresholdUpperCountProportion"):
         if not 0.0 <= values[name] <= 1.0:
-            raise Error(f"[AutomaticLossScale transform] Out of range value for '{name}'. The "
-                        f"current value is {values[name]}, but it should be in the range "
-                        "[0, 1].")
+            raise Error(
+                f"[AutomaticLossScale transform] Out of range value for '{name}'. The "
+                f"current value is {values[name]}, but it should be in the range "
+                "[0, 1]."
+            )
     if int(values["updatePeriod"]) < 1:
-        raise Error(f"automaticLossScalingSettings.updatePeriod must be >= 1. Received: "
-                    f"{values['updatePeriod']}.")
+        raise Error(
+            f"automaticLossScalingSettings.updatePeriod must be >= 1. Received: "
+            f"{values['updatePeriod']}."
+        )
     return values
 
 
@@ -69,11 +86,13 @@ def check_float16_gradients(found: bool) -> None:
     (``found``: an op of the trace used or made a float16 tensor that requires grad, a float16
     weight cast to float32 included)."""
     if not found:
-        raise Error("[AutomaticLossScale transform] No tracked gradient tensors of type fp16 "
-                    "were found. Training.setAutomaticLossScaling(True) adjusts the loss scale "
-                    "from the float16 gradients of the backward pass, and this model computes "
-                    "none: compute in float16 (model.half(), or float16 inputs into float32 "
-                    "weights), or turn automatic loss scaling off.")
+        raise Error(
+            "[AutomaticLossScale transform] No tracked gradient tensors of type fp16 "
+            "were found. Training.setAutomaticLossScaling(True) adjusts the loss scale "
+            "from the float16 gradients of the backward pass, and this model computes "
+            "none: compute in float16 (model.half(), or float16 inputs into float32 "
+            "weights), or turn automatic loss scaling off."
+        )
 
 
 class AutoLossScale:
@@ -111,8 +130,10 @@ class AutoLossScale:
                 continue
             seen.add(node)
             name = type(node).__name__
-            if name != "AccumulateGrad" and name.rstrip("0123456789")[:-len("Backward")] \
-                    not in _VIEW_CHANGES:
+            if (
+                name != "AccumulateGrad"
+                and name.rstrip("0123456789")[: -len("Backward")] not in _VIEW_CHANGES
+            ):
                 node.register_hook(self._count_node)
             todo.extend(n for n, _ in node.next_functions if n is not None)
 

@@ -10,6 +10,7 @@ Both are skipped at their defaults (1.0, inf), so a step costs what a plain torc
 The helpers at the bottom are what the executor uses to snapshot, check and upload
 hyper-parameters (docs/poptorch-semantics.md §4.5, §4.6).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -20,15 +21,31 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _logging
 from .. import rules as _rules
+from . import _logging
 from . import precision as _precision
 
 __all__ = [
-    "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "LAMB", "VariableAttributes", "DEFAULT_SGD_LR",
-    "default_optimizer", "check_supported", "hyperparameters", "constant_attributes",
-    "changed_constants", "apply_hyperparameters", "loss_scaling", "needs_running_mean",
-    "has_16bit_params", "update_in_float32", "float32_step", "AttributeTracker",
+    "Optimizer",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "RMSprop",
+    "LAMB",
+    "VariableAttributes",
+    "DEFAULT_SGD_LR",
+    "default_optimizer",
+    "check_supported",
+    "hyperparameters",
+    "constant_attributes",
+    "changed_constants",
+    "apply_hyperparameters",
+    "loss_scaling",
+    "needs_running_mean",
+    "has_16bit_params",
+    "update_in_float32",
+    "float32_step",
+    "AttributeTracker",
 ]
 
 logger = _logging.logger
@@ -36,9 +53,15 @@ logger = _logging.logger
 DEFAULT_SGD_LR = 0.01  # PopTorch trains with SGD(lr=0.01) when given no optimizer
 _ACCUM_TYPES = (torch.float16, torch.float32)
 # Compiled into the graph (they pick the PopART optimizer or a tensor dtype): never variable.
-_STRUCTURAL = {"use_combined_accum", "bias_correction", "use_tf_variant", "accum_type",
-               "velocity_accum_type", "first_order_momentum_accum_type",
-               "second_order_momentum_accum_type"}
+_STRUCTURAL = {
+    "use_combined_accum",
+    "bias_correction",
+    "use_tf_variant",
+    "accum_type",
+    "velocity_accum_type",
+    "first_order_momentum_accum_type",
+    "second_order_momentum_accum_type",
+}
 
 
 class VariableAttributes:
@@ -75,17 +98,23 @@ class Optimizer:
         # (not None) are variable after compilation, the others constant.
         args = {k: v for k, v in args.items() if k not in ("self", "__class__")}
         params = args.pop("params")
-        init(self, params, **{k: v for k, v in args.items()
-                              if v is not None and k not in self._extra_defaults})
+        init(
+            self,
+            params,
+            **{k: v for k, v in args.items() if v is not None and k not in self._extra_defaults},
+        )
         for name, default in self._extra_defaults.items():
             value = default if args[name] is None else args[name]
             if name.endswith("accum_type") and value not in _ACCUM_TYPES:
-                raise ValueError(f"{name} must be set to either torch.float16 or torch.float32. "
-                                 f"Received: {name}={value!r}.")
+                raise ValueError(
+                    f"{name} must be set to either torch.float16 or torch.float32. "
+                    f"Received: {name}={value!r}."
+                )
             if name in self._extras:
                 setattr(self, name, value)
         self.variable_attrs = VariableAttributes(
-            [k for k, v in args.items() if v is not None], [*self.defaults, *args])
+            [k for k, v in args.items() if v is not None], [*self.defaults, *args]
+        )
 
     def _group_default(self, name: str, value: Any) -> None:
         self.defaults.setdefault(name, value)
@@ -149,9 +178,11 @@ class Optimizer:
         if fns is None:
             base = next(c for c in type(self).__mro__ if c.__module__.startswith("torch.optim"))
             fn = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
-            inner = getattr(fn, "__wrapped__", None) \
-                if getattr(fn, "__code__", None) is not None \
-                and fn.__code__.co_name == "_use_grad" else None
+            inner = (
+                getattr(fn, "__wrapped__", None)
+                if getattr(fn, "__code__", None) is not None and fn.__code__.co_name == "_use_grad"
+                else None
+            )
             # the same functions whether or not torch hooks the step later
             fns = _BASE_STEP[type(self)] = (fn, inner)
         fn, inner = fns
@@ -172,12 +203,17 @@ def has_16bit_params(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _as_float32(state: dict) -> dict:
-    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step"
-            else v for k, v in state.items()}
+    return {
+        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step" else v
+        for k, v in state.items()
+    }
 
 
-def update_in_float32(optimizer: torch.optim.Optimizer, update: Callable[[], Any],
-                      rounding: torch.Generator | None = None) -> None:
+def update_in_float32(
+    optimizer: torch.optim.Optimizer,
+    update: Callable[[], Any],
+    rounding: torch.Generator | None = None,
+) -> None:
     """Run ``update`` with 16-bit parameters seen as float32 (state kept in float32), then round
     the new values to the parameters' dtype: the IPU computes weight updates in float32, where
     torch's 16-bit update underflows (``eps`` rounds to 0 and Adam divides 0 by 0). Rounding is
@@ -210,8 +246,9 @@ def update_in_float32(optimizer: torch.optim.Optimizer, update: Callable[[], Any
                 optimizer.state[p] = state  # float32 moments, keyed by the real parameter
 
 
-def float32_step(optimizer: torch.optim.Optimizer,
-                 rounding: torch.Generator | None = None) -> Callable[..., Any]:
+def float32_step(
+    optimizer: torch.optim.Optimizer, rounding: torch.Generator | None = None
+) -> Callable[..., Any]:
     """A ``step`` for a torch.optim optimizer of 16-bit parameters that updates in float32
     (``rounding``: as ``update_in_float32``'s)."""
     step = type(optimizer).step
@@ -223,12 +260,17 @@ def float32_step(optimizer: torch.optim.Optimizer,
             update_in_float32(optimizer, lambda: step(optimizer), rounding)
         finally:
             torch._C._set_grad_enabled(grad_was)
+
     return float32_step_
 
 
 _F32 = torch.float32
-_ADAM_EXTRAS = {"loss_scaling": 1.0, "accum_type": _F32, "first_order_momentum_accum_type": _F32,
-                "second_order_momentum_accum_type": _F32}
+_ADAM_EXTRAS = {
+    "loss_scaling": 1.0,
+    "accum_type": _F32,
+    "first_order_momentum_accum_type": _F32,
+    "second_order_momentum_accum_type": _F32,
+}
 
 
 class SGD(Optimizer, torch.optim.SGD):
@@ -240,25 +282,47 @@ class SGD(Optimizer, torch.optim.SGD):
     Example: ``SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=128.0)``
     """
 
-    _extras = ("loss_scaling", "use_combined_accum", "accum_type", "velocity_accum_type",
-               "max_grad_norm")
+    _extras = (
+        "loss_scaling",
+        "use_combined_accum",
+        "accum_type",
+        "velocity_accum_type",
+        "max_grad_norm",
+    )
     _extra_defaults: ClassVar[dict[str, Any]] = {
-        "loss_scaling": 1.0, "velocity_scaling": 1.0, "use_combined_accum": False,
-        "accum_type": _F32, "velocity_accum_type": _F32, "max_grad_norm": math.inf}
+        "loss_scaling": 1.0,
+        "velocity_scaling": 1.0,
+        "use_combined_accum": False,
+        "accum_type": _F32,
+        "velocity_accum_type": _F32,
+        "max_grad_norm": math.inf,
+    }
 
-    def __init__(self, params: Iterable, lr: float, momentum: float | None = None,
-                 dampening: float | None = None, weight_decay: float | None = None,
-                 nesterov: bool | None = None, maximize: bool | None = None,
-                 foreach: bool | None = None, differentiable: bool | None = None,
-                 loss_scaling: float | None = None, velocity_scaling: float | None = None,
-                 use_combined_accum: bool | None = None, accum_type: torch.dtype | None = None,
-                 velocity_accum_type: torch.dtype | None = None,
-                 max_grad_norm: float | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        momentum: float | None = None,
+        dampening: float | None = None,
+        weight_decay: float | None = None,
+        nesterov: bool | None = None,
+        maximize: bool | None = None,
+        foreach: bool | None = None,
+        differentiable: bool | None = None,
+        loss_scaling: float | None = None,
+        velocity_scaling: float | None = None,
+        use_combined_accum: bool | None = None,
+        accum_type: torch.dtype | None = None,
+        velocity_accum_type: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
         self._setup(torch.optim.SGD.__init__, locals())
         if velocity_scaling is not None and not self.use_combined_accum:
-            logger.warning("velocity_scaling value ignored when using the separate variant "
-                           "(use_combined_accum=False). In future, this will lead to an error. "
-                           "Please update your code.")
+            logger.warning(
+                "velocity_scaling value ignored when using the separate variant "
+                "(use_combined_accum=False). In future, this will lead to an error. "
+                "Please update your code."
+            )
         vs = 1.0 if velocity_scaling is None else velocity_scaling
         self._group_default("velocity_scaling", vs)  # per group, as in PopTorch
 
@@ -277,14 +341,19 @@ class SGD(Optimizer, torch.optim.SGD):
                 buf.mul_(g["velocity_scaling"])
 
     def _velocities(self, group: dict) -> list[torch.Tensor]:
-        return [b for p in group["params"]
-                if (b := self.state.get(p, {}).get("momentum_buffer")) is not None]
+        return [
+            b
+            for p in group["params"]
+            if (b := self.state.get(p, {}).get("momentum_buffer")) is not None
+        ]
 
 
 def _reject_amsgrad(amsgrad: bool | None) -> None:
     if amsgrad:
-        raise ValueError("Only non-amsgrad Adam/AdamW optimizers are supported. Received: "
-                         "amsgrad=True. Remove the argument.")
+        raise ValueError(
+            "Only non-amsgrad Adam/AdamW optimizers are supported. Received: "
+            "amsgrad=True. Remove the argument."
+        )
 
 
 class Adam(Optimizer, torch.optim.Adam):
@@ -298,16 +367,25 @@ class Adam(Optimizer, torch.optim.Adam):
     _extras = (*_ADAM_EXTRAS, "max_grad_norm")
     _extra_defaults: ClassVar[dict[str, Any]] = {**_ADAM_EXTRAS, "max_grad_norm": math.inf}
 
-    def __init__(self, params: Iterable, lr: float | None = None,
-                 betas: tuple[float, float] | None = None, eps: float | None = None,
-                 weight_decay: float | None = None, amsgrad: bool | None = None,
-                 foreach: bool | None = None, maximize: bool | None = None,
-                 capturable: bool | None = None, differentiable: bool | None = None,
-                 fused: bool | None = None, loss_scaling: float | None = None,
-                 accum_type: torch.dtype | None = None,
-                 first_order_momentum_accum_type: torch.dtype | None = None,
-                 second_order_momentum_accum_type: torch.dtype | None = None,
-                 max_grad_norm: float | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        amsgrad: bool | None = None,
+        foreach: bool | None = None,
+        maximize: bool | None = None,
+        capturable: bool | None = None,
+        differentiable: bool | None = None,
+        fused: bool | None = None,
+        loss_scaling: float | None = None,
+        accum_type: torch.dtype | None = None,
+        first_order_momentum_accum_type: torch.dtype | None = None,
+        second_order_momentum_accum_type: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
         _reject_amsgrad(amsgrad)
         self._setup(torch.optim.Adam.__init__, locals())
 
@@ -322,16 +400,26 @@ class AdamW(Optimizer, torch.optim.AdamW):
     _extras = (*Adam._extras, "bias_correction")
     _extra_defaults: ClassVar[dict[str, Any]] = {**Adam._extra_defaults, "bias_correction": True}
 
-    def __init__(self, params: Iterable, lr: float | None = None,
-                 betas: tuple[float, float] | None = None, eps: float | None = None,
-                 weight_decay: float | None = None, amsgrad: bool | None = None,
-                 maximize: bool | None = None, foreach: bool | None = None,
-                 capturable: bool | None = None, differentiable: bool | None = None,
-                 fused: bool | None = None, loss_scaling: float | None = None,
-                 bias_correction: bool | None = None, accum_type: torch.dtype | None = None,
-                 first_order_momentum_accum_type: torch.dtype | None = None,
-                 second_order_momentum_accum_type: torch.dtype | None = None,
-                 max_grad_norm: float | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        amsgrad: bool | None = None,
+        maximize: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool | None = None,
+        differentiable: bool | None = None,
+        fused: bool | None = None,
+        loss_scaling: float | None = None,
+        bias_correction: bool | None = None,
+        accum_type: torch.dtype | None = None,
+        first_order_momentum_accum_type: torch.dtype | None = None,
+        second_order_momentum_accum_type: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+    ) -> None:
         _reject_amsgrad(amsgrad)
         self._setup(torch.optim.AdamW.__init__, locals())
 
@@ -346,8 +434,11 @@ class AdamW(Optimizer, torch.optim.AdamW):
                 grad = -p.grad if g["maximize"] else p.grad
                 st = self.state[p]
                 if not st:
-                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                              exp_avg_sq=torch.zeros_like(p))
+                    st.update(
+                        step=torch.tensor(0.0),
+                        exp_avg=torch.zeros_like(p),
+                        exp_avg_sq=torch.zeros_like(p),
+                    )
                 st["step"] += 1
                 p.mul_(1 - lr * wd)
                 st["exp_avg"].mul_(b1).add_(grad, alpha=1 - b1)
@@ -366,15 +457,24 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
     _extras = (*_ADAM_EXTRAS, "use_tf_variant")
     _extra_defaults: ClassVar[dict[str, Any]] = {**_ADAM_EXTRAS, "use_tf_variant": False}
 
-    def __init__(self, params: Iterable, lr: float | None = None, alpha: float | None = None,
-                 eps: float | None = None, weight_decay: float | None = None,
-                 momentum: float | None = None, centered: bool | None = None,
-                 foreach: bool | None = None, maximize: bool | None = None,
-                 differentiable: bool | None = None, loss_scaling: float | None = None,
-                 accum_type: torch.dtype | None = None,
-                 first_order_momentum_accum_type: torch.dtype | None = None,
-                 second_order_momentum_accum_type: torch.dtype | None = None,
-                 use_tf_variant: bool | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | None = None,
+        alpha: float | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        momentum: float | None = None,
+        centered: bool | None = None,
+        foreach: bool | None = None,
+        maximize: bool | None = None,
+        differentiable: bool | None = None,
+        loss_scaling: float | None = None,
+        accum_type: torch.dtype | None = None,
+        first_order_momentum_accum_type: torch.dtype | None = None,
+        second_order_momentum_accum_type: torch.dtype | None = None,
+        use_tf_variant: bool | None = None,
+    ) -> None:
         self._setup(torch.optim.RMSprop.__init__, locals())
 
     def _update(self) -> None:
@@ -392,8 +492,12 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                     grad = grad.add(p, alpha=g["weight_decay"])
                 st = self.state[p]
                 if not st:
-                    st.update(step=torch.tensor(0.0), square_avg=torch.ones_like(p),
-                              momentum_buffer=torch.zeros_like(p), grad_avg=torch.zeros_like(p))
+                    st.update(
+                        step=torch.tensor(0.0),
+                        square_avg=torch.ones_like(p),
+                        momentum_buffer=torch.zeros_like(p),
+                        grad_avg=torch.zeros_like(p),
+                    )
                 st["step"] += 1
                 ms = st["square_avg"].mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
                 if g["centered"]:
@@ -421,19 +525,34 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     """
 
     _extras = (*_ADAM_EXTRAS, "bias_correction", "max_weight_norm")
-    _extra_defaults: ClassVar[dict[str, Any]] = {**_ADAM_EXTRAS, "bias_correction": True,
-                                                  "max_weight_norm": 65500.0}
+    _extra_defaults: ClassVar[dict[str, Any]] = {
+        **_ADAM_EXTRAS,
+        "bias_correction": True,
+        "max_weight_norm": 65500.0,
+    }
 
-    def __init__(self, params: Iterable, lr: float | None = None,
-                 betas: tuple[float, float] | None = None, eps: float | None = None,
-                 weight_decay: float | None = None, bias_correction: bool | None = None,
-                 loss_scaling: float | None = None, max_weight_norm: float | None = None,
-                 accum_type: torch.dtype | None = None,
-                 first_order_momentum_accum_type: torch.dtype | None = None,
-                 second_order_momentum_accum_type: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        bias_correction: bool | None = None,
+        loss_scaling: float | None = None,
+        max_weight_norm: float | None = None,
+        accum_type: torch.dtype | None = None,
+        first_order_momentum_accum_type: torch.dtype | None = None,
+        second_order_momentum_accum_type: torch.dtype | None = None,
+    ) -> None:
         self._setup(_optimizer_init, locals())
-        for name, value in {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
-                            "max_weight_norm": self.max_weight_norm}.items():
+        for name, value in {
+            "lr": 1e-3,
+            "betas": (0.9, 0.999),
+            "eps": 1e-8,
+            "weight_decay": 1e-2,
+            "max_weight_norm": self.max_weight_norm,
+        }.items():
             self._group_default(name, value)
 
     def _update(self) -> None:
@@ -448,8 +567,11 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                 st["step"] += 1
                 m = st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
                 v = st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                bc1, bc2 = ((1 - b1 ** st["step"], 1 - b2 ** st["step"])
-                            if self.bias_correction else (1.0, 1.0))
+                bc1, bc2 = (
+                    (1 - b1 ** st["step"], 1 - b2 ** st["step"])
+                    if self.bias_correction
+                    else (1.0, 1.0)
+                )
                 r = (m / bc1).div_((v.sqrt() / math.sqrt(bc2)).add_(eps)).add_(p, alpha=wd)
                 w_norm = p.norm().clamp(max=g["max_weight_norm"])
                 r_norm = r.norm()
@@ -465,8 +587,17 @@ def default_optimizer(params: Iterable) -> SGD:
 
 # -- helpers used by the executor ------------------------------------------------------------
 _OURS = (SGD, Adam, AdamW, RMSprop, LAMB)
-_NUMBERS = ("lr", "momentum", "dampening", "weight_decay", "eps", "alpha", "betas",
-            "max_weight_norm", "velocity_scaling")  # hyper-parameters PopTorch reads as numbers
+_NUMBERS = (
+    "lr",
+    "momentum",
+    "dampening",
+    "weight_decay",
+    "eps",
+    "alpha",
+    "betas",
+    "max_weight_norm",
+    "velocity_scaling",
+)  # hyper-parameters PopTorch reads as numbers
 _TORCH = (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop)
 _warned_subclasses: set[type] = set()
 
@@ -480,37 +611,47 @@ def check_supported(optimizer: torch.optim.Optimizer) -> None:
     """Raise what PopTorch raises for an optimizer it cannot run; warn for subclasses."""
     base = _torch_base(optimizer)
     if base is None:
-        names = [f"torch.optim.{c.__name__}" for c in _TORCH] + \
-                [f"poptorch.optim.{c.__name__}" for c in _OURS]
+        names = [f"torch.optim.{c.__name__}" for c in _TORCH] + [
+            f"poptorch.optim.{c.__name__}" for c in _OURS
+        ]
         raise AssertionError(  # PopTorch asserts in convertOptimizerToDict
             f"Unsupported optimizer type. Types supported {names}. Received: "
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those.")
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those."
+        )
     cls = type(optimizer)
     direct = {torch.optim.Optimizer, Optimizer} & set(cls.__bases__)  # PopTorch's test
     if cls not in (*_OURS, *_TORCH) and not direct and cls not in _warned_subclasses:
         _warned_subclasses.add(cls)
-        logger.warning("Optimizer `%s` subclassed from classes in poptorch.optim or torch.optim "
-                       "are unlikely to behave as intended. Poptorch does not run Python "
-                       "optimizer code directly; but instead uses IPU native optimisers "
-                       "implemented in PopART. (The emulator runs the optimizer's own step(): "
-                       "an IPU applies the built-in %s update with the hyper-parameters read "
-                       "from param_groups instead.)", cls.__name__, base.__name__)
+        logger.warning(
+            "Optimizer `%s` subclassed from classes in poptorch.optim or torch.optim "
+            "are unlikely to behave as intended. Poptorch does not run Python "
+            "optimizer code directly; but instead uses IPU native optimisers "
+            "implemented in PopART. (The emulator runs the optimizer's own step(): "
+            "an IPU applies the built-in %s update with the hyper-parameters read "
+            "from param_groups instead.)",
+            cls.__name__,
+            base.__name__,
+        )
     groups = optimizer.param_groups
-    for where, group in (("defaults", optimizer.defaults),
-                         *((f"param_groups[{i}]", g) for i, g in enumerate(groups))):
+    for where, group in (
+        ("defaults", optimizer.defaults),
+        *((f"param_groups[{i}]", g) for i, g in enumerate(groups)),
+    ):
         for name in _NUMBERS:  # PopTorch's convertOptimizerToDict asserts numbers.Number
             values = group.get(name, 0.0)
             for value in values if isinstance(values, tuple) else (values,):
                 assert isinstance(value, numbers.Number), (
                     f"Expected a number for {name} but got {value!r} instead (in the "
-                    f"optimizer's {where}). Pass plain numbers, e.g. lr=float(lr).")
+                    f"optimizer's {where}). Pass plain numbers, e.g. lr=float(lr)."
+                )
     if isinstance(optimizer, torch.optim.Adam) and any(g.get("amsgrad") for g in groups):
         _reject_amsgrad(True)
     if isinstance(optimizer, torch.optim.RMSprop):
         for i, g in enumerate(groups):
             assert g["centered"] == groups[0]["centered"], (
                 "All parameter groups must have the same value for the 'centered' attribute "
-                f"(Group 0: {groups[0]['centered']} / Group {i}: {g['centered']}).")
+                f"(Group 0: {groups[0]['centered']} / Group {i}: {g['centered']})."
+            )
 
 
 class AttributeTracker:
@@ -519,8 +660,14 @@ class AttributeTracker:
     ``Options.relaxOptimizerAttributesChecks()``). The first ``check`` records what is there."""
 
     # torch's own attributes, and the state_dict wrappers the executor puts on the optimizer
-    _UPSTREAM = ("defaults", "state", "param_groups", "variable_attrs", "state_dict",
-                 "load_state_dict")
+    _UPSTREAM = (
+        "defaults",
+        "state",
+        "param_groups",
+        "variable_attrs",
+        "state_dict",
+        "load_state_dict",
+    )
 
     def __init__(self, relax: bool) -> None:
         self._log = logger.debug if relax else logger.warning
@@ -531,10 +678,14 @@ class AttributeTracker:
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         attrs = [k for k in optimizer.__dict__ if k not in self._UPSTREAM and not k.startswith("_")]
-        checks = [("default group variable", self._group, list(optimizer.defaults)),
-                  ("optimizer attribute", self._optimizer, attrs)]
-        checks += [(f"group {i} attribute", self._group, [k for k in g if k != "params"])
-                   for i, g in enumerate(optimizer.param_groups)]
+        checks = [
+            ("default group variable", self._group, list(optimizer.defaults)),
+            ("optimizer attribute", self._optimizer, attrs),
+        ]
+        checks += [
+            (f"group {i} attribute", self._group, [k for k in g if k != "params"])
+            for i, g in enumerate(optimizer.param_groups)
+        ]
         base = _torch_base(optimizer)
         for what, expected, provided in checks:
             extra = [a for a in provided if a not in expected]
@@ -587,8 +738,12 @@ def changed_constants(old_snapshot: dict, new_snapshot: dict, constants: set[str
         implicit = _IMPLICIT.get(k, _MISSING)
         return old.get(k, implicit) != new.get(k, implicit)
 
-    changed = {k for old, new in zip(old_snapshot["groups"], new_snapshot["groups"])
-               for k in constants if differ(old, new, k)}
+    changed = {
+        k
+        for old, new in zip(old_snapshot["groups"], new_snapshot["groups"])
+        for k in constants
+        if differ(old, new, k)
+    }
     changed |= {k for k in constants if differ(old_snapshot["global"], new_snapshot["global"], k)}
     return sorted(changed)
 
@@ -605,8 +760,10 @@ def apply_hyperparameters(device_optimizer: torch.optim.Optimizer, snapshot: dic
     """Write a host snapshot into the device optimizer's groups and global extras."""
     groups = device_optimizer.param_groups
     if len(groups) != len(snapshot["groups"]):
-        raise ValueError(f"The optimizer has {len(snapshot['groups'])} parameter groups but the "
-                         f"compiled model's has {len(groups)}. Re-wrap the model to change them.")
+        raise ValueError(
+            f"The optimizer has {len(snapshot['groups'])} parameter groups but the "
+            f"compiled model's has {len(groups)}. Re-wrap the model to change them."
+        )
     for group, values in zip(groups, snapshot["groups"]):
         for k, v in values.items():
             group[k] = _write(group[k], v) if k in group else v
@@ -616,8 +773,9 @@ def apply_hyperparameters(device_optimizer: torch.optim.Optimizer, snapshot: dic
 
 def needs_running_mean(optimizer: torch.optim.Optimizer) -> bool:
     """A float16 ``accum_type`` (not the combined SGD variant) needs the Running mean strategy."""
-    return getattr(optimizer, "accum_type", None) == torch.float16 and \
-        not getattr(optimizer, "use_combined_accum", False)
+    return getattr(optimizer, "accum_type", None) == torch.float16 and not getattr(
+        optimizer, "use_combined_accum", False
+    )
 
 
 def loss_scaling(optimizer: torch.optim.Optimizer) -> float:

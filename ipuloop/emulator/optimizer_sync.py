@@ -6,6 +6,7 @@ As on hardware, host-side changes to the optimizer reach the device only through
 a re-upload (a ``poptorch.optim`` optimizer whose state was loaded); the device's moments stay
 on the device until read through the patched ``state_dict()``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,9 @@ class OptimizerSync:
     and ``_options``); ``optimizer`` is the user's, or None for PopTorch's default SGD over
     ``model``'s parameters."""
 
-    def __init__(self, owner: Any, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self, owner: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> None:
         self._owner = owner
         if optimizer is None:
             optimizer = _optim.default_optimizer(model.parameters())
@@ -54,8 +56,13 @@ class OptimizerSync:
         self.set_reduction_strategy(optimizer)
         self.patch(optimizer)
 
-    def join(self, options: Any, device: torch.device, model: torch.nn.Module,
-             host_params: list[torch.Tensor]) -> None:
+    def join(
+        self,
+        options: Any,
+        device: torch.device,
+        model: torch.nn.Module,
+        host_params: list[torch.Tensor],
+    ) -> None:
         """At compile, with ``Distributed.numProcesses`` > 1: join the other instances, check
         that they agree, and all-reduce gradients before each update (``distributed``)."""
         self.reducer = _distributed.join(options, device, self.optimizer, model, host_params)
@@ -122,17 +129,21 @@ class OptimizerSync:
             last = self.als.last_final if self.als is not None else None
             return torch.tensor(self.loss_scaling if last is None else last)
 
-        return {"finalLossScale": final,
-                "lossScaleUpdateFactor": lambda: torch.tensor(
-                    self.als.factor if self.als is not None else 1.0)}
+        return {
+            "finalLossScale": final,
+            "lossScaleUpdateFactor": lambda: torch.tensor(
+                self.als.factor if self.als is not None else 1.0
+            ),
+        }
 
     def _stochastic_rounding(self, dev: torch.optim.Optimizer) -> torch.Generator | None:
         """``Precision.enableStochasticRounding(True)``: float16 weight updates round
         stochastically, drawn from a generator seeded from ``randomSeed`` (else from torch's
         initial seed) and kept across re-attaches, as the device's RNG is."""
         options = self._owner._options
-        if not options._Popart.options.get("enableStochasticRounding", False) or \
-                not any(p.dtype == torch.float16 for g in dev.param_groups for p in g["params"]):
+        if not options._Popart.options.get("enableStochasticRounding", False) or not any(
+            p.dtype == torch.float16 for g in dev.param_groups for p in g["params"]
+        ):
             return None
         if self.rounding is None:
             params = [p for g in dev.param_groups for p in g["params"]]
@@ -143,8 +154,9 @@ class OptimizerSync:
 
     def _set_loss_scaling(self, optimizer: torch.optim.Optimizer) -> None:
         self._base_loss_scaling = _optim.loss_scaling(optimizer)
-        self.loss_scaling = self._base_loss_scaling if self.als is None else \
-            self.als.final(self._base_loss_scaling)
+        self.loss_scaling = (
+            self._base_loss_scaling if self.als is None else self.als.final(self._base_loss_scaling)
+        )
 
     def _start_auto_loss_scaling(self) -> None:
         """``Training.setAutomaticLossScaling(True)``: the executor counts the float16
@@ -155,17 +167,20 @@ class OptimizerSync:
         if values is None:
             return
         if options.Distributed.numProcesses > 1:
-            raise Error("Training.setAutomaticLossScaling(True) with Distributed.numProcesses "
-                        f"= {options.Distributed.numProcesses}: the ipuloop emulator adjusts "
-                        "the loss scale of one process only. Set the loss scale with the "
-                        "optimizer's loss_scaling instead.")
+            raise Error(
+                "Training.setAutomaticLossScaling(True) with Distributed.numProcesses "
+                f"= {options.Distributed.numProcesses}: the ipuloop emulator adjusts "
+                "the loss scale of one process only. Set the loss scale with the "
+                "optimizer's loss_scaling instead."
+            )
         if self.als is None:
             t = options.Training
-            mean = ReductionType(t.accumulation_and_replication_reduction_type) == \
-                ReductionType.Mean
+            mean = (
+                ReductionType(t.accumulation_and_replication_reduction_type) == ReductionType.Mean
+            )
             self.als = _loss_scaling.AutoLossScale(
-                values, float(t.gradient_accumulation * options.replication_factor) if mean
-                else 1.0)
+                values, float(t.gradient_accumulation * options.replication_factor) if mean else 1.0
+            )
 
     # -- uploads and downloads ---------------------------------------------------------------
     def upload(self, host_params: list[torch.Tensor]) -> None:
@@ -179,11 +194,14 @@ class OptimizerSync:
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in memo:
-                    raise ValueError("The optimizer holds a parameter that the optimizer given "
-                                     "when wrapping did not hold and the model does not have: "
-                                     "wrap the model again with this optimizer.")
-        patched = {k: opt.__dict__.pop(k) for k in ("state_dict", "load_state_dict")
-                   if k in opt.__dict__}
+                    raise ValueError(
+                        "The optimizer holds a parameter that the optimizer given "
+                        "when wrapping did not hold and the model does not have: "
+                        "wrap the model again with this optimizer."
+                    )
+        patched = {
+            k: opt.__dict__.pop(k) for k in ("state_dict", "load_state_dict") if k in opt.__dict__
+        }
         try:
             dev = copy.deepcopy(opt, memo)
         finally:
@@ -200,8 +218,10 @@ class OptimizerSync:
             self.reducer.wrap(dev)
         self.device = dev
         self._device_params = [p for group in dev.param_groups for p in group["params"]]
-        self._plain_zero_grad = type(dev).zero_grad is torch.optim.Optimizer.zero_grad \
+        self._plain_zero_grad = (
+            type(dev).zero_grad is torch.optim.Optimizer.zero_grad
             and "zero_grad" not in dev.__dict__
+        )
         self.snapshot = _optim.hyperparameters(opt)
         self.constants = _optim.constant_attributes(opt)
         if self.als is not None:  # PopTorch: automatic loss scaling makes it variable
@@ -273,9 +293,11 @@ class OptimizerSync:
         new = _optim.hyperparameters(optimizer)
         changed = _optim.changed_constants(self.snapshot, new, self.constants)
         if changed:
-            raise ValueError(f"Optimizer attribute(s) {changed} are constant in the compiled "
-                             "graph and cannot change: pass them explicitly to the optimizer's "
-                             "constructor to make them variable, or re-wrap the model.")
+            raise ValueError(
+                f"Optimizer attribute(s) {changed} are constant in the compiled "
+                "graph and cannot change: pass them explicitly to the optimizer's "
+                "constructor to make them variable, or re-wrap the model."
+            )
         if self.dirty:
             self.upload(host_params)
         else:
@@ -294,11 +316,16 @@ class OptimizerSync:
         if not self._owner._compiled:
             options._unfreeze()
             training.setMeanAccumulationAndReplicationReductionStrategy(
-                MeanReductionStrategy.Running)
+                MeanReductionStrategy.Running
+            )
             options._freeze()
-        elif training.meanAccumulationAndReplicationReductionStrategy != \
-                MeanReductionStrategy.Running:
-            raise ValueError("Invalid optimizer: the new optimizer would require changing "
-                             "options.Training.meanAccumulationAndReplicationReductionStrategy to "
-                             "poptorch.MeanReductionStrategy.Running but the executable is "
-                             "already compiled.")
+        elif (
+            training.meanAccumulationAndReplicationReductionStrategy
+            != MeanReductionStrategy.Running
+        ):
+            raise ValueError(
+                "Invalid optimizer: the new optimizer would require changing "
+                "options.Training.meanAccumulationAndReplicationReductionStrategy to "
+                "poptorch.MeanReductionStrategy.Running but the executable is "
+                "already compiled."
+            )

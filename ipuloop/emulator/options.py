@@ -3,6 +3,7 @@
 Options that only tune hardware are accepted and recorded (``toDict()`` shows them) but have no
 effect on the emulator. Setters keep PopTorch's names, checks and chaining.
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,11 +13,17 @@ from typing import Any
 
 import torch
 
-from . import _logging
-from . import enums
+from . import _logging, enums
 from .blocks import PipelinedExecution, _IExecutionStrategy
-from .enums import (AutoStage, CommGroupType, ConnectionType, MeanReductionStrategy, OutputMode,
-                    ReductionType, SyncPattern)
+from .enums import (
+    AutoStage,
+    CommGroupType,
+    ConnectionType,
+    MeanReductionStrategy,
+    OutputMode,
+    ReductionType,
+    SyncPattern,
+)
 
 __all__ = ["ConfigFileError", "Options", "TensorLocationSettings", "log_compiled_options"]
 
@@ -25,19 +32,21 @@ logger = _logging.logger
 # The IPU versions PopTorch 3.4 documents for useOfflineIpuTarget (an offline Poplar target).
 _OFFLINE_IPU_VERSIONS = (1, 2, 21)
 
-_FROZEN_MSG = ("Can't modify frozen Options: they were frozen when a model wrapper or "
-               "DataLoader first used them. Call options.clone() to get a modifiable copy.")
+_FROZEN_MSG = (
+    "Can't modify frozen Options: they were frozen when a model wrapper or "
+    "DataLoader first used them. Call options.clone() to get a modifiable copy."
+)
 
 
 # Options older PopTorch versions had: the emulator follows PopTorch 3.4, as an IPU running a
 # current SDK would, but says what replaced them.
 _REMOVED = {
     "anchorMode": " Options.anchorMode was removed in PopTorch 2.5: use "
-                  "Options.outputMode(poptorch.OutputMode.<mode>) instead.",
+    "Options.outputMode(poptorch.OutputMode.<mode>) instead.",
     "autocastEnabled": " Precision.autocastEnabled was removed in PopTorch 3.1: remove the call "
-                       "(mixed float16/float32 ops follow PyTorch's type promotion).",
+    "(mixed float16/float32 ops follow PyTorch's type promotion).",
     "autocastPolicy": " Precision.autocastPolicy was removed in PopTorch 3.1: remove the call "
-                      "(mixed float16/float32 ops follow PyTorch's type promotion).",
+    "(mixed float16/float32 ops follow PyTorch's type promotion).",
 }
 
 
@@ -62,11 +71,13 @@ class _OptionsDict:
         self.checkIsFrozen()
         for option, value in kwargs.items():
             assert self.exists(option), (
-                f"Invalid option {option}, valid options are {list(self._values)}")
+                f"Invalid option {option}, valid options are {list(self._values)}"
+            )
             expected = type(self._values[option])
             assert isinstance(value, expected), (
                 f"Unexpected type {type(value)} for option {option}. Expected {expected}. "
-                f"Received: {option}={value!r}.")
+                f"Received: {option}={value!r}."
+            )
             self._values[option] = value
 
     def createOrSet(self, **kwargs: Any) -> None:
@@ -110,8 +121,9 @@ class _OptionsDict:
             self.set(**{option: value})
         elif "_values" in self.__dict__ and option not in (*self.__dict__, "__class__"):
             # (assigning __class__ wraps a group in a subclass, as popdist does)
-            raise AttributeError(f"Invalid private attribute {option}. "
-                                 f"Valid attributes: {list(self.__dict__)}")
+            raise AttributeError(
+                f"Invalid private attribute {option}. Valid attributes: {list(self.__dict__)}"
+            )
         else:
             object.__setattr__(self, option, value)
 
@@ -129,7 +141,8 @@ class _OptionsDict:
             if key not in self._warnings_disabled:
                 logger.warning(warning)
         assert not set(self._values).intersection(other), (
-            "Can't merge dictionaries, they have some keys in common")
+            "Can't merge dictionaries, they have some keys in common"
+        )
         other.update(self._values)
         return other
 
@@ -197,8 +210,10 @@ class _PrecisionOptions(_OptionsDict):
 
     def halfFloatCasting(self, half_float_casting: Any) -> _PrecisionOptions:
         """Deprecated no-op: mixed float16/float32 ops follow PyTorch's promotion."""
-        logger.warning("Precision.halfFloatCasting is deprecated and has no effect: mixed "
-                       "float16/float32 ops follow PyTorch's type promotion.")
+        logger.warning(
+            "Precision.halfFloatCasting is deprecated and has no effect: mixed "
+            "float16/float32 ops follow PyTorch's type promotion."
+        )
         return self
 
     def runningStatisticsAlwaysFloat(self, value: bool) -> _PrecisionOptions:
@@ -219,8 +234,10 @@ class _PrecisionOptions(_OptionsDict):
         """Matmul/conv partials type: ``torch.float`` or ``torch.half`` (recorded only)."""
         names = {torch.float32: "float", torch.float16: "half"}
         if dtype not in names:
-            raise ValueError("parameter to setPartialsType should be either torch.float or "
-                             f"torch.half. Received: dtype={dtype!r}.")
+            raise ValueError(
+                "parameter to setPartialsType should be either torch.float or "
+                f"torch.half. Received: dtype={dtype!r}."
+            )
         self._popart_options.set("partialsTypeMatMuls", names[dtype])
         self._popart_options.set("convolutionOptions", {"partialsType": names[dtype]})
         return self
@@ -234,26 +251,33 @@ class _TrainingOptions(_OptionsDict):
         super().__init__(
             gradient_accumulation=1,
             accumulation_and_replication_reduction_type=ReductionType.Mean,
-            meanAccumulationAndReplicationReductionStrategy=MeanReductionStrategy.Post)
+            meanAccumulationAndReplicationReductionStrategy=MeanReductionStrategy.Post,
+        )
 
     def gradientAccumulation(self, gradient_accumulation: int) -> _TrainingOptions:
         """Micro-batches accumulated per optimizer update (1 for inference)."""
         self.set(gradient_accumulation=gradient_accumulation)
         return self
 
-    def accumulationAndReplicationReductionType(self, reduction_type: ReductionType
-                                                ) -> _TrainingOptions:
+    def accumulationAndReplicationReductionType(
+        self, reduction_type: ReductionType
+    ) -> _TrainingOptions:
         """Combine GA x RF micro-batch gradients by ``Mean`` (default) or ``Sum``."""
-        if not isinstance(reduction_type, ReductionType) or \
-                reduction_type == ReductionType.NoReduction:
-            raise ValueError("accumulationAndReplicationReductionType must be set to "
-                             "poptorch.ReductionType.Mean or poptorch.ReductionType.Sum. "
-                             f"Received: {reduction_type!r}.")
+        if (
+            not isinstance(reduction_type, ReductionType)
+            or reduction_type == ReductionType.NoReduction
+        ):
+            raise ValueError(
+                "accumulationAndReplicationReductionType must be set to "
+                "poptorch.ReductionType.Mean or poptorch.ReductionType.Sum. "
+                f"Received: {reduction_type!r}."
+            )
         self.set(accumulation_and_replication_reduction_type=reduction_type)
         return self
 
     def setMeanAccumulationAndReplicationReductionStrategy(
-            self, mean_reduction_strategy: MeanReductionStrategy) -> _TrainingOptions:
+        self, mean_reduction_strategy: MeanReductionStrategy
+    ) -> _TrainingOptions:
         self.set(meanAccumulationAndReplicationReductionStrategy=mean_reduction_strategy)
         return self
 
@@ -278,8 +302,9 @@ class _DistributedOptions(_OptionsDict):
         return self
 
     def setEnvVarNames(self, var_num_processes: str, var_process_id: str) -> _DistributedOptions:
-        return self.configureProcessId(int(os.environ.get(var_process_id, "0")),
-                                       int(os.environ.get(var_num_processes, "1")))
+        return self.configureProcessId(
+            int(os.environ.get(var_process_id, "0")), int(os.environ.get(var_num_processes, "1"))
+        )
 
     def configureProcessId(self, process_id: int, num_processes: int) -> _DistributedOptions:
         self.set(distributed_process_id=process_id, num_distributed_processes=num_processes)
@@ -342,7 +367,8 @@ class _TensorLocationOptions(_OptionsDict):
 
     def _location(self, key: str, location: TensorLocationSettings) -> _TensorLocationOptions:
         assert isinstance(location, TensorLocationSettings), (
-            f"Expected a poptorch.TensorLocationSettings. Received: {type(location).__name__}.")
+            f"Expected a poptorch.TensorLocationSettings. Received: {type(location).__name__}."
+        )
         self.createOrSet(**{key: location.toDict()})
         return self
 
@@ -365,8 +391,13 @@ def _no_progress_bar(progress: int, total: int) -> None:
 
 # Keys PopTorch's compiler takes without logging them: Python-only ones, and those it turns
 # into other settings (per-IPU memory proportions, patterns, tensor locations).
-_UNLOGGED = ("anchored_tensors", "compilation_progress_bar_fn", "patterns_level", "patterns",
-             "available_memory_proportion")
+_UNLOGGED = (
+    "anchored_tensors",
+    "compilation_progress_bar_fn",
+    "patterns_level",
+    "patterns",
+    "available_memory_proportion",
+)
 
 
 def _as_logged(value: Any) -> str:
@@ -403,8 +434,11 @@ def log_compiled_options(options: Options, ipus_per_replica: int) -> None:
         logger.debug("engineOptions[debug.retainDebugInformation] set to value false")
     pipelining = values.get("execution_mode") == 0 and ipus_per_replica > 1
     if "enablePipelining" in values and bool(values["enablePipelining"]) != pipelining:
-        logger.warning("enablePipelining forced by the user from default to %d, ignoring value "
-                       "%d", bool(values["enablePipelining"]), pipelining)
+        logger.warning(
+            "enablePipelining forced by the user from default to %d, ignoring value %d",
+            bool(values["enablePipelining"]),
+            pipelining,
+        )
     else:
         logger.debug("enablePipelining set to value %d", pipelining)
 
@@ -424,8 +458,8 @@ def _from_json_value(value: Any) -> Any:
 class Options(_OptionsDict):
     """All the options controlling how a model is compiled and run. Example::
 
-        opts = poptorch.Options().deviceIterations(4)
-        opts.Training.gradientAccumulation(8)
+    opts = poptorch.Options().deviceIterations(4)
+    opts.Training.gradientAccumulation(8)
     """
 
     def __init__(self) -> None:
@@ -439,15 +473,27 @@ class Options(_OptionsDict):
         self._relax_optimizer_checks = False
         self._show_compilation_progress_bar = True
         self._module_namescope_enabled = True
-        self._source_location_excludes = ["install/poptorch", "site-packages/torch",
-                                          "site-packages/poptorch"]
-        super().__init__(replication_factor=1, input_group_size=1,
-                         input_cgt=CommGroupType.Consecutive, broadcast_buffers=True,
-                         device_iterations=1, log_dir=".", auto_round_num_ipus=False,
-                         anchored_tensors={}, output_mode=OutputMode.Default.value,
-                         output_return_period=1, connection_type=ConnectionType.Always.value,
-                         sync_pattern=SyncPattern.Full.value, available_memory_proportion={},
-                         max_repeat_logs=4)
+        self._source_location_excludes = [
+            "install/poptorch",
+            "site-packages/torch",
+            "site-packages/poptorch",
+        ]
+        super().__init__(
+            replication_factor=1,
+            input_group_size=1,
+            input_cgt=CommGroupType.Consecutive,
+            broadcast_buffers=True,
+            device_iterations=1,
+            log_dir=".",
+            auto_round_num_ipus=False,
+            anchored_tensors={},
+            output_mode=OutputMode.Default.value,
+            output_return_period=1,
+            connection_type=ConnectionType.Always.value,
+            sync_pattern=SyncPattern.Full.value,
+            available_memory_proportion={},
+            max_repeat_logs=4,
+        )
         path = os.environ.get("POPTORCH_CACHE_DIR", "")
         if path:
             self.enableExecutableCaching(path)
@@ -491,34 +537,47 @@ class Options(_OptionsDict):
         self.set(replication_factor=replication_factor)
         return self
 
-    def inputReplicaGrouping(self, input_group_size: int,
-                             input_group_type: CommGroupType) -> Options:
+    def inputReplicaGrouping(
+        self, input_group_size: int, input_group_type: CommGroupType
+    ) -> Options:
         """Replicas in a group of ``input_group_size`` receive the same input data."""
         if input_group_type == CommGroupType.NoGrouping:  # as PopTorch: each replica its own
             input_group_size, input_group_type = 1, CommGroupType.Consecutive
         if input_group_type == CommGroupType.All:
-            raise ValueError("CommGroupType.All is not supported for input replica grouping. "
-                             "Use CommGroupType.Consecutive or CommGroupType.Orthogonal.")
+            raise ValueError(
+                "CommGroupType.All is not supported for input replica grouping. "
+                "Use CommGroupType.Consecutive or CommGroupType.Orthogonal."
+            )
         rf = self.replication_factor
-        if not isinstance(input_group_size, int) or input_group_size < 1 or \
-                input_group_size > rf or rf % input_group_size != 0:
-            raise ValueError(f"Input replica group size ({input_group_size}) must divide the "
-                             f"replication factor ({rf}). Set replicationFactor() first.")
+        if (
+            not isinstance(input_group_size, int)
+            or input_group_size < 1
+            or input_group_size > rf
+            or rf % input_group_size != 0
+        ):
+            raise ValueError(
+                f"Input replica group size ({input_group_size}) must divide the "
+                f"replication factor ({rf}). Set replicationFactor() first."
+            )
         self.set(input_group_size=input_group_size, input_cgt=CommGroupType(input_group_type))
         return self
 
-    def outputMode(self, output_mode: OutputMode, output_return_period: int | None = None
-                   ) -> Options:
+    def outputMode(
+        self, output_mode: OutputMode, output_return_period: int | None = None
+    ) -> Options:
         """Which outputs to return: All, Sum, Final, EveryN (with a period) or Default."""
         assert isinstance(output_mode, OutputMode), (
-            f"outputMode expects a poptorch.OutputMode. Received: {output_mode!r}.")
+            f"outputMode expects a poptorch.OutputMode. Received: {output_mode!r}."
+        )
         if output_mode == OutputMode.EveryN:
             assert output_return_period and output_return_period > 0, (
                 "EveryN anchor must have output_return_period set to valid positive integer. "
-                f"Received: output_return_period={output_return_period!r}.")
+                f"Received: output_return_period={output_return_period!r}."
+            )
         elif output_return_period:
-            logger.info("Anchor return period argument ignored with output_mode set to %s",
-                        output_mode)
+            logger.info(
+                "Anchor return period argument ignored with output_mode set to %s", output_mode
+            )
             output_return_period = None
         self.set(output_mode=output_mode.value, output_return_period=output_return_period or 1)
         return self
@@ -526,22 +585,31 @@ class Options(_OptionsDict):
     def defaultOutputMode(self) -> bool:
         return self.output_mode == OutputMode.Default
 
-    def anchorTensor(self, short_name: str, long_name: str,
-                     output_mode: OutputMode | None = None,
-                     output_return_period: int | None = 1) -> None:
+    def anchorTensor(
+        self,
+        short_name: str,
+        long_name: str,
+        output_mode: OutputMode | None = None,
+        output_return_period: int | None = 1,
+    ) -> None:
         """Return an extra named tensor (``None`` mode: same as the model outputs). Returns
         None, as PopTorch's does: this is the one setter that does not chain."""
         self.checkIsFrozen()
         if output_mode != OutputMode.EveryN:
             output_return_period = 1
-        self.anchored_tensors[short_name] = [long_name, output_mode is None, output_mode,
-                                             output_return_period]
+        self.anchored_tensors[short_name] = [
+            long_name,
+            output_mode is None,
+            output_mode,
+            output_return_period,
+        ]
 
     def randomSeed(self, random_seed: int) -> Options:
         """Seed the device RNG; like PopTorch this also calls ``torch.manual_seed``."""
         self.checkIsFrozen()
         assert isinstance(random_seed, int), (
-            f"randomSeed expects an int. Received: random_seed={random_seed!r}.")
+            f"randomSeed expects an int. Received: random_seed={random_seed!r}."
+        )
         torch.manual_seed(random_seed)
         self.createOrSet(random_seed=random_seed)
         return self
@@ -559,18 +627,21 @@ class Options(_OptionsDict):
     def setExecutionStrategy(self, strategy: _IExecutionStrategy) -> Options:
         assert isinstance(strategy, _IExecutionStrategy), (
             "setExecutionStrategy expects a PipelinedExecution, ShardedExecution, SerialPhased"
-            f"Execution or ParallelPhasedExecution. Received: {type(strategy).__name__}.")
+            f"Execution or ParallelPhasedExecution. Received: {type(strategy).__name__}."
+        )
         self._execution_strategy = strategy
         return self
 
-    def setAvailableMemoryProportion(self, available_memory_proportion: dict[str, float]
-                                     ) -> Options:
+    def setAvailableMemoryProportion(
+        self, available_memory_proportion: dict[str, float]
+    ) -> Options:
         """Per-IPU temporary memory proportion, e.g. ``{"IPU0": 0.5}`` (recorded only)."""
         actual = {}
         for key, mem in available_memory_proportion.items():
             assert key.startswith("IPU"), (
                 'Available memory proportions are expected to be in a dictionary of {"IPU0": 0.5} '
-                f"where the 0 in IPU is the index of the IPU. Invalid key: {key}")
+                f"where the 0 in IPU is the index of the IPU. Invalid key: {key}"
+            )
             actual[int(key[3:])] = mem
         self.createOrSet(available_memory_proportion=actual)
         return self
@@ -584,24 +655,31 @@ class Options(_OptionsDict):
         """Compile only, for IPU ``ipu_version``: 1 (Mk1), 2 (Mk2) or 21 (Mk2 with FP8)."""
         if isinstance(ipu_version, bool) or ipu_version not in _OFFLINE_IPU_VERSIONS:
             # PopTorch fails later, when Poplar cannot make the offline device at compile.
-            hint = (" poptorch.ipuHardwareVersion() is 0 on the emulator (no IPU): pass the "
-                    "version to target." if ipu_version == 0 else "")
-            raise ValueError("useOfflineIpuTarget: ipu_version must be 1 (Mk1), 2 (Mk2) or 21 "
-                             f"(Mk2 with FP8 support). Received: ipu_version={ipu_version!r}."
-                             + hint)
+            hint = (
+                " poptorch.ipuHardwareVersion() is 0 on the emulator (no IPU): pass the "
+                "version to target."
+                if ipu_version == 0
+                else ""
+            )
+            raise ValueError(
+                "useOfflineIpuTarget: ipu_version must be 1 (Mk1), 2 (Mk2) or 21 "
+                f"(Mk2 with FP8 support). Received: ipu_version={ipu_version!r}." + hint
+            )
         self.connectionType(ConnectionType.Never)
         self.createOrSet(ipu_version=ipu_version)
         return self
 
     def connectionType(self, connection_type: ConnectionType) -> Options:
         assert isinstance(connection_type, ConnectionType), (
-            f"connectionType expects a poptorch.ConnectionType. Received: {connection_type!r}.")
+            f"connectionType expects a poptorch.ConnectionType. Received: {connection_type!r}."
+        )
         self.set(connection_type=connection_type.value)
         return self
 
     def syncPattern(self, sync_pattern: SyncPattern) -> Options:
         assert isinstance(sync_pattern, SyncPattern), (
-            f"syncPattern expects a poptorch.SyncPattern. Received: {sync_pattern!r}.")
+            f"syncPattern expects a poptorch.SyncPattern. Received: {sync_pattern!r}."
+        )
         self.set(sync_pattern=sync_pattern.value)
         return self
 
@@ -621,13 +699,21 @@ class Options(_OptionsDict):
     def enableProfiling(self, profile_dir: str | None = None) -> Options:
         """Record PopART's profiling engine options (``POPLAR_ENGINE_OPTIONS`` wins if set)."""
         env = os.getenv("POPLAR_ENGINE_OPTIONS", default="")
-        if any(k in env for k in ("debug.allowOutOfMemory", "autoReport.directory",
-                                  "autoReport.all")):
-            logger.warning("Profiling setting overridden by environment variable. "
-                           "Check content of POPLAR_ENGINE_OPTIONS.")
+        if any(
+            k in env for k in ("debug.allowOutOfMemory", "autoReport.directory", "autoReport.all")
+        ):
+            logger.warning(
+                "Profiling setting overridden by environment variable. "
+                "Check content of POPLAR_ENGINE_OPTIONS."
+            )
         engine = dict(self._popart.options.get("engineOptions", {}))
-        engine.update({"debug.allowOutOfMemory": "true",
-                       "autoReport.directory": profile_dir or ".", "autoReport.all": "true"})
+        engine.update(
+            {
+                "debug.allowOutOfMemory": "true",
+                "autoReport.directory": profile_dir or ".",
+                "autoReport.all": "true",
+            }
+        )
         self._popart.setEngineOptions(engine)
         return self
 
@@ -651,7 +737,8 @@ class Options(_OptionsDict):
         """Repeated log lines shown before suppression (None: never suppress)."""
         self.checkIsFrozen()
         assert max_lines is None or isinstance(max_lines, int), (
-            f"maxRepeatLogs expects an int or None. Received: {max_lines!r}.")
+            f"maxRepeatLogs expects an int or None. Received: {max_lines!r}."
+        )
         self._values["max_repeat_logs"] = max_lines
         return self
 
@@ -692,6 +779,7 @@ class Options(_OptionsDict):
         syntax error anywhere applies nothing and raises ``ConfigFileError`` naming the line
         among the file's option lines (blank and comment lines are not counted)."""
         from .. import emulator  # the names an options file may use as "poptorch.<name>"
+
         with open(filepath, encoding="utf-8") as f:
             lines = [line.strip() for line in f]
         commands = [f"options.{line}" for line in lines if line and not line.startswith("#")]
@@ -701,8 +789,9 @@ class Options(_OptionsDict):
         except SyntaxError as e:
             n = e.lineno or 0
             line = commands[n - 1] if 0 < n <= len(commands) else (e.text or "").rstrip()
-            raise ConfigFileError(f"{type(e).__name__} at line {n} of "
-                                  f"{os.path.basename(filepath)}: {e.msg}\n> {line}") from e
+            raise ConfigFileError(
+                f"{type(e).__name__} at line {n} of {os.path.basename(filepath)}: {e.msg}\n> {line}"
+            ) from e
         exec(code, {"poptorch": emulator, "torch": torch, "options": self})  # noqa: S102
         return self
 

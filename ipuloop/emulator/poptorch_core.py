@@ -7,6 +7,7 @@ category as PopTorch's core reports it (what programs test their error handling 
 PopTorch's user guide does). The rest of that module drives the Poplar compiler (option
 validation, IR and the other test hooks) and is refused with ``poptorch.Error``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -15,8 +16,15 @@ from typing import Any
 from .blocks import Block
 from .errors import Error
 
-__all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType", "CoreOnlyError",
-           "isCompilingWithDispatcher", "_throwTestError"]
+__all__ = [
+    "Error",
+    "RecoverableError",
+    "UnrecoverableError",
+    "TestErrorType",
+    "CoreOnlyError",
+    "isCompilingWithDispatcher",
+    "_throwTestError",
+]
 
 
 class RecoverableError(Error):
@@ -49,20 +57,37 @@ class TestErrorType(enum.IntEnum):
 _TEST_ERRORS = {
     TestErrorType.Poptorch: (Error, "poptorch_cpp_error", "This is a PopTorch error", ""),
     TestErrorType.Popart: (Error, "popart_exception", "This is a Popart error", ""),
-    TestErrorType.PopartInternal: (Error, "popart_internal_exception", "This is a Popart error",
-                                   ""),
+    TestErrorType.PopartInternal: (
+        Error,
+        "popart_internal_exception",
+        "This is a Popart error",
+        "",
+    ),
     TestErrorType.Poplibs: (Error, "poplibs_exception", "This is a Poplibs error", ""),
-    TestErrorType.PoplarUnrecoverable: (UnrecoverableError,
-                                        "poplar_unrecoverable_runtime_error",
-                                        "This is not recoverable", ""),
-    TestErrorType.PoplarUnknown: (Error, "poplar_unknown_runtime_error",
-                                  "Don't know what happened", ""),
-    TestErrorType.PoplarRecoverableFullReset: (RecoverableError,
-                                               "poplar_recoverable_runtime_error",
-                                               "Reboot needed", "FULL_RESET"),
-    TestErrorType.PoplarLinkError: (Error, "poplar_link_error",
-                                    "Link error. Output: Library -lfoo not found\ncheck path",
-                                    ""),
+    TestErrorType.PoplarUnrecoverable: (
+        UnrecoverableError,
+        "poplar_unrecoverable_runtime_error",
+        "This is not recoverable",
+        "",
+    ),
+    TestErrorType.PoplarUnknown: (
+        Error,
+        "poplar_unknown_runtime_error",
+        "Don't know what happened",
+        "",
+    ),
+    TestErrorType.PoplarRecoverableFullReset: (
+        RecoverableError,
+        "poplar_recoverable_runtime_error",
+        "Reboot needed",
+        "FULL_RESET",
+    ),
+    TestErrorType.PoplarLinkError: (
+        Error,
+        "poplar_link_error",
+        "Link error. Output: Library -lfoo not found\ncheck path",
+        "",
+    ),
 }
 
 
@@ -71,13 +96,15 @@ def _throwTestError(error_type: TestErrorType) -> None:
     ``type``, ``location`` (the two contexts PopTorch's hook raises it in) and, for a
     recoverable one, ``recovery_action``."""
     cls, kind, message, action = _TEST_ERRORS.get(
-        error_type, (Error, "poptorch_cpp_error", "Unknown TestErrorType", ""))
+        error_type, (Error, "poptorch_cpp_error", "Unknown TestErrorType", "")
+    )
     location = " [0] throwTestError::topLevel\n [1] throwTestError::bottomLevel"
     text = f"In Compiler.cpp: '{kind}': {message}"
     if action:
         text += f"\nRecovery action required: {action}"
-    error = cls(f"{text}\nError raised in:\n{location}", type=kind, location=location,
-                message=message)
+    error = cls(
+        f"{text}\nError raised in:\n{location}", type=kind, location=location, message=message
+    )
     if action:
         error.recovery_action = action
     raise error
@@ -97,8 +124,10 @@ class CoreOnlyError(Error, AttributeError):
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    raise CoreOnlyError(f"poptorch.poptorch_core.{name} belongs to PopTorch's compiled core "
-                        "(the Poplar compiler, its IR and its test hooks), which the ipuloop "
-                        "emulator does not have. Only poptorch_core.Error, RecoverableError, "
-                        "UnrecoverableError and isCompilingWithDispatcher exist here; use the "
-                        "public poptorch API instead.")
+    raise CoreOnlyError(
+        f"poptorch.poptorch_core.{name} belongs to PopTorch's compiled core "
+        "(the Poplar compiler, its IR and its test hooks), which the ipuloop "
+        "emulator does not have. Only poptorch_core.Error, RecoverableError, "
+        "UnrecoverableError and isCompilingWithDispatcher exist here; use the "
+        "public poptorch API instead."
+    )

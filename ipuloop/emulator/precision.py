@@ -1,11 +1,13 @@
 """float16 and float32 operands in one op, as PopTorch 3.x runs them on an IPU, and the
 stochastic rounding of float32 values to float16 (``Precision.enableStochasticRounding``)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
 from . import _pytree as pytree
 
 __all__ = ["MixedFloat", "stochastic_round_to_half"]
@@ -51,8 +53,10 @@ class MixedFloat(TorchFunctionMode):
             return self._run(func, args, kwargs)
         except RuntimeError:
             leaves = pytree.tree_leaves((args, kwargs))
-            first = next((t.dtype for t in leaves
-                          if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+            first = next(
+                (t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                None,
+            )
             if first is None or not _mixes_float_types(leaves):
                 raise
 

@@ -1,5 +1,6 @@
 """How ``ipu_print_tensor`` lays out a tensor: Poplar's print format (its ``PrintTensorFmt``:
 summarising, line width, digits, float format, separator and brackets)."""
+
 from __future__ import annotations
 
 import math
@@ -16,30 +17,57 @@ _ELLIPSIS = "..."
 class PrintFormat:
     """The formatting arguments of ``poptorch.ipu_print_tensor``, checked."""
 
-    __slots__ = ("summarise_threshold", "edge_items", "max_line_width", "digits",
-                 "float_format", "separator", "open_bracket", "close_bracket")
+    __slots__ = (
+        "summarise_threshold",
+        "edge_items",
+        "max_line_width",
+        "digits",
+        "float_format",
+        "separator",
+        "open_bracket",
+        "close_bracket",
+    )
 
-    def __init__(self, summarise_threshold: int = 1000, edge_items: int = 3,
-                 max_line_width: int = 80, digits: int = 4, float_format: str = "auto",
-                 separator: str = ", ", open_bracket: str = "(",
-                 close_bracket: str = ")") -> None:
-        for name, value in (("summarise_threshold", summarise_threshold),
-                            ("edge_items", edge_items), ("max_line_width", max_line_width),
-                            ("digits", digits)):
+    def __init__(
+        self,
+        summarise_threshold: int = 1000,
+        edge_items: int = 3,
+        max_line_width: int = 80,
+        digits: int = 4,
+        float_format: str = "auto",
+        separator: str = ", ",
+        open_bracket: str = "(",
+        close_bracket: str = ")",
+    ) -> None:
+        for name, value in (
+            ("summarise_threshold", summarise_threshold),
+            ("edge_items", edge_items),
+            ("max_line_width", max_line_width),
+            ("digits", digits),
+        ):
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"ipu_print_tensor: {name} must be an int. Received: "
-                                f"{name}={value!r}.")
+                raise TypeError(
+                    f"ipu_print_tensor: {name} must be an int. Received: {name}={value!r}."
+                )
             if value < 0:
-                raise ValueError(f"ipu_print_tensor: {name} must be >= 0 (0 turns it off). "
-                                 f"Received: {name}={value!r}.")
+                raise ValueError(
+                    f"ipu_print_tensor: {name} must be >= 0 (0 turns it off). "
+                    f"Received: {name}={value!r}."
+                )
         if float_format not in FLOAT_FORMATS:
-            raise ValueError(f"ipu_print_tensor: float_format must be one of {FLOAT_FORMATS}. "
-                             f"Received: float_format={float_format!r}.")
-        for name, value in (("separator", separator), ("open_bracket", open_bracket),
-                            ("close_bracket", close_bracket)):
+            raise ValueError(
+                f"ipu_print_tensor: float_format must be one of {FLOAT_FORMATS}. "
+                f"Received: float_format={float_format!r}."
+            )
+        for name, value in (
+            ("separator", separator),
+            ("open_bracket", open_bracket),
+            ("close_bracket", close_bracket),
+        ):
             if not isinstance(value, str):
-                raise TypeError(f"ipu_print_tensor: {name} must be a str. Received: "
-                                f"{name}={value!r}.")
+                raise TypeError(
+                    f"ipu_print_tensor: {name} must be a str. Received: {name}={value!r}."
+                )
         self.summarise_threshold = summarise_threshold
         self.edge_items = edge_items
         self.max_line_width = max_line_width
@@ -82,8 +110,11 @@ def _float_formatter(values: Sequence[float], fmt: PrintFormat):
         nonzero = [v for v in finite if v != 0.0]
         big, small = (max(nonzero), min(nonzero)) if nonzero else (0.0, 0.0)
         # fixed notation unless the magnitudes need an exponent to keep ``digits`` digits
-        style = "scientific" if nonzero and (big >= 1e8 or small < 1e-4 or big / small > 1e3) \
+        style = (
+            "scientific"
+            if nonzero and (big >= 1e8 or small < 1e-4 or big / small > 1e3)
             else "fixed"
+        )
     if style == "scientific":
         return lambda v: _special(v) or f"{v:.{max(digits - 1, 0)}e}"
     # fixed: ``digits`` significant digits for the largest magnitude
@@ -121,15 +152,19 @@ def format_tensor(t: torch.Tensor, fmt: PrintFormat) -> str:
         return one(v).rjust(width)
 
     def row(sub: torch.Tensor, indent: int) -> str:
-        items = [_ELLIPSIS.rjust(width) if i is None else element(sub[i].item())
-                 for i in _kept(sub.shape[0], fmt.edge_items, summarise)]
+        items = [
+            _ELLIPSIS.rjust(width) if i is None else element(sub[i].item())
+            for i in _kept(sub.shape[0], fmt.edge_items, summarise)
+        ]
         lines: list[str] = []
         line = " " * indent + fmt.open_bracket + (items[0] if items else "")
         continuation = " " * (indent + len(fmt.open_bracket) + 1)
         for k, item in enumerate(items[1:], start=1):
             tail = fmt.close_bracket if k == len(items) - 1 else ""
-            if fmt.max_line_width and \
-                    len(line) + len(fmt.separator) + len(item) + len(tail) > fmt.max_line_width:
+            if (
+                fmt.max_line_width
+                and len(line) + len(fmt.separator) + len(item) + len(tail) > fmt.max_line_width
+            ):
                 lines.append(line + fmt.separator)
                 line = continuation + item
             else:
@@ -140,10 +175,13 @@ def format_tensor(t: torch.Tensor, fmt: PrintFormat) -> str:
     def block(sub: torch.Tensor, indent: int) -> str:
         if sub.dim() == 1:
             return row(sub, indent)
-        inner = [" " * (indent + 1) + _ELLIPSIS if i is None else block(sub[i], indent + 1)
-                 for i in _kept(sub.shape[0], fmt.edge_items, summarise)]
-        return "\n".join([" " * indent + fmt.open_bracket, *inner,
-                          " " * indent + fmt.close_bracket])
+        inner = [
+            " " * (indent + 1) + _ELLIPSIS if i is None else block(sub[i], indent + 1)
+            for i in _kept(sub.shape[0], fmt.edge_items, summarise)
+        ]
+        return "\n".join(
+            [" " * indent + fmt.open_bracket, *inner, " " * indent + fmt.close_bracket]
+        )
 
     if t.dim() == 0:
         return element(t.item())

@@ -12,6 +12,7 @@ On the emulator the device tensor is the whole ``[groups, *shape]`` weight. Duri
 (``use``), moves the gradient its backward left into that slice's gradient (``collect``),
 and gives the parameter the whole weight and gradient back for the update (``whole``).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,12 @@ class ReplicaGroupingWrapper:
         self._name = name
         self._param = param
 
-    def replicaGrouping(self, comm_group_type: CommGroupType, shards: int,
-                        variable_retrieval_mode: VariableRetrievalMode) -> None:
+    def replicaGrouping(
+        self,
+        comm_group_type: CommGroupType,
+        shards: int,
+        variable_retrieval_mode: VariableRetrievalMode,
+    ) -> None:
         """Give each group of replicas its own slice of this weight (see the module doc)."""
         ex = self._executor
         setting = (comm_group_type, shards, variable_retrieval_mode)
@@ -75,29 +80,38 @@ def check_setting(name: str, param: torch.Tensor, setting: tuple, rf: int) -> in
     if not isinstance(comm, CommGroupType):
         raise ValueError(f"{call}: comm_group_type must be a poptorch.CommGroupType.")
     if not isinstance(mode, VariableRetrievalMode):
-        raise ValueError(f"{call}: variable_retrieval_mode must be a "
-                         "poptorch.VariableRetrievalMode.")
+        raise ValueError(
+            f"{call}: variable_retrieval_mode must be a poptorch.VariableRetrievalMode."
+        )
     if comm in (CommGroupType.Consecutive, CommGroupType.Orthogonal) and (
-            isinstance(shards, bool) or not isinstance(shards, int) or shards < 1
-            or rf % shards):
-        raise ValueError(f"{call}: shards is the number of replicas in each group and must "
-                         f"divide replicationFactor ({rf}).")
+        isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or rf % shards
+    ):
+        raise ValueError(
+            f"{call}: shards is the number of replicas in each group and must "
+            f"divide replicationFactor ({rf})."
+        )
     groups = replica_groups(setting, rf)
     if groups is None:
         return 1
     count = max(groups) + 1
     if param.dim() == 0:
-        raise Error(f"Scalars cannot be passed as per-replica weight tensor values: {name} is "
-                    "a scalar. Give it a leading dimension of one slice per replica group.")
+        raise Error(
+            f"Scalars cannot be passed as per-replica weight tensor values: {name} is "
+            "a scalar. Give it a leading dimension of one slice per replica group."
+        )
     if param.shape[0] != count:
-        raise Error(f"{call}: the host tensor holds one slice per replica group along its first "
-                    f"dimension, so {name} needs shape [{count}, ...] for {count} groups of "
-                    f"replicationFactor({rf}). Received: shape {list(param.shape)}.")
+        raise Error(
+            f"{call}: the host tensor holds one slice per replica group along its first "
+            f"dimension, so {name} needs shape [{count}, ...] for {count} groups of "
+            f"replicationFactor({rf}). Received: shape {list(param.shape)}."
+        )
     if mode == VariableRetrievalMode.AllReplicas and count != rf:
-        raise Error(f"{call}: VariableRetrievalMode.AllReplicas returns one value per replica "
-                    f"({rf}), which {name}'s host tensor of one slice per group ({count}) "
-                    "cannot hold. Use VariableRetrievalMode.OnePerGroup (replicas of a group "
-                    "hold the same value).")
+        raise Error(
+            f"{call}: VariableRetrievalMode.AllReplicas returns one value per replica "
+            f"({rf}), which {name}'s host tensor of one slice per group ({count}) "
+            "cannot hold. Use VariableRetrievalMode.OnePerGroup (replicas of a group "
+            "hold the same value)."
+        )
     return count
 
 
@@ -145,8 +159,13 @@ class GroupedWeights:
             p.grad, self._grads[k] = self._grads[k], None
 
 
-def resolve(settings: dict[str, tuple], model: torch.nn.Module, weights: Any, options: Any,
-            optimizer: torch.optim.Optimizer | None) -> GroupedWeights | None:
+def resolve(
+    settings: dict[str, tuple],
+    model: torch.nn.Module,
+    weights: Any,
+    options: Any,
+    optimizer: torch.optim.Optimizer | None,
+) -> GroupedWeights | None:
     """At compile: the grouped weights of ``model`` as PopTorch finds them (by parameter name,
     those ``replicaGrouping`` named), checked; None when there are none."""
     if not settings:
@@ -164,15 +183,18 @@ def resolve(settings: dict[str, tuple], model: torch.nn.Module, weights: Any, op
     if not entries:
         return None
     if options.Distributed.numProcesses > 1:
-        raise Error("replicaGrouping with Distributed.numProcesses > 1 is not supported by the "
-                    "ipuloop emulator: run the replicas in one process (replicationFactor).")
+        raise Error(
+            "replicaGrouping with Distributed.numProcesses > 1 is not supported by the "
+            "ipuloop emulator: run the replicas in one process (replicationFactor)."
+        )
     if optimizer is not None:
         # The update of a grouped weight must be element-wise to be its groups' own updates:
         # LAMB's trust ratio and gradient clipping take norms, which each replica takes of its
         # own slices on an IPU.
-        if isinstance(optimizer, LAMB) or \
-                getattr(optimizer, "max_grad_norm", math.inf) != math.inf:
-            raise Error("replicaGrouping with LAMB or max_grad_norm is not supported by the "
-                        "ipuloop emulator (each replica takes its own norms on an IPU): use "
-                        "SGD, Adam, AdamW or RMSprop without max_grad_norm.")
+        if isinstance(optimizer, LAMB) or getattr(optimizer, "max_grad_norm", math.inf) != math.inf:
+            raise Error(
+                "replicaGrouping with LAMB or max_grad_norm is not supported by the "
+                "ipuloop emulator (each replica takes its own norms on an IPU): use "
+                "SGD, Adam, AdamW or RMSprop without max_grad_norm."
+            )
     return GroupedWeights(weights, entries)

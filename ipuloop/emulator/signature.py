@@ -13,6 +13,7 @@ A dict argument compiles with PopTorch's warning that dicts are only partly supp
 The tensors of a structure are its leaves, found through tuples, lists and dicts (any dict
 subclass, such as ``OrderedDict``, keeps its type); everything else is a constant.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,14 +28,17 @@ from .errors import Error
 
 __all__ = ["Signature", "unflatten"]
 
-_END = ("\nThis error occurred because the inputs passed at runtime don't match the inputs used "
-        "to compile the model.\nTo recompile the model for the new inputs create a new "
-        "inferenceModel / trainingModel wrapper or call destroy() on the current one and try "
-        "again.")
+_END = (
+    "\nThis error occurred because the inputs passed at runtime don't match the inputs used "
+    "to compile the model.\nTo recompile the model for the new inputs create a new "
+    "inferenceModel / trainingModel wrapper or call destroy() on the current one and try "
+    "again."
+)
 
 
 class _Meta:
     """What the compiled graph knows of an input tensor."""
+
     __slots__ = ("type", "shape", "dtype")
 
     def __init__(self, t: torch.Tensor) -> None:
@@ -43,6 +47,7 @@ class _Meta:
 
 class _Custom:
     """An input of a type with a registered ``ICustomArgParser``: its tensors' templates."""
+
     __slots__ = ("type", "parser", "obj", "items")
 
     def __init__(self, x: Any, parser: Any) -> None:
@@ -115,16 +120,18 @@ def _validate(name: str, t: Any, x: Any) -> None:
         raise Error(f"Type mismatch for {name}: expected {ttype} but got {type(x)}.{_END}")
     if isinstance(t, _Meta):
         if x.dtype != t.dtype:  # checked before the shape, as PopTorch does
-            raise Error(f"Data type mismatch for {name}: expected {t.dtype} but got "
-                        f"{x.dtype}.{_END}")
+            raise Error(
+                f"Data type mismatch for {name}: expected {t.dtype} but got {x.dtype}.{_END}"
+            )
         if x.shape != t.shape:
-            raise Error(f"Shape mismatch for {name}: expected {t.shape} but got "
-                        f"{x.shape}.{_END}")
+            raise Error(f"Shape mismatch for {name}: expected {t.shape} but got {x.shape}.{_END}")
     elif isinstance(t, _Custom):
         tensors = list(t.parser.yieldTensors(x))
         if len(tensors) != len(t.items):
-            raise Error(f"Length mismatch for {name}: expected {len(t.items)} tensors but got "
-                        f"{len(tensors)}.{_END}")
+            raise Error(
+                f"Length mismatch for {name}: expected {len(t.items)} tensors but got "
+                f"{len(tensors)}.{_END}"
+            )
         for i, (tv, xv) in enumerate(zip(t.items, tensors)):
             _validate(f"{name}[{i}]", tv, xv)
     elif isinstance(t, dict):
@@ -133,8 +140,9 @@ def _validate(name: str, t: Any, x: Any) -> None:
             _validate(f"{name}[{k}]", v, x[k])
     elif isinstance(t, (tuple, list)):
         if len(t) != len(x):
-            raise Error(f"Length mismatch for {name}: expected {len(t)} elements but got "
-                        f"{len(x)}.{_END}")
+            raise Error(
+                f"Length mismatch for {name}: expected {len(t)} elements but got {len(x)}.{_END}"
+            )
         for i, (tv, xv) in enumerate(zip(t, x)):
             _validate(f"{name}[{i}]", tv, xv)
     elif not _same_constant(t, x):
@@ -168,8 +176,10 @@ class _Binder:
         try:
             params = list(inspect.signature(forward).parameters.values())
         except (TypeError, ValueError):  # no signature (a builtin): take anything
-            params = [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
-                      inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+            params = [
+                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            ]
         self.params = params
         self.names = [p.name for p in params]
         self.variadic = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
@@ -184,17 +194,20 @@ class _Binder:
                 "PopTorch passes by position (it binds every parameter of forward that does "
                 "not follow a *args so), and Python refuses: on an IPU the call fails with "
                 "'takes N positional arguments but M were given'. Make them ordinary "
-                "parameters: remove the bare * from forward's signature.")
+                "parameters: remove the bare * from forward's signature."
+            )
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[list, list[str], dict]:
         """(positional values, their names, keyword values) for ``forward(*args, **kwargs)``."""
         if not self.variadic:
             assert len(args) + len(kwargs) <= len(self.names), (
                 f"Too many arguments provided: expected {self.names} ({len(self.names)}) but "
-                f"got {len(args) + len(kwargs)}")
+                f"got {len(args) + len(kwargs)}"
+            )
             for k in kwargs:
-                assert k in self.names, f"{k} is not a valid parameter. Allowed values are " \
-                                        f"{self.names}"
+                assert k in self.names, (
+                    f"{k} is not a valid parameter. Allowed values are {self.names}"
+                )
         values, names, named = [], [], {}
         after_star = False
         args = list(args)
@@ -217,8 +230,10 @@ class _Binder:
                 elif p.default is not p.empty:
                     v = p.default
                 else:
-                    raise Error(f"Mandatory parameter {p.name} missing: forward() of the wrapped "
-                                f"model has no default for it. Pass {p.name} to the call.")
+                    raise Error(
+                        f"Mandatory parameter {p.name} missing: forward() of the wrapped "
+                        f"model has no default for it. Pass {p.name} to the call."
+                    )
                 if after_star or p.kind == p.KEYWORD_ONLY:
                     named[p.name] = v
                 else:
@@ -243,17 +258,21 @@ class Signature:
                 logging.getLogger("poptorch").warning(
                     "Dicts as inputs only have partial support, they can be accessed using "
                     "literal keys, but full Python functionality is not enabled. Consider "
-                    "changing dict inputs to tuple.")
+                    "changing dict inputs to tuple."
+                )
         self.template = (_template(tuple(values)), _template(named))
-        positional = not named and len(values) == len(args) and all(
-            type(v) is torch.Tensor for v in values)
+        positional = (
+            not named and len(values) == len(args) and all(type(v) is torch.Tensor for v in values)
+        )
         self.spec: Any = len(values) if positional else self
         self.fast = [(v.shape, v.dtype) for v in values] if positional else None
         for x in self.flatten(args, kwargs):
             if any(d == 0 for d in x.shape):
-                raise Error(f"Zero-sized tensors are unsupported (Got shape "
-                            f"[{', '.join(map(str, x.shape))}]). Inputs of a wrapped model "
-                            "must have no dimension of size 0.")
+                raise Error(
+                    f"Zero-sized tensors are unsupported (Got shape "
+                    f"[{', '.join(map(str, x.shape))}]). Inputs of a wrapped model "
+                    "must have no dimension of size 0."
+                )
 
     def arg_name(self, i: int) -> str:
         return repr(self.names[i]) if i < len(self.names) else f"#{i}"
@@ -268,15 +287,23 @@ class Signature:
     def check(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """Bind a call, check it matches the compiled one, and return its tensors."""
         fast = self.fast
-        if fast is not None and not kwargs and len(args) == len(fast) and all(
+        if (
+            fast is not None
+            and not kwargs
+            and len(args) == len(fast)
+            and all(
                 type(x) is torch.Tensor and x.dtype == dt and x.shape == sh
-                for x, (sh, dt) in zip(args, fast)):
+                for x, (sh, dt) in zip(args, fast)
+            )
+        ):
             return list(args)  # the common case; anything else gets the full check below
         values, names, named = self._binder.bind(args, kwargs)
         tvalues, tnamed = self.template
         if len(values) != len(tvalues):
-            raise Error(f"Number of positional arguments mismatch: expected {len(tvalues)} "
-                        f"arguments but got {len(values)}.{_END}")
+            raise Error(
+                f"Number of positional arguments mismatch: expected {len(tvalues)} "
+                f"arguments but got {len(values)}.{_END}"
+            )
         for name, t, x in zip(names, tvalues, values):
             _validate(name, t, x)
         _check_keys("named arguments", tnamed, named)

@@ -11,6 +11,7 @@ too, when it compiles.
   ``masked_select``): PopTorch's dispatcher computes every shape ahead of the data, and torch's
   ``DynamicOutputShapeException`` says it cannot.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -34,8 +35,10 @@ def _one_hot(args: tuple, kwargs: dict) -> None:
 
 def _bincount(args: tuple, kwargs: dict) -> None:
     if _arg(args, kwargs, 2, "minlength", 0) <= 0:
-        raise Error("Bincount `minlength` must be specified and must be a constant. On the IPU "
-                    "MK2 platform the minimum length is also the maximum length")
+        raise Error(
+            "Bincount `minlength` must be specified and must be a constant. On the IPU "
+            "MK2 platform the minimum length is also the maximum length"
+        )
 
 
 _UPSAMPLE_OPS = {"linear": "aten::upsample_linear1d", "trilinear": "aten::upsample_trilinear3d"}
@@ -44,13 +47,16 @@ _UPSAMPLE_OPS = {"linear": "aten::upsample_linear1d", "trilinear": "aten::upsamp
 def _interpolate(args: tuple, kwargs: dict) -> None:
     mode = _arg(args, kwargs, 3, "mode", "nearest")
     if mode in _UPSAMPLE_OPS:
-        raise Error(f"Unsupported upsample mode {_UPSAMPLE_OPS[mode]}: currently only 'nearest' "
-                    "is supported")
+        raise Error(
+            f"Unsupported upsample mode {_UPSAMPLE_OPS[mode]}: currently only 'nearest' "
+            "is supported"
+        )
 
 
 def _dynamic_shape(op: Any) -> Callable[[tuple, dict], None]:
     def refuse(args: tuple, kwargs: dict) -> None:
         from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
         raise DynamicOutputShapeException(op)
 
     return refuse

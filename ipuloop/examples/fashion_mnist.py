@@ -9,6 +9,7 @@ is passed in, and accuracy is a torchmetrics metric, computed on the training an
 set every epoch. Runs on IPUs with poptorch installed, else on the emulator.
 ``benchmarks/fashion_mnist_torch.py`` is the same program written in plain torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ import torch.nn as nn
 
 __all__ = ["ClassificationModel", "load_fashion_mnist", "main"]
 
-FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-         "t10k-labels-idx1-ubyte")
+FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 class ClassificationModel(nn.Module):
@@ -68,7 +73,8 @@ def _root(data_dir: str) -> str:
     """
     raw = os.path.join(data_dir, "FashionMNIST", "raw")
     if all(os.path.exists(os.path.join(raw, n)) for n in FILES) or not all(
-            os.path.exists(os.path.join(raw, n + ".gz")) for n in FILES):
+        os.path.exists(os.path.join(raw, n + ".gz")) for n in FILES
+    ):
         return data_dir  # complete, or nothing to decompress: torchvision reads or downloads
     cache = _cache_dir()
     out = os.path.join(cache, "FashionMNIST", "raw")
@@ -85,6 +91,7 @@ def _root(data_dir: str) -> str:
 def load_fashion_mnist(data_dir: str, train: bool) -> torch.utils.data.TensorDataset:
     """Fashion-MNIST through torchvision, normalised once (ToTensor + Normalize((0.5,), (0.5,)))."""
     import torchvision
+
     try:
         ds = torchvision.datasets.FashionMNIST(_root(data_dir), train=train, download=True)
     except Exception as e:  # offline and not on disk
@@ -93,7 +100,8 @@ def load_fashion_mnist(data_dir: str, train: bool) -> torch.utils.data.TensorDat
             f"could not be downloaded ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}).\nPass --data-dir DIR (or set "
             "IPULOOP_DATA_DIR) where DIR/FashionMNIST/raw holds the four Fashion-MNIST files "
-            "(train-images-idx3-ubyte.gz, ...), as torchvision lays them out.") from e
+            "(train-images-idx3-ubyte.gz, ...), as torchvision lays them out."
+        ) from e
     images = ((ds.data.float().div_(255) - 0.5) / 0.5).unsqueeze(1)
     return torch.utils.data.TensorDataset(images, ds.targets)
 
@@ -105,23 +113,37 @@ def data_dir_arg(arg: str | None) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ipuloop.examples.fashion_mnist",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding FashionMNIST/raw (default: $IPULOOP_DATA_DIR, else "
-                        "~/.cache/torchvision; downloaded when missing and online)")
+    p = argparse.ArgumentParser(
+        prog="python -m ipuloop.examples.fashion_mnist",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder holding FashionMNIST/raw (default: $IPULOOP_DATA_DIR, else "
+        "~/.cache/torchvision; downloaded when missing and online)",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16, help="micro-batch size")
-    p.add_argument("--device-iterations", type=int, default=10,
-                   help="optimizer updates per host call")
+    p.add_argument(
+        "--device-iterations", type=int, default=10, help="optimizer updates per host call"
+    )
     p.add_argument("--learning-rate", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
-    p.add_argument("--csv", default=None, metavar="FILE",
-                   help="write the logs to this CSV file (plot with python -m ipuloop.plot)")
-    p.add_argument("--tensorboard", default=None, metavar="DIR",
-                   help="write TensorBoard scalars to this folder")
+    p.add_argument(
+        "--csv",
+        default=None,
+        metavar="FILE",
+        help="write the logs to this CSV file (plot with python -m ipuloop.plot)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write TensorBoard scalars to this folder",
+    )
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "device_iterations"):
         if getattr(args, name) < 1:
@@ -151,23 +173,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = ClassificationModel()
     opts = poptorch.Options().deviceIterations(args.device_iterations)
-    loop = Loop(model, opts, loss_fn=nn.NLLLoss(),
-                optimizer=torch.optim.SGD(model.parameters(), lr=args.learning_rate),
-                metrics={"accuracy": torchmetrics.Accuracy(task="multiclass", num_classes=10)},
-                callbacks=callbacks, seed=args.seed)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
-                                               shuffle=True)
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=nn.NLLLoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=args.learning_rate),
+        metrics={"accuracy": torchmetrics.Accuracy(task="multiclass", num_classes=10)},
+        callbacks=callbacks,
+        seed=args.seed,
+    )
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.batch_size)
-    print(f"backend: {backend_name()}; micro-batch {args.batch_size} x "
-          f"{args.device_iterations} device iterations", flush=True)
+    print(
+        f"backend: {backend_name()}; micro-batch {args.batch_size} x "
+        f"{args.device_iterations} device iterations",
+        flush=True,
+    )
     start = time.perf_counter()
     loop.fit(train_loader, epochs=args.epochs, val_loader=test_loader, max_steps=args.max_steps)
     train_time = time.perf_counter() - start
     logits = loop.predict(test_loader)  # every test sample, in order
     acc = (logits.argmax(dim=1) == test_set.tensors[1]).double().mean().item() * 100
     st = loop.state
-    print(f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in "
-          f"{train_time:.1f}s")
+    print(
+        f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in {train_time:.1f}s"
+    )
     print(f"Accuracy on test set: {acc:0.2f}%")
     return 0
 

@@ -4,6 +4,7 @@ The PopTorch pipelining tutorial's program (a four-block CNN, one ``Stage`` per 
 iterations and gradient accumulation, AdamW, inference with options cloned from training)
 written with ``ipuloop.Loop``. Runs on IPUs with poptorch installed, else on the emulator.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,12 @@ __all__ = ["Network", "TrainingModelWithLoss", "build_options", "load_mnist", "m
 MEAN = 0.1307
 STD = 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
 STAGES = 4  # blocks B1..B4, one IPU each
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-               "t10k-labels-idx1-ubyte")
+MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 class ConvLayer(nn.Module):
@@ -52,6 +57,7 @@ class Network(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ipuloop import poptorch
+
         with poptorch.Block("B1"):
             x = self.layer1(x)
         with poptorch.Block("B2"):
@@ -74,6 +80,7 @@ class TrainingModelWithLoss(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None):
         from ipuloop import poptorch
+
         output = self.model(x)
         if labels is None:
             return output
@@ -85,6 +92,7 @@ class TrainingModelWithLoss(nn.Module):
 def build_options(args: argparse.Namespace):
     """Training options as the tutorial sets them, and inference options cloned from them."""
     from ipuloop import poptorch
+
     opts = poptorch.Options()
     opts.deviceIterations(args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
@@ -93,7 +101,8 @@ def build_options(args: argparse.Namespace):
     opts.setExecutionStrategy(_strategy(args.strategy))
     if args.offload_optimiser:
         opts.TensorLocations.setOptimizerLocation(
-            poptorch.TensorLocationSettings().useOnChipStorage(False))
+            poptorch.TensorLocationSettings().useOnChipStorage(False)
+        )
     inference = opts.clone()
     inference.Training.gradientAccumulation(1)
     inference.deviceIterations(args.inference_iterations)
@@ -103,12 +112,14 @@ def build_options(args: argparse.Namespace):
 def _strategy(name: str):
     """One stage per block, block ``Bi`` on IPU i-1, pipelined or sharded."""
     from ipuloop import poptorch
+
     strategy = poptorch.PipelinedExecution if name == "pipelined" else poptorch.ShardedExecution
     return strategy(*(poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(STAGES)))
 
 
-def check_factors(opts, inference, strategy: str, inference_pipelined: bool,
-                  names: dict[str, str]) -> None:
+def check_factors(
+    opts, inference, strategy: str, inference_pipelined: bool, names: dict[str, str]
+) -> None:
     """The options' factors against the IPUs and the pipeline, before any data is read.
 
     ``names`` spells each factor as the user gave it (a flag, or an --ipu-config key).
@@ -118,18 +129,24 @@ def check_factors(opts, inference, strategy: str, inference_pipelined: bool,
     ga = opts.Training.gradient_accumulation
     ipus = rf * STAGES
     if not opts.auto_round_num_ipus and (ipus & (ipus - 1) or ipus > 64):
-        raise ValueError(f"{names['replicas']} {rf}: {rf} replica(s) of {STAGES} IPUs is "
-                         f"{ipus} IPUs, but PopTorch reserves a power of 2 of IPUs, at most 64. "
-                         f"Use {names['replicas']} 1, 2, 4, 8 or 16.")
+        raise ValueError(
+            f"{names['replicas']} {rf}: {rf} replica(s) of {STAGES} IPUs is "
+            f"{ipus} IPUs, but PopTorch reserves a power of 2 of IPUs, at most 64. "
+            f"Use {names['replicas']} 1, 2, 4, 8 or 16."
+        )
     if strategy == "pipelined" and ga < 2 * STAGES - 1:
-        raise ValueError(f"{names['gradient_accumulation']} {ga} is too small for --strategy "
-                         f"pipelined: training {STAGES} pipeline stages needs at least "
-                         f"{2 * STAGES - 1}. Raise it, or use --strategy sharded.")
+        raise ValueError(
+            f"{names['gradient_accumulation']} {ga} is too small for --strategy "
+            f"pipelined: training {STAGES} pipeline stages needs at least "
+            f"{2 * STAGES - 1}. Raise it, or use --strategy sharded."
+        )
     di = inference.device_iterations
     if inference_pipelined and di < STAGES:
-        raise ValueError(f"{names['inference_iterations']} {di} is too small for --strategy "
-                         f"pipelined: inference over {STAGES} pipeline stages needs at least "
-                         f"{STAGES} device iterations.")
+        raise ValueError(
+            f"{names['inference_iterations']} {di} is too small for --strategy "
+            f"pipelined: inference over {STAGES} pipeline stages needs at least "
+            f"{STAGES} device iterations."
+        )
 
 
 def config_options(args: argparse.Namespace):
@@ -141,6 +158,7 @@ def config_options(args: argparse.Namespace):
     to this model, and inference uses the IPUs training uses.
     """
     from ipuloop.config import IPUConfig
+
     config = IPUConfig.load(args.ipu_config)
     if args.ipu_config_overrides:
         config.update_from_string(args.ipu_config_overrides)
@@ -161,8 +179,11 @@ def _data_dir(arg: str | None) -> str:
 
 
 def _cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME")
-                        or os.path.join(os.path.expanduser("~"), ".cache"), "ipuloop", "mnist")
+    return os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "ipuloop",
+        "mnist",
+    )
 
 
 def _mnist_root(data_dir: str) -> str:
@@ -175,7 +196,8 @@ def _mnist_root(data_dir: str) -> str:
     """
     raw = os.path.join(data_dir, "MNIST", "raw")
     if all(os.path.exists(os.path.join(raw, n)) for n in MNIST_FILES) or not all(
-            os.path.exists(os.path.join(raw, n + ".gz")) for n in MNIST_FILES):
+        os.path.exists(os.path.join(raw, n + ".gz")) for n in MNIST_FILES
+    ):
         return data_dir
     key = hashlib.sha256()
     for n in MNIST_FILES:  # the content: copies of the same files share one unpacked set
@@ -202,6 +224,7 @@ class MissingData(RuntimeError):
 def load_mnist(data_dir: str, train: bool):
     """Real MNIST through torchvision, normalised once (the tutorial's ToTensor + Normalize)."""
     import torchvision
+
     root = _mnist_root(data_dir)
     try:
         ds = torchvision.datasets.MNIST(root, train=train, download=True)
@@ -213,7 +236,8 @@ def load_mnist(data_dir: str, train: bool):
             f"DIR/MNIST/raw as torchvision lays them out ({', '.join(MNIST_FILES)}; this "
             "example run on a machine that is online downloads them into "
             "~/.cache/torchvision/MNIST/raw), then pass --data-dir DIR (or set "
-            "IPULOOP_DATA_DIR=DIR).") from e
+            "IPULOOP_DATA_DIR=DIR)."
+        ) from e
     # ToTensor scales to [0, 1]; Normalize subtracts the mean and divides by the std. Done once
     # for the whole set, so reading a sample is an index, not a PIL conversion.
     images = ((ds.data.float().div_(255) - MEAN) / STD).unsqueeze(1)
@@ -237,51 +261,86 @@ def _default_threads() -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="python -m ipuloop.examples.mnist", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="python -m ipuloop.examples.mnist",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--batch-size", type=int, default=40, help="micro-batch size for training")
     p.add_argument("--device-iterations", type=int, default=10)
     p.add_argument("--gradient-accumulation", type=int, default=10)
     p.add_argument("--test-batch-size", type=int, default=8)
-    p.add_argument("--inference-iterations", type=int, default=100,
-                   help="device iterations for inference")
+    p.add_argument(
+        "--inference-iterations", type=int, default=100, help="device iterations for inference"
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--learning-rate", type=float, default=0.001)
     p.add_argument("--strategy", choices=("pipelined", "sharded"), default="pipelined")
-    p.add_argument("--offload-optimiser", action="store_true",
-                   help="keep the optimizer state off-chip")
+    p.add_argument(
+        "--offload-optimiser", action="store_true", help="keep the optimizer state off-chip"
+    )
     p.add_argument("--profile", action="store_true", help="capture a profile of a few steps")
     p.add_argument("--profile-dir", default="./profile")
     p.add_argument("--debug", action="store_true", help="debug logging")
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding MNIST/raw (default: $IPULOOP_DATA_DIR, else "
-                        "~/.cache/torchvision; downloaded when missing and online)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder holding MNIST/raw (default: $IPULOOP_DATA_DIR, else "
+        "~/.cache/torchvision; downloaded when missing and online)",
+    )
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint every epoch here")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint-dir")
-    p.add_argument("--csv", default=None, metavar="FILE",
-                   help="write the logs to this CSV file, a row per step and per epoch "
-                        "(draw them with python -m ipuloop.plot FILE)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir",
+    )
+    p.add_argument(
+        "--csv",
+        default=None,
+        metavar="FILE",
+        help="write the logs to this CSV file, a row per step and per epoch "
+        "(draw them with python -m ipuloop.plot FILE)",
+    )
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--workers", type=int, default=0, help="data loader worker processes")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: $OMP_NUM_THREADS, else the host's idle cores, "
-                        "at least 1)")
-    p.add_argument("--ipu-config", default=None, metavar="FILE",
-                   help="an IPUConfig JSON file (or a folder holding ipu_config.json) giving "
-                        "the options instead of --device-iterations, --gradient-accumulation, "
-                        "--inference-iterations, --replicas and --offload-optimiser")
-    p.add_argument("--ipu-config-overrides", default=None, metavar="K=V,...",
-                   help='changes to --ipu-config, e.g. "device_iterations=20,output_mode=all"')
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: $OMP_NUM_THREADS, else the host's idle cores, at least 1)",
+    )
+    p.add_argument(
+        "--ipu-config",
+        default=None,
+        metavar="FILE",
+        help="an IPUConfig JSON file (or a folder holding ipu_config.json) giving "
+        "the options instead of --device-iterations, --gradient-accumulation, "
+        "--inference-iterations, --replicas and --offload-optimiser",
+    )
+    p.add_argument(
+        "--ipu-config-overrides",
+        default=None,
+        metavar="K=V,...",
+        help='changes to --ipu-config, e.g. "device_iterations=20,output_mode=all"',
+    )
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.ipu_config_overrides and not args.ipu_config:
         p.error("--ipu-config-overrides changes an --ipu-config FILE: pass both")
-    for name in ("batch_size", "device_iterations", "gradient_accumulation", "test_batch_size",
-                 "inference_iterations", "epochs", "replicas", "max_steps", "threads"):
+    for name in (
+        "batch_size",
+        "device_iterations",
+        "gradient_accumulation",
+        "test_batch_size",
+        "inference_iterations",
+        "epochs",
+        "replicas",
+        "max_steps",
+        "threads",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {value}")
@@ -294,8 +353,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     import torchmetrics
 
     from ipuloop import Callback, Loop, backend_name, poptorch
@@ -306,15 +367,22 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, TypeError) as e:  # unreadable, or invalid values
             print(f"error: --ipu-config {args.ipu_config}: {e}", file=sys.stderr)
             return 2
-        factors = (config.device_iterations, config.gradient_accumulation_steps,
-                   config.replication_factor)
-        names = {"replicas": "--ipu-config replication_factor",
-                 "gradient_accumulation": "--ipu-config gradient_accumulation_steps"}
+        factors = (
+            config.device_iterations,
+            config.gradient_accumulation_steps,
+            config.replication_factor,
+        )
+        names = {
+            "replicas": "--ipu-config replication_factor",
+            "gradient_accumulation": "--ipu-config gradient_accumulation_steps",
+        }
     else:
         opts, inference = build_options(args)
         factors = (args.device_iterations, args.gradient_accumulation, args.replicas)
-        names = {k: f"--{k.replace('_', '-')}" for k in
-                 ("replicas", "gradient_accumulation", "inference_iterations")}
+        names = {
+            k: f"--{k.replace('_', '-')}"
+            for k in ("replicas", "gradient_accumulation", "inference_iterations")
+        }
     try:  # the config's inference options run sharded; the flags' run as training does
         check_factors(opts, inference, args.strategy, not args.ipu_config, names)
     except ValueError as e:
@@ -335,37 +403,58 @@ def main(argv: list[str] | None = None) -> int:
     callbacks: list[Callback] = []
     if args.checkpoint_dir:
         from ipuloop.callbacks.checkpoint import ModelCheckpoint
+
         callbacks.append(ModelCheckpoint(args.checkpoint_dir))
     if args.csv:
         from ipuloop.callbacks.csv_logger import CSVLogger
+
         callbacks.append(CSVLogger(args.csv, every_n_steps=1))
     if args.profile:
         from ipuloop.callbacks.profile import ProfileCapture
+
         callbacks.append(ProfileCapture(dirpath=args.profile_dir))
     accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=10)
-    loop = Loop(TrainingModelWithLoss(model), opts, inference_opts=inference,
-                optimizer=poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate),
-                metrics={"accuracy": accuracy}, callbacks=callbacks, seed=args.seed)
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size,
-                                               shuffle=True, num_workers=args.workers)
+    loop = Loop(
+        TrainingModelWithLoss(model),
+        opts,
+        inference_opts=inference,
+        optimizer=poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate),
+        metrics={"accuracy": accuracy},
+        callbacks=callbacks,
+        seed=args.seed,
+    )
+    train_loader = torch.utils.data.DataLoader(
+        train_set, batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+    )
     from ipuloop.processes import is_main_process, num_processes
+
     say = print if is_main_process() else (lambda *a, **k: None)  # instance 0 speaks
     procs = num_processes()
-    say(f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
+    say(
+        f"backend: {backend_name()}; strategy: {args.strategy}; micro-batch "
         f"{args.batch_size} x {factors[0]} device iterations x {factors[1]} accumulation x "
-        f"{factors[2]} replica(s)" + (f" x {procs} processes" if procs > 1 else "")
-        + f"; {torch.get_num_threads()} torch thread(s)", flush=True)
+        f"{factors[2]} replica(s)"
+        + (f" x {procs} processes" if procs > 1 else "")
+        + f"; {torch.get_num_threads()} torch thread(s)",
+        flush=True,
+    )
     start = time.perf_counter()
-    loop.fit(train_loader, epochs=args.epochs, max_steps=args.max_steps,
-             resume_from="last" if args.resume else None)
+    loop.fit(
+        train_loader,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        resume_from="last" if args.resume else None,
+    )
     train_time = time.perf_counter() - start
 
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=args.test_batch_size)
     logits = loop.predict(test_loader)  # every test sample, in order
     acc = (logits.argmax(dim=1) == test_set.tensors[1]).double().mean().item() * 100
     st = loop.state
-    say(f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in "
-        f"{train_time:.1f}s; compile {sum(st.compile_time.values()):.1f}s")
+    say(
+        f"trained {st.step} steps ({st.update} updates, {st.samples} samples) in "
+        f"{train_time:.1f}s; compile {sum(st.compile_time.values()):.1f}s"
+    )
     say(f"Accuracy on test set: {acc:0.2f}%")
     return 0
 
