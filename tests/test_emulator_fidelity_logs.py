@@ -464,7 +464,10 @@ def test_ctrl_c_in_the_accessor_prints_nothing():
     import signal
 
     code = textwrap.dedent("""
-        import os, time
+        import os, signal, time
+        # Ctrl-C raises KeyboardInterrupt here (and in the forked worker) also when this test
+        # runs with SIGINT ignored (nohup, a background job): Python then installs no handler.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ["POPTORCH_LOG_LEVEL"] = "DEBUG"
         import ipuloop.emulate; ipuloop.emulate.install()
         import poptorch, torch
