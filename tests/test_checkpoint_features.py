@@ -3,15 +3,13 @@ best checkpoint (``best_path``, ``best_k``, ``load_best_at_end``)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import helpers_train as H
 import pytest
 import torch
+from launch import clean_env, command
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -26,7 +24,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 N = H.samples_for(1, 2)  # 19 samples: 4 host calls of 4 (micro-batch 2, DI 1, GA 2) per epoch
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -256,41 +253,14 @@ torch.save({"best": str(ckpt.best_path), "weights": loop.model.state_dict()},
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_every_instance_loads_the_best_weights(tmp_path):
     """Two processes (torchrun): each instance ends the fit with the best checkpoint's
     weights (instance 0 wrote it; the others hold the weights they saved with it)."""
     (tmp_path / "script.py").write_text(SCRIPT)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        IPULOOP_BACKEND="emulator",
-        IPULOOP_DIST_TIMEOUT="60",
-        PYTHONWARNINGS="ignore",
-    )
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={_free_port()}",
-            "--monitor_interval=0.5",
-            str(tmp_path / "script.py"),
-            str(tmp_path),
-        ],
-        env=env,
+        command(tmp_path / "script.py", str(tmp_path), processes=2),
+        env=clean_env(IPULOOP_DIST_TIMEOUT="60", PYTHONWARNINGS="ignore"),
         capture_output=True,
         text=True,
         timeout=170,

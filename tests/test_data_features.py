@@ -6,21 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from launch import clean_env, command
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.plan import build as build_plan
 
-ROOT = Path(__file__).resolve().parents[1]
 IN, OUT = 6, 3
 ACCESSOR = "poptorch.AsynchronousDataAccessor"
 
@@ -517,27 +514,10 @@ if int(os.environ.get("RANK", "0")) == 0:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_replicas(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        IPULOOP_BACKEND="emulator",
-        IPULOOP_DIST_TIMEOUT="30",
-        PYTHONWARNINGS="ignore",
-    )
+    env = clean_env(IPULOOP_DIST_TIMEOUT="30", PYTHONWARNINGS="ignore")
     results = {}
     for name, procs, cfg in (
         ("one", 1, {"replicas": 2, "async_data": False}),
@@ -546,21 +526,13 @@ def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_r
         out = tmp_path / name
         out.mkdir()
         arg = json.dumps(dict(cfg, out=str(out)))
-        cmd = (
-            [sys.executable, str(script), arg]
-            if procs == 1
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={procs}",
-                f"--master_port={_free_port()}",
-                "--monitor_interval=0.5",
-                str(script),
-                arg,
-            ]
+        proc = subprocess.run(
+            command(script, arg, processes=procs),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         results[name] = torch.load(out / "result.pt")
     one, two = results["one"], results["two"]

@@ -8,14 +8,13 @@ process running ``replicas=2``.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import clean_env, command, free_port
 
 from ipuloop import processes
 
@@ -86,37 +85,8 @@ torch.save({"weights": model.state_dict(), "history": hist, "logs": dict(loop.st
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_RANK",
-        )
-        and not k.startswith("POPDIST_")
-    }
-    env.update(
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        IPULOOP_BACKEND="emulator",
-        IPULOOP_DIST_TIMEOUT="20",
-        PYTHONWARNINGS="ignore",
-    )
-    env.update(extra)
-    return env
+    return clean_env(**{"IPULOOP_DIST_TIMEOUT": "20", "PYTHONWARNINGS": "ignore", **extra})
 
 
 def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
@@ -126,19 +96,7 @@ def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cfg = dict(cfg, out=str(out))
-    if processes == 1:
-        cmd = [sys.executable, str(script), json.dumps(cfg)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={processes}",
-            f"--master_port={_free_port()}",
-            "--monitor_interval=0.5",
-            str(script),
-            json.dumps(cfg),
-        ]
+    cmd = command(script, json.dumps(cfg), processes=processes)
     proc = subprocess.run(
         cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True, timeout=170
     )
@@ -273,7 +231,7 @@ def test_a_dead_or_hung_instance_fails_the_other_with_an_error(tmp_path, what):
     out = tmp_path / "out"
     out.mkdir()
     cfg = json.dumps({"replicas": 1, "out": str(out), "act": {"step": 2, "rank": 1, "what": what}})
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), cfg],

@@ -9,16 +9,14 @@ read and trained to ``out``; the tests compare those files.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from launch import clean_env, command, free_port
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch
@@ -105,36 +103,8 @@ for job in cfg["jobs"]:
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "RANK",
-            "WORLD_SIZE",
-            "LOCAL_RANK",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_RANK",
-        )
-        and not k.startswith("POPDIST_")
-    }
-    env.update(
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        IPULOOP_BACKEND="emulator",
-        IPULOOP_DIST_TIMEOUT="20",
-    )
-    env.update(extra)
-    return env
+    return clean_env(**{"IPULOOP_DIST_TIMEOUT": "20", **extra})
 
 
 def _launch(
@@ -151,20 +121,12 @@ def _launch(
     or 1 (plain python); the return code is the first non-zero one."""
     path = tmp / f"script{len(list(tmp.glob('script*')))}.py"
     path.write_text(script)
-    cmd = [sys.executable, str(path), json.dumps(cfg)]
-    if processes > 1 and torchrun:
-        cmd[1:1] = [
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={processes}",
-            f"--master_port={_free_port()}",
-            "--monitor_interval=0.5",
-        ]
+    cmd = command(path, json.dumps(cfg), processes=processes if torchrun else 1)
     if processes == 1 or torchrun:
         return subprocess.run(
             cmd, env=_env(**env), cwd=tmp, capture_output=True, text=True, timeout=timeout
         )
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             cmd,

@@ -6,8 +6,6 @@ torchrun's environment), each running a script written to tmp_path."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from launch import clean_env, free_port
 
 import ipuloop.emulator as poptorch
 
@@ -24,7 +23,6 @@ pytestmark = pytest.mark.skipif(
     reason="this torch build has no torch.distributed (gloo)",
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 COMMON = """
@@ -187,19 +185,6 @@ os._exit(0)
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.update(OMP_NUM_THREADS="1", IPULOOP_BACKEND="emulator", **extra)
-    return env
-
-
 def _torchrun(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))
@@ -214,14 +199,14 @@ def _torchrun(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedPr
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         str(script),
         *args,
     ]
     return subprocess.run(
         cmd,
         cwd=tmp_path,
-        env=_env(IPULOOP_DIST_TIMEOUT="60"),
+        env=clean_env(IPULOOP_DIST_TIMEOUT="60"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -256,7 +241,7 @@ def test_instances_must_agree_on_options_and_rank(tmp_path):
 def test_a_dead_instance_fails_the_others_within_the_timeout(tmp_path, mode):
     script = tmp_path / "dead.py"
     script.write_text(textwrap.dedent(DEAD))
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), mode],
@@ -264,7 +249,7 @@ def test_a_dead_instance_fails_the_others_within_the_timeout(tmp_path, mode):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=_env(
+            env=clean_env(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 RANK=str(r),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchmetrics
+from launch import clean_env, command
 from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch
@@ -407,33 +407,9 @@ loop.fit(DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4), epoch
 def test_only_instance_0_logs(tmp_path, wandb_dir, mlflow_uri):
     script = tmp_path / "train.py"
     script.write_text(TWO_PROCESSES)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        IPULOOP_BACKEND="emulator",
-        IPULOOP_DIST_TIMEOUT="60",
-        PYTHONWARNINGS="ignore",
-    )
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={port}",
-            str(script),
-            str(wandb_dir),
-            mlflow_uri,
-        ],
-        env=env,
+        command(script, str(wandb_dir), mlflow_uri, processes=2),
+        env=clean_env(IPULOOP_DIST_TIMEOUT="60", PYTHONWARNINGS="ignore"),
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -14,9 +14,7 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
+from launch import clean_env, command
 from test_checkpoint import assert_same
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -34,7 +33,6 @@ from ipuloop.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
 from ipuloop.callbacks.base import EVENTS
 from ipuloop.checkpoint_io import read_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
 IN, OUT, B = 4, 3, 2
 
 
@@ -911,45 +909,20 @@ with open(os.path.join(cfg["out"], f"result{rank}.json"), "w") as f:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, name: str, replicas: int, processes: int) -> Path:
     out = tmp_path / name
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cfg = json.dumps({"replicas": replicas, "out": str(out)})
-    cmd = (
-        [sys.executable, str(script), cfg]
-        if processes == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={processes}",
-            f"--master_port={_free_port()}",
-            "--monitor_interval=0.5",
-            str(script),
-            cfg,
-        ]
+    proc = subprocess.run(
+        command(script, cfg, processes=processes),
+        env=clean_env(IPULOOP_DIST_TIMEOUT="30", PYTHONWARNINGS="ignore"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-        IPULOOP_BACKEND="emulator",
-        IPULOOP_DIST_TIMEOUT="30",
-        PYTHONWARNINGS="ignore",
-    )
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
