@@ -255,8 +255,8 @@ def test_resume_into_another_optimizer_fails_before_any_step(tmp_path, optimizer
         ({"filename": "epoch{epoch}-step{stpe}"}, r"\{stpe\}.*neither a counter"),
         ({"filename": "runs/step{step}"}, "no path separator"),
         (
-            {"filename": "step{step}-{val_loss:.3f}", "every_n_steps": 10},
-            r"\{val_loss\}, a log written at the end of an epoch",
+            {"filename": "step{step}-{train_loss:.3f}", "every_n_steps": 10},
+            r"\{train_loss\}, a log written at the end of an epoch",
         ),
         ({"filename": "epoch{epoch}"}, r"has no \{step\}"),
         ({"filename": "step{step:q}"}, "cannot be formatted"),

@@ -278,6 +278,35 @@ def test_step_saves_at_validation_steps_are_ranked_by_that_validation(tmp_path):
     assert ckpt.best_score == min(scores.values())
 
 
+def test_step_saves_named_by_their_steps_validation(tmp_path):
+    """``{val_loss}`` in the filename of step saves at multiples of val_every_n_steps: each
+    folder is named by the validation of its own weights."""
+    ckpt = ModelCheckpoint(
+        tmp_path,
+        every_n_epochs=None,
+        every_n_steps=6,
+        filename="step{step}-{val_loss:.4f}",
+        save_top_k=-1,
+    )
+    loop, rec, _ = fit_linear(callbacks=[ckpt], val_every_n_steps=3)
+    scores = {s: logs["val_loss"] for s, logs in rec.val}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"step{s}-{scores[s]:.4f}" for s in (6, 12)
+    )
+
+
+@pytest.mark.parametrize("val_every", [None, 4])
+def test_step_saves_named_by_a_validation_log_need_a_validation_at_each(tmp_path, val_every):
+    """Refused when the fit starts, before any step, unless val_every_n_steps divides
+    every_n_steps."""
+    ckpt = ModelCheckpoint(
+        tmp_path, every_n_epochs=None, every_n_steps=6, filename="step{step}-{val_loss:.4f}"
+    )
+    with pytest.raises(ValueError, match=r"names \{val_loss\}, a validation log, and every_n_st"):
+        fit_linear(callbacks=[ckpt], val_every_n_steps=val_every)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_csv_logger_writes_a_row_at_each_steps_validation(tmp_path):
     path = tmp_path / "log.csv"
     fit_linear(callbacks=[CSVLogger(path)], val_every_n_steps=4)

@@ -76,7 +76,7 @@ def _check_filename(filename: str, monitor: str | None, every_n_steps: int | Non
                 "nor a log the loop writes (loss, train_<name>, val_<name>) nor the "
                 f"monitored log (monitor={monitor!r})"
             )
-        if epoch_log and every_n_steps:
+        if key.startswith("train_") and every_n_steps:
             raise bad(
                 f"names {{{key}}}, a log written at the end of an epoch, so the step saves "
                 f"(every_n_steps={every_n_steps}) before the first epoch end could not "
@@ -136,8 +136,10 @@ class ModelCheckpoint(Callback):
             loop writes (``{loss}``, ``{train_<name>}``, ``{val_<name>}``) or the monitored
             one, e.g. ``"epoch{epoch}-step{step}-{val_loss:.3f}"``. Checked here: it must hold
             ``{step}`` (or ``{update}``, ``{micro_batch}``, ``{samples}``) so that every save
-            has its own name, no path separator, and with ``every_n_steps`` no epoch log
-            (``train_``/``val_``), which does not exist at the first step saves. A SIGTERM or
+            has its own name, no path separator, and with ``every_n_steps`` no ``train_``
+            log (written at epoch ends only), and a ``val_`` log only when
+            ``fit(val_every_n_steps=)`` divides ``every_n_steps``, so that each step save
+            follows a validation of its weights (checked when the fit starts). A SIGTERM or
             exception save is always written: a log its filename names that does not exist
             yet (or, an epoch log, belongs to an earlier step's weights) is left out of its
             name, with the text just before it, and a warning says so.
@@ -312,6 +314,7 @@ class ModelCheckpoint(Callback):
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
+        self._check_step_fields(loop.state.val_every_n_steps)
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's
             if (
@@ -340,6 +343,21 @@ class ModelCheckpoint(Callback):
                 'resume_from="last" takes the newest written. Pass resume_from= to '
                 "continue one, or use another folder.",
                 stacklevel=2,
+            )
+
+    def _check_step_fields(self, val_every: int | None) -> None:
+        """A ``val_`` log in the filename of step saves: each step save must follow a
+        validation of its own weights, so every_n_steps must be a multiple of
+        ``fit(val_every_n_steps=)``."""
+        logs = sorted(f for f in _fields(self.filename) if f.startswith("val_"))
+        every = self.every_n_steps
+        if logs and every and not (val_every and every % val_every == 0):
+            raise ValueError(
+                f"ModelCheckpoint: filename={self.filename!r} names {{{logs[0]}}}, a "
+                f"validation log, and every_n_steps={every} saves at steps that "
+                f"fit(val_every_n_steps={val_every}) does not validate, so those saves could "
+                "not name their folder. Pass fit(val_every_n_steps=) a divisor of "
+                "every_n_steps, leave the log out, or set every_n_steps=None."
             )
 
     def _clean_up(self) -> None:
