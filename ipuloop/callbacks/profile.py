@@ -25,7 +25,9 @@ class ProfileCapture(Callback):
     writes ``trace.json`` (Chrome trace: chrome://tracing or https://ui.perfetto.dev) and
     ``ops.txt`` (the most expensive operations). The default skips step 0, which pays for
     first-call costs. A fit that ends inside the window writes what it captured; the profiler
-    is always closed, also on an exception.
+    is always closed, also on an exception. A step's hooks are part of its window, and so is
+    the validation ``fit(val_every_n_steps=)`` runs at a step in it (it runs before that
+    step's ``on_train_step_end``): its ops appear in the trace under that step.
 
     Args:
         start_step: index of the first host step profiled (``loop.state.step`` before it runs).
