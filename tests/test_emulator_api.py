@@ -182,6 +182,71 @@ def test_cpu_op_multiconv_and_name_scope_run_their_body():
         poptorch.MultiConv().partialsTypes(torch.int32)
 
 
+def test_attribute_scopes_record_outlining_attributes_and_change_no_value():
+    """python/options.py ``Attribute``: PopTorch's ``poptorch.Attribute(__outline={...})``
+    (BERT's and GPT-2's ``outline_attribute``, entered and left by forward hooks) sets the
+    attributes of the ops it wraps, merged over the enclosing scopes' and restored on exit;
+    outlining reuses code and changes no value, so the model trains as without it."""
+
+    def outline_attribute(module: nn.Module, value: str) -> None:
+        context = poptorch.Attribute(__outline={"layer": value})
+        module.register_forward_pre_hook(lambda *args: context.__enter__())
+        module.register_forward_hook(lambda *args: context.__exit__(None, None, None))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    seen = []
+    for i, layer in enumerate(model):
+        outline_attribute(layer, "AB"[i % 2])
+        layer.register_forward_pre_hook(
+            lambda *args: seen.append(copy.deepcopy(poptorch.Attribute._current_attrs))
+        )
+
+    class WithLoss(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            out = self.net(x)
+            return out, poptorch.identity_loss((out**2).mean(), "none")
+
+    x = torch.randn(8, 4)
+    train = poptorch.trainingModel(
+        WithLoss(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        _, loss = train(x)
+        opt.zero_grad()
+        ref_loss = (ref(x) ** 2).mean()
+        ref_loss.backward()
+        opt.step()
+        assert torch.allclose(loss, ref_loss.detach())
+    train.copyWeightsToHost()
+    assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert seen[:3] == [{"__outline": {"layer": v}} for v in "ABA"]
+    assert poptorch.Attribute._current_attrs == {}
+
+    with poptorch.Attribute(__outline={"layer": "x"}, other={"k": 1}):
+        with poptorch.Attribute(__outline={"scope": "y"}):
+            inner = copy.deepcopy(poptorch.Attribute._current_attrs)
+        outer = copy.deepcopy(poptorch.Attribute._current_attrs)
+    assert inner == {"__outline": {"layer": "x", "scope": "y"}, "other": {"k": 1}}
+    assert outer == {"__outline": {"layer": "x"}, "other": {"k": 1}}
+    assert poptorch.Attribute._current_attrs == {}
+
+
+def test_config_file_error_is_a_top_level_name(tmp_path):
+    """python/__init__.py imports ``options`` with ``*``: an options file's syntax error is
+    ``poptorch.ConfigFileError``, the name programs catch."""
+    path = tmp_path / "opts.conf"
+    path.write_text("deviceIterations(\n")
+    with pytest.raises(poptorch.ConfigFileError, match="SyntaxError at line"):
+        poptorch.Options().loadFromFile(str(path))
+
+
 @pytest.mark.parametrize(
     "call, words",
     [
