@@ -238,6 +238,60 @@ def test_attribute_scopes_record_outlining_attributes_and_change_no_value():
     assert poptorch.Attribute._current_attrs == {}
 
 
+def test_torch_ops_poptorch_name_scopes_attributes_and_casts():
+    """poptorch/source/dispatch_tracer/RegisterAtenOverloads.cpp ``TORCH_LIBRARY(poptorch)``:
+    importing PopTorch defines ``torch.ops.poptorch.*``, which model code calls directly
+    (name scopes pushed and popped by layer hooks, ``internal_cast`` around a float32
+    region of a float16 model). On the device ``internal_cast`` casts to the named type and is
+    differentiable; outside a wrapped model it is PopTorch's CPU kernel (``castOp``: "FLOAT16"
+    and "FLOAT32" give float32, any other type the input unchanged)."""
+    torch.ops.poptorch.push_name_scope("outer")
+    torch.ops.poptorch.set_attribute("__outline", "layer", "A")
+    torch.ops.poptorch.clear_attribute("__outline", "layer")
+    torch.ops.poptorch.pop_name_scope()
+    half = torch.ones(2, dtype=torch.float16)
+    assert torch.ops.poptorch.internal_cast(half, "FLOAT16").dtype == torch.float32
+    assert torch.ops.poptorch.internal_cast(half, "FLOAT").dtype == torch.float16
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            for name, layer in self.named_children():
+                layer.register_forward_pre_hook(
+                    lambda *args, n=name: torch.ops.poptorch.push_name_scope(n)
+                )
+                layer.register_forward_hook(lambda *args: torch.ops.poptorch.pop_name_scope())
+
+        def forward(self, x):
+            y = torch.ops.poptorch.internal_cast(self.fc(x), "FLOAT16")
+            loss = torch.ops.poptorch.internal_cast(y, "FLOAT").sum()
+            return y, poptorch.identity_loss(loss, "none")
+
+    torch.manual_seed(0)
+    model = M()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    train = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    y, loss = train(x)
+    assert y.dtype == torch.float16 and loss.dtype == torch.float32
+    expected = ref.fc(x).half()
+    assert torch.equal(y, expected) and torch.equal(loss, expected.float().sum())
+    train.copyWeightsToHost()
+    assert torch.allclose(model.fc.bias, ref.fc.bias - 0.1 * 3)  # d loss / d bias = 3
+    with pytest.raises(poptorch.Error, match="internal_cast: unknown type 'INT8'"):
+        poptorch.inferenceModel(_InternalCast("INT8"))(x)
+
+
+class _InternalCast(nn.Module):
+    def __init__(self, dtype: str) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return torch.ops.poptorch.internal_cast(x, self.dtype)
+
+
 def test_config_file_error_is_a_top_level_name(tmp_path):
     """python/__init__.py imports ``options`` with ``*``: an options file's syntax error is
     ``poptorch.ConfigFileError``, the name programs catch."""

@@ -60,8 +60,11 @@ from .executor import (
 from .ops import cond, dynamic_slice, dynamic_update, for_loop, ipu_print_tensor
 from .options import ConfigFileError, Options, TensorLocationSettings
 from .poptorch_core import RecoverableError, UnrecoverableError
+from .torch_ops import register as _register_torch_ops
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
+
+_register_torch_ops()  # torch.ops.poptorch.*, as importing PopTorch registers them
 
 __all__ = [
     "AsynchronousDataAccessor",
