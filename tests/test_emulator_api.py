@@ -182,6 +182,125 @@ def test_cpu_op_multiconv_and_name_scope_run_their_body():
         poptorch.MultiConv().partialsTypes(torch.int32)
 
 
+def test_attribute_scopes_record_outlining_attributes_and_change_no_value():
+    """python/options.py ``Attribute``: PopTorch's ``poptorch.Attribute(__outline={...})``
+    (BERT's and GPT-2's ``outline_attribute``, entered and left by forward hooks) sets the
+    attributes of the ops it wraps, merged over the enclosing scopes' and restored on exit;
+    outlining reuses code and changes no value, so the model trains as without it."""
+
+    def outline_attribute(module: nn.Module, value: str) -> None:
+        context = poptorch.Attribute(__outline={"layer": value})
+        module.register_forward_pre_hook(lambda *args: context.__enter__())
+        module.register_forward_hook(lambda *args: context.__exit__(None, None, None))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    seen = []
+    for i, layer in enumerate(model):
+        outline_attribute(layer, "AB"[i % 2])
+        layer.register_forward_pre_hook(
+            lambda *args: seen.append(copy.deepcopy(poptorch.Attribute._current_attrs))
+        )
+
+    class WithLoss(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            out = self.net(x)
+            return out, poptorch.identity_loss((out**2).mean(), "none")
+
+    x = torch.randn(8, 4)
+    train = poptorch.trainingModel(
+        WithLoss(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        _, loss = train(x)
+        opt.zero_grad()
+        ref_loss = (ref(x) ** 2).mean()
+        ref_loss.backward()
+        opt.step()
+        assert torch.allclose(loss, ref_loss.detach())
+    train.copyWeightsToHost()
+    assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert seen[:3] == [{"__outline": {"layer": v}} for v in "ABA"]
+    assert poptorch.Attribute._current_attrs == {}
+
+    with poptorch.Attribute(__outline={"layer": "x"}, other={"k": 1}):
+        with poptorch.Attribute(__outline={"scope": "y"}):
+            inner = copy.deepcopy(poptorch.Attribute._current_attrs)
+        outer = copy.deepcopy(poptorch.Attribute._current_attrs)
+    assert inner == {"__outline": {"layer": "x", "scope": "y"}, "other": {"k": 1}}
+    assert outer == {"__outline": {"layer": "x"}, "other": {"k": 1}}
+    assert poptorch.Attribute._current_attrs == {}
+
+
+def test_torch_ops_poptorch_name_scopes_attributes_and_casts():
+    """poptorch/source/dispatch_tracer/RegisterAtenOverloads.cpp ``TORCH_LIBRARY(poptorch)``:
+    importing PopTorch defines ``torch.ops.poptorch.*``, which model code calls directly
+    (name scopes pushed and popped by layer hooks, ``internal_cast`` around a float32
+    region of a float16 model). On the device ``internal_cast`` casts to the named type and is
+    differentiable; outside a wrapped model it is PopTorch's CPU kernel (``castOp``: "FLOAT16"
+    and "FLOAT32" give float32, any other type the input unchanged)."""
+    torch.ops.poptorch.push_name_scope("outer")
+    torch.ops.poptorch.set_attribute("__outline", "layer", "A")
+    torch.ops.poptorch.clear_attribute("__outline", "layer")
+    torch.ops.poptorch.pop_name_scope()
+    half = torch.ones(2, dtype=torch.float16)
+    assert torch.ops.poptorch.internal_cast(half, "FLOAT16").dtype == torch.float32
+    assert torch.ops.poptorch.internal_cast(half, "FLOAT").dtype == torch.float16
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            for name, layer in self.named_children():
+                layer.register_forward_pre_hook(
+                    lambda *args, n=name: torch.ops.poptorch.push_name_scope(n)
+                )
+                layer.register_forward_hook(lambda *args: torch.ops.poptorch.pop_name_scope())
+
+        def forward(self, x):
+            y = torch.ops.poptorch.internal_cast(self.fc(x), "FLOAT16")
+            loss = torch.ops.poptorch.internal_cast(y, "FLOAT").sum()
+            return y, poptorch.identity_loss(loss, "none")
+
+    torch.manual_seed(0)
+    model = M()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    train = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    y, loss = train(x)
+    assert y.dtype == torch.float16 and loss.dtype == torch.float32
+    expected = ref.fc(x).half()
+    assert torch.equal(y, expected) and torch.equal(loss, expected.float().sum())
+    train.copyWeightsToHost()
+    assert torch.allclose(model.fc.bias, ref.fc.bias - 0.1 * 3)  # d loss / d bias = 3
+    with pytest.raises(poptorch.Error, match="internal_cast: unknown type 'INT8'"):
+        poptorch.inferenceModel(_InternalCast("INT8"))(x)
+
+
+class _InternalCast(nn.Module):
+    def __init__(self, dtype: str) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return torch.ops.poptorch.internal_cast(x, self.dtype)
+
+
+def test_config_file_error_is_a_top_level_name(tmp_path):
+    """python/__init__.py imports ``options`` with ``*``: an options file's syntax error is
+    ``poptorch.ConfigFileError``, the name programs catch."""
+    path = tmp_path / "opts.conf"
+    path.write_text("deviceIterations(\n")
+    with pytest.raises(poptorch.ConfigFileError, match="SyntaxError at line"):
+        poptorch.Options().loadFromFile(str(path))
+
+
 @pytest.mark.parametrize(
     "call, words",
     [

@@ -556,6 +556,41 @@ def test_float64_inputs_reach_the_device_as_float32():
     assert out.dtype == torch.float32
 
 
+def test_int32_targets_and_indices_work_as_on_an_ipu():
+    """poptorch/source/PoplarExecutable.cpp ``run``: the IPU's integers are int32 (an int64
+    input is converted to it), so its ops take int32 targets and indices. A program feeding
+    ``labels.int()`` to ``cross_entropy``/``nll_loss`` or ``one_hot`` trains as with int64
+    labels, though the host's kernels refuse int32 there."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(IN, OUT)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            hot = F.one_hot(y, OUT).float()
+            loss = F.cross_entropy(out, y) + F.nll_loss(out.log_softmax(-1), y)
+            return hot, poptorch.identity_loss(loss + ((out - hot) ** 2).mean(), "none")
+
+    torch.manual_seed(0)
+    model, ref = M(), M()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, IN), torch.tensor([0, 1, 2, 0, 1, 2, 2, 1])
+    train = poptorch.trainingModel(model, opts(), torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        hot, loss = train(x, y.int())
+        opt.zero_grad()
+        _, ref_loss = ref(x, y)
+        ref_loss.backward()
+        opt.step()
+        assert torch.allclose(loss, ref_loss.detach())
+    assert torch.equal(hot, F.one_hot(y, OUT).float())
+    train.copyWeightsToHost()
+    assert torch.allclose(model.fc.weight, ref.fc.weight)
+
+
 # ---------------------------------------------------------------------------------------------
 # §8.6: inferenceModel rejects GA != 1; default optimizer SGD(lr=0.01)
 

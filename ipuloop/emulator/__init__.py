@@ -6,7 +6,8 @@ Same names, same semantics, same errors as poptorch 3.x, where the host can repr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -57,19 +58,24 @@ from .executor import (
     trainingModel,
 )
 from .ops import cond, dynamic_slice, dynamic_update, for_loop, ipu_print_tensor
-from .options import Options, TensorLocationSettings
+from .options import ConfigFileError, Options, TensorLocationSettings
 from .poptorch_core import RecoverableError, UnrecoverableError
+from .torch_ops import register as _register_torch_ops
 
 __version__ = "3.4.0"  # the PopTorch API version this emulates
 
+_register_torch_ops()  # torch.ops.poptorch.*, as importing PopTorch registers them
+
 __all__ = [
     "AsynchronousDataAccessor",
+    "Attribute",
     "AutoStage",
     "BeginBlock",
     "Block",
     "BlockFunction",
     "CPU",
     "CommGroupType",
+    "ConfigFileError",
     "ConnectionType",
     "DataLoader",
     "DataLoaderMode",
@@ -302,6 +308,28 @@ class NameScope:
 
     def __exit__(self, *exc_info: object) -> None:
         return None
+
+
+class Attribute:
+    """Context manager setting compiler attributes on the ops it wraps, as
+    ``poptorch.Attribute(__outline={"layer": "embedding"})`` (PopART's outlining, which reuses
+    one layer's code for another with the same attribute). They place or reuse code on an
+    IPU and change no value, so here they are only recorded: ``Attribute._current_attrs``
+    holds those in force, merged over the enclosing scopes' and restored on exit."""
+
+    _current_attrs: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __init__(self, **kwargs: dict[str, Any]) -> None:
+        self._kwargs = kwargs
+        self._saved: dict[str, dict[str, Any]] = {}
+
+    def __enter__(self) -> None:
+        self._saved = copy.deepcopy(Attribute._current_attrs)
+        for attr, values in self._kwargs.items():
+            Attribute._current_attrs.setdefault(attr, {}).update(values.items())
+
+    def __exit__(self, *exc_info: object) -> None:
+        Attribute._current_attrs = self._saved
 
 
 def custom_op(

@@ -1,5 +1,6 @@
-"""float16 and float32 operands in one op, as PopTorch 3.x runs them on an IPU, and the
-stochastic rounding of float32 values to float16 (``Precision.enableStochasticRounding``)."""
+"""Operand types as PopTorch 3.x takes them on an IPU: float16 and float32 operands in one op,
+int32 indices wherever the host's kernels want int64 ones, and the stochastic rounding of
+float32 values to float16 (``Precision.enableStochasticRounding``)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,26 @@ def _mixes_float_types(tensors: list[Any]) -> bool:
     return len(dtypes) > 1
 
 
+def _written(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The tensor ``func`` writes into (an in-place op's ``self``, an ``out=``), which a cast
+    must leave alone: a cast copy would take the write instead."""
+    if "out" in kwargs:
+        return kwargs["out"]
+    if getattr(func, "__name__", "").endswith("_") and args:
+        return args[0]
+    return None
+
+
 class MixedFloat(TorchFunctionMode):
     """Ops follow torch's type promotion; where torch refuses to mix floating dtypes (matmul,
     convolution, normalisation with float16 activations and float32 weights, or the reverse),
     the other floating operands take the first one's dtype, so the result has the activation's
     dtype, as PopTorch returns it. Gradients flow through the cast to the weights' own dtype
     (float32 master weights stay float32). Where the host has no float16 kernel for an op,
-    it runs in float32 and its result is rounded to float16. ``cast`` tells whether an op
-    needed the cast."""
+    it runs in float32 and its result is rounded to float16. An op the host refuses for its
+    int32 operands (``cross_entropy``'s or ``nll_loss``'s targets, ``one_hot``'s indices)
+    runs on them as int64: an IPU's integers are int32 (PopTorch narrows int64 inputs to it)
+    and its ops take them. ``cast`` tells whether an op needed a cast."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,23 +64,39 @@ class MixedFloat(TorchFunctionMode):
         kwargs = kwargs or {}
         try:
             return self._run(func, args, kwargs)
-        except RuntimeError:
+        except RuntimeError as refused:
             leaves = pytree.tree_leaves((args, kwargs))
             first = next(
                 (t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()),
                 None,
             )
-            if first is None or not _mixes_float_types(leaves):
+            mixed = first is not None and _mixes_float_types(leaves)
+            written = _written(func, args, kwargs)
+            widen = any(
+                isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t is not written
+                for t in leaves
+            )
+            if not (mixed or widen):
                 raise
 
             def cast(t: Any) -> Any:
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != first:
+                if not isinstance(t, torch.Tensor) or t is written:
+                    return t
+                if mixed and t.is_floating_point() and t.dtype != first:
                     return t.to(first)
+                if widen and t.dtype == torch.int32:
+                    return t.long()
                 return t
 
             args, kwargs = pytree.tree_map(cast, (args, kwargs))
+            try:
+                out = self._run(func, args, kwargs)
+            except RuntimeError:
+                if mixed:
+                    raise
+                raise refused from None  # the int32 operands were not what the host refused
             self.cast = True
-            return self._run(func, args, kwargs)
+            return out
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)``; where the host has no float16 kernel for it (torch 2.0's CPU
