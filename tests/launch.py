@@ -4,6 +4,7 @@ free of the launcher variables of the process that runs the tests."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -24,10 +25,20 @@ LAUNCHER_VARS = (
 
 
 def free_port() -> int:
-    """A TCP port free on this host now, for a process group's store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this host now, for a process group's store: one the system picks,
+    or with ``IPULOOP_TEST_PORTS="LO-HI"`` one drawn from that range, so that test runs side
+    by side (CI's two suites) never pick the same port between its check and its use."""
+    span = os.environ.get("IPULOOP_TEST_PORTS")
+    draw = random.Random()  # seeded from the system: runs side by side draw differently
+    for _ in range(100):
+        port = 0 if not span else draw.randrange(*map(int, span.split("-")))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in IPULOOP_TEST_PORTS={span!r} after 100 draws")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
