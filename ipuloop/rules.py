@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import time
 from typing import Any
 
 import torch
@@ -258,22 +259,38 @@ def dist_timeout(env: Any = None, error: type = ValueError) -> float:
     return value
 
 
+_LEFT_KEY = "ipuloop/left_process_group"  # instances that destroyed their group
+
+
 def leave_process_group() -> None:
     """At exit, destroy the default process group a module of ipuloop created. Left to the
     interpreter's teardown, gloo can abort the process ("terminate called without an active
     exception") when another instance has gone first; and torch 2.0's gloo can hang in
-    ``destroy_process_group`` on the instance that gets there after the others have left, so
-    gloo instances first meet (10 s at most)."""
+    ``destroy_process_group`` on an instance whose peers have already exited. So gloo
+    instances first meet (10 s at most), then each destroys its group and leaves only once
+    every instance has destroyed its own (counted in the group's store, 10 s at most)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
+    store, size = None, dist.get_world_size()
     if dist.get_backend() == "gloo":
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
+            store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 (an instance has gone or hangs: leaving anyway)
-            pass
+            store = None
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (leaving anyway)
+        pass
+    if store is None:
+        return
+    try:
+        left = store.add(_LEFT_KEY, 1)
+        deadline = time.monotonic() + 10
+        while left < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = store.add(_LEFT_KEY, 0)
+    except Exception:  # noqa: BLE001 (the store's host has left: so may this instance)
         pass
