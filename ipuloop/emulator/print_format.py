@@ -15,7 +15,8 @@ _ELLIPSIS = "..."
 
 
 class PrintFormat:
-    """The formatting arguments of ``poptorch.ipu_print_tensor``, checked."""
+    """The formatting arguments of ``poptorch.ipu_print_tensor``, checked (their defaults are
+    its signature's)."""
 
     __slots__ = (
         "summarise_threshold",
@@ -30,14 +31,14 @@ class PrintFormat:
 
     def __init__(
         self,
-        summarise_threshold: int = 1000,
-        edge_items: int = 3,
-        max_line_width: int = 80,
-        digits: int = 4,
-        float_format: str = "auto",
-        separator: str = ", ",
-        open_bracket: str = "(",
-        close_bracket: str = ")",
+        summarise_threshold: int,
+        edge_items: int,
+        max_line_width: int,
+        digits: int,
+        float_format: str,
+        separator: str,
+        open_bracket: str,
+        close_bracket: str,
     ) -> None:
         for name, value in (
             ("summarise_threshold", summarise_threshold),
