@@ -14,7 +14,6 @@ import torch
 from . import _logging, optim, poptorch_core
 from . import _pytree as pytree
 from . import checks as _checks
-from . import ctc as _ctc
 from ._logging import logger
 from .blocks import (
     AutoStage,
@@ -30,6 +29,7 @@ from .blocks import (
     module_repr,
     removeBlocks,
 )
+from .ctc import ctc_beam_search_decoder
 from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
 from .enums import (
     CommGroupType,
@@ -345,21 +345,6 @@ def custom_op(
         f"poptorch.custom_op({name!r}) runs a PopART custom op, which is compiled IPU "
         "code the ipuloop emulator cannot load. On the emulator, compute the op with "
         "torch inside forward() instead (e.g. `if not poptorch.ipuHardwareIsAvailable()`)."
-    )
-
-
-def ctc_beam_search_decoder(
-    probs: torch.Tensor,
-    lengths: torch.Tensor,
-    blank: int = 0,
-    beam_width: int = 100,
-    top_paths: int = 1,
-) -> list[torch.Tensor]:
-    """The ``top_paths`` most likely CTC labellings of the log probabilities ``probs``
-    ([input_length, batch_size, num_classes]): their log probabilities, lengths and labels
-    (``ctc.py``); outside a wrapped model, PopTorch's CPU kernel (zeros of those shapes)."""
-    return _ctc.ctc_beam_search_decoder(
-        probs, lengths, blank, beam_width, top_paths, on_device=isRunningOnIpu()
     )
 
 

@@ -9,6 +9,7 @@ import math
 import torch
 
 from .errors import Error
+from .executor import isRunningOnIpu
 
 __all__ = ["ctc_beam_search_decoder"]
 
@@ -63,13 +64,12 @@ def ctc_beam_search_decoder(
     blank: int = 0,
     beam_width: int = 100,
     top_paths: int = 1,
-    on_device: bool = True,
 ) -> list[torch.Tensor]:
     """The ``top_paths`` most likely labellings of each sequence of ``probs`` (log
     probabilities, [input_length, batch_size, num_classes], the first ``lengths[b]`` steps of
     sequence b): their log probabilities [batch_size, top_paths] (probs' dtype), lengths and
     labels [batch_size, top_paths, input_length] (int32, zero-padded). Outside a wrapped model
-    (``on_device`` False) it is PopTorch's CPU kernel: zeros of those shapes."""
+    it is PopTorch's CPU kernel: zeros of those shapes."""
     if not isinstance(probs, torch.Tensor):
         raise Error(
             "ctc_beam_search_decoder: probs must be a torch.tensor argument. "
@@ -83,7 +83,7 @@ def ctc_beam_search_decoder(
     if probs.dim() != 3:
         raise Error("Incorrect shape for first input to CTC beam search decoder.")
     steps, batch, classes = probs.shape
-    if not on_device:
+    if not isRunningOnIpu():
         return [
             torch.zeros(batch, top_paths),
             torch.zeros(batch, top_paths),
