@@ -29,15 +29,20 @@ def free_port() -> int:
     or with ``IPULOOP_TEST_PORTS="LO-HI"`` one drawn from that range, so that test runs side
     by side (CI's two suites) never pick the same port between its check and its use."""
     span = os.environ.get("IPULOOP_TEST_PORTS")
+    if not span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low, high = map(int, span.split("-"))
     draw = random.Random()  # seeded from the system: runs side by side draw differently
     for _ in range(100):
-        port = 0 if not span else draw.randrange(*map(int, span.split("-")))
+        port = draw.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:  # taken: draw again
                 continue
-            return s.getsockname()[1]
+        return port
     raise RuntimeError(f"no free port in IPULOOP_TEST_PORTS={span!r} after 100 draws")
 
 
