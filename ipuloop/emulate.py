@@ -1,9 +1,16 @@
-"""``python -m ipuloop.emulate SCRIPT [ARGS...]``: run a PopTorch program on the emulator.
+"""``python -m ipuloop.emulate SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``, each after
+``--ipus N`` if given): run a PopTorch program (or a module, such as ``pytest``) on the emulator.
 
 ``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``,
 and so it does in the Python processes SCRIPT starts: loader workers of any start method
 (``multiprocessing_context="spawn"``, the default on macOS, or "forkserver") and subprocesses.
-SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``; its exit status is ours.
+SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (MODULE as ``python -m``
+runs it); its exit status is ours.
+
+The program sees an emulated system of N IPUs (``--ipus N``; default: ``IPULOOP_EMULATOR_IPUS``
+if set, else 16), so that a program that asks ``poptorch.ipuHardwareIsAvailable()`` before it
+runs, as Lightning's and optimum-graphcore's do, runs. ``--ipus 0`` gives PopTorch's answers
+on a machine without IPUs.
 """
 
 from __future__ import annotations
@@ -84,19 +91,38 @@ def install() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([BINDING, *paths])
 
 
+def _usage(message: str) -> None:
+    print(f"ipuloop.emulate: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         raise SystemExit(0 if argv else 2)
-    script = argv[0]
-    if not os.path.isfile(script):
-        print(f"ipuloop.emulate: no such script: {script}", file=sys.stderr)
-        raise SystemExit(2)
+    ipus = os.environ.get("IPULOOP_EMULATOR_IPUS", "16")
+    if argv[0] == "--ipus" or argv[0].startswith("--ipus="):
+        ipus = argv[0][len("--ipus=") :] if "=" in argv[0] else (argv[1:2] or [""])[0]
+        argv = argv[1:] if "=" in argv[0] else argv[2:]
+        if not ipus.isdigit():
+            _usage(
+                f"--ipus takes the number of IPUs of the emulated system (0: none); got {ipus!r}"
+            )
+    if not argv or argv[0] == "-m" and len(argv) < 2:
+        _usage("no SCRIPT or -m MODULE to run")
+    if argv[0] != "-m" and not os.path.isfile(argv[0]):
+        _usage(f"no such script: {argv[0]}")
+    os.environ["IPULOOP_EMULATOR_IPUS"] = ipus  # inherited by the processes it starts
     install()
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    if argv[0] == "-m":
+        sys.argv = argv[1:]  # run_module sets sys.argv[0] to the module's file, as python -m
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":

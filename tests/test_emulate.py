@@ -169,6 +169,7 @@ def test_main_in_process_runs_script_as_main(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # install() adds a finder
     monkeypatch.setenv("IPULOOP_BACKEND", "auto")
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after
+    monkeypatch.setenv("IPULOOP_EMULATOR_IPUS", "16")  # main() sets it: unset again after
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     out = tmp_path / "out.json"

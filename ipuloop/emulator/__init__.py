@@ -14,6 +14,7 @@ import torch
 from . import _logging, optim, poptorch_core
 from . import _pytree as pytree
 from . import checks as _checks
+from . import device_state as _device_state
 from ._logging import logger
 from .blocks import (
     AutoStage,
@@ -157,13 +158,18 @@ def setLogLevel(level: int | str) -> None:
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
-    """Always False: the emulator has no IPU."""
-    return False
+    """Whether the emulated system has at least ``num_ipus`` IPUs (``IPULOOP_EMULATOR_IPUS``;
+    none unless it is set, as PopTorch on a machine without IPUs; 16 under
+    ``python -m ipuloop.emulate``)."""
+    n = _device_state.system_ipus()
+    return n > 0 and num_ipus <= n
 
 
 def ipuHardwareVersion() -> int:
-    """0: no IPU hardware (PopTorch returns 2 for Mk2 systems)."""
-    return 0
+    """2 (Mk2) on an emulated system of IPUs (``IPULOOP_EMULATOR_IPUS`` > 0); without one, as
+    PopTorch on a machine without IPUs, an ``AssertionError``."""
+    assert _device_state.system_ipus() > 0, "No IPU hardware available on this system"
+    return 2
 
 
 def recomputationCheckpoint(*tensors):
@@ -344,7 +350,8 @@ def custom_op(
     raise Error(
         f"poptorch.custom_op({name!r}) runs a PopART custom op, which is compiled IPU "
         "code the ipuloop emulator cannot load. On the emulator, compute the op with "
-        "torch inside forward() instead (e.g. `if not poptorch.ipuHardwareIsAvailable()`)."
+        "torch inside forward() instead (e.g. `if not poptorch.ipuHardwareIsAvailable()`, "
+        "with IPULOOP_EMULATOR_IPUS=0: no emulated IPU)."
     )
 
 

@@ -38,6 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import rules
 from . import _logging
 from . import _pytree as pytree
+from . import device_state
 from . import unsupported as _unsupported
 from .enums import ConnectionType
 from .errors import Error
@@ -498,4 +499,17 @@ def check_stages(trace: Any, options: Any, training: bool, di: int, ga: int, rf:
     reserved = rules.reserved_ipus(options, n)
     if reserved != n:
         _logging.logger.warning("Reserving %d IPUs instead of %d (autoRoundNumIPUs).", reserved, n)
+    system = device_state.system_ipus()
+    if (
+        system
+        and reserved > system
+        and not rules.uses_ipu_model(options)
+        and options.connection_type != ConnectionType.Never
+    ):  # as attaching on a system with fewer IPUs fails
+        raise Error(
+            f"The model needs {reserved} IPUs ({per_replica} per replica x "
+            f"replicationFactor({rf})), more than the emulated system has: "
+            f"IPULOOP_EMULATOR_IPUS={system}. Use fewer replicas or IPUs, or emulate a larger "
+            "system (python -m ipuloop.emulate --ipus N)."
+        )
     return n

@@ -22,6 +22,7 @@ __all__ = [
     "wrapped_class",
     "device_dtype",
     "emulator_device",
+    "system_ipus",
     "rng_state",
     "swap_rng",
 ]
@@ -38,6 +39,23 @@ def emulator_device() -> torch.device:
             "no CUDA device. Unset it to emulate on the CPU."
         )
     return device
+
+
+def system_ipus() -> int:
+    """How many IPUs the emulated system has: ``IPULOOP_EMULATOR_IPUS`` (default 0, PopTorch's
+    answers on a machine without IPUs). ``python -m ipuloop.emulate`` sets it to 16 unless it is
+    set already (``--ipus N``)."""
+    value = os.environ.get("IPULOOP_EMULATOR_IPUS", "").strip() or "0"
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(
+            "IPULOOP_EMULATOR_IPUS must be the number of IPUs of the emulated system, an int "
+            f">= 0 (0: no IPU). Received: IPULOOP_EMULATOR_IPUS={value!r}."
+        )
+    return n
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

@@ -80,6 +80,25 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     return out
 
 
+class Executable:
+    """What ``PoplarExecutor._executable`` holds while a model is compiled: on the emulator, the
+    executor itself stands for its executable (traced, checked, weights on the device)."""
+
+    __slots__ = ("executor",)
+
+    def __init__(self, executor: PoplarExecutor) -> None:
+        self.executor = executor
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Executable) and other.executor is self.executor
+
+    def __hash__(self) -> int:
+        return id(self.executor)
+
+    def __repr__(self) -> str:
+        return f"<emulated PopTorch executable of {type(self.executor.model).__name__}>"
+
+
 class PoplarExecutor(HardwareOnly):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``."""
 
@@ -227,6 +246,13 @@ class PoplarExecutor(HardwareOnly):
     # -- compile / attach --------------------------------------------------------------------
     def isCompiled(self) -> bool:
         return self._compiled
+
+    @property
+    def _executable(self) -> Executable | None:
+        """The compiled executable: ``None`` until compiled and after ``destroy()`` (PopTorch's
+        attribute, which libraries such as Lightning's IPU strategy read to know whether a
+        model is compiled)."""
+        return Executable(self) if self._compiled else None
 
     def isAttachedToDevice(self) -> bool:
         return self._compiled and self._attached

@@ -656,8 +656,7 @@ class Options(_OptionsDict):
         if isinstance(ipu_version, bool) or ipu_version not in _OFFLINE_IPU_VERSIONS:
             # PopTorch fails later, when Poplar cannot make the offline device at compile.
             hint = (
-                " poptorch.ipuHardwareVersion() is 0 on the emulator (no IPU): pass the "
-                "version to target."
+                " 0 is no IPU version: pass the version to target, e.g. 2 (Mk2)."
                 if ipu_version == 0
                 else ""
             )
