@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             _usage(
                 f"--ipus takes the number of IPUs of the emulated system (0: none); got {ipus!r}"
             )
-    if not argv or argv[0] == "-m" and len(argv) < 2:
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
         _usage("no SCRIPT or -m MODULE to run")
     if argv[0] != "-m" and not os.path.isfile(argv[0]):
         _usage(f"no such script: {argv[0]}")

@@ -36,9 +36,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
-from . import _logging
+from . import _logging, device_state
 from . import _pytree as pytree
-from . import device_state
 from . import unsupported as _unsupported
 from .enums import ConnectionType
 from .errors import Error
