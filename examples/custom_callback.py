@@ -6,6 +6,7 @@ A callback subclasses ``ipuloop.Callback`` and overrides the hooks it needs; eve
 the loop. Hooks fire once per step (one host call = DI optimizer updates on the device), never
 per micro-batch. Runs on the emulator when poptorch is not installed, in a few seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ class PlateauRecorder(Callback):
         loss = st.logs["loss"]  # this step's mean loss, already on the host
         a = self.smooth
         self.avg = loss if math.isnan(self.avg) else a * self.avg + (1 - a) * loss
-        self.history.append({"step": st.step, "update": st.update, "lr": self._lr, "loss": loss,
-                             "avg": self.avg})
+        self.history.append(
+            {"step": st.step, "update": st.update, "lr": self._lr, "loss": loss, "avg": self.avg}
+        )
         if self.avg < self.best * (1 - self.rel_delta):
             self.best, self.bad_steps = self.avg, 0
         else:
@@ -59,8 +61,12 @@ class PlateauRecorder(Callback):
 
     # Saved in checkpoints (ModelCheckpoint), so a resumed fit keeps its patience count.
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "avg": self.avg, "best": self.best,
-                "bad_steps": self.bad_steps}
+        return {
+            "history": self.history,
+            "avg": self.avg,
+            "best": self.best,
+            "bad_steps": self.bad_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history, self.avg, self.best = list(state["history"]), state["avg"], state["best"]
@@ -82,16 +88,24 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                          nn.Linear(64, 1))
+    model = nn.Sequential(
+        nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+    )
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # Halve the LR every 200 optimizer updates (= 50 steps of 4 device iterations).
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=200, gamma=0.5)
     recorder = PlateauRecorder(patience=args.patience)
 
     opts = poptorch.Options().deviceIterations(4)  # 4 updates per host call
-    loop = Loop(model, opts, loss_fn=nn.MSELoss(), optimizer=optimizer,
-                callbacks=[LRScheduler(schedule), recorder], progress=False, seed=0)
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=nn.MSELoss(),
+        optimizer=optimizer,
+        callbacks=[LRScheduler(schedule), recorder],
+        progress=False,
+        seed=0,
+    )
     print(loop.describe())
     train = torch.utils.data.DataLoader(make_data(4096), batch_size=32, shuffle=True)
     loop.fit(train, epochs=args.epochs)
@@ -100,9 +114,11 @@ def main() -> None:
     for h in recorder.history[::25] + recorder.history[-1:]:
         print(f"{h['step']:5d} {h['update']:6d} {h['lr']:8.4f} {h['loss']:8.4f} {h['avg']:8.4f}")
     if recorder.stopped_at is not None:
-        print(f"Stopped at step {recorder.stopped_at} (epoch {loop.state.epoch + 1}): the average "
-              f"loss made no 1% improvement on its best, {recorder.best:.4f}, in "
-              f"{recorder.patience} steps.")
+        print(
+            f"Stopped at step {recorder.stopped_at} (epoch {loop.state.epoch + 1}): the average "
+            f"loss made no 1% improvement on its best, {recorder.best:.4f}, in "
+            f"{recorder.patience} steps."
+        )
     else:
         print(f"Ran all {args.epochs} epochs; best average loss {recorder.best:.4f}.")
 

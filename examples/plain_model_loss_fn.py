@@ -7,6 +7,7 @@ The model is an ordinary ``nn.Sequential``: no ``poptorch.Block``, no loss insid
 epoch and ``predict`` returns the outputs for every sample in dataset order. Runs on the
 emulator when poptorch is not installed, in a few seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,22 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                          nn.Linear(128, 3))
+    model = nn.Sequential(
+        nn.Linear(2, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 3)
+    )
     # 8 device iterations x 2 accumulated micro-batches of 32: 8 updates per host call,
     # each on the mean gradient of 64 samples.
     opts = poptorch.Options().deviceIterations(8)
     opts.Training.gradientAccumulation(2)
-    loop = Loop(model, opts, loss_fn=nn.CrossEntropyLoss(),
-                optimizer=torch.optim.AdamW(model.parameters(), lr=5e-3),
-                metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=3)},
-                progress=16, seed=0)  # a progress line every 16 steps
+    loop = Loop(
+        model,
+        opts,
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=torch.optim.AdamW(model.parameters(), lr=5e-3),
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=3)},
+        progress=16,
+        seed=0,
+    )  # a progress line every 16 steps
 
     loader = torch.utils.data.DataLoader
     train = loader(spirals(8192, seed=1), batch_size=32, shuffle=True)
@@ -61,8 +68,10 @@ def main() -> None:
     # The model is still a plain torch module holding the trained weights: run it on the host.
     with torch.no_grad():
         host = model(x)
-    print(f"host model agrees with predict: max |difference| = "
-          f"{(host - logits).abs().max().item():.2e}")
+    print(
+        f"host model agrees with predict: max |difference| = "
+        f"{(host - logits).abs().max().item():.2e}"
+    )
 
 
 if __name__ == "__main__":

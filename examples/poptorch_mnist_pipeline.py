@@ -8,6 +8,7 @@ it unchanged on ipuloop's emulator:
 
 where DIR/MNIST/raw holds the MNIST files (torchvision's layout; downloaded when missing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,12 @@ from tqdm import tqdm
 
 import poptorch
 
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 class ConvLayer(nn.Module):
@@ -85,7 +90,7 @@ class TrainingModelWithLoss(nn.Module):
 
 def accuracy(predictions, labels):
     _, ind = torch.max(predictions, 1)
-    labels = labels[-predictions.size()[0]:]  # Final mode returns only the last micro-batch
+    labels = labels[-predictions.size()[0] :]  # Final mode returns only the last micro-batch
     return torch.sum(torch.eq(ind, labels)).item() / labels.size()[0] * 100.0
 
 
@@ -104,20 +109,26 @@ def mnist_root(data_dir):
 
 
 def get_datasets(data_dir):
-    transform = torchvision.transforms.Compose([
-        torchvision.transforms.ToTensor(),
-        torchvision.transforms.Normalize((0.1307,), (0.3081,)),
-    ])
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.1307,), (0.3081,)),
+        ]
+    )
     root = mnist_root(data_dir)
     try:
-        train_dataset = torchvision.datasets.MNIST(root, train=True, download=True,
-                                                   transform=transform)
-        test_dataset = torchvision.datasets.MNIST(root, train=False, download=True,
-                                                  transform=transform)
+        train_dataset = torchvision.datasets.MNIST(
+            root, train=True, download=True, transform=transform
+        )
+        test_dataset = torchvision.datasets.MNIST(
+            root, train=False, download=True, transform=transform
+        )
     except RuntimeError as e:  # offline and not on disk
-        sys.exit(f"error: MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} and could not "
-                 f"be downloaded ({str(e).splitlines()[0]}). Pass --data-dir DIR with the MNIST "
-                 "files in DIR/MNIST/raw.")
+        sys.exit(
+            f"error: MNIST is not in {os.path.join(data_dir, 'MNIST', 'raw')} and could not "
+            f"be downloaded ({str(e).splitlines()[0]}). Pass --data-dir DIR with the MNIST "
+            "files in DIR/MNIST/raw."
+        )
     finally:
         if root != data_dir:  # the datasets hold their images in memory: drop the copy
             shutil.rmtree(root, ignore_errors=True)
@@ -140,8 +151,11 @@ def train(training_model, training_data, epochs, max_steps=None):
             step += 1
             if max_steps is not None and step >= max_steps:
                 break
-        print(f"Epoch {epoch}/{epochs}: loss {total_loss / n:0.4f}, "
-              f"train accuracy {total_acc / n:0.2f}%", flush=True)
+        print(
+            f"Epoch {epoch}/{epochs}: loss {total_loss / n:0.4f}, "
+            f"train accuracy {total_acc / n:0.2f}%",
+            flush=True,
+        )
         if max_steps is not None and step >= max_steps:
             break
 
@@ -165,14 +179,26 @@ def parse_args():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=0.001)
     parser.add_argument("--strategy", choices=["pipelined", "sharded"], default="pipelined")
-    parser.add_argument("--offload-optimiser", action="store_true",
-                        help="keep the optimiser state in host memory")
-    parser.add_argument("--data-dir", default="mnist_data/",
-                        help="torchvision root: DIR/MNIST/raw holds the MNIST files")
-    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
-                        help="data loader worker processes")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop training after this many model calls (smoke runs)")
+    parser.add_argument(
+        "--offload-optimiser", action="store_true", help="keep the optimiser state in host memory"
+    )
+    parser.add_argument(
+        "--data-dir",
+        default="mnist_data/",
+        help="torchvision root: DIR/MNIST/raw holds the MNIST files",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(16, os.cpu_count() or 1),
+        help="data loader worker processes",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop training after this many model calls (smoke runs)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     return parser.parse_args()
 
@@ -192,23 +218,36 @@ def main():
         train_opts.setExecutionStrategy(poptorch.ShardedExecution(*stages))
     if args.offload_optimiser:
         train_opts.TensorLocations.setOptimizerLocation(
-            poptorch.TensorLocationSettings().useOnChipStorage(False))
+            poptorch.TensorLocationSettings().useOnChipStorage(False)
+        )
     # Return every micro-batch's loss and predictions (costs host transfers; Final is faster).
     train_opts.outputMode(poptorch.OutputMode.All)
 
-    training_data = poptorch.DataLoader(train_opts, train_dataset, batch_size=args.batch_size,
-                                        shuffle=True, mode=poptorch.DataLoaderMode.Async,
-                                        num_workers=args.workers)
-    test_data = poptorch.DataLoader(poptorch.Options().deviceIterations(args.inference_iterations),
-                                    test_dataset, batch_size=args.test_batch_size, shuffle=True,
-                                    drop_last=True, mode=poptorch.DataLoaderMode.Async,
-                                    num_workers=args.workers)
+    training_data = poptorch.DataLoader(
+        train_opts,
+        train_dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        mode=poptorch.DataLoaderMode.Async,
+        num_workers=args.workers,
+    )
+    test_data = poptorch.DataLoader(
+        poptorch.Options().deviceIterations(args.inference_iterations),
+        test_dataset,
+        batch_size=args.test_batch_size,
+        shuffle=True,
+        drop_last=True,
+        mode=poptorch.DataLoaderMode.Async,
+        num_workers=args.workers,
+    )
 
     model = Network()
     model_with_loss = TrainingModelWithLoss(model)
     training_model = poptorch.trainingModel(
-        model_with_loss, train_opts,
-        optimizer=poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate))
+        model_with_loss,
+        train_opts,
+        optimizer=poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate),
+    )
 
     start = time.perf_counter()
     train(training_model, training_data, args.epochs, args.max_steps)

@@ -287,12 +287,16 @@ def test_readme_commands_are_the_ci_commands():
     assert 'pip install -e ".[docs]" && mkdocs build --strict' in page("getting-started.md")
     # the house rules: the documented command is what CI runs
     rules = (
-        'pip install -e ".[lint]" && ruff format --check ipuloop tests benchmarks'
+        'pip install -e ".[lint]" && ruff format --check ipuloop tests benchmarks examples'
         " && ruff check ipuloop && mypy"
     )
     assert rules in readme and rules in page("getting-started.md")
     assert 'pip install -q -e ".[lint]"' in ci
-    for command in ("ruff format --check ipuloop tests benchmarks", "ruff check ipuloop", "mypy"):
+    for command in (
+        "ruff format --check ipuloop tests benchmarks examples",
+        "ruff check ipuloop",
+        "mypy",
+    ):
         assert f"python -m {command}" in ci, command
 
 
