@@ -136,10 +136,11 @@ def probe(
         if kwargs and isinstance(e, TypeError) and f"argument '{label_key}'" in str(e):
             hint = (
                 f" The batch's labels are under label_key={label_key!r}, fed as "
-                f"{label_key}=: name the key as forward's parameter (labels, for a "
-                "Transformers model) in the dataset (a Hugging Face dataset: "
-                f"dataset.rename_column({label_key!r}, 'labels')) or the collate_fn, and "
-                "pass Loop(label_key=) that name."
+                f"{label_key}=, which forward does not take, so it received no labels= (a "
+                "Transformers model computes its loss only from labels=). Name the key as "
+                "forward's parameter, labels: rename it in the dataset (a Hugging Face "
+                f"dataset: dataset.rename_column({label_key!r}, 'labels')) or in the "
+                "collate_fn, and leave Loop(label_key=) at its default 'labels'."
             )
         elif kwargs and isinstance(e, TypeError) and "keyword argument" in str(e):
             hint = (
@@ -272,8 +273,6 @@ _MATMULS = frozenset(
         "linear",
         "bilinear",
         "matmul",
-        "__matmul__",
-        "__rmatmul__",
         "mm",
         "bmm",
         "mv",
@@ -332,7 +331,7 @@ class MixedDtypes(TorchFunctionMode):
                 return t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
             out = tree_map(down, func(*tree_map(up, args), **tree_map(up, kwargs)))
-        name = getattr(func, "__name__", str(func))
+        name = getattr(func, "__name__", str(func)).strip("_")  # (Tensor.__add__: "add")
         result = _floats(tree_flatten(out)[0])
         if not result:
             return out
@@ -398,21 +397,24 @@ def check_mixed(model: torch.nn.Module, args: tuple, kwargs: dict) -> MixedDtype
         op, operand = record.promoted
         where = (
             f"The first op that promoted float16 activations to float32 is {op!r}, where "
-            f"{operand} met them: every op after it computes in float32."
+            f"{operand} met them: every op after it computes in float32. To compute them in "
+            "float16, cast that tensor to the activations' dtype in forward (e.g. "
+            "x + self.pos_embed.to(x.dtype))"
         )
     else:
         where = (
             "No float16 input reached them: the activations start as float32 (an embedding "
-            "of integer inputs gives float32 activations from its float32 weights)."
+            "of integer inputs gives float32 activations from its float32 weights). To "
+            "compute them in float16, cast the activations in forward (e.g. "
+            "self.embed(ids).to(torch.float16))"
         )
     warnings.warn(
         f'precision="16-mixed": {len(wide)} of the model\'s {len(record.matmuls)} matmuls '
         "and convolutions compute in float32, run on the host with the first micro-batch as "
         "the device gets it (float inputs float16, weights float32). An op follows torch's "
         "type promotion: float16 with a float32 tensor gives float32. "
-        f"{where} To compute them in float16, cast that tensor to the activations' dtype in "
-        'forward (e.g. x + self.pos_embed.to(x.dtype)), or use precision="16-true" '
-        "(float16 weights). docs/precision.md says what each precision computes in float16.",
+        f'{where}, or use precision="16-true" (float16 weights). docs/precision.md says '
+        "what each precision computes in float16.",
         stacklevel=5,
     )
     return record

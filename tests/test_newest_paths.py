@@ -370,3 +370,52 @@ def test_16_mixed_without_float32_operands_computes_in_float16_and_gives_no_warn
         _mixed_fit(Tokens(), precision="16-true")
     _, inputs = _patches()
     assert loop.predict(inputs).dtype == torch.float16
+
+
+class LayerScale(nn.Module):
+    """A float32 per-channel scale (layer scale) multiplied into float16 activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(8, 8)
+        self.gamma = nn.Parameter(torch.ones(8))
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.inner(x) * self.gamma)
+
+
+class Embedded(nn.Module):
+    """Integer inputs embedded: float32 activations from the first op, no float16 input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(1))
+
+
+@pytest.mark.parametrize(
+    "model, x, names",
+    [
+        (LayerScale, torch.randn(8, 8), ("3 of the model's 4", "'mul'", "'gamma'")),
+        (Embedded, torch.randint(0, 10, (8, 5)), ("1 of the model's 1", "embedding")),
+    ],
+    ids=["layer-scale", "embedding"],
+)
+def test_16_mixed_names_a_layer_scale_or_an_embedding(model, x, names):
+    """Each warning says why the matmuls compute in float32, as the device runs them (predict
+    returns float32)."""
+    loop = Loop(model(), loss_fn=nn.CrossEntropyLoss(), precision="16-mixed", progress=False)
+    data = torch.utils.data.TensorDataset(x, torch.randint(0, 2, (8,)))
+    with pytest.warns(UserWarning, match="16-mixed") as caught:
+        loop.fit(DataLoader(data, batch_size=4), 1)
+    message = " ".join(str(w.message) for w in caught)
+    assert all(n in message for n in names), message
+    assert loop.predict(DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)).dtype == (
+        torch.float32
+    )
