@@ -158,7 +158,12 @@ def tell_epoch(wrapped: Any, epoch: int) -> None:
 
 
 class ResumableSampler(Sampler):
-    """Wraps a sampler: the epoch's order is drawn in ``set_epoch``, then skipped into."""
+    """Wraps a sampler: the epoch's order is drawn in ``set_epoch``, then skipped into.
+
+    Every ``iter()`` until the next ``set_epoch`` yields that one order: torch's loader with
+    workers calls ``iter()`` on its (batch) sampler twice as its iterator starts (once as it
+    is built, once as it resets), and a second draw would read another order than the one
+    the checkpoint records, from random state already moved on, without the resume's skip."""
 
     def __init__(self, inner: Any) -> None:  # (a sampler, or a batch sampler, with a length)
         self.inner = inner
@@ -182,11 +187,9 @@ class ResumableSampler(Sampler):
             g.set_state(state)
 
     def __iter__(self) -> Iterator[int]:
-        if self._order is None:
+        if self._order is None:  # iterated before any epoch drew (a loader read directly)
             self.set_epoch()
-        order = self._order
-        self._order = None
-        return iter(order or ())
+        return iter(self._order or ())
 
     def __len__(self) -> int:
         return len(self._order) if self._order is not None else len(self.inner)

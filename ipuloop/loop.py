@@ -22,7 +22,7 @@ from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
 from .loaders import async_settings
-from .loop_options import check_fit_args, resolve
+from .loop_options import check_fit_args, check_val_every, resolve
 from .outputs import WithLoss, non_finite_error
 from .plan import Feed, Plan, build, build_inference, no_host_call, num_updates
 from .probe import probe_plan
@@ -264,11 +264,13 @@ class Loop:
             async_options=self._async,
         )
         val_plan = None if val_loader is None else self._inference_plan(val_loader, "val_loader")
+        check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
         probe_plan(
             self.model,
             plan,
             self._feed,
             copy_float=self.precision == "16-true",
+            mixed=self.precision == "16-mixed",
             metrics=self.metrics,
             metric_output=self._metric_output,
             returns=self._returns,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "resolve_metrics",
     "inference_options",
     "check_fit_args",
+    "check_val_every",
 ]
 
 PRECISIONS = ("32", "16-mixed", "16-true")
@@ -316,6 +318,29 @@ def check_fit_args(epochs: Any, max_steps: Any, val_every_n_steps: Any, val_load
             f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
             "but this fit has none. Pass val_loader= too."
         )
+
+
+def check_val_every(
+    val_every_n_steps: int | None, steps_per_epoch: int | None, epochs: int, max_steps: int | None
+) -> None:
+    """Warn when ``val_every_n_steps`` is more than the fit's steps: it would never validate
+    mid-fit, most likely a count in other units (samples, micro-batches) or for a longer run."""
+    if val_every_n_steps is None or steps_per_epoch is None:  # (a stream: unknown length)
+        return
+    steps = epochs * steps_per_epoch
+    if max_steps is not None:
+        steps = min(steps, max_steps)
+    if val_every_n_steps <= steps:
+        return
+    warnings.warn(
+        f"val_every_n_steps={val_every_n_steps} is more than the {steps} steps of this fit "
+        f"({epochs} epoch(s) of {steps_per_epoch} steps"
+        + (f", max_steps={max_steps}" if max_steps is not None else "")
+        + "), so no step validates: only the epoch ends do. It counts steps (host calls of "
+        "B * DI * GA * RF samples), not samples or micro-batches: pass a count of at most "
+        f"{steps}, or leave it out to validate at epoch ends only.",
+        stacklevel=4,
+    )
 
 
 def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:

@@ -140,6 +140,8 @@ class Plan:
         try:
             if self.batches is not None:
                 return self.batches.items() // (self.combined // self.micro)
+            if self.sampler is not None:  # (its len is the order drawn, less a resume's skip)
+                return self.sampler.items() // self.combined
             return len(self.loader)
         except TypeError:
             return None

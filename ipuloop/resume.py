@@ -283,8 +283,9 @@ class Resume:
         epoch.load_state_dict(sd)
         self._step_validation = bool(sd.get("step_validation", False))
         for cb in callbacks:
-            if cb.state_key in sd["callbacks"]:
-                cb.load_state_dict(sd["callbacks"][cb.state_key])
+            key = _state_key_in(cb, sd["callbacks"], callbacks)
+            if key is not None:
+                cb.load_state_dict(sd["callbacks"][key])
         # checked against the next fit's loader
         self._loaded_data = _run_factors(sd.get("data"), sd.get("processes"))
         if sd.get("device_rng") is not None:
@@ -308,6 +309,33 @@ class Resume:
         self._loaded_data = None
         self._train_data = now
         self.plan = plan
+
+
+def _state_key_in(cb: Any, states: dict[str, Any], callbacks: list) -> str | None:
+    """The key of ``cb``'s state among a checkpoint's callback ``states``: its ``state_key``,
+    else a key it had in older checkpoints (``former_state_keys``: an unnamed
+    ``ModelCheckpoint`` was keyed by its class) that no other callback of the loop claims;
+    None when the checkpoint holds none."""
+    if cb.state_key in states:
+        return cb.state_key
+    for key in getattr(cb, "former_state_keys", ()):
+        if key not in states or any(o.state_key == key for o in callbacks):
+            continue
+        claims = [
+            o
+            for o in callbacks
+            if key in getattr(o, "former_state_keys", ()) and o.state_key not in states
+        ]
+        if len(claims) == 1:
+            return key
+        warnings.warn(
+            f"The checkpoint holds the state of one callback under {key!r} (an older "
+            f"checkpoint's key), and {len(claims)} callbacks of this loop could have written "
+            "it: none restores it (each starts with no kept checkpoints). Resume it with its "
+            "own one alone, then add the others.",
+            stacklevel=5,
+        )
+    return None
 
 
 def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> None:

@@ -121,20 +121,24 @@ def test_resume_from_last_takes_the_newest_any_checkpointer_wrote(tmp_path):
 
 
 def test_duplicate_names_fail_when_the_loop_is_built(tmp_path):
-    """Two checkpointers without names, or with the same one, cannot be told apart in a
-    checkpoint: a ValueError at Loop construction naming them and the name= argument."""
+    """Two checkpointers with the same name cannot be told apart in a checkpoint: a
+    ValueError at Loop construction naming them and the name= argument. Two without names
+    are told apart by their settings (tests/test_newest_paths.py)."""
     model = nn.Linear(2, 2)
-    for pair in (
-        [ModelCheckpoint(tmp_path / "a"), ModelCheckpoint(tmp_path / "b")],
-        [ModelCheckpoint(tmp_path / "a", name="x"), ModelCheckpoint(tmp_path / "b", name="x")],
+    Loop(
+        model,
+        loss_fn=nn.MSELoss(),
+        callbacks=[ModelCheckpoint(tmp_path / "a"), ModelCheckpoint(tmp_path / "b")],
+        progress=False,
+    )
+    pair = [ModelCheckpoint(tmp_path / "a", name="x"), ModelCheckpoint(tmp_path / "b", name="x")]
+    with pytest.raises(
+        ValueError,
+        match=r"state_key 'ModelCheckpoint\[x\]' "
+        r"\(ModelCheckpoint\('.*/a'.*\), "
+        r"ModelCheckpoint\('.*/b'.*name=",
     ):
-        with pytest.raises(
-            ValueError,
-            match=r"state_key 'ModelCheckpoint(\[x\])?' "
-            r"\(ModelCheckpoint\('.*/a'.*\), "
-            r"ModelCheckpoint\('.*/b'.*name=",
-        ):
-            Loop(model, loss_fn=nn.MSELoss(), callbacks=pair, progress=False)
+        Loop(model, loss_fn=nn.MSELoss(), callbacks=pair, progress=False)
     with pytest.raises(ValueError, match="name must be a non-empty str"):
         ModelCheckpoint(tmp_path, name="")
 

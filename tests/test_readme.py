@@ -226,6 +226,12 @@ def _check_precision(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None
     assert last < first < 0.8  # float16 inputs with a static loss scale: it learns
 
 
+def _check_promoted(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    warning, dtype = out.strip().splitlines()[-2:]
+    assert "3 of the model's 4 matmuls" in warning and "'cat'" in warning
+    assert "'cls_token'" in warning and dtype == "torch.float32"
+
+
 def _check_ipu_config(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
     from ipuloop import IPUConfig
 
@@ -253,6 +259,7 @@ CHECKS = {
     "sched = torch.optim.lr_scheduler.OneCycleLR(": _check_callbacks,
     "WandbLogger(project=": _check_loggers,
     "class SimilarFirst:": _check_batch_sampler,
+    "self.cls_token = nn.Parameter(": _check_promoted,  # (before the next key: it has both)
     'precision="16-mixed"': _check_precision,
     "place_layers(layers, config)": _check_ipu_config,
     "training = poptorch.trainingModel(": _check_emulated_program,
@@ -331,7 +338,10 @@ def test_the_docs_say_what_cancel_step_skips_and_it_does():
 
 
 def test_the_docs_say_the_dtype_predict_returns_under_16_mixed_and_it_does(monkeypatch):
-    assert ('float16 under `"16-mixed"` and `"16-true"` alike') in page("precision.md")
+    assert (
+        'float16 under `"16-true"`, and under `"16-mixed"` when the activations stay '
+        "float16 up to the output; float32 when a float32 tensor promoted them"
+    ) in _flat(page("precision.md"))
     monkeypatch.delenv("IPULOOP_EMULATOR_DEVICE", raising=False)
     loop = Loop(_model_with_loss(), precision="16-mixed", progress=False)
     x = torch.randn(8, 20)

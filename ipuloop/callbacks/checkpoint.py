@@ -145,7 +145,10 @@ class ModelCheckpoint(Callback):
             name, with the text just before it, and a warning says so.
         name: tells this checkpointer from others on the same loop (e.g. "best" beside
             "every100"): its ``state_key`` is ``ModelCheckpoint[<name>]``, so each one resumes
-            its own kept list and best score. None (one checkpointer): ``ModelCheckpoint``.
+            its own kept list and best score. None: a key made of its settings
+            (``ModelCheckpoint{dirpath=..., monitor=..., ...}``), so that checkpointers with
+            other folders or settings need no name; name one to change its settings between
+            a run and its resume and keep its state.
         load_best_at_end: when the fit ends (not on SIGTERM or an exception), load the
             weights of ``best_path`` into the model. Needs ``monitor``. Weights only: the
             optimizer state, counters and logs stay the last step's, and ``resume_from``
@@ -170,10 +173,11 @@ class ModelCheckpoint(Callback):
     must be writable: checked when the fit starts (``CheckpointError`` naming it and the
     system's reason).
 
-    Several checkpointers (e.g. the best by val_loss beside a frequent step save) each need
-    a ``name`` (two with the same one fail when the ``Loop`` is built), and those sharing a
-    ``dirpath`` distinct filenames. ``fit(resume_from="last")`` loads the newest checkpoint
-    any of them wrote; each restores its own state from it.
+    Several checkpointers (e.g. the best by val_loss beside a frequent step save) are told
+    apart by their settings, or by ``name`` when given (two that cannot be told apart fail
+    when the ``Loop`` is built), and those sharing a ``dirpath`` need distinct filenames.
+    ``fit(resume_from="last")`` loads the newest checkpoint any of them wrote; each restores
+    its own state from it.
 
     Also saves on SIGTERM (``on_preempt``). Example::
 
@@ -249,10 +253,30 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        """``ModelCheckpoint``, or ``ModelCheckpoint[<name>]`` with ``name`` (a subclass:
-        its own class name)."""
+        """``ModelCheckpoint[<name>]`` with ``name``; without, ``ModelCheckpoint{...}`` made of
+        the settings that tell checkpointers apart (folder, filename, when it saves, what it
+        ranks by and keeps), so that two differing ones each resume their own state (a
+        subclass: its own class name)."""
         key = type(self).__qualname__
-        return key if self.name is None else f"{key}[{self.name}]"
+        if self.name is not None:
+            return f"{key}[{self.name}]"
+        settings = {
+            "dirpath": str(self.dirpath),
+            "filename": self.filename,
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "every_n_epochs": self.every_n_epochs,
+            "every_n_steps": self.every_n_steps,
+            "save_top_k": self.save_top_k,
+            "save_last": self.save_last,
+        }
+        return key + "{" + ", ".join(f"{k}={v!r}" for k, v in settings.items()) + "}"
+
+    @property
+    def former_state_keys(self) -> tuple[str, ...]:
+        """The key a checkpoint written before ``state_key`` held its settings gave an unnamed
+        checkpointer (its class name): restored from when the loop has no other claimant."""
+        return () if self.name is not None else (type(self).__qualname__,)
 
     def __repr__(self) -> str:
         name = "" if self.name is None else f", name={self.name!r}"
