@@ -194,7 +194,6 @@ def test_the_emulated_distribution_is_the_emulated_version():
     assert f"Version: {poptorch.__version__}\n" in metadata
 
 
-@pytest.mark.slow
 def test_a_wheel_of_ipuloop_carries_the_binding_folder(tmp_path):
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
