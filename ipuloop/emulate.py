@@ -29,8 +29,10 @@ __all__ = ["install", "main", "BINDING"]
 
 
 # also importable as ``poptorch.<name>``
-_SUBMODULES = ("optim", "enums", "options", "poptorch_core", "_logging")
-# A folder whose ``poptorch`` module binds the emulator when a new interpreter imports it.
+_SUBMODULES = ("optim", "enums", "options", "poptorch_core", "_logging", "_impl")
+# A folder whose ``poptorch`` module binds the emulator when a new interpreter imports it; on
+# the module path while the emulator is bound, it also presents a ``poptorch`` distribution of
+# the emulated version (importlib.metadata) and ``popart``'s enums.
 BINDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_binding")
 
 

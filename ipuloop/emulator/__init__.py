@@ -11,6 +11,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from . import _impl as _impl  # poptorch._impl
 from . import _logging, optim, poptorch_core
 from . import _pytree as pytree
 from . import checks as _checks

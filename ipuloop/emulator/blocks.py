@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._pytree import tree_leaves
 from .enums import AutoStage, Liveness
 from .errors import Error
 
@@ -79,6 +81,9 @@ class StageTrace:
         self._changes = 0
         self._ran_before_first_block = False
         self.in_block = True  # ops before the first block run on IPU 0; leaving a block ends it
+        self._entered: set[str] = set()
+        # id(tensor) -> (weak reference, stage that computed it), while pipelined
+        self.produced: dict[int, tuple[Any, int]] = {}
 
     @property
     def num_forward_stages(self) -> int:
@@ -131,7 +136,15 @@ class StageTrace:
         ipu = stage._ipu if stage._ipu is not None else ipu_id
         if ipu is None:
             ipu = stage._stage_id
-        if self.is_pipelined and self.blocks and stage._stage_id < self.blocks[-1][1]:
+        # A block entered again (a stage revisited, e.g. a decoder's positions in the
+        # embeddings' block) takes its ops into its stage, as PopTorch does; they may then use
+        # no later stage's tensors (``_OpWatcher``). A new block must not go back.
+        if (
+            self.is_pipelined
+            and self.blocks
+            and block_id not in self._entered
+            and stage._stage_id < max(s for _, s, _ in self.blocks)
+        ):
             raise Error(
                 f"Pipeline stages must be used in ascending order: block '{block_id}' (stage "
                 f"{stage._stage_id}) runs after stage {self.blocks[-1][1]}. Reorder the stages, or "
@@ -143,6 +156,7 @@ class StageTrace:
             self._changes += 1
             self._current_ipu = ipu
         self.blocks.append((block_id, stage._stage_id, ipu))
+        self._entered.add(block_id)
         self.in_block = True
 
     def end(self) -> None:
@@ -163,6 +177,9 @@ class _OpWatcher(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        trace = self._trace
+        if trace.is_pipelined and trace.blocks and getattr(func, "__name__", "") != "__get__":
+            self._check_data_flow(func, args, kwargs, out)
         if getattr(func, "__name__", "") != "__get__" and isinstance(out, torch.Tensor):
             if not self._trace.in_block:
                 raise Error(
@@ -174,6 +191,27 @@ class _OpWatcher(TorchFunctionMode):
             if not self._trace.blocks:
                 self._trace._ran_before_first_block = True
         return out
+
+    def _check_data_flow(self, func, args, kwargs, out) -> None:
+        """An op of a pipeline stage uses no tensor that a later stage computed (which a
+        revisited block could do); its outputs are its stage's."""
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs:  # a query (dim(), is_floating_point()...): no op on the device
+            return
+        trace = self._trace
+        block_id, stage, _ = trace.blocks[-1]
+        produced = trace.produced
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor):
+                entry = produced.get(id(t))
+                if entry is not None and entry[1] > stage and entry[0]() is t:
+                    raise Error(
+                        f"Pipeline stages must be used in ascending order: "
+                        f"{getattr(func, '__name__', func)}() in block '{block_id}' (stage "
+                        f"{stage}) uses a tensor computed in the later stage {entry[1]}."
+                    )
+        for t in outputs:
+            produced[id(t)] = (weakref.ref(t), stage)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .errors import Error
+
 __all__ = [
     "DeviceWeights",
     "wrapped_class",
@@ -349,8 +351,30 @@ class DeviceWeights:
         return self.replica_buffers
 
     # -- copies ------------------------------------------------------------------------------
+    def check_bound(self) -> None:
+        """Refuse a module whose parameters or buffer-holding submodules are no longer those
+        bound at compile (a submodule rebuilt, a parameter replaced): PopTorch copies weights
+        by name into its compiled graph, the emulator runs the module on the bound tensors."""
+        params = dict(self.model.named_parameters())
+        modules = dict(self.model.named_modules())
+        replaced = [n for n, p in zip(self.param_names, self.host_params) if params.get(n) is not p]
+        replaced += [
+            full
+            for m, _, full in self.buffer_slots
+            if modules.get(full.rpartition(".")[0]) is not m
+        ]
+        if replaced:
+            raise Error(
+                f"The model's {replaced[0]!r} is not the tensor it had when it was compiled "
+                f"({len(replaced)} such): a submodule was rebuilt or a parameter replaced "
+                "since. PopTorch copies weights by name into its compiled graph; the emulator "
+                "runs the module on the tensors it bound at compile and cannot follow. "
+                "destroy() the model and wrap it again."
+            )
+
     def to_device(self) -> None:
         """Copy the host's parameters and buffers (to every replica) to the device."""
+        self.check_bound()
         with torch.no_grad():
             for d, h in zip(self.dev_params, self.host_params):
                 d.copy_(h)

@@ -469,11 +469,15 @@ class PoplarExecutor(HardwareOnly):
         before compilation (as in PopTorch: the module then stays wrapped)."""
         if not self._compiled:
             return
+        unwrapped = False  # by poptorch._impl.unwrapModelIfNecessary
         if self._training and self._user_model.__dict__.get("_poptorch_executor") is self:
             self.copyWeightsToHostIfNeeded()
             self._opt.download()
             model = self._user_model
-            model.__class__ = type(model).__mro__[1]
+            base = type(model).__dict__.get("_poptorch_wrapped_base")
+            unwrapped = base is None
+            if base is not None:
+                object.__setattr__(model, "__class__", base)
             del model.__dict__["_poptorch_executor"]
             self._weights.unwrap()
             self._opt.release()
@@ -482,6 +486,8 @@ class PoplarExecutor(HardwareOnly):
         self._signature = None
         if self._opt is not None:
             self._opt.device = None
+        if unwrapped:  # as PopTorch: the executable is freed, then this
+            raise Error("model was never wrapped")
 
     # -- weights -----------------------------------------------------------------------------
     def copyWeightsToDevice(self) -> None:

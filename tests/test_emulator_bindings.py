@@ -1,0 +1,218 @@
+"""What a program sees of PopTorch's installation besides ``poptorch``'s public API, with
+``poptorch`` bound to the emulator: ``poptorch._impl``'s unwrapping and rewrapping of a training
+model, a ``poptorch`` distribution (for version checks through ``importlib.metadata``) and
+``popart``'s enums that programs pass to ``Options._Popart``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ipuloop import emulator as poptorch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 1)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def _trained(steps=1):
+    torch.manual_seed(0)
+    model = Net()
+    before = model.fc.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    for _ in range(steps):
+        training(torch.ones(1, 2), torch.zeros(1, 1))
+    return model, training, before
+
+
+def test_unwrap_gives_the_model_and_its_parameters_their_own_classes_and_rewrap_restores():
+    model, training, _ = _trained()
+    wrapped_model, wrapped_param = type(model), type(model.fc.weight)
+    assert wrapped_model is not Net and poptorch._impl.isWrapped(model)
+    assert wrapped_param is not torch.nn.Parameter and poptorch._impl.isWrapped(model.fc.weight)
+
+    poptorch._impl.unwrapModelIfNecessary(model)
+    assert type(model) is Net and not poptorch._impl.isWrapped(model)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(type(b) is torch.Tensor for b in model.buffers())
+    # a plain module: deep copies and inference models of it are of the user's class
+    assert type(poptorch.inferenceModel(model).model) is Net
+
+    poptorch._impl.rewrapModelIfNecessary(model)
+    assert type(model) is wrapped_model and type(model.fc.weight) is wrapped_param
+    training.destroy()  # unwraps, as before
+    assert type(model) is Net and type(model.fc.weight) is torch.nn.Parameter
+
+
+def test_unwrap_copies_trained_weights_back_first_and_reading_an_unwrapped_model_does_not():
+    model, training, before = _trained()
+    poptorch._impl.unwrapModelIfNecessary(model)  # reads the module: the trained weights come back
+    once = model.fc.weight.detach().clone()
+    assert not torch.equal(once, before)
+
+    training(torch.ones(1, 2), torch.zeros(1, 1))  # the executor runs an unwrapped module too
+    assert torch.equal(model.fc.weight.detach(), once)  # no copy back while unwrapped
+    poptorch._impl.rewrapModelIfNecessary(model)
+    twice = model.fc.weight.detach().clone()  # wrapped again: reading copies back
+    assert not torch.equal(twice, once)
+
+    torch.manual_seed(0)  # the same two steps in plain torch
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        ref(torch.ones(1, 2), torch.zeros(1, 1))[1].backward()
+        opt.step()
+    torch.testing.assert_close(twice, ref.fc.weight.detach())
+
+
+def test_unwrapping_a_plain_model_or_rewrapping_one_never_unwrapped_changes_nothing():
+    model = Net()
+    poptorch._impl.unwrapModelIfNecessary(model)
+    poptorch._impl.rewrapModelIfNecessary(model)
+    assert type(model) is Net and type(model.fc.weight) is torch.nn.Parameter
+
+
+def test_destroying_a_training_model_left_unwrapped_frees_it_and_says_so():
+    model, training, _ = _trained()
+    poptorch._impl.unwrapModelIfNecessary(model)
+    with pytest.raises(poptorch.Error, match="model was never wrapped"):
+        training.destroy()
+    assert not training.isCompiled()
+    assert type(model) is Net and type(model.fc.weight) is torch.nn.Parameter
+
+
+PROGRAM = textwrap.dedent("""
+    import importlib.metadata, json
+    import poptorch
+
+    out = {}
+    try:
+        from poptorch._impl import rewrapModelIfNecessary, unwrapModelIfNecessary
+        import poptorch._impl
+        out["impl"] = unwrapModelIfNecessary is poptorch._impl.unwrapModelIfNecessary
+    except ImportError as e:
+        out["impl"] = repr(e)
+    try:
+        out["version"] = importlib.metadata.version("poptorch")
+    except importlib.metadata.PackageNotFoundError as e:
+        out["version"] = repr(e)
+    try:
+        import popart
+        out["popart"] = {
+            "schedule": int(popart.AccumulateOuterFragmentSchedule.OverlapMemoryOptimized),
+            "copying": int(popart.SubgraphCopyingStrategy.JustInTime),
+            "names": [s.name for s in popart.AccumulateOuterFragmentSchedule],
+        }
+        opts = poptorch.Options()
+        opts._Popart.set("subgraphCopyingStrategy", int(popart.SubgraphCopyingStrategy.JustInTime))
+        try:
+            popart.InferenceSession
+        except AttributeError as e:
+            out["popart"]["session"] = str(e)
+    except ImportError as e:
+        out["popart"] = repr(e)
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def under_emulate(tmp_path_factory):
+    """What ``PROGRAM`` finds, run under ``python -m ipuloop.emulate``."""
+    folder = tmp_path_factory.mktemp("prog")
+    (folder / "prog.py").write_text(PROGRAM)
+    p = subprocess.run(
+        [sys.executable, "-m", "ipuloop.emulate", "prog.py"],
+        cwd=str(folder),
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_under_emulate_poptorch_impl_is_importable(under_emulate):
+    assert under_emulate["impl"] is True
+
+
+def test_under_emulate_a_poptorch_distribution_of_the_emulated_version_is_installed(
+    under_emulate,
+):
+    # so that transformers.utils.versions.require_version("poptorch>=3.3") passes
+    assert under_emulate["version"] == poptorch.__version__
+
+
+def test_under_emulate_popart_offers_popart_3_4_enums_and_nothing_else(under_emulate):
+    popart = under_emulate["popart"]
+    assert isinstance(popart, dict), popart
+    # PopART 3.4's values (sessionoptions.hpp)
+    assert (popart["schedule"], popart["copying"]) == (3, 1)
+    assert popart["names"] == [
+        "Scheduler",
+        "Serial",
+        "OverlapCycleOptimized",
+        "OverlapMemoryOptimized",
+    ]
+    assert "popart.InferenceSession is not emulated" in popart["session"]
+
+
+def test_without_emulate_no_poptorch_distribution_is_seen():
+    import importlib.metadata
+
+    binding = str(REPO / "ipuloop" / "_binding")
+    if binding in sys.path:
+        pytest.skip("this process runs under ipuloop.emulate")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("poptorch")
+
+
+def test_the_emulated_distribution_is_the_emulated_version():
+    dist = REPO / "ipuloop" / "_binding" / f"poptorch-{poptorch.__version__}.dist-info"
+    metadata = (dist / "METADATA").read_text()
+    assert "Name: poptorch\n" in metadata
+    assert f"Version: {poptorch.__version__}\n" in metadata
+
+
+def test_a_wheel_of_ipuloop_carries_the_binding_folder(tmp_path):
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "ipuloop", src / "ipuloop", ignore=shutil.ignore_patterns("__pycache__"))
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if p.returncode != 0 and "No module named pip" in p.stderr:
+        pytest.skip("pip is not installed")
+    assert p.returncode == 0, p.stderr
+    (wheel,) = (tmp_path / "dist").glob("ipuloop-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    dist = f"ipuloop/_binding/poptorch-{poptorch.__version__}.dist-info"
+    assert {f"{dist}/METADATA", f"{dist}/top_level.txt"} <= names
+    assert {"ipuloop/_binding/poptorch.py", "ipuloop/_binding/popart.py"} <= names
