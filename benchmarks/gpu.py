@@ -81,6 +81,8 @@ LOSS_SCALING = {"float32": 1.0, "float16": 128.0}
 RESNET_LOSS_SCALING = {"float32": 1.0, "float16": 8.0}
 # max |weight - native's| after the check steps for "the same math"
 TOL = {"float32": 1e-5, "float16": 1e-3}
+# aten operations that copy a tensor's data (host to device included)
+COPIES = frozenset({"copy_", "_to_copy", "clone", "_copy_from"})
 NO_KERNEL = frozenset(
     {"detach", "view", "t", "split", "select", "slice", "_unsafe_view", "alias", "expand"}
 )
@@ -623,9 +625,11 @@ def count_per_step(variant: str, wl: Workload, device: torch.device, steps: int)
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
     release(device)
+    copies = sum(v for k, v in ops.counts.items() if k in COPIES)
     return {
         "syncs_per_step": len(syncs) / steps if cuda else None,
         "ops_per_step": ops.kernels() / steps,
+        "copies_per_step": copies / steps,
         "ops_by_name": {k: v / steps for k, v in sorted(ops.counts.items())},
     }
 
@@ -685,9 +689,10 @@ def measure(wl: Workload, args: argparse.Namespace, device: torch.device) -> dic
     if not args.no_counts:
         for v in variants:
             res[v].update(count_per_step(v, wl, device, args.count_steps))
-    native = res["native"]["step_s"]
+    native, native_cpu = res["native"]["step_s"], res["native"]["cpu_step_s"]
     for v in variants:
         res[v]["ratio_to_native"] = res[v]["step_s"] / native
+        res[v]["cpu_ratio_to_native"] = res[v]["cpu_step_s"] / native_cpu
         res[v]["paired_ratios"] = [
             a["step_s"] / n["step_s"] for a, n in zip(reps[v], reps["native"])
         ]
@@ -711,14 +716,15 @@ def table(results: dict[str, Any]) -> str:
         f"{meta['torch']}. Command: `{meta['command']}`; {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up, {meta['repeats']} repeats in rotated order, medians.",
         "",
-        "| workload | dtype | variant | ms / step | samples / s | / native | peak MB | "
-        "host syncs / step | ops / step | same weights (max diff) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| workload | dtype | variant | ms / step | samples / s | / native | CPU ms / step | "
+        "CPU / native | peak MB | host syncs / step | ops / step | copies / step | "
+        "same weights (max diff) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, by_dtype in results["workloads"].items():
         for dtype, w in by_dtype.items():
             if "skipped" in w:
-                lines.append(f"| {name} | {dtype} | skipped: {w['skipped']} | | | | | | | |")
+                lines.append(f"| {name} | {dtype} | skipped: {w['skipped']} |" + " |" * 10)
                 continue
             for v, r in w["variants"].items():
                 diff = w["max_abs_diff_to_native"].get(v)
@@ -728,8 +734,10 @@ def table(results: dict[str, Any]) -> str:
                 lines.append(
                     f"| {name} | {dtype} | {v} | {r['step_s'] * 1e3:.1f} | "
                     f"{r['samples_per_s']:,.0f} | {r['ratio_to_native']:.3f} | "
+                    f"{r['cpu_step_s'] * 1e3:.1f} | {r['cpu_ratio_to_native']:.3f} | "
                     f"{_fmt(r['peak_mb'], ',.0f')} | {_fmt(r.get('syncs_per_step'), '.1f')} | "
-                    f"{_fmt(r.get('ops_per_step'), ',.0f')} | {same} |"
+                    f"{_fmt(r.get('ops_per_step'), ',.0f')} | "
+                    f"{_fmt(r.get('copies_per_step'), ',.0f')} | {same} |"
                 )
     lines.append("")
     for name, by_dtype in results["workloads"].items():
@@ -851,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
                 entry = {"skipped": "--skip"}
             elif args.budget_s is not None and time.perf_counter() - started > args.budget_s:
                 entry = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
+            elif dtype == "float16" and not float16_kernels(device):
+                entry = {"skipped": f"this torch has no float16 matmul on {device.type}"}
             elif name == "resnet" and not _importable("torchvision"):
                 entry = {"skipped": "torchvision is not installed"}
             elif (
@@ -869,6 +879,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme and args.readme != "none":
         write_readme(Path(args.readme), README_MARKERS[device.type], text)
     return 0
+
+
+def float16_kernels(device: torch.device) -> bool:
+    """Whether torch computes float16 matmuls on ``device`` (torch 2.0's CPU does not)."""
+    try:
+        one = torch.ones(2, 2, dtype=torch.float16, device=device)
+        one @ one
+        return True
+    except RuntimeError:
+        return False
 
 
 def _importable(name: str) -> bool:

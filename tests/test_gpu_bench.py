@@ -72,15 +72,16 @@ def test_gpu_benchmark_tiny_run_writes_json_and_table(tmp_path):
     assert res["meta"]["device"] == "cpu" and res["meta"]["preset"] == "tiny"
     assert set(res["meta"]) >= {"torch", "python", "command", "date", "cpus", "wall_s"}
     assert res["workloads"]["mnist"]["float16"] == {"skipped": "--skip"}
-    for entry in (
-        res["workloads"]["mnist"]["float32"],
-        res["workloads"]["bert"]["float32"],
-        res["workloads"]["bert"]["float16"],
-    ):
+    half = res["workloads"]["bert"]["float16"]
+    if "skipped" in half:  # torch 2.0's CPU: no float16 matmul
+        assert "no float16 matmul" in half["skipped"]
+    else:
+        _check_entry(half)
+    for entry in (res["workloads"]["mnist"]["float32"], res["workloads"]["bert"]["float32"]):
         _check_entry(entry)
     text = readme.read_text()  # the CPU table replaces its marked section only
     assert "prose kept" in text and "more prose" in text and "\nold\n" not in text
-    assert "| bert | float16 | loop |" in text
+    assert "| bert | float16 |" in text and "| bert | float32 | loop |" in text
     assert "<!-- gpu-cuda:begin -->\nNot measured.\n<!-- gpu-cuda:end -->" in text
 
 

@@ -35,6 +35,7 @@ import ipuloop.emulator as poptorch
 from ipuloop import Callback, Loop
 
 PACKAGE = os.path.dirname(os.path.abspath(ipuloop.__file__))
+FORWARDING = {os.path.join(PACKAGE, "emulator", f) for f in ("precision.py", "group_norm.py")}
 
 T = torch.Tensor
 # tensor functions that read a device value on the host (each waits for the device)
@@ -90,7 +91,14 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS:
-            caller = traceback.extract_stack(limit=2)[0]
+            # the line that made the call: the first frame out of the emulator's own function
+            # modes, which pass every call on (``precision.MixedFloat`` on a host without
+            # float16 kernels, ``group_norm.StridedGroupNorm``)
+            caller = next(
+                f
+                for f in reversed(traceback.extract_stack()[:-1])
+                if os.path.abspath(f.filename) not in FORWARDING
+            )
             if os.path.abspath(caller.filename).startswith(PACKAGE):
                 at = f"{os.path.abspath(caller.filename)[len(PACKAGE) :]}:{caller.lineno}"
                 self.where[(func.__name__, at)] += 1
@@ -211,6 +219,14 @@ def test_automatic_loss_scaling_counts_as_before():
     assert factors == [2.0, 4.0, 8.0, 16.0]
 
 
+def _float16_matmul() -> bool:
+    try:
+        torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
+        return True
+    except RuntimeError:
+        return False
+
+
 class _Window(Callback):
     """Counts host reads from the end of step ``first`` to the end of step ``last``."""
 
@@ -227,6 +243,8 @@ class _Window(Callback):
 
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16-loss-scaling"])
 def test_loop_fit_reads_one_value_per_step(half):
+    if half and not _float16_matmul():
+        pytest.skip("this torch has no float16 matmul on the CPU, which the loop's probe runs")
     # the step's loss, for the logs and the finiteness check, read from the returned (host)
     # tensor: the one transfer per call the device makes anyway
     net = Net().half() if half else Net()
