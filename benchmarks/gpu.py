@@ -439,8 +439,9 @@ class Clock:
         steps: int,
         on_start: Callable[[], Any] | None = None,
         on_stop: Callable[[], Any] | None = None,
+        sync: bool = True,
     ) -> None:
-        self.cuda = device.type == "cuda"
+        self.cuda = sync and device.type == "cuda"  # the count pass counts no sync of its own
         self.start, self.stop = start, start + steps
         self.on_start, self.on_stop = on_start, on_stop
         self.n = 0
@@ -491,6 +492,7 @@ def run_native(wl: Workload, steps: int, clock: Clock, device: torch.device) -> 
                     with torch.enable_grad():
                         _, loss = net(xs[d * ga + a], ys[d * ga + a])
                         (loss * scale if scale != 1.0 else loss).backward()
+                    loss = loss.detach()
                     total = loss if total is None else total + loss
                 if wl.half:
                     grads = [p.grad for p in params if p.grad is not None]
@@ -617,7 +619,7 @@ def count_per_step(variant: str, wl: Workload, device: torch.device, steps: int)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        clock = Clock(device, 1, steps, start, stop)
+        clock = Clock(device, 1, steps, start, stop, sync=False)
         try:
             RUNS[variant](wl, 1 + steps, clock, device)
         finally:
@@ -712,7 +714,8 @@ def table(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [
         f"Measured {meta['date']} on {meta['device_name']} ({meta['machine']}, {meta['cpus']} "
-        f"CPUs, torch threads {meta['threads']}), Python {meta['python']}, torch "
+        f"CPUs, torch threads {meta['threads']}, load average at start {meta['loadavg']}), "
+        f"Python {meta['python']}, torch "
         f"{meta['torch']}. Command: `{meta['command']}`; {meta['steps']} timed steps after "
         f"{meta['warmup']} warm-up, {meta['repeats']} repeats in rotated order, medians.",
         "",
@@ -798,6 +801,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=str(ROOT / "docs" / "performance.md"),
         help="the page to write the table into; '' or none to leave it alone",
     )
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only write the table of an earlier run's results",
+    )
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.preset = args.preset or ("gpu" if args.device == "cuda" else "cpu")
@@ -815,6 +824,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:  # only the table, from an earlier run's results
+        results = json.loads(Path(args.from_json).read_text())
+        text = table(results)
+        print(text, flush=True)
+        if args.readme and args.readme != "none":
+            write_readme(Path(args.readme), README_MARKERS[results["meta"]["device"]], text)
+        return 0
     started = time.perf_counter()
     os.environ["IPULOOP_EMULATOR_DEVICE"] = args.device  # read when a model is wrapped
     os.environ.setdefault("IPULOOP_BACKEND", "emulator")
@@ -833,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": args.device,
             "device_name": torch.cuda.get_device_name(device)
             if device.type == "cuda"
-            else f"the CPU ({platform.processor() or platform.machine()})",
+            else f"the CPU ({cpu_name()})",
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
@@ -879,6 +895,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme and args.readme != "none":
         write_readme(Path(args.readme), README_MARKERS[device.type], text)
     return 0
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def float16_kernels(device: torch.device) -> bool:

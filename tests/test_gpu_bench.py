@@ -83,6 +83,23 @@ def test_gpu_benchmark_tiny_run_writes_json_and_table(tmp_path):
     assert "prose kept" in text and "more prose" in text and "\nold\n" not in text
     assert "| bert | float16 |" in text and "| bert | float32 | loop |" in text
     assert "<!-- gpu-cuda:begin -->\nNot measured.\n<!-- gpu-cuda:end -->" in text
+    # --from-json writes the same table again from the results alone
+    readme.write_text("<!-- gpu-cpu:begin -->\n<!-- gpu-cpu:end -->\n")
+    cmd = [sys.executable, str(SCRIPT), "--from-json", str(tmp_path / "gpu.json")]
+    proc = subprocess.run(
+        [*cmd, "--readme", str(readme)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _section(readme.read_text()) == _section(text)
+
+
+def _section(page: str) -> str:
+    return page.split("<!-- gpu-cpu:begin -->")[1].split("<!-- gpu-cpu:end -->")[0].strip()
 
 
 def test_gpu_benchmark_resnet_tiny(tmp_path):

@@ -22,6 +22,7 @@ import collections
 import os
 import traceback
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -228,9 +229,10 @@ def _float16_matmul() -> bool:
 
 
 class _Window(Callback):
-    """Counts host reads from the end of step ``first`` to the end of step ``last``."""
+    """Enters ``reads`` (a torch function or dispatch mode) from the end of step ``first`` to
+    the end of step ``last``."""
 
-    def __init__(self, reads: HostReads, first: int, last: int) -> None:
+    def __init__(self, reads: Any, first: int, last: int) -> None:
         self.reads, self.first, self.last, self.steps = reads, first, last, 0
 
     def on_train_step_end(self, loop) -> None:
@@ -335,3 +337,19 @@ def test_cuda_syncs_per_call_at_most_native(monkeypatch):
     model(x, y)
     emulator_syncs = count(lambda: model(x, y))
     assert emulator_syncs <= native_syncs + 2, (emulator_syncs, native_syncs)
+
+
+def test_loop_fit_copies_no_weight_per_step():
+    # nothing in the loop's step reads the host module (which would copy the trained weights
+    # back from the device): the step's aten operations hold no copy at all
+    ops = Ops()
+    net = Net()
+    loop = Loop(
+        net,
+        _options(),
+        optimizer=poptorch.optim.AdamW(net.parameters(), lr=1e-3),
+        progress=False,
+        callbacks=[_Window(ops, 2, 4)],
+    )
+    loop.fit(DataLoader(_data(5), batch_size=B), epochs=1)
+    assert ops.ops and not COPIES & set(ops.ops), {k: ops.ops[k] for k in COPIES & set(ops.ops)}
