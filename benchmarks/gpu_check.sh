@@ -30,10 +30,16 @@ if [ "$DEVICE" = cuda ]; then
 fi
 
 echo "== CUDA tests"
-timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_syncs.py
+tests=0  # a failure is reported at the end: the benchmark still runs
+timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_syncs.py ||
+    tests=$?
 
 echo "== benchmarks/gpu.py ($DEVICE, preset $PRESET)"
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of arguments
 timeout 330 "$PYTHON" benchmarks/gpu.py --device "$DEVICE" --preset "$PRESET" \
     --budget-s 300 --out "$OUT" ${GPU_CHECK_ARGS:-}
 echo "== done: $OUT"
+if [ "$tests" != 0 ]; then
+    echo "the CUDA tests failed (status $tests): see above" >&2
+    exit "$tests"
+fi
