@@ -303,6 +303,7 @@ def test_a_training_call_copies_no_weight_and_runs_the_native_kernels():
         assert torch.equal(a, b)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_syncs_per_call_at_most_native(monkeypatch):
     # on CUDA: the syncs themselves. The hand-written step syncs once to read its loss; a
