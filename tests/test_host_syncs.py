@@ -148,23 +148,25 @@ def _data(steps: int, half: bool = False) -> TensorDataset:
     return TensorDataset(x.half() if half else x, torch.randint(0, OUT, (n,), generator=g))
 
 
-def _options(als: bool = False, mode=None):
+def _options(als: bool = False, mode=None, period=None):
     opts = poptorch.Options().deviceIterations(DI)
     opts.Training.gradientAccumulation(GA)
     if als:
         opts.Training.setAutomaticLossScaling(True)
     if mode is not None:
-        opts.outputMode(mode)
+        opts.outputMode(mode, period)
     return opts
 
 
-def _emulator_calls(half: bool, als: bool, steps: int = 3, mode=None) -> HostReads:
+def _emulator_calls(
+    half: bool, mode=None, period=None, replicas: int = 1, steps: int = 3
+) -> HostReads:
     """Host reads during calls 2..steps of a raw trainingModel (the first compiles)."""
     net = Net().half() if half else Net()
-    opts = _options(als, mode)
+    opts = _options(mode=mode, period=period).replicationFactor(replicas)
     optimizer = poptorch.optim.AdamW(net.parameters(), lr=1e-3, loss_scaling=128.0 if half else 1)
     model = poptorch.trainingModel(net, opts, optimizer)
-    batches = iter(poptorch.DataLoader(opts, _data(steps, half), batch_size=B))
+    batches = iter(poptorch.DataLoader(opts, _data(steps * replicas, half), batch_size=B))
     model(*next(batches))
     reads = HostReads()
     with reads:
@@ -174,10 +176,18 @@ def _emulator_calls(half: bool, als: bool, steps: int = 3, mode=None) -> HostRea
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16-loss-scaling"])
-def test_a_training_call_reads_nothing_on_the_host(half):
+@pytest.mark.parametrize("mode", ["Final", "All", "Sum", "EveryN"])
+def test_a_training_call_reads_nothing_on_the_host(half, mode):
     # DI updates of GA micro-batches each, BatchNorm, AdamW: the call only queues work; its
     # outputs come back as tensors (one transfer each, what PopTorch returns)
-    reads = _emulator_calls(half, als=False)
+    period = 2 if mode == "EveryN" else None
+    reads = _emulator_calls(half, mode=getattr(poptorch.OutputMode, mode), period=period)
+    assert reads.total == 0, dict(reads.where)
+
+
+def test_a_replicated_training_call_reads_nothing_on_the_host():
+    # two replicas: each its own BatchNorm statistics, gradients reduced over both
+    reads = _emulator_calls(False, mode=poptorch.OutputMode.All, replicas=2)
     assert reads.total == 0, dict(reads.where)
 
 
