@@ -113,7 +113,7 @@ class AutoLossScale:
         # The executor's backward scales each micro-batch by loss_scale / (GA*RF) under Mean;
         # PopART's gradient tensors carry the loss scale alone: undo the division.
         self._undo = micro_batch_scale
-        self._upper = 0
+        self._upper: torch.Tensor | int = 0  # a device tensor once counted (``_count``)
         self._total = 0
 
     def track(self, loss: torch.Tensor) -> None:
