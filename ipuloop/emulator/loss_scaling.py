@@ -113,14 +113,16 @@ class AutoLossScale:
         # The executor's backward scales each micro-batch by loss_scale / (GA*RF) under Mean;
         # PopART's gradient tensors carry the loss scale alone: undo the division.
         self._undo = micro_batch_scale
-        self._upper = 0
+        self._upper: torch.Tensor | int = 0  # a device tensor once counted (``_count``)
         self._total = 0
 
     def track(self, loss: torch.Tensor) -> None:
         """Count the float16 gradients the coming backward of ``loss`` computes: those of
-        every op below the loss's own, but view changes."""
+        every op below the loss's own, but view changes. Only on the steps whose counts
+        decide the factor (the first of each update period): ``after_step`` clears the
+        others' unread."""
         node = loss.grad_fn
-        if node is None:
+        if node is None or self._steps % self._period:
             return
         seen = {node}
         todo = [n for n, _ in node.next_functions if n is not None]
@@ -146,8 +148,10 @@ class AutoLossScale:
         g = grad.detach()
         if self._undo != 1.0:
             g = g.float() * self._undo
-        # |g| >= edge, or not finite (NaN compares false: counted with the overflows)
-        self._upper += int((~(g.abs() < self._edge)).sum())
+        # |g| >= edge, or not finite (NaN compares false: counted with the overflows). Summed
+        # on the device: ``after_step`` reads it once per update, not once per gradient (each
+        # read waits for the device).
+        self._upper = (~(g.abs() < self._edge)).sum() + self._upper
         self._total += g.numel()
 
     def final(self, loss_scaling: float) -> float:
@@ -159,8 +163,9 @@ class AutoLossScale:
         first step of each update period, and clear the counts."""
         self.last_final = self.final(loss_scaling)
         if self._steps % self._period == 0:
-            lower = self._total - self._upper
-            self.factor *= 0.5 if self._upper > lower * self._ratio else 2.0
+            upper = int(self._upper)  # host sync, one per update period: the rule needs it
+            lower = self._total - upper
+            self.factor *= 0.5 if upper > lower * self._ratio else 2.0
             self.factor = min(self.factor, _MAX_SCALE / loss_scaling)
         self._steps += 1
         self._upper = self._total = 0
