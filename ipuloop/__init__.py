@@ -1,5 +1,10 @@
 """ipuloop: a minimal training loop for the PopTorch execution model.
 
+Its kernel (the loop, its parts and the built-in callbacks) is about 3,600 statements.
+``IPUConfig``, the TensorBoard, W&B and MLflow loggers and plotting live in
+``ipuloop.integrations``, which the kernel never imports: ``IPUConfig`` here is imported on
+first use, as are the loggers from ``ipuloop.callbacks``.
+
 ``from ipuloop import poptorch`` gives the real poptorch when it is installed, else the
 CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
 """
@@ -7,6 +12,7 @@ CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 # The names these two modules had in 0.1.0's first layout, still importable:
 # ``ipuloop.distributed`` (process_index, is_main_process, ...) and ``ipuloop.errors``.
@@ -14,10 +20,12 @@ from . import exceptions as _exceptions
 from . import processes as _processes
 from .backend import backend_name
 from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
-from .config import IPUConfig
 from .loop import Loop, NonFiniteLossError, WithLoss
 from .state import State
 from .version import __version__
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__``): the kernel imports no integration
+    from .integrations.ipu_config import IPUConfig
 
 sys.modules.setdefault(f"{__name__}.distributed", _processes)
 sys.modules.setdefault(f"{__name__}.errors", _exceptions)
@@ -45,6 +53,10 @@ def __getattr__(name: str):
         from .backend import poptorch_module
 
         return poptorch_module()
+    if name == "IPUConfig":
+        from .integrations.ipu_config import IPUConfig
+
+        return IPUConfig
     if name in ("distributed", "errors"):
         return sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module 'ipuloop' has no attribute {name!r}")

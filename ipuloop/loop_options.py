@@ -12,11 +12,10 @@ import contextlib
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .config import IPUConfig
 from .outputs import MODE_NAMES, Returns, WithLoss
 from .rules import (
     ALL,
@@ -32,6 +31,7 @@ from .rules import (
 )
 
 __all__ = [
+    "OptionsBuilder",
     "Resolved",
     "resolve",
     "PRECISIONS",
@@ -59,6 +59,17 @@ _PRECISION_ALIASES = {
     "16-mixed": "16-mixed",
     "16-true": "16-true",
 }
+
+
+@runtime_checkable
+class OptionsBuilder(Protocol):
+    """What ``opts=`` may be besides ``poptorch.Options``: an object that builds them and
+    knows the IPUs a replica uses, as ``ipuloop.IPUConfig`` does. The loop calls these two
+    methods and names no such class: the integrations sit above the kernel."""
+
+    def to_options(self, for_inference: bool = False) -> Any: ...
+
+    def ipus_used(self, for_inference: bool = False) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -135,9 +146,9 @@ def resolve(
 
 def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, int]:
     """Clones of the training and (if given) inference options, and the IPUs per replica
-    (known from an ``IPUConfig``; else 1)."""
+    (known from an ``OptionsBuilder`` such as ``IPUConfig``; else 1)."""
     per_replica = 1
-    if isinstance(opts, IPUConfig):
+    if isinstance(opts, OptionsBuilder):
         per_replica = opts.ipus_used()
         if inference_opts is None:
             inference_opts = opts.to_options(for_inference=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ipuloop.config import (
+from ipuloop.integrations.ipu_config import (
     CONFIG_NAME,
     IncompatibleIPUConfigError,
     IPUConfig,

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import IPUConfig, Loop, poptorch
-from ipuloop.config import place_layers
+from ipuloop.integrations.ipu_config import place_layers
 
 
 def test_ipu_config_drives_training_and_inference_options(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ipuloop.config import IPUConfig
+from ipuloop.integrations.ipu_config import IPUConfig
 from ipuloop.examples import mnist
 from tests.test_examples import HAVE_MNIST, MNIST_RAW, NO_MNIST
 

@@ -175,7 +175,7 @@ def test_replicas_count_ipus_as_poptorch_reserves_them(monkeypatch):
     a power of 2 with autoRoundNumIPUs (``CompilerImpl.cpp`` ``createDevice``; docs/poptorch-semantics.md §1.3):
     an IPU with no layers past the last used one is not reserved, and the system is asked for
     the rounded count."""
-    from ipuloop.config import IPUConfig
+    from ipuloop.integrations.ipu_config import IPUConfig
 
     asked = []
     monkeypatch.setattr(
@@ -194,7 +194,7 @@ def test_replicas_count_ipus_as_poptorch_reserves_them(monkeypatch):
 def test_recomputation_checkpoints_get_tensors_only():
     """``recomputationCheckpoint`` raises ``ValueError("All inputs must be tensors")`` for any
     other argument (``ops.py``); a layer returning (tensor, None) passes the None through."""
-    from ipuloop.config import _RecomputeHook
+    from ipuloop.integrations.ipu_config import _RecomputeHook
 
     with pytest.raises(ValueError, match="All inputs must be tensors"):
         poptorch.recomputationCheckpoint(torch.ones(1), None)
@@ -206,7 +206,7 @@ def test_mnist_ipu_config_inference_uses_the_training_ipus(tmp_path):
     """Inference options from an IPUConfig shard with ``AutoStage.AutoIncrement``, whose stage
     ids start at 1: blocks B1..B4 would land on IPUs 1..4, 5 IPUs (``_options_impl.py``,
     ``AutoStage.AutoIncrement``); the example places them as training does."""
-    from ipuloop.config import IPUConfig
+    from ipuloop.integrations.ipu_config import IPUConfig
     from ipuloop.examples import mnist
 
     IPUConfig(device_iterations=1, gradient_accumulation_steps=8).save(tmp_path / "c.json")

@@ -3,8 +3,10 @@
 Every import of every module is read with ``ast``, relative and function-local ones included.
 The layers are read from the table in docs/layout.md (leaves < PopTorch and what every part
 reads < parts < wiring < the loop < entry points): a module imports its own layer or lower
-ones. No two modules share a basename. And at run time, a batch's way from the loader to the
-logged loss crosses few modules and takes no detour (``batch_way``).
+ones. No two modules share a basename. The kernel never imports ``ipuloop.integrations``
+(IPUConfig, the experiment loggers, plotting), and importing ipuloop imports none of them. And
+at run time, a batch's way from the loader to the logged loss crosses few modules and takes no
+detour (``batch_way``).
 """
 
 from __future__ import annotations
@@ -38,11 +40,20 @@ def module_names() -> dict[str, Path]:
     return out
 
 
-def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The ipuloop modules ``name`` (at ``path``) imports, anywhere in its body."""
+def imports_of(
+    name: str,
+    path: Path,
+    modules: set[str],
+    skip: set[int] | frozenset[int] = frozenset(),
+    tree: ast.AST | None = None,
+) -> set[str]:
+    """The ipuloop modules ``name`` (at ``path``) imports, anywhere in its body (but the nodes
+    whose ids are in ``skip``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree or ast.parse(path.read_text(), str(path))):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -107,13 +118,16 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
                 b.startswith("ipuloop.emulator") or b == "ipuloop.rules"
             ):
                 bad.append(f"{a} -> {b} (the emulator imports nothing of ipuloop but rules)")
-            if a.startswith("ipuloop.callbacks") and b in (
+            if a.startswith(("ipuloop.callbacks", "ipuloop.integrations")) and b in (
                 "ipuloop.loop",
                 "ipuloop.executors",
                 "ipuloop.loop_options",
                 "ipuloop.plan",
             ):
-                bad.append(f"{a} -> {b} (callbacks reach the loop only through base.LoopView)")
+                bad.append(
+                    f"{a} -> {b} (callbacks and integrations reach the loop only through "
+                    "base.LoopView, or as what opts= accepts)"
+                )
             if (
                 a == "ipuloop.loop"
                 and b.startswith("ipuloop.callbacks")
@@ -148,7 +162,7 @@ def test_the_graph_is_read():  # the reader finds relative, aliased and function
     edges = graph()
     assert "ipuloop.rules" in edges["ipuloop.emulator.executor"]
     assert "ipuloop.checkpoint_io" in edges["ipuloop.callbacks.checkpoint"]  # from .. import x
-    assert "ipuloop.backend" in edges["ipuloop.config"]  # inside a function
+    assert "ipuloop.backend" in edges["ipuloop.integrations.ipu_config"]  # inside a function
     assert "ipuloop.callbacks.base" in edges["ipuloop.loop"]
 
 
@@ -172,6 +186,7 @@ def test_cycle_checker(edges, expected):
         ("ipuloop.callbacks.checkpoint", "ipuloop.executors"),
         ("ipuloop.callbacks.profile", "ipuloop.loop_options"),
         ("ipuloop.callbacks.progress", "ipuloop.plan"),
+        ("ipuloop.integrations.tensorboard", "ipuloop.loop"),
         ("ipuloop.loop", "ipuloop.callbacks.progress"),
         ("ipuloop.loop", "ipuloop.callbacks"),
     ],
@@ -233,13 +248,19 @@ def test_every_module_is_in_the_layout_and_imports_down():
     table = layers()
     assert table, "docs/layout.md has no layer table"
     edges = graph()
-    unplaced = sorted(m for m in edges if layer_of(m, table) is None)
+    unplaced = sorted(m for m in edges if layer_of(m, table) is None and not outside(m))
     assert unplaced == [], f"modules missing from docs/layout.md: {unplaced}"
-    upward = [
-        f"{a} (layer {layer_of(a, table)}) -> {b} (layer {layer_of(b, table)})"
+    top = max(table.values()) + 1  # an integration the table leaves out sits above the kernel
+
+    def layer(m: str) -> int:
+        found = layer_of(m, table)
+        return top if found is None else found
+
+    upward = [  # an edge to an integration is the kernel's rule (test_the_kernel_...)
+        f"{a} (layer {layer(a)}) -> {b} (layer {layer(b)})"
         for a, targets in edges.items()
         for b in sorted(targets)
-        if layer_of(b, table) > layer_of(a, table)
+        if layer(b) > layer(a) and not outside(b)
     ]
     assert upward == []
 
@@ -262,6 +283,156 @@ def test_no_basename_twice():
         if path.name != "__init__.py":
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+# -- the kernel apart from its integrations ------------------------------------------------------
+# ``ipuloop.config`` and ``ipuloop.plot`` are integrations under the first layout's names.
+OUTSIDE = ("ipuloop.integrations", "ipuloop.config", "ipuloop.plot")
+# The packages whose public names include integrations (``from ipuloop import IPUConfig``,
+# ``from ipuloop.callbacks import TensorBoardLogger``): they import them on first use only.
+LAZY = {"ipuloop", "ipuloop.callbacks"}
+
+
+def outside(module: str) -> bool:
+    """``module`` is not the kernel's: an integration, or one under its first name."""
+    return any(module == o or module.startswith(o + ".") for o in OUTSIDE)
+
+
+def eager_imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The ipuloop modules ``name`` imports when it is imported: those of ``imports_of`` less
+    the imports inside a function or under ``if TYPE_CHECKING:``."""
+    lazy: set[int] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
+            isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
+        ):
+            lazy.update(id(n) for n in ast.walk(node))
+    return imports_of(name, path, modules, skip=lazy, tree=tree)
+
+
+def kernel_breaches(edges: dict[str, set[str]], eager: dict[str, set[str]]) -> list[str]:
+    """The kernel's imports of an integration: none, but a lazy one from ``LAZY``."""
+    return [
+        f"{a} -> {b}" + (" (at import)" if a in LAZY else "")
+        for a, targets in sorted(edges.items())
+        if not outside(a)
+        for b in sorted(targets)
+        if outside(b) and (a not in LAZY or b in eager[a])
+    ]
+
+
+def test_the_kernel_imports_no_integration():
+    modules = module_names()
+    edges = graph()
+    eager = {name: eager_imports(name, path, set(modules)) for name, path in modules.items()}
+    assert kernel_breaches(edges, eager) == []
+    assert "ipuloop.integrations.ipu_config" in edges["ipuloop"]  # (the lazy ones are read)
+
+
+@pytest.mark.parametrize(
+    "a,b,eager",
+    [
+        ("ipuloop.loop_options", "ipuloop.config", False),  # the first layout's name too
+        ("ipuloop.loop", "ipuloop.integrations.tensorboard", False),  # even inside a function
+        ("ipuloop.callbacks.progress", "ipuloop.plot", False),
+        ("ipuloop", "ipuloop.integrations.ipu_config", True),  # the public names, at import
+        ("ipuloop.callbacks", "ipuloop.integrations.scalars", True),
+    ],
+)
+def test_kernel_breach_checker(a, b, eager):
+    assert len(kernel_breaches({a: {b}}, {a: {b} if eager else set()})) == 1
+    assert kernel_breaches({a: {"ipuloop.rules"}}, {a: set()}) == []
+
+
+def test_lazy_public_names_and_integrations_pass():
+    edges = {
+        "ipuloop": {"ipuloop.integrations.ipu_config", "ipuloop.loop"},
+        "ipuloop.callbacks": {"ipuloop.integrations.tensorboard"},
+        "ipuloop.integrations.tensorboard": {"ipuloop.callbacks.base"},
+        "ipuloop.config": {"ipuloop.integrations.ipu_config"},
+    }
+    assert kernel_breaches(edges, {"ipuloop": {"ipuloop.loop"}, "ipuloop.callbacks": set()}) == []
+
+
+def test_eager_imports_leave_out_functions_and_type_checking(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import a\n"
+        "if TYPE_CHECKING:\n    from . import b\n"
+        "def f():\n    from . import c\n"
+        "try:\n    from . import d\nexcept ImportError:\n    pass\n"
+    )
+    modules = {f"p.{x}" for x in "abcd"} | {"p.m"}
+    assert imports_of("p.m", path, modules) == {"p.a", "p.b", "p.c", "p.d"}
+    assert eager_imports("p.m", path, modules) == {"p.a", "p.d"}
+
+
+def test_importing_ipuloop_imports_no_integration(tmp_path):
+    """A fit, with ipuloop and its callbacks imported, loads no integration; their public
+    names import them on first use, and the first layout's names forward to them."""
+    code = (
+        "import sys, torch, ipuloop, ipuloop.callbacks as cb\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from ipuloop import Loop, WithLoss\n"
+        "ds = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))\n"
+        "loop = Loop(WithLoss(torch.nn.Linear(4, 2), torch.nn.CrossEntropyLoss()),\n"
+        "            progress=False, callbacks=[cb.CSVLogger('log.csv')])\n"
+        "loop.fit(DataLoader(ds, batch_size=4), epochs=1)\n"
+        "outside = ('ipuloop.integrations', 'ipuloop.config', 'ipuloop.plot')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(outside))\n"
+        "assert loaded == [], loaded\n"
+        "import ipuloop.integrations.ipu_config as ic, ipuloop.config, ipuloop.plot\n"
+        "import ipuloop.integrations.plotting as plotting\n"
+        "from ipuloop.integrations import mlflow_logger, scalars, tensorboard, wandb_logger\n"
+        "assert ipuloop.IPUConfig is ic.IPUConfig is ipuloop.config.IPUConfig\n"
+        "assert ipuloop.config.place_layers is ic.place_layers\n"
+        "assert ipuloop.plot.main is plotting.main\n"
+        "assert cb.TensorBoardLogger is tensorboard.TensorBoardLogger\n"
+        "assert cb.WandbLogger is wandb_logger.WandbLogger\n"
+        "assert cb.MLFlowLogger is mlflow_logger.MLFlowLogger\n"
+        "assert cb.ScalarLogger is scalars.ScalarLogger\n"
+        "assert all(hasattr(cb, n) for n in cb.__all__)\n"
+        "assert all(hasattr(ipuloop, n) for n in ipuloop.__all__ if n != 'poptorch')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
+
+
+# The emulator and its entry points, and the examples, are not the loop's kernel either.
+NOT_KERNEL = ("ipuloop.emulator", "ipuloop.emulate", "ipuloop._binding", "ipuloop.examples")
+
+
+def kernel_statements() -> int:
+    """The kernel's statements (``ast`` statements, docstrings left out): ipuloop less the
+    integrations, the emulator, its entry points and the examples."""
+    total = 0
+    for name, path in module_names().items():
+        if outside(name) or any(name == n or name.startswith(n + ".") for n in NOT_KERNEL):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            total += isinstance(node, ast.stmt) and not docstring
+    return total
+
+
+def test_the_stated_kernel_size():
+    """Where ipuloop calls itself minimal, it gives its kernel's size: within 10% of it."""
+    measured = kernel_statements()
+    repo = ROOT.parent
+    for path in (
+        "README.md",
+        "docs/index.md",
+        "pyproject.toml",
+        "mkdocs.yml",
+        "ipuloop/__init__.py",
+    ):
+        text = (repo / path).read_text()
+        assert "minimal" in text, path
+        (stated,) = {
+            int(n.replace(",", "")) for n in re.findall(r"about ([\d,]+) statements", text)
+        }
+        assert abs(stated - measured) <= 0.1 * measured, (path, stated, measured)
 
 
 # -- a batch's way -------------------------------------------------------------------------------

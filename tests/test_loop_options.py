@@ -156,6 +156,31 @@ def test_replicas_on_an_ipu_system(monkeypatch):
         make_loop(cfg, replicas=8)
 
 
+class _Builder:
+    """Builds options as IPUConfig does, and is no IPUConfig: the loop names no such class."""
+
+    def __init__(self, ipus: int) -> None:
+        self.ipus, self.built = ipus, []
+
+    def to_options(self, for_inference: bool = False):
+        self.built.append(for_inference)
+        return poptorch.Options().deviceIterations(4 if for_inference else 2)
+
+    def ipus_used(self, for_inference: bool = False) -> int:
+        return self.ipus
+
+
+def test_opts_may_be_any_object_that_builds_options(monkeypatch):
+    monkeypatch.setattr(poptorch, "ipuHardwareIsAvailable", lambda num_ipus=1: num_ipus <= 16)
+    builder = _Builder(ipus=8)
+    loop = make_loop(builder, replicas="auto")
+    assert sorted(builder.built) == [False, True]  # training and inference, each built once
+    assert loop.train_opts.device_iterations == 2
+    assert loop.train_opts.replication_factor == 2  # 16 IPUs / 8 a replica
+    with pytest.raises(TypeError, match="opts must be poptorch.Options, an ipuloop.IPUConfig"):
+        make_loop(object())
+
+
 def test_poptorch_loader_built_for_other_options_names_every_factor():
     opts = poptorch.Options().deviceIterations(2).replicationFactor(2)
     opts.Training.gradientAccumulation(3)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import Loop, poptorch
 from ipuloop.callbacks import CSVLogger
-from ipuloop.plot import main, read_csv
+from ipuloop.integrations.plotting import main, read_csv
 
 pytest.importorskip("matplotlib")
 REPO = Path(__file__).resolve().parents[1]

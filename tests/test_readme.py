@@ -269,7 +269,8 @@ CHECKS = {
 def test_the_hook_order_in_the_docs_is_the_module_docstring():
     block = re.search(r"::\n\n((?:    .*\n)+)", base.__doc__).group(1)  # the indented pseudocode
     doc_lines = [line[4:] for line in block.splitlines()]
-    for path in (README, PAGES / "callbacks.md"):
+    assert "docs/callbacks.md#the-order-of-the-hooks" in README.read_text()  # shown once
+    for path in (PAGES / "callbacks.md",):
         shown = (
             re.search(
                 r"```(?:text)?\n(\[first fit only: on_configure\].*?)```", path.read_text(), re.S
@@ -286,9 +287,14 @@ def test_readme_commands_are_the_ci_commands():
     readme = README.read_text()
     assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
     assert 'pip install -e ".[test]" && python -m pytest -q' in readme
-    # the quickstart, online and offline (the folder CI and the tests read MNIST from)
+    # the quickstart, online and offline: offline, a folder of the user's own whose MNIST/raw
+    # holds the files (the layout tests/test_examples.py gives --data-dir), ~ expanded
     assert "pip install -e . && python -m ipuloop.examples.mnist\n" in readme
-    assert "python -m ipuloop.examples.mnist --data-dir ../shared/data/mnist\n" in readme
+    (folder,) = re.findall(r"&& python -m ipuloop\.examples\.mnist --data-dir (\S+)\n", readme)
+    assert "whose `MNIST/raw`" in _flat(readme) and "shared/data" not in readme
+    from ipuloop.examples import mnist
+
+    assert mnist._data_dir(folder) == os.path.expanduser(folder) != folder
     # CI builds the documentation strictly, with the documented command
     assert 'pip install -q -e ".[docs]"' in ci and "mkdocs build --strict" in ci
     assert 'pip install -e ".[docs]" && mkdocs build --strict' in page("getting-started.md")

@@ -1,18 +1,27 @@
-"""Callbacks: the base class, cancel exceptions and the built-in callbacks."""
+"""Callbacks: the base class, cancel exceptions and the built-in callbacks.
+
+``TensorBoardLogger``, ``WandbLogger``, ``MLFlowLogger`` and their base ``ScalarLogger`` live in
+``ipuloop.integrations``; importing them from here imports them on first use, so importing the
+callbacks imports no integration.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .base import Callback, CancelEpoch, CancelFit, CancelStep
 from .checkpoint import CheckpointError, ModelCheckpoint, load_checkpoint
 from .csv_logger import CSVLogger
 from .early_stopping import EarlyStopping
 from .lr import LRScheduler
-from .mlflow_logger import MLFlowLogger
 from .profile import ProfileCapture
 from .progress import ProgressBar
-from .scalars import ScalarLogger
-from .tensorboard import TensorBoardLogger
-from .wandb_logger import WandbLogger
+
+if TYPE_CHECKING:
+    from ..integrations.mlflow_logger import MLFlowLogger
+    from ..integrations.scalars import ScalarLogger
+    from ..integrations.tensorboard import TensorBoardLogger
+    from ..integrations.wandb_logger import WandbLogger
 
 __all__ = [
     "CSVLogger",
@@ -32,3 +41,24 @@ __all__ = [
     "WandbLogger",
     "load_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The loggers of ipuloop.integrations, imported on first use.
+    if name == "TensorBoardLogger":
+        from ..integrations.tensorboard import TensorBoardLogger
+
+        return TensorBoardLogger
+    if name == "WandbLogger":
+        from ..integrations.wandb_logger import WandbLogger
+
+        return WandbLogger
+    if name == "MLFlowLogger":
+        from ..integrations.mlflow_logger import MLFlowLogger
+
+        return MLFlowLogger
+    if name == "ScalarLogger":
+        from ..integrations.scalars import ScalarLogger
+
+        return ScalarLogger
+    raise AttributeError(f"module 'ipuloop.callbacks' has no attribute {name!r}")

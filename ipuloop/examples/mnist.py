@@ -157,7 +157,7 @@ def config_options(args: argparse.Namespace):
     ``--strategy`` for training, sharded for inference), so ``layers_per_ipu`` does not apply
     to this model, and inference uses the IPUs training uses.
     """
-    from ipuloop.config import IPUConfig
+    from ipuloop import IPUConfig
 
     config = IPUConfig.load(args.ipu_config)
     if args.ipu_config_overrides:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .base import Callback, LoopView
+from ..callbacks.base import Callback, LoopView
 
 __all__ = ["ScalarLogger", "hyperparameters"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import LoopView
+from ..callbacks.base import LoopView
 from .scalars import ScalarLogger, hyperparameters
 
 __all__ = ["WandbLogger"]

@@ -6,7 +6,7 @@ import time
 import warnings
 from typing import Any
 
-from .base import LoopView
+from ..callbacks.base import LoopView
 from .scalars import ScalarLogger, hyperparameters
 
 __all__ = ["MLFlowLogger"]

@@ -1,0 +1,626 @@
+"""`IPUConfig`: one JSON-serialisable configuration for training and inference `poptorch.Options`.
+
+Follows optimum-graphcore's `IPUConfig` (docs/poptorch-semantics.md §7), with these differences:
+
+- the cross-field checks (a list `matmul_proportion`, and a `layers_per_ipu` without -1, must
+  have `ipus_per_replica` entries) re-run after every assignment, `update()` and
+  `update_from_string()`, not only in the constructor. A change that fails is rolled back.
+  Change coupled fields together with `update(...)` or one `update_from_string(...)`;
+- `seed=0` is honoured by `to_options` (optimum tests `if self.seed:` and drops it);
+- `update_from_string` strips whitespace around keys and values, splits only on commas outside
+  brackets (`[a b]` and `[a, b]` both work), can set `seed` while it is None, and can turn a
+  float `matmul_proportion` into a list;
+- only None means "derive": `ipus_per_replica=0` is rejected and `inference_matmul_proportion=0.0`
+  is kept (optimum replaces any falsy value with the fallback);
+- wildcard expansion raises when the fixed entries alone exceed the model's layers (optimum
+  returns negative layer counts);
+- int fields reject bool; assigning a name that is not a field raises AttributeError.
+
+Left out: the train()/eval() mode switch (pass `for_inference=`), embedding and projection
+serialisation, `parallelize_kwargs`, `explicit_ir_inference`, `compile_only`, the Hub. An
+optimum `ipu_config.json` still loads: those keys and its `optimum_version` /
+`transformers_version` are accepted and dropped, with a warning when a setting is switched on.
+Derived values (`inference_*`, `ipus_per_replica`) are resolved once, in the constructor, as
+in optimum.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+__all__ = [
+    "CONFIG_NAME",
+    "IPUConfig",
+    "IncompatibleIPUConfigError",
+    "place_layers",
+    "unplace_layers",
+]
+
+CONFIG_NAME = "ipu_config.json"
+_OUTPUT_MODES = ("all", "sum", "final", "default")
+_TRUE, _FALSE = ("true", "1", "y", "yes"), ("false", "0", "n", "no")
+
+
+class IncompatibleIPUConfigError(ValueError):
+    """IPUConfig values disagree with each other or with the model (optimum's name)."""
+
+
+# ---- per-field checks: each returns the value to store (lists copied, numbers as float) ----
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _type_error(name: str, v: Any, expected: str) -> TypeError:
+    return TypeError(f"{name} must be {expected}. Received: {name}={v!r} ({type(v).__name__}).")
+
+
+def _pos_int(name: str, v: Any) -> int:
+    if not _is_int(v):
+        raise _type_error(name, v, "an int")
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1. Received: {name}={v}.")
+    return v
+
+
+def _layers(name: str, v: Any) -> list[int]:
+    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
+        raise _type_error(name, v, "a list of ints")
+    if not v:
+        raise ValueError(
+            f"{name} must not be empty; [-1] splits the layers evenly. Received: {name}=[]."
+        )
+    if min(v) < -1:
+        raise ValueError(
+            f"{name} must have all elements >= -1 (-1 is the wildcard). Received: {name}={list(v)}."
+        )
+    return list(v)
+
+
+def _proportion(name: str, v: Any) -> float | list[float]:
+    if _is_num(v):
+        values: list[Any] = [v]
+    elif isinstance(v, (list, tuple)) and v and all(_is_num(x) for x in v):
+        values = list(v)
+    else:
+        raise _type_error(name, v, "a float or a non-empty list of floats (one per IPU)")
+    if min(values) < 0:
+        raise ValueError(f"{name} must have all elements >= 0. Received: {name}={v!r}.")
+    return float(v) if _is_num(v) else [float(x) for x in values]
+
+
+def _typed(ok: Callable[[Any], bool], expected: str) -> Callable[[str, Any], Any]:
+    def check(name: str, v: Any) -> Any:
+        if not ok(v):
+            raise _type_error(name, v, expected)
+        return v
+
+    return check
+
+
+_bool = _typed(lambda v: isinstance(v, bool), "a bool")
+_str = _typed(lambda v: isinstance(v, str), "a str")
+_seed = _typed(lambda v: v is None or _is_int(v), "an int or None")
+
+
+def _output_mode(name: str, v: Any) -> str:
+    if _str(name, v) not in _OUTPUT_MODES:
+        raise ValueError(f"{name} must be one of {_OUTPUT_MODES}. Received: {name}={v!r}.")
+    return v
+
+
+# Field -> check, in constructor order (a test keeps this in sync with __init__).
+_FIELDS = {
+    "replication_factor": _pos_int,
+    "inference_replication_factor": _pos_int,
+    "gradient_accumulation_steps": _pos_int,
+    "device_iterations": _pos_int,
+    "inference_device_iterations": _pos_int,
+    "layers_per_ipu": _layers,
+    "inference_layers_per_ipu": _layers,
+    "ipus_per_replica": _pos_int,
+    "inference_ipus_per_replica": _pos_int,
+    "optimizer_state_offchip": _bool,
+    "replicated_tensor_sharding": _bool,
+    "matmul_proportion": _proportion,
+    "inference_matmul_proportion": _proportion,
+    "enable_half_partials": _bool,
+    "recompute_checkpoint_every_layer": _bool,
+    "output_mode": _output_mode,
+    "seed": _seed,
+    "auto_loss_scaling": _bool,
+    "executable_cache_dir": _str,
+}
+# Keys an optimum-graphcore `ipu_config.json` may hold that ipuloop does not use: accepted so
+# its files load; each with the values that mean "off" (any other value warns, then is dropped).
+_SERIALISATION = tuple(
+    f"{p}{k}"
+    for p in ("", "inference_")
+    for k in (
+        "embedding_serialization_factor",
+        "serialized_embedding_splits_per_ipu",
+        "projection_serialization_factor",
+        "serialized_projection_splits_per_ipu",
+    )
+)
+_OPTIMUM_ONLY: dict[str, tuple[Any, ...] | None] = {
+    **dict.fromkeys(_SERIALISATION, (None, 1)),
+    "explicit_ir_inference": (False,),
+    "parallelize_kwargs": (None, {}),
+    "inference_parallelize_kwargs": (None, {}),
+    "execute_encoder_on_cpu_for_generation": (False,),
+    "sharded_execution_for_inference": (None, False, True),  # inference is always sharded
+    "enable_half_first_order_momentum": (None, False),  # deprecated in optimum too
+    "optimum_version": None,
+    "transformers_version": None,  # metadata written by save_pretrained
+}
+# Set last by the constructor, in the order of optimum's fallback rules.
+_PLACEMENT = (
+    "layers_per_ipu",
+    "inference_layers_per_ipu",
+    "ipus_per_replica",
+    "inference_ipus_per_replica",
+    "matmul_proportion",
+    "inference_matmul_proportion",
+)
+
+
+class IPUConfig:
+    """Replication, accumulation, iterations, layer placement, memory and precision settings.
+
+    Each field is type- and range-checked on construction and on every assignment, then the
+    cross-field checks run. None for `inference_layers_per_ipu`, `ipus_per_replica`,
+    `inference_ipus_per_replica` or `inference_matmul_proportion` means "derive" (§7.1).
+
+    Example:
+        cfg = IPUConfig(layers_per_ipu=[-1, -1], gradient_accumulation_steps=8)
+        model = poptorch.trainingModel(net, cfg.to_options(), optimizer)
+    """
+
+    def __init__(
+        self,
+        *,
+        replication_factor: int = 1,
+        inference_replication_factor: int = 1,
+        gradient_accumulation_steps: int = 1,
+        device_iterations: int = 1,
+        inference_device_iterations: int = 1,
+        layers_per_ipu: list[int] = [-1],  # noqa: B006 (validation stores a copy)
+        inference_layers_per_ipu: list[int] | None = None,
+        ipus_per_replica: int | None = None,
+        inference_ipus_per_replica: int | None = None,
+        optimizer_state_offchip: bool = False,
+        replicated_tensor_sharding: bool = False,
+        matmul_proportion: float | list[float] = 0.2,
+        inference_matmul_proportion: float | list[float] | None = None,
+        enable_half_partials: bool = True,
+        recompute_checkpoint_every_layer: bool = False,
+        output_mode: str = "final",
+        seed: int | None = None,
+        auto_loss_scaling: bool = False,
+        executable_cache_dir: str = "",
+        **unknown: Any,
+    ) -> None:
+        given = {k: v for k, v in locals().items() if k in _FIELDS}
+        dropped = {k: unknown.pop(k) for k in list(unknown) if k in _OPTIMUM_ONLY}
+        active = {
+            k: v
+            for k, v in dropped.items()
+            if _OPTIMUM_ONLY[k] is not None and v not in (_OPTIMUM_ONLY[k] or ())
+        }
+        if active:
+            names = ", ".join(f"{k}={v!r}" for k, v in sorted(active.items()))
+            warnings.warn(
+                f"IPUConfig ignores optimum-graphcore settings it does not implement: "
+                f"{names}. Remove them to silence this warning.",
+                stacklevel=2,
+            )
+        if unknown:
+            names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
+            raise IncompatibleIPUConfigError(
+                f"IPUConfig received unknown arguments: {names}. Remove them; valid arguments: "
+                f"{', '.join(_FIELDS)}."
+            )
+        object.__setattr__(self, "_ready", False)  # cross-field checks wait for every field
+        self.update(**{k: v for k, v in given.items() if k not in _PLACEMENT})
+        # §7.1 fallbacks, in optimum's order; only None means "not given".
+        self.layers_per_ipu = layers_per_ipu
+        self.inference_layers_per_ipu = (
+            self.layers_per_ipu if inference_layers_per_ipu is None else inference_layers_per_ipu
+        )
+        self.ipus_per_replica = (
+            len(self.layers_per_ipu) if ipus_per_replica is None else ipus_per_replica
+        )
+        if inference_ipus_per_replica is None:
+            inference_ipus_per_replica = self.ipus_per_replica
+            if self.ipus_per_replica == len(
+                self.layers_per_ipu
+            ) or self.inference_layers_per_ipu != [-1]:
+                inference_ipus_per_replica = len(self.inference_layers_per_ipu)
+        self.inference_ipus_per_replica = inference_ipus_per_replica
+        self.matmul_proportion = matmul_proportion
+        if inference_matmul_proportion is None:  # a per-IPU list that does not fit -> 0.2
+            mp = self.matmul_proportion
+            fits = not isinstance(mp, list) or len(mp) == self.inference_ipus_per_replica
+            inference_matmul_proportion = self.matmul_proportion if fits else 0.2
+        self.inference_matmul_proportion = inference_matmul_proportion
+        self._check_cross_fields()
+        object.__setattr__(self, "_ready", True)
+        if self.replicated_tensor_sharding and self.replication_factor == 1:
+            warnings.warn(
+                "replicated_tensor_sharding=True has no effect with replication_factor=1.",
+                stacklevel=2,
+            )
+
+    # ---- validation ----
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.update(**{name: value})
+
+    def update(self, **changes: Any) -> IPUConfig:
+        """Set several fields at once: all are checked, then the cross-field checks run once.
+
+        On any error nothing changes. Attribute assignment is `update` of one field.
+        """
+        for name in changes:
+            if name not in _FIELDS:
+                raise AttributeError(
+                    f"IPUConfig has no field {name!r}. Valid fields: {', '.join(_FIELDS)}."
+                )
+        new = {name: _FIELDS[name](name, value) for name, value in changes.items()}
+        old = {name: self.__dict__[name] for name in new if name in self.__dict__}
+        self.__dict__.update(new)
+        if self._ready:
+            try:
+                self._check_cross_fields()
+            except IncompatibleIPUConfigError:
+                self.__dict__.update(old)  # roll back: the config stays valid
+                raise
+        return self
+
+    def _check_cross_fields(self) -> None:
+        for p in ("", "inference_"):  # both modes, like optimum's _validate_ipu_config
+            n = getattr(self, p + "ipus_per_replica")
+            mp, lpi = getattr(self, p + "matmul_proportion"), getattr(self, p + "layers_per_ipu")
+            if isinstance(mp, list) and len(mp) != n:
+                raise IncompatibleIPUConfigError(
+                    f"{p}matmul_proportion={mp} should use the same number of IPUs as "
+                    f"{p}ipus_per_replica={n}. Give one value per IPU, or a single float."
+                )
+            if -1 not in lpi and len(lpi) != n:
+                raise IncompatibleIPUConfigError(
+                    f"{p}layers_per_ipu={lpi} should use the same number of IPUs as "
+                    f"{p}ipus_per_replica={n}. Give one entry per IPU, or use the -1 wildcard."
+                )
+
+    # ---- §7.2 layer placement ----
+    def expand_layers_per_ipu(
+        self, num_layers: int | Sequence[Any] | None, for_inference: bool = False
+    ) -> list[int]:
+        """`layers_per_ipu` with each -1 replaced, for a model of `num_layers` layers.
+
+        Remainders go to the last wildcard IPU: `[-1, -1]` and 9 layers give `[4, 5]`.
+        `num_layers` may be a sequence (its length counts) or None (returned unexpanded).
+        With `ipus_per_replica == 1` every layer goes to IPU 0 whatever `layers_per_ipu` says
+        (optimum's rule): `ipus_per_replica` is derived once, so change it together with
+        `layers_per_ipu`, e.g. `update(layers_per_ipu=[2, -1], ipus_per_replica=2)`.
+        """
+        p = "inference_" if for_inference else ""
+        lpi, n = list(getattr(self, p + "layers_per_ipu")), getattr(self, p + "ipus_per_replica")
+        if not all(_is_int(k) and k >= -1 for k in lpi):  # only reachable by in-place mutation
+            raise IncompatibleIPUConfigError(
+                f"Invalid values in {p}layers_per_ipu. {p}layers_per_ipu={lpi}"
+            )
+        if num_layers is None:
+            return lpi
+        total = cast(int, num_layers) if _is_int(num_layers) else len(cast(Sequence, num_layers))
+        if n == 1:  # everything on IPU 0; layers_per_ipu is ignored
+            return [total]
+        if lpi in ([-1], [-1] * n):
+            q, r = divmod(total, n)
+            return [q] * (n - 1) + [q + r]
+        if -1 in lpi and len(lpi) == n:
+            wild = [i for i, k in enumerate(lpi) if k == -1]
+            left = total - sum(k for k in lpi if k != -1)
+            if left < 0:
+                raise IncompatibleIPUConfigError(
+                    f"{p}layers_per_ipu={lpi} places {total - left} layers besides its wildcards, "
+                    f"but the model has {total} layers. Lower the fixed entries."
+                )
+            q, r = divmod(left, len(wild))
+            for i in wild:
+                lpi[i] = q
+            lpi[wild[-1]] += r
+            return lpi
+        if len(lpi) != n:
+            raise IncompatibleIPUConfigError(
+                f"{p}layers_per_ipu has a non-default value set, but its length does not match "
+                f"{p}ipus_per_replica. {p}layers_per_ipu={lpi}, {p}ipus_per_replica={n}."
+            )
+        if sum(lpi) != total:
+            raise IncompatibleIPUConfigError(
+                f"{p}layers_per_ipu does not define the correct number of layers for the current "
+                f"model. The current IPU Config specifies IPU assignments for {sum(lpi)} layers "
+                f"but there are {total} layers in the model. {p}layers_per_ipu={lpi}"
+            )
+        return lpi
+
+    def ipus_used(self, for_inference: bool = False) -> int:
+        """IPUs a replica reserves, counted as PopTorch counts them: max(IPUs used, highest
+        IPU + 1), i.e. one past the last IPU that can hold layers (an entry other than 0)."""
+        p = "inference_" if for_inference else ""
+        lpi, n = getattr(self, p + "layers_per_ipu"), getattr(self, p + "ipus_per_replica")
+        if n == 1 or len(lpi) != n:  # all on IPU 0, or [-1] spread over the n IPUs
+            return n
+        return max((i + 1 for i, k in enumerate(lpi) if k != 0), default=1)
+
+    def layer_ipu(
+        self, num_layers: int | Sequence[Any] | None, for_inference: bool = False
+    ) -> list[int]:
+        """The IPU of each layer: `[2, -1]` and 6 layers give `[0, 0, 1, 1, 1, 1]`."""
+        counts = self.expand_layers_per_ipu(num_layers, for_inference)
+        return [ipu for ipu, k in enumerate(counts) for _ in range(k)]
+
+    # ---- §7.3-7.4 batch size and Options ----
+    def batch_size_factor(self, for_inference: bool = False) -> int:
+        """Host batch / micro-batch: RF*GA*DI for training, RF*DI for inference."""
+        if for_inference:
+            return self.inference_replication_factor * self.inference_device_iterations
+        return self.replication_factor * self.gradient_accumulation_steps * self.device_iterations
+
+    def to_options(self, for_inference: bool = False) -> Any:
+        """A new `poptorch.Options` (real or emulated) for training or for inference.
+
+        Not done, unlike optimum: the Mk2 hardware check, `compile_only`/offline target, and
+        the PopART-only tuning (`_Popart` flags and patterns, engine options, initializer file).
+        """
+        from ipuloop.backend import poptorch_module
+
+        pt = poptorch_module()
+        p = "inference_" if for_inference else ""
+        opts = pt.Options()
+        opts.autoRoundNumIPUs(True)
+        opts.replicationFactor(getattr(self, p + "replication_factor"))
+        opts.deviceIterations(getattr(self, p + "device_iterations"))
+        if not for_inference:
+            opts.Training.gradientAccumulation(self.gradient_accumulation_steps)
+            opts.Training.accumulationAndReplicationReductionType(pt.ReductionType.Mean)
+            if self.auto_loss_scaling:
+                opts.Training.setAutomaticLossScaling(True)
+        mode = getattr(pt.OutputMode, "All" if for_inference else self.output_mode.capitalize())
+        opts.outputMode(mode)
+        if self.seed is not None:  # 0 included; poptorch also seeds the host torch RNG here
+            opts.randomSeed(self.seed)
+        opts.TensorLocations.setOptimizerLocation(
+            pt.TensorLocationSettings()
+            .useOnChipStorage(not self.optimizer_state_offchip)
+            .useReplicatedTensorSharding(
+                self.replicated_tensor_sharding and opts.replication_factor > 1
+            )
+        )
+        opts.setExecutionStrategy(_strategy(pt, for_inference))
+        n, mp = getattr(self, p + "ipus_per_replica"), getattr(self, p + "matmul_proportion")
+        mp = mp if isinstance(mp, list) else [mp] * n
+        opts.setAvailableMemoryProportion({f"IPU{i}": mp[i] for i in range(n)})
+        if self.executable_cache_dir not in ("", "disabled"):
+            opts.enableExecutableCaching(self.executable_cache_dir)
+        opts.Precision.enableStochasticRounding(not for_inference)
+        if self.enable_half_partials:
+            opts.Precision.setPartialsType(torch.float16)
+        return opts
+
+    # ---- §7.5 overrides ----
+    def update_from_string(self, update_str: str) -> IPUConfig:
+        """Apply `"k=v,k2=[a b],flag=true"`, converting each value by its field's current type.
+
+        bool: true/1/y/yes or false/0/n/no (any case); int; float; list `[a b]` or `[a, b]`;
+        str as is. The `matmul_proportion` fields take a float or a list whatever they hold
+        now; `seed` also takes `none`. Applied like one `update(...)` call.
+        """
+        changes = {}
+        # Split on commas outside brackets, so "[0.1, 0.2]" stays one value.
+        for item in filter(str.strip, re.split(r",(?![^\[]*\])", update_str)):
+            key, sep, raw = (s.strip() for s in item.partition("="))
+            if not sep:
+                raise ValueError(
+                    f"update_from_string expects 'key=value' items separated by ','. "
+                    f"Received: {item!r} in {update_str!r}."
+                )
+            if key not in _FIELDS:
+                raise ValueError(
+                    f"Key {key} isn't in the original config dict. Valid keys: "
+                    f"{', '.join(_FIELDS)}."
+                )
+            changes[key] = _convert(key, raw, getattr(self, key))
+        return self.update(**changes)
+
+    # ---- §7.6 serialisation ----
+    def to_dict(self) -> dict[str, Any]:
+        """Every field (derived ones resolved), JSON-compatible."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IPUConfig:
+        """Rebuild through the constructor: validation re-runs and unknown keys raise."""
+        if not isinstance(data, dict):
+            raise TypeError(f"IPUConfig.from_dict expects a dict. Received: {type(data).__name__}.")
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write JSON to the file `path`, or to `path/ipu_config.json` when `path` is a folder
+        (an existing one, or a path ending in '/'). Atomic: temp file, then `os.replace`."""
+        target = Path(path)
+        if target.is_dir() or str(path).endswith(("/", os.sep)):
+            target = target / CONFIG_NAME
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json_string())
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
+            os.replace(tmp, target)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> IPUConfig:
+        """Read what `save` wrote; a folder means `folder/ipu_config.json`."""
+        target = Path(path)
+        target = target / CONFIG_NAME if target.is_dir() else target
+        try:
+            data = json.loads(target.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{target} is not a JSON IPUConfig ({e}). Write it with IPUConfig.save(path)."
+            ) from None
+        return cls.from_dict(data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IPUConfig):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        defaults = IPUConfig().to_dict()
+        shown = (f"{k}={v!r}" for k, v in self.to_dict().items() if v != defaults[k])
+        return f"IPUConfig({', '.join(shown)})"
+
+
+def _convert(key: str, raw: str, current: Any) -> Any:
+    """Parse `raw` like the field's current value (bool is tested before int)."""
+    if isinstance(current, bool):
+        if raw.lower() not in _TRUE + _FALSE:
+            raise ValueError(
+                f"Can't derive true or false from {raw!r} (key {key}). "
+                f"Use true/false, 1/0, y/n or yes/no."
+            )
+        return raw.lower() in _TRUE
+    if key == "seed" and raw.lower() in ("none", "null"):
+        return None
+    try:
+        if key.endswith("matmul_proportion") and not raw.startswith("["):
+            return float(raw)  # a list-valued proportion may go back to one float for all IPUs
+        if (raw.startswith("[") and not isinstance(current, str)) or isinstance(current, list):
+            if not (raw.startswith("[") and raw.endswith("]")):
+                raise ValueError("expected a list like [a b c]")
+            items = (t for t in re.split(r"[\s,]+", raw[1:-1]) if t)
+            return json.loads("[" + ",".join(items) + "]")
+        if current is None:  # seed while unset: take the literal as an int if it is one
+            for parse in (int, float):
+                try:
+                    return parse(raw)
+                except ValueError:
+                    pass
+            return raw  # the field check then says what it expected
+        return type(current)(raw)  # int, float or str
+    except ValueError as e:
+        raise ValueError(
+            f"Cannot convert {key}={raw!r} like its current value {current!r} "
+            f"({type(current).__name__}): {e}."
+        ) from None
+
+
+# ---- automatic placement ----
+
+
+def _strategy(pt: Any, for_inference: bool) -> Any:
+    auto = pt.AutoStage.AutoIncrement
+    return pt.ShardedExecution(auto) if for_inference else pt.PipelinedExecution(auto)
+
+
+class _CheckpointedForward:
+    """Instance-level `forward` recomputing the layer's activations in backward (emulator).
+
+    Holds the bound original, so `copy.deepcopy(model)` rebinds it to the copy."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+class _RecomputeHook:
+    """Forward hook: `poptorch.recomputationCheckpoint` on the layer's output(s) (hardware)."""
+
+    def __init__(self, pt: Any) -> None:
+        self.pt = pt
+
+    def __call__(self, module: Any, inputs: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self.pt.recomputationCheckpoint(output)
+        if isinstance(output, tuple):  # PopTorch takes tensors only: the rest pass through
+            return tuple(
+                self.pt.recomputationCheckpoint(y) if isinstance(y, torch.Tensor) else y
+                for y in output
+            )
+        return output
+
+
+def place_layers(
+    layers: Sequence[torch.nn.Module], config: IPUConfig, for_inference: bool = False
+) -> Any:
+    """Annotate `layers` so each IPU gets its layers (`config.layer_ipu`); return the strategy.
+
+    Every layer gets `BeginBlock(layer, user_id=f"ipu{k}", ipu_id=k)`: one block per IPU, so
+    each layer says where it runs even when the model calls code between layers. Returns
+    `PipelinedExecution(AutoStage.AutoIncrement)` (training) or `ShardedExecution(...)`
+    (inference), the strategies `to_options` sets. With `recompute_checkpoint_every_layer`
+    (training only), each layer's output is a recomputation checkpoint: PopTorch's
+    `recomputationCheckpoint` on an IPU, `torch.utils.checkpoint` on the emulator.
+    Layers already placed raise `poptorch.Error`; call `unplace_layers` first.
+    """
+    from ipuloop.backend import backend_name, poptorch_module
+
+    pt = poptorch_module()
+    layers = list(layers)
+    checkpointing = config.recompute_checkpoint_every_layer and not for_inference
+    for layer, ipu in zip(layers, config.layer_ipu(len(layers), for_inference)):
+        pt.BeginBlock(layer, user_id=f"ipu{ipu}", ipu_id=ipu)
+        if checkpointing and backend_name() == "emulator":
+            if not isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
+                layer.forward = _CheckpointedForward(layer.forward)
+        elif checkpointing:
+            if not any(isinstance(h, _RecomputeHook) for h in layer._forward_hooks.values()):
+                layer.register_forward_hook(_RecomputeHook(pt))
+    return _strategy(pt, for_inference)
+
+
+def unplace_layers(layers: Sequence[torch.nn.Module]) -> None:
+    """Undo `place_layers`: `poptorch.removeBlocks` (recursive) and remove the checkpointing."""
+    from ipuloop.backend import poptorch_module
+
+    pt = poptorch_module()
+    for layer in layers:
+        pt.removeBlocks(layer)
+        if isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
+            del layer.__dict__["forward"]
+        for key, hook in list(layer._forward_hooks.items()):
+            if isinstance(hook, _RecomputeHook):
+                del layer._forward_hooks[key]
