@@ -287,14 +287,17 @@ def test_readme_commands_are_the_ci_commands():
     readme = README.read_text()
     assert 'pip install -q -e ".[test]"' in ci and "python -m pytest" in ci
     assert 'pip install -e ".[test]" && python -m pytest -q' in readme
-    # the quickstart, online and offline: offline, a folder of the user's own whose MNIST/raw
-    # holds the files (the layout tests/test_examples.py gives --data-dir), ~ expanded
+    # the quickstart, online and offline: offline, a folder whose MNIST/raw holds the files
+    # (the layout tests/test_examples.py gives --data-dir), the one this machine has
     assert "pip install -e . && python -m ipuloop.examples.mnist\n" in readme
     (folder,) = re.findall(r"&& python -m ipuloop\.examples\.mnist --data-dir (\S+)\n", readme)
-    assert "whose `MNIST/raw`" in _flat(readme) and "shared/data" not in readme
-    from ipuloop.examples import mnist
-
-    assert mnist._data_dir(folder) == os.path.expanduser(folder) != folder
+    assert "whose `MNIST/raw`" in _flat(readme)
+    assert sorted(p.name for p in (ROOT / folder / "MNIST" / "raw").glob("*-ubyte.gz")) == [
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+    ]
     # CI builds the documentation strictly, with the documented command
     assert 'pip install -q -e ".[docs]"' in ci and "mkdocs build --strict" in ci
     assert 'pip install -e ".[docs]" && mkdocs build --strict' in page("getting-started.md")
