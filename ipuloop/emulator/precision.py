@@ -86,8 +86,8 @@ def _differentiates_half(func: Any, args: tuple, kwargs: dict) -> bool:
     with torch.random.fork_rng(devices=[]), torch._C.DisableTorchFunction():
         try:
             out = func(*args, **kwargs)
-        except RuntimeError:
-            return True  # the forward's own refusal is met where it runs
+        except Exception:  # noqa: BLE001 (the call itself raises it where it runs)
+            return True
         outs = [
             t
             for t in pytree.tree_leaves(out)
@@ -97,8 +97,8 @@ def _differentiates_half(func: Any, args: tuple, kwargs: dict) -> bool:
             return True
         try:
             torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
-        except RuntimeError as e:
-            return "for 'Half'" not in str(e)
+        except Exception as e:  # noqa: BLE001 (only a missing float16 kernel is ours)
+            return not (isinstance(e, RuntimeError) and "for 'Half'" in str(e))
     return True
 
 
