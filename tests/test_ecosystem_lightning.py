@@ -199,9 +199,10 @@ class Regression(torch.nn.Module):
     def __init__(self, pipelined=False):
         super().__init__()
         if pipelined:
-            torch.manual_seed(0)
-            self.hidden = torch.nn.Linear(3, 4)
-            self.fc = torch.nn.Linear(4, 1)
+            with torch.random.fork_rng():  # the program's seed, this process's generator kept
+                torch.manual_seed(0)
+                self.hidden = torch.nn.Linear(3, 4)
+                self.fc = torch.nn.Linear(4, 1)
         else:
             self.hidden = None
             self.fc = torch.nn.Linear(3, 1)
