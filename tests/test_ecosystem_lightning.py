@@ -136,7 +136,7 @@ def fit_and_infer(model, **trainer_kwargs):
     trainer.test(model, verbose=False)
     predictions = torch.cat(trainer.predict(model)).float().tolist()
     return dict(weights=weights, train=outputs.train, val=outputs.val, test=outputs.test,
-                predictions=predictions)
+                predictions=predictions, strategy=type(trainer.strategy).__module__)
 
 
 results = {}
@@ -163,7 +163,9 @@ results["pipelined"] = run(
     Pipelined(), accelerator="ipu", devices=1, accumulate_grad_batches=4,
     strategy=IPUStrategy(device_iterations=2),
 )
-results["mixed16"] = run(Regression(), accelerator="ipu", devices=2, precision=16)
+results["mixed16"] = run(
+    Regression(), accelerator="ipu", devices=2, precision=16, strategy=IPUStrategy()
+)
 json.dump(results, open(sys.argv[1], "w"))
 """
 )
@@ -260,6 +262,7 @@ def check_inference(result, model, tol=1e-6, iterations=1, replicas=1):
 
 def check_weights(result, model, tol=1e-6):
     assert "error" not in result, result["error"]
+    assert result["strategy"] == "lightning_graphcore.strategy"
     want = dict(model.named_parameters())
     assert set(result["weights"]) == set(want)
     for name, got in result["weights"].items():
