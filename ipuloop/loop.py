@@ -21,10 +21,11 @@ from .checkpoint_io import load_checkpoint
 from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
+from .feed import Feed
 from .loaders import async_settings
 from .loop_options import check_fit_args, check_val_every, resolve
 from .outputs import WithLoss, non_finite_error
-from .plan import Feed, Plan, build, build_inference, no_host_call, num_updates
+from .plan import Plan, build, build_inference, no_host_call, num_updates
 from .probe import probe_plan
 from .processes import ALONE, Processes, join
 from .resume import Resume, check_resumable
@@ -80,7 +81,7 @@ class Loop:
             keeps its own mode).
 
     Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
-    (Hugging Face's), fed as ``model(**batch)`` (``plan.split_batch``). A model-with-loss may
+    (Hugging Face's), fed as ``model(**batch)`` (``feed.split_batch``). A model-with-loss may
     return scalars to log beside its loss (``outputs.Returns``): ``<name>`` per step,
     ``train_<name>`` per epoch, ``val_<name>``. Before compiling, the
     loop runs one micro-batch through the model on the host, so a label batch that differs

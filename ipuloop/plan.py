@@ -9,17 +9,14 @@ gives each a contiguous slice of the samples, padded to the same number of host 
 ``Plan.epoch`` draws an epoch's order from the random state as it is, and hands out the
 epoch's host batches after the steps already run. A training epoch's draw (``Draw``) records
 that random state (``Plan.drawn_from``: a checkpoint reads it there), or draws from a resumed
-epoch's saved one. ``Feed`` makes each batch the model's call and its labels.
+epoch's saved one (``random_state.Draw``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
@@ -46,72 +43,12 @@ from .loaders import (
     whole_order,
 )
 from .loop_options import inference_options, resolve_options
-from .outputs import Layout, WithLoss, map_tensors
+from .outputs import Layout, map_tensors
 from .processes import configured
+from .random_state import Draw, rng_state, set_rng_state
 from .rules import describe_factors, host_call_factor
 
-__all__ = [
-    "Plan",
-    "Draw",
-    "Feed",
-    "build",
-    "build_inference",
-    "rng_state",
-    "set_rng_state",
-    "split_batch",
-    "as_sent",
-    "predict_inputs",
-    "no_host_call",
-    "num_updates",
-]
-
-
-def _plain(x: Any) -> Any:
-    return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tuple(x: Any) -> Any:
-    return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
-
-
-def rng_state() -> dict[str, Any]:
-    """The host's random state (python, numpy when installed, torch, CUDA when in use)."""
-    state: dict[str, Any] = {"python": _plain(random.getstate()), "torch": torch.get_rng_state()}
-    with contextlib.suppress(ImportError):
-        import numpy as np
-
-        legacy: Any = np.random.get_state()  # (a tuple: the legacy MT19937 generator's)
-        kind, keys, pos, has_gauss, cached = legacy
-        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Set the host's random state to ``state`` (``rng_state``'s)."""
-    random.setstate(_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class Draw(NamedTuple):
-    """How a training epoch draws its order: from the random state as it is (``Draw()``), or
-    a resumed epoch's again. ``order``: the host's random state (with the loader generator's
-    under "sampler") as the saved epoch drew its order (a resume in the middle of it);
-    ``sampler``: the loader generator's alone (a resume at an epoch start: the host's is set
-    already); ``then``: the host's random state to go on from once the order is drawn (the
-    saved step's)."""
-
-    order: dict[str, Any] | None = None
-    sampler: torch.Tensor | None = None
-    then: dict[str, Any] | None = None
+__all__ = ["Plan", "build", "build_inference", "no_host_call", "num_updates"]
 
 
 @dataclass
@@ -260,47 +197,6 @@ class Plan:
     def kill_workers(self) -> None:
         """A second Ctrl-C: the process exits at once, and its loader workers go first."""
         kill_workers(self.reader)
-
-
-class Feed:
-    """A batch as the model's call and its labels (``split_batch``), its float inputs cast to
-    ``dtype`` (16-bit precision: the device gets float inputs as half; None: as they are).
-
-    It remembers how many inputs a tuple batch holds besides its labels (what predict feeds,
-    ``num_inputs``) and tells a ``WithLoss`` model, which tells labels from inputs by it.
-    """
-
-    def __init__(
-        self, model: torch.nn.Module, label_key: str, needs_labels: bool, dtype: torch.dtype | None
-    ) -> None:
-        self.model: Any = model  # (a WithLoss's num_inputs is read and set)
-        self.label_key = label_key
-        self.needs_labels = needs_labels  # (the labels of a dict batch: for loss_fn, metrics)
-        self.dtype = dtype
-        self.num_inputs: int | None = None  # inputs per batch in the last fit or validate
-        # (issubclass: isinstance would read the wrapped __class__)
-        self.with_loss = issubclass(type(model), WithLoss)
-
-    def split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
-        """The model's call ``(*args, **kwargs)`` for a training or validation ``batch`` of
-        the loader ``name``, and its labels; ``cast=False``: float inputs as they are."""
-        args, kwargs, labels = split_batch(batch, name, self.label_key, self.needs_labels)
-        if not kwargs:
-            n = self.num_inputs = len(args) - 1
-            if self.with_loss and self.model.num_inputs != n:
-                self.model.num_inputs = n  # (Module.__setattr__: only when it changes)
-        if self.dtype is not None and cast:
-            args, kwargs = as_sent(args, kwargs, self.dtype)
-            labels = kwargs.get(self.label_key) if kwargs else args[-1]
-        return args, kwargs, labels
-
-    def predict(self, batch: Any, name: str, first: bool) -> tuple[tuple, dict]:
-        """The model's inputs in a predict ``batch`` (``predict_inputs``); the ``first`` batch,
-        before the model compiles, tells a ``WithLoss`` how many there are."""
-        args, kwargs = predict_inputs(batch, self.num_inputs, name, self.label_key)
-        if first and self.with_loss and not kwargs:
-            self.model.num_inputs = len(args)
-        return as_sent(args, kwargs, self.dtype)
 
 
 def build(
@@ -676,80 +572,6 @@ def _process_plan(
     plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
     plan.samples = cuts[rank + 1] - cuts[rank]
     return plan
-
-
-def split_batch(
-    batch: Any, name: str, label_key: str = "labels", need_labels: bool = True
-) -> tuple[tuple, dict, Any]:
-    """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
-
-    A tuple ``(inputs..., labels)`` is called ``model(inputs..., labels)``, the labels last;
-    a dict (any mapping: a Hugging Face batch) ``model(**batch)``, the labels included, found
-    under ``label_key`` (a Transformers model takes them as ``labels=`` and returns its loss).
-    A dict without ``label_key`` has no labels: a ``ValueError`` naming its keys when
-    ``need_labels`` (the loop computes the loss or metrics from them).
-    """
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return tuple(batch), _NO_KWARGS, batch[-1]
-    if isinstance(batch, Mapping):
-        kwargs = batch if type(batch) is dict else dict(batch)
-        if label_key in kwargs:
-            return (), kwargs, kwargs[label_key]
-        if need_labels:
-            raise ValueError(
-                f"{name} yields dict batches without the labels' key label_key={label_key!r} "
-                f"(keys {list(kwargs)}), but the loop needs the labels (for loss_fn or the "
-                "metrics). Pass Loop(label_key=...) naming the key that holds them."
-            )
-        return (), kwargs, None
-    raise ValueError(
-        f"{name} must yield (inputs..., labels) tuples (the last element "
-        f"is the labels) or dicts of keyword inputs. Received a "
-        f"{type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-        + ". Return (x, y) from the dataset's __getitem__."
-    )
-
-
-_NO_KWARGS: dict = {}  # a tuple batch's keyword inputs (never written to)
-
-
-def as_sent(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
-    """A call's inputs with their float tensors as ``dtype`` (16-bit precision: the device
-    gets float inputs as half); unchanged for None."""
-    if dtype is None:
-        return args, kwargs
-
-    def cast(x: Any) -> Any:
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
-
-
-def predict_inputs(
-    batch: Any, num_inputs: int | None, name: str, label_key: str = "labels"
-) -> tuple[tuple, dict]:
-    """The model's inputs in a predict batch, as ``(args, kwargs)``: all of its elements, or
-    all but the labels.
-
-    After a fit or validate with N inputs, a batch of N elements is N inputs and one of
-    N + 1 is N inputs and the labels; before, a batch of two or more elements is taken
-    as (inputs..., labels). A dict is keyword inputs, less its ``label_key`` entry.
-    """
-    if isinstance(batch, Mapping):
-        return (), {k: v for k, v in batch.items() if k != label_key}
-    if not isinstance(batch, (tuple, list)):
-        return (batch,), _NO_KWARGS
-    n = num_inputs
-    if n is None:
-        return (tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)), _NO_KWARGS
-    if len(batch) in (n, n + 1):
-        return tuple(batch[:n]), _NO_KWARGS
-    raise ValueError(
-        f"{name} yields batches of {len(batch)} elements, but the model "
-        f"was fit with {n} input(s): predict takes (inputs...) or "
-        "(inputs..., labels) batches of those inputs."
-    )
 
 
 def _check_not_empty(loader: Any, name: str) -> None:

@@ -7,7 +7,7 @@ begins (a checkpoint taken during it resumes before it: the resumed fit runs tha
 again from its start, and after a step's own validation, ``fit(val_every_n_steps=)``, that
 step's ``on_train_step_end``), and the state at the checkpointed step itself. A resumed
 mid-epoch fit draws the epoch's order again from ``epoch_rng``, then goes on from the step's
-state (``plan.Draw``). The device's random state is set once the training model compiles.
+state (``random_state.Draw``). The device's random state is set once the training model compiles.
 
 The data factors are those of the whole run: N processes of R replicas each count as one
 process with N*R replicas, whose host call is N times one instance's. So a checkpoint of
@@ -31,7 +31,8 @@ from typing import Any, Iterator
 import torch
 
 from .callbacks.base import CancelEpoch, CancelFit
-from .plan import Draw, Plan, rng_state, set_rng_state
+from .plan import Plan
+from .random_state import Draw, rng_state, set_rng_state
 from .rules import describe_factors
 
 __all__ = ["Resume", "check_resumable", "check_optimizer", "group_shapes", "optimizer_extras"]

@@ -308,7 +308,7 @@ def _fit(kind: str):
 
 # What carries a batch's values from the loader to the logs (docs/layout.md): loop.py, which
 # calls each in turn, and state.py, whose logs they land in, are counted with them.
-WAY = {"loop", "plan", "loaders", "outputs", "accumulators", "processes", "state"}
+WAY = {"loop", "plan", "feed", "loaders", "outputs", "accumulators", "processes", "state"}
 
 
 @pytest.mark.parametrize("kind", ["plain", "custom", "widest"])
