@@ -32,7 +32,7 @@ class Feed:
         # (issubclass: isinstance would read the wrapped __class__)
         self.with_loss = issubclass(type(model), WithLoss)
 
-    def split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
+    def split(self, batch: object, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
         """The model's call ``(*args, **kwargs)`` for a training or validation ``batch`` of
         the loader ``name``, and its labels; ``cast=False``: float inputs as they are."""
         args, kwargs, labels = split_batch(batch, name, self.label_key, self.needs_labels)
@@ -45,7 +45,7 @@ class Feed:
             labels = kwargs.get(self.label_key) if kwargs else args[-1]
         return args, kwargs, labels
 
-    def predict(self, batch: Any, name: str, first: bool) -> tuple[tuple, dict]:
+    def predict(self, batch: object, name: str, first: bool) -> tuple[tuple, dict]:
         """The model's inputs in a predict ``batch`` (``predict_inputs``); the ``first`` batch,
         before the model compiles, tells a ``WithLoss`` how many there are."""
         args, kwargs = predict_inputs(batch, self.num_inputs, name, self.label_key)
@@ -55,7 +55,7 @@ class Feed:
 
 
 def split_batch(
-    batch: Any, name: str, label_key: str = "labels", need_labels: bool = True
+    batch: object, name: str, label_key: str = "labels", need_labels: bool = True
 ) -> tuple[tuple, dict, Any]:
     """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
 
@@ -96,14 +96,14 @@ def as_sent(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple
     if dtype is None:
         return args, kwargs
 
-    def cast(x: Any) -> Any:
+    def cast(x: object) -> object:
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
 
 
 def predict_inputs(
-    batch: Any, num_inputs: int | None, name: str, label_key: str = "labels"
+    batch: object, num_inputs: int | None, name: str, label_key: str = "labels"
 ) -> tuple[tuple, dict]:
     """The model's inputs in a predict batch, as ``(args, kwargs)``: all of its elements, or
     all but the labels.

@@ -12,11 +12,11 @@ import torch
 __all__ = ["rng_state", "set_rng_state", "Draw"]
 
 
-def _plain(x: Any) -> Any:
+def _plain(x: object) -> object:
     return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
 
 
-def _tuple(x: Any) -> Any:
+def _tuple(x: object) -> Any:
     return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
 
 
