@@ -1,10 +1,17 @@
 """A loader as this process runs it (``Plan``): built once per call, it hands out the batches.
 
+Separation of concerns: the loader owns the data (dataset, sampler, batch size, workers);
+``Factors`` (frozen, made once per ``build``) owns everything else a plan is built from (the
+options and their host-call factor, the call's kind and name, padding, order, instances,
+reading ahead); the ``Plan`` (frozen, built whole) owns the rebuilt loader and what the loop
+reads of it, and its ``Reading`` the running epoch's iterator and draw.
+
 ``build`` checks a loader against the options and rebuilds it as a ``poptorch.DataLoader``
 whose order it can draw and skip into (``loaders``): alone, or under several processes this
 instance's share of one global order (each instance reads the micro-batches of its replicas in
 the order one process with every instance's replicas would read them; validation inside a fit
 gives each a contiguous slice of the samples, padded to the same number of host calls).
+``num_updates`` counts a fit's updates from the same factors without building a loader.
 
 ``Plan.epoch`` draws an epoch's order from the random state as it is, and hands out the
 epoch's host batches after the steps already run. A training epoch's draw (``Draw``) records
