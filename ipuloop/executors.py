@@ -6,10 +6,12 @@ import contextlib
 import operator
 import time
 import warnings
+from types import ModuleType
 from typing import Any, Iterator
 
 import torch
 
+from .poptorch_types import Executor, Options
 from .rules import OPTIMIZER_GLOBALS, optimizer_hyperparameters
 
 __all__ = ["Executors"]
@@ -85,13 +87,13 @@ class Executors:
     """
 
     def __init__(
-        self, poptorch: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, poptorch: ModuleType, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
         self.poptorch = poptorch
         self.model = model
         self.optimizer = optimizer
-        self.train: Any = None
-        self.inference: dict[tuple, Any] = {}
+        self.train: Executor | None = None
+        self.inference: dict[tuple, Executor] = {}
         self.pushes = 0
         self._pushed: dict | None = None  # the snapshot the device holds
         self._seen: _Seen | None = None  # what the last push looked at
@@ -99,7 +101,7 @@ class Executors:
     def all(self) -> tuple:
         return (self.train, *self.inference.values())
 
-    def training_model(self, opts: Any) -> Any:
+    def training_model(self, opts: Options) -> Executor:
         """The training executor, built (not compiled) on first use."""
         if self.train is None:
             self.model.train()
@@ -108,7 +110,7 @@ class Executors:
         return self.train
 
     def compile(
-        self, executor: Any, args: tuple, kwargs: dict, rng_state: torch.Tensor | None = None
+        self, executor: Executor, args: tuple, kwargs: dict, rng_state: torch.Tensor | None = None
     ) -> float:
         """Compile ``executor`` for the call ``(*args, **kwargs)``, then set its device
         random state to ``rng_state`` when given; returns the seconds it took."""
@@ -133,7 +135,7 @@ class Executors:
         finally:
             self.model.train()
 
-    def inference_model(self, key: tuple, opts: Any) -> Any:
+    def inference_model(self, key: tuple, opts: Options) -> Executor:
         """The inference executor for ``key`` (kind, samples per call, DI), built on first use.
 
         PopTorch's inference wrapper is a shallow copy that shares the submodules and traces
@@ -152,20 +154,21 @@ class Executors:
             return
         current = optimizer_hyperparameters(opt)
         if current != self._pushed:
+            assert self.train is not None  # (pushed before a training step)
             with _plain_numbers(opt):
                 self.train.setOptimizer(opt)
             self.pushes += 1
             self._pushed = current
         self._seen = _Seen(opt)
 
-    def activate(self, executor: Any) -> None:
+    def activate(self, executor: Executor) -> None:
         """Detach every other executor before ``executor`` runs (one set of IPUs at a time)."""
         for other in self.all():
             if other is not None and other is not executor and other.isAttachedToDevice():
                 other.detachFromDevice()
 
     @staticmethod
-    def detach(executor: Any, quiet: bool = False) -> None:
+    def detach(executor: Executor | None, quiet: bool = False) -> None:
         """Detach ``executor`` (weights and optimizer state to the host) if it is attached;
         ``quiet``: while tearing down after an error, warn instead of raising."""
         if executor is None or not executor.isAttachedToDevice():

@@ -31,6 +31,7 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Iterator
 
 import torch
@@ -44,6 +45,8 @@ from torch.utils.data import (
 )
 
 from .outputs import map_tensors
+from .poptorch_types import DataLoader as PopTorchLoader
+from .poptorch_types import Options
 from .rules import describe_factors, host_call_factor
 
 __all__ = [
@@ -81,7 +84,7 @@ _KEEP = (
 
 
 def built_micro_batch(
-    loader: Any, opts: Any, training: bool, name: str, where: str = ""
+    loader: PopTorchLoader, opts: Options, training: bool, name: str, where: str = ""
 ) -> int | None:
     """The micro-batch size a ``poptorch.DataLoader`` was built for (None if it has no batch
     size); a ``ValueError`` when its host call is not the one the loop runs with ``opts``
@@ -100,7 +103,7 @@ def built_micro_batch(
     return micro
 
 
-def loader_kwargs(loader: Any) -> dict[str, Any]:
+def loader_kwargs(loader: object) -> dict[str, Any]:
     """The settings of ``loader`` that a rebuilt loader over the same data keeps (workers,
     collation, memory pinning, generator), less those its worker count makes invalid."""
     kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
@@ -108,7 +111,7 @@ def loader_kwargs(loader: Any) -> dict[str, Any]:
         kwargs.pop("persistent_workers", None)
         kwargs.pop("timeout", None)
     else:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["prefetch_factor"] = getattr(loader, "prefetch_factor")  # noqa: B009
     return kwargs
 
 
@@ -147,7 +150,7 @@ def whole_order(sampler: Sampler, instances: int, name: str) -> Sampler:
     )
 
 
-def tell_epoch(wrapped: Any, epoch: int) -> None:
+def tell_epoch(wrapped: object, epoch: int) -> None:
     """``set_epoch(epoch)`` on the sampler (and a batch sampler's sampler) ``wrapped`` holds,
     where it has one: samplers that draw each epoch's order from its number."""
     inner = getattr(wrapped, "inner", None)
@@ -279,7 +282,7 @@ def _cat(batches: list[Any], what: str = "a custom batch sampler's batches") -> 
     )
 
 
-def _rows(batch: Any) -> int:
+def _rows(batch: object) -> int:
     """Samples in a collated batch: the length of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
@@ -355,7 +358,7 @@ class StreamCalls:
         return getattr(self.batches, name)
 
 
-def _shapes(batch: Any) -> Any:
+def _shapes(batch: object) -> Any:
     """The shapes of a collated batch's tensors, in its structure (what a compile fixes)."""
     if isinstance(batch, torch.Tensor):
         return list(batch.shape)
@@ -374,14 +377,14 @@ class OneShape:
     the sampler declares (its ``batch_size``), None when it declares none; ``per_call``: its
     batches per host call."""
 
-    def __init__(self, name: str, sampler: Any, batch_size: int | None, per_call: int) -> None:
+    def __init__(self, name: str, sampler: object, batch_size: int | None, per_call: int) -> None:
         self.name = name
         self.sampler = type(sampler).__name__
         self.batch_size = batch_size
         self.per_call = per_call
         self.first: Any = None
 
-    def check(self, batch: Any, index: int, unit: str = "batch") -> None:
+    def check(self, batch: object, index: int, unit: str = "batch") -> None:
         """``batch``: the ``index``-th ``unit`` (0-based) of the epoch: a sampler's batch, or a
         host call that a prefetching loader joined."""
         shapes = _shapes(batch)
@@ -444,7 +447,7 @@ class HostCalls:
 _ASYNC_DEFAULTS = {"buffer_size": 3, "miss_sleep_time_in_ms": 0.1, "early_preload": False}
 
 
-def _async_options(accessor: Any, name: str) -> dict[str, Any]:
+def _async_options(accessor: object, name: str) -> dict[str, Any]:
     """The settings an ``AsynchronousDataAccessor`` was built with (``async_options``)."""
     worker = getattr(getattr(accessor, "_worker", None), "_process", None)
     if worker is not None:  # PopTorch: its worker process object holds them
@@ -471,7 +474,7 @@ def _async_options(accessor: Any, name: str) -> dict[str, Any]:
 _ASYNC_KEYS = ("buffer_size", "miss_sleep_time_in_ms", "early_preload", "sharing_strategy")
 
 
-def async_settings(value: Any) -> dict[str, Any] | None:
+def async_settings(value: object) -> dict[str, Any] | None:
     """``Loop(async_data=...)`` as the ``async_options`` a torch loader is read with in
     ``DataLoaderMode.Async``: None (False: read synchronously), ``{}`` (True: PopTorch's
     defaults) or the dict given, whose keys are ``AsynchronousDataAccessor``'s."""
@@ -535,7 +538,7 @@ class Prefetch:
 
 
 def prefetch_of(
-    poptorch: Any, loader: Any, name: str, async_options: dict[str, Any] | None = None
+    poptorch: ModuleType, loader: DataLoader, name: str, async_options: dict[str, Any] | None = None
 ) -> Prefetch | None:
     """How ``loader`` is read ahead: a ``poptorch.DataLoader`` in its own Async mode (None for
     Sync); a torch one in ``Async`` mode with ``async_options`` (None: synchronously).
@@ -609,7 +612,9 @@ class Prefetched:
     """One epoch read through its own prefetching loader, stopped when the epoch ends; with a
     custom batch sampler, each host call its loader joined is checked (``OneShape``)."""
 
-    def __init__(self, loader: Any, shape: OneShape | None = None, start: int = 0) -> None:
+    def __init__(
+        self, loader: PopTorchLoader, shape: OneShape | None = None, start: int = 0
+    ) -> None:
         self.loader = loader
         self.shape = shape
         self.index = start
@@ -633,7 +638,7 @@ class Prefetched:
         self.loader.terminate()
 
 
-def check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
+def check_last_batch(batch_sampler: object, count: int, name: str) -> None:
     """A ``BatchSampler(drop_last=False)`` whose short last batch a host call would read (its
     batches make whole host calls of ``count``) is refused before any step."""
     if not isinstance(batch_sampler, BatchSampler) or batch_sampler.drop_last:
@@ -654,7 +659,7 @@ def check_last_batch(batch_sampler: Any, count: int, name: str) -> None:
         )
 
 
-def kill_workers(batches: Any) -> None:
+def kill_workers(batches: object) -> None:
     """A second Ctrl-C: the process exits at once, so its loader workers must go first."""
     for w in getattr(batches, "_workers", ()):
         with contextlib.suppress(Exception):
@@ -665,7 +670,7 @@ def kill_workers(batches: Any) -> None:
             terminate()
 
 
-def close(batches: Any) -> None:
+def close(batches: object) -> None:
     """Stop loader worker processes now rather than when the iterator is collected."""
     shutdown = getattr(batches, "_shutdown_workers", None) or getattr(batches, "terminate", None)
     if shutdown is not None:

@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.utils.data import DataLoader
 
 from .accumulators import Predictions, TrainEpoch, Validation
 from .backend import backend_name, poptorch_module
@@ -21,13 +22,15 @@ from .checkpoint_io import load_checkpoint
 from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
+from .feed import Feed
 from .loaders import async_settings
 from .loop_options import check_fit_args, check_val_every, resolve
 from .outputs import WithLoss, non_finite_error
-from .plan import Feed, Plan, build, build_inference, no_host_call, num_updates
+from .plan import Plan, build, build_inference, no_host_call, num_updates
+from .poptorch_types import Executor
 from .probe import probe_plan
-from .processes import ALONE, Processes, join
-from .resume import Resume, check_resumable
+from .processes import ALONE, FitSettings, Processes, join
+from .resume import Checkpointed, Resume, check_resumable
 from .signals import Preempted, handle_signals
 from .state import State
 
@@ -80,7 +83,7 @@ class Loop:
             keeps its own mode).
 
     Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
-    (Hugging Face's), fed as ``model(**batch)`` (``plan.split_batch``). A model-with-loss may
+    (Hugging Face's), fed as ``model(**batch)`` (``feed.split_batch``). A model-with-loss may
     return scalars to log beside its loss (``outputs.Returns``): ``<name>`` per step,
     ``train_<name>`` per epoch, ``val_<name>``. Before compiling, the
     loop runs one micro-batch through the model on the host, so a label batch that differs
@@ -99,15 +102,15 @@ class Loop:
     def __init__(
         self,
         model: torch.nn.Module,
-        opts: Any = None,
+        opts: object = None,
         *,
         optimizer: torch.optim.Optimizer | None = None,
         loss_fn: Callable | None = None,
-        metrics: Any = None,
+        metrics: object = None,
         metric_output: Callable | None = None,
         callbacks: Iterable[Callback] = (),
         replicas: int | str | None = None,
-        inference_opts: Any = None,
+        inference_opts: object = None,
         seed: int | None = None,
         progress: bool | int = True,
         check_finite: bool = True,
@@ -170,7 +173,7 @@ class Loop:
         )
 
     @property
-    def train_model(self) -> Any:
+    def train_model(self) -> Executor | None:
         """The training executor (``poptorch.trainingModel``), None before the first step."""
         return self.executors.train
 
@@ -202,9 +205,9 @@ class Loop:
     # -- fit ------------------------------------------------------------------------------------
     def fit(
         self,
-        train_loader: Any,
+        train_loader: DataLoader,
         epochs: int = 1,
-        val_loader: Any = None,
+        val_loader: DataLoader | None = None,
         *,
         resume_from: str | None = None,
         max_steps: int | None = None,
@@ -241,9 +244,9 @@ class Loop:
 
     def _fit(
         self,
-        train_loader: Any,
+        train_loader: DataLoader,
         epochs: int,
-        val_loader: Any,
+        val_loader: DataLoader | None,
         resume_from: str | None,
         max_steps: int | None,
         val_every_n_steps: int | None,
@@ -275,7 +278,21 @@ class Loop:
             metric_output=self._metric_output,
             returns=self._returns,
         )
-        self._processes.check_agreement(self, plan, val_plan, epochs, max_steps)
+        self._processes.check_agreement(
+            FitSettings(
+                self.train_opts,
+                plan.micro,
+                plan.samples,
+                plan.steps,
+                None if val_plan is None else val_plan.steps,
+                st.val_every_n_steps,
+                epochs,
+                max_steps,
+                self.optimizer,
+                self.model,
+                st.step,
+            )
+        )
         if resume_from is not None:
             self.check_resumable()
             self._load(resume_from)
@@ -417,7 +434,7 @@ class Loop:
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call(plan, st.epoch)
 
-    def _compile_train(self, args: tuple, kwargs: dict) -> Any:
+    def _compile_train(self, args: tuple, kwargs: dict) -> Executor:
         model = self.executors.training_model(self.train_opts)
         self._hooks.fire("on_compile_start")
         # resumed: the device continues the saved random stream
@@ -428,7 +445,7 @@ class Loop:
         return model
 
     # -- validation and predict -----------------------------------------------------------------
-    def _inference_plan(self, loader: Any, name: str, partition: bool = True) -> Plan:
+    def _inference_plan(self, loader: DataLoader, name: str, partition: bool = True) -> Plan:
         return build_inference(
             self.poptorch,
             loader,
@@ -439,7 +456,7 @@ class Loop:
             async_options=self._async,
         )
 
-    def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Any:
+    def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Executor:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
         model = self.executors.inference.get(key)
         if model is None or not model.isCompiled():
@@ -450,7 +467,7 @@ class Loop:
             self._hooks.fire("on_compile_end")
         return model
 
-    def validate(self, loader: Any) -> dict[str, float]:
+    def validate(self, loader: DataLoader) -> dict[str, float]:
         """Run ``loader`` through the inference model; returns val_loss and val metrics.
 
         Every sample counts: the samples are read in order and the last host call is padded
@@ -502,7 +519,7 @@ class Loop:
         self._hooks.fire("on_validation_end")
         return logs
 
-    def predict(self, loader: Any) -> Any:
+    def predict(self, loader: DataLoader) -> Any:
         """Outputs for every sample of ``loader``'s dataset, in dataset order.
 
         Batches are read in order (shuffle and the sampler are ignored). The samples are
@@ -580,9 +597,7 @@ class Loop:
         A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
         self.check_resumable()
         self._hooks.fire("on_save_checkpoint")
-        sd = self._resume.capture(
-            self.model, self.optimizer, self.state, self._epoch, self.callbacks, self.train_model
-        )
+        sd = self._resume.capture(self._checkpointed())
         # several processes: the run's metrics, each instance's random streams
         return self._processes.checkpoint_state(self.state, self._epoch.metrics, sd)
 
@@ -595,16 +610,13 @@ class Loop:
         """
         sd = self._processes.own_state(sd, self._epoch.metrics)  # several: this one's share
         self.executors.detach_inference()  # (validate, predict: to run the loaded weights)
-        self._resume.restore(
-            sd,
-            self.model,
-            self.optimizer,
-            self.state,
-            self._epoch,
-            self.callbacks,
-            self.train_model,
-        )
+        self._resume.restore(sd, self._checkpointed())
         self._hooks.fire("on_load_checkpoint")
+
+    def _checkpointed(self) -> Checkpointed:
+        return Checkpointed(
+            self.model, self.optimizer, self.state, self._epoch, self.callbacks, self.train_model
+        )
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Load model weights only (``load_checkpoint(path)["model"]``), between fits: the

@@ -12,11 +12,14 @@ import contextlib
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from types import ModuleType
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
+from torch.utils.data import DataLoader
 
 from .outputs import MODE_NAMES, Returns, WithLoss
+from .poptorch_types import Options
 from .rules import (
     ALL,
     DEFAULT,
@@ -79,29 +82,29 @@ class Resolved:
     model: torch.nn.Module  # the model-with-loss (the model given, or it with loss_fn)
     returns: Returns  # where its return value holds the loss (loss_key)
     metrics: dict[str, Any]  # the metrics given, as a dict
-    train: Any  # the training options (a clone; frozen when the first fit starts)
-    inference: Any  # the inference_opts given (a clone), or None: derived per loader
+    train: Options  # the training options (a clone; frozen when the first fit starts)
+    inference: Options | None  # the inference_opts given (a clone), or None: derived per loader
     precision: str  # one of PRECISIONS
     input_dtype: torch.dtype | None  # float inputs are sent as this (16-bit precisions)
     optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
 
 
 def resolve(
-    pt: Any,
-    model: Any,
-    opts: Any,
-    inference_opts: Any,
+    pt: ModuleType,
+    model: object,
+    opts: object,
+    inference_opts: object,
     *,
-    loss_fn: Any,
-    label_key: Any,
-    loss_key: Any,
-    metrics: Any,
-    metric_output: Any,
-    replicas: Any,
+    loss_fn: Callable | None,
+    label_key: object,
+    loss_key: str | int,
+    metrics: object,
+    metric_output: Callable | None,
+    replicas: int | str | None,
     seed: int | None,
-    optimizer: Any,
+    optimizer: torch.optim.Optimizer | None,
     max_grad_norm: float | None,
-    precision: Any,
+    precision: str | int,
 ) -> Resolved:
     """``Loop``'s arguments, checked before anything compiles (each error names its
     argument)."""
@@ -144,7 +147,9 @@ def resolve(
     )
 
 
-def resolve_options(pt: Any, opts: Any, inference_opts: Any) -> tuple[Any, Any, int]:
+def resolve_options(
+    pt: ModuleType, opts: object, inference_opts: object
+) -> tuple[Options, Options | None, int]:
     """Clones of the training and (if given) inference options, and the IPUs per replica
     (known from an ``OptionsBuilder`` such as ``IPUConfig``; else 1)."""
     per_replica = 1
@@ -185,7 +190,9 @@ def resolve_precision(precision: str | int) -> str:
     return _PRECISION_ALIASES[precision]
 
 
-def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int = 1) -> None:
+def set_replicas(
+    pt: ModuleType, opts: Options, replicas: int | str, ipus_per_replica: int = 1
+) -> None:
     """``replicas=``, checked as PopTorch checks the IPUs it reserves, before compiling.
 
     ``ipus_per_replica`` is known from an ``IPUConfig``; otherwise 1 is assumed (a
@@ -227,7 +234,7 @@ def set_replicas(pt: Any, opts: Any, replicas: int | str, ipus_per_replica: int 
     opts.replicationFactor(replicas)
 
 
-def seed_options(opts: Any, value: int) -> None:
+def seed_options(opts: Options, value: int) -> None:
     """Seed python, numpy and (through ``Options.randomSeed``) torch and the device."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"seed must be an int. Received: seed={value!r}.")
@@ -239,7 +246,7 @@ def seed_options(opts: Any, value: int) -> None:
     opts.randomSeed(value)  # seeds torch on the host and the device
 
 
-def check_optimizer_arg(optimizer: Any) -> None:
+def check_optimizer_arg(optimizer: object) -> None:
     if isinstance(optimizer, (list, tuple)):
         raise ValueError(
             f"IPUs currently only support one optimizer. Received "
@@ -253,7 +260,7 @@ def check_optimizer_arg(optimizer: Any) -> None:
         )
 
 
-def set_clipping(pt: Any, optimizer: Any, max_grad_norm: float) -> None:
+def set_clipping(pt: ModuleType, optimizer: Any, max_grad_norm: float) -> None:
     if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(
             f"max_grad_norm must be a number > 0. Received: max_grad_norm={max_grad_norm!r}."
@@ -277,7 +284,7 @@ def set_clipping(pt: Any, optimizer: Any, max_grad_norm: float) -> None:
     optimizer.max_grad_norm = float(max_grad_norm)
 
 
-def resolve_output_mode(pt: Any, opts: Any, metrics: dict[str, Any]) -> None:
+def resolve_output_mode(pt: ModuleType, opts: Options, metrics: dict[str, Any]) -> None:
     """Default: what logging and metrics need at the least transfer; Sum with metrics and an
     EveryN period that does not divide DI are rejected here, before compiling."""
     mode = opts.output_mode
@@ -294,7 +301,7 @@ def resolve_output_mode(pt: Any, opts: Any, metrics: dict[str, Any]) -> None:
         check_return_period(opts.output_return_period, opts.device_iterations)
 
 
-def resolve_metrics(metrics: Any, metric_output: Any = None) -> dict[str, Any]:
+def resolve_metrics(metrics: object, metric_output: Callable | None = None) -> dict[str, Any]:
     """``Loop``'s ``metrics`` as a dict, checked with its ``metric_output``."""
     if metric_output is not None and not callable(metric_output):
         raise TypeError(
@@ -317,7 +324,9 @@ def resolve_metrics(metrics: Any, metric_output: Any = None) -> dict[str, Any]:
     return out
 
 
-def check_fit_args(epochs: Any, max_steps: Any, val_every_n_steps: Any, val_loader: Any) -> None:
+def check_fit_args(
+    epochs: object, max_steps: object, val_every_n_steps: object, val_loader: object
+) -> None:
     """``Loop.fit``'s counts, checked before anything is built."""
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
@@ -354,7 +363,9 @@ def check_val_every(
     )
 
 
-def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:
+def inference_options(
+    pt: ModuleType, train: Options, user: Options | None, loader: DataLoader
+) -> Options:
     """Options for validating or predicting over ``loader``: a clone of ``user`` (the
     ``inference_opts``), else of the training options without their training-only settings,
     with the device-iteration count from DI*GA down to half of it that pads the fewest
@@ -390,7 +401,7 @@ def inference_options(pt: Any, train: Any, user: Any, loader: Any) -> Any:
     di = target = train.device_iterations * train.Training.gradient_accumulation
     per_iteration = (loader.batch_size or 1) * input_groups(train)
     with contextlib.suppress(TypeError):
-        n = len(loader.dataset)
+        n = len(loader.dataset)  # type: ignore[arg-type]
         if n < per_iteration * target:
             di = max(1, n // per_iteration)
         else:  # from DI*GA down to half of it: the count that pads the fewest samples

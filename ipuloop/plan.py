@@ -1,28 +1,33 @@
 """A loader as this process runs it (``Plan``): built once per call, it hands out the batches.
 
+Separation of concerns: the loader owns the data (dataset, sampler, batch size, workers);
+``Factors`` (frozen, made once per ``build``) owns everything else a plan is built from (the
+options and their host-call factor, the call's kind and name, padding, order, instances,
+reading ahead); the ``Plan`` (frozen, built whole) owns the rebuilt loader and what the loop
+reads of it, and its ``Reading`` the running epoch's iterator and draw.
+
 ``build`` checks a loader against the options and rebuilds it as a ``poptorch.DataLoader``
 whose order it can draw and skip into (``loaders``): alone, or under several processes this
 instance's share of one global order (each instance reads the micro-batches of its replicas in
 the order one process with every instance's replicas would read them; validation inside a fit
 gives each a contiguous slice of the samples, padded to the same number of host calls).
+``num_updates`` counts a fit's updates from the same factors without building a loader.
 
 ``Plan.epoch`` draws an epoch's order from the random state as it is, and hands out the
 epoch's host batches after the steps already run. A training epoch's draw (``Draw``) records
 that random state (``Plan.drawn_from``: a checkpoint reads it there), or draws from a resumed
-epoch's saved one. ``Feed`` makes each batch the model's call and its labels.
+epoch's saved one (``random_state.Draw``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from dataclasses import dataclass, field, replace
+from types import ModuleType
+from typing import Any, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
 from .backend import poptorch_module
 from .loaders import (
@@ -46,93 +51,50 @@ from .loaders import (
     whole_order,
 )
 from .loop_options import inference_options, resolve_options
-from .outputs import Layout, WithLoss, map_tensors
+from .outputs import Layout, map_tensors
+from .poptorch_types import DataLoader as PopTorchLoader
+from .poptorch_types import Options
 from .processes import configured
-from .rules import describe_factors, host_call_factor
+from .random_state import Draw, rng_state, set_rng_state
+from .rules import describe_factors, host_call_factor, input_groups
 
-__all__ = [
-    "Plan",
-    "Draw",
-    "Feed",
-    "build",
-    "build_inference",
-    "rng_state",
-    "set_rng_state",
-    "split_batch",
-    "as_sent",
-    "predict_inputs",
-    "no_host_call",
-    "num_updates",
-]
-
-
-def _plain(x: Any) -> Any:
-    return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _tuple(x: Any) -> Any:
-    return tuple(_tuple(v) for v in x) if isinstance(x, list) else x
-
-
-def rng_state() -> dict[str, Any]:
-    """The host's random state (python, numpy when installed, torch, CUDA when in use)."""
-    state: dict[str, Any] = {"python": _plain(random.getstate()), "torch": torch.get_rng_state()}
-    with contextlib.suppress(ImportError):
-        import numpy as np
-
-        legacy: Any = np.random.get_state()  # (a tuple: the legacy MT19937 generator's)
-        kind, keys, pos, has_gauss, cached = legacy
-        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Set the host's random state to ``state`` (``rng_state``'s)."""
-    random.setstate(_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class Draw(NamedTuple):
-    """How a training epoch draws its order: from the random state as it is (``Draw()``), or
-    a resumed epoch's again. ``order``: the host's random state (with the loader generator's
-    under "sampler") as the saved epoch drew its order (a resume in the middle of it);
-    ``sampler``: the loader generator's alone (a resume at an epoch start: the host's is set
-    already); ``then``: the host's random state to go on from once the order is drawn (the
-    saved step's)."""
-
-    order: dict[str, Any] | None = None
-    sampler: torch.Tensor | None = None
-    then: dict[str, Any] | None = None
+__all__ = ["Plan", "build", "build_inference", "no_host_call", "num_updates"]
 
 
 @dataclass
-class Plan:
-    """A loader as the loop runs it, with what it needs to know about it."""
+class Reading:
+    """What a plan's running epoch leaves behind (the one part of a plan that changes)."""
 
-    loader: Any  # poptorch.DataLoader
+    reader: Any = None  # the iterator of the epoch last started (stopped when a call ends)
+    drawn_from: dict[str, Any] | None = None  # the random state its last training epoch drew
+    # its order from (the host's, with the loader generator's under "sampler")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A loader as the loop runs it, with what it needs to know about it: built whole by
+    ``build`` (frozen); its running epoch's iterator and draw are in ``reading``."""
+
+    loader: PopTorchLoader
     sampler: ResumableSampler | None  # None: iterable dataset or custom batch sampler
     micro: int  # micro-batch size B
     combined: int  # samples per host call
     layout: Layout
-    samples: int | None  # dataset length, when known
+    samples: int | None  # dataset length, when known (one instance's share in validation)
     name: str
     batches: ResumableBatchSampler | None = None  # a custom batch sampler, wrapped
     prefetch: Prefetch | None = None  # read ahead: the user's Async mode, or async_data
-    stream: Any = None  # validation and predict over a stream: a torch loader yielding it in
+    stream: DataLoader | None = (
+        None  # validation and predict over a stream: a torch loader yielding it in
+    )
     # its own loader's order (drop_last=False), cut into host calls as it is read
     shape: OneShape | None = None  # a custom batch sampler's: the shape its batches keep
-    reader: Any = None  # the iterator of the epoch last started (stopped when a call ends)
-    drawn_from: dict[str, Any] | None = None  # the random state its last training epoch drew
-    # its order from (the host's, with the loader generator's under "sampler")
+    reading: Reading = field(default_factory=Reading, compare=False)
+
+    @property
+    def drawn_from(self) -> dict[str, Any] | None:
+        """The random state its last training epoch drew its order from (a checkpoint's)."""
+        return self.reading.drawn_from
 
     @property
     def steps(self) -> int | None:
@@ -146,15 +108,16 @@ class Plan:
         except TypeError:
             return None
 
-    def _iter(self, loader: Any = None, start: int = 0) -> Iterator[Any]:
+    def _iter(self, loader: DataLoader | None = None, start: int = 0) -> Iterator[Any]:
         # A new torch iterator draws its workers' base seed from the RNG; a persistent-workers
         # loader reuses its iterator from the second epoch on and draws nothing. Draw exactly
         # once either way, so a run resumed in a new process consumes the RNG as the original.
-        loader = self.loader if loader is None else loader
-        g = loader.generator
+        src: Any = self.loader if loader is None else loader  # (a stream's: a torch one)
+        g = src.generator
         host = torch.get_rng_state()
         own = g.get_state() if g is not None else host
-        if loader is self.stream:
+        it: Iterator[Any]
+        if loader is not None:  # (the stream's)
             it = iter(loader)
         elif self.prefetch is not None:  # its own loader draws from a copy of the generator
             own_g = torch.Generator()
@@ -166,11 +129,9 @@ class Plan:
             )
         elif self.batches is not None:  # torch's iterator of micro-batches, joined here
             assert self.shape is not None  # (a custom batch sampler's plan has one)
-            it = HostCalls(
-                DataLoader.__iter__(loader), self.combined // self.micro, self.shape, start
-            )
+            it = HostCalls(DataLoader.__iter__(src), self.combined // self.micro, self.shape, start)
         else:
-            it = iter(loader)
+            it = iter(src)
         torch.set_rng_state(host)
         if g is not None:
             g.set_state(own)
@@ -199,7 +160,7 @@ class Plan:
         """An iterator over this epoch's host batches, after ``skip_steps`` of them; a
         sampler with ``set_epoch`` is given the epoch's ``number`` first, when there is one.
         A training epoch's ``draw`` records the random state the order is drawn from in
-        ``drawn_from``, or draws it from a resumed epoch's."""
+        ``reading.drawn_from``, or draws it from a resumed epoch's."""
         if draw is not None:
             self._draw(draw)
         if number is not None:
@@ -217,7 +178,7 @@ class Plan:
             it = self._iter()
             for _ in range(skip_steps):  # an IterableDataset: nothing to skip into, read it
                 next(it, None)
-        self.reader = it
+        self.reading.reader = it
         if draw is not None and draw.then is not None:
             set_rng_state(draw.then)  # the saved step's random state: go on from there
         return it
@@ -229,13 +190,14 @@ class Plan:
             set_rng_state(draw.order)
             if order is not None:
                 order.set_generator_state(draw.order.get("sampler"))
-            self.drawn_from = draw.order
+            self.reading.drawn_from = draw.order
             return
         if order is not None and draw.sampler is not None:  # resumed at an epoch start
             order.set_generator_state(draw.sampler)
-        self.drawn_from = rng_state()
+        drawn = rng_state()
         if order is not None:
-            self.drawn_from["sampler"] = order.generator_state()
+            drawn["sampler"] = order.generator_state()
+        self.reading.drawn_from = drawn
 
     def generator_state(self) -> torch.Tensor | None:
         """The state of the loader's own generator, if its order is drawn with one."""
@@ -253,60 +215,48 @@ class Plan:
 
     def close(self) -> None:
         """Stop the loader workers (or prefetching loader) of the epoch last started."""
-        reader = self.reader
-        self.reader = None
+        reader = self.reading.reader
+        self.reading.reader = None
         close(reader)
 
     def kill_workers(self) -> None:
         """A second Ctrl-C: the process exits at once, and its loader workers go first."""
-        kill_workers(self.reader)
+        kill_workers(self.reading.reader)
 
 
-class Feed:
-    """A batch as the model's call and its labels (``split_batch``), its float inputs cast to
-    ``dtype`` (16-bit precision: the device gets float inputs as half; None: as they are).
+@dataclass(frozen=True)
+class Factors:
+    """What a plan is built from besides the loader, made once per ``build`` and read by each
+    of its steps (one that needs another value makes a copy: ``dataclasses.replace``).
 
-    It remembers how many inputs a tuple batch holds besides its labels (what predict feeds,
-    ``num_inputs``) and tells a ``WithLoss`` model, which tells labels from inputs by it.
-    """
+    ``opts``: the options the checks and the host call read (``host_call_factor``: DI, RF/g,
+    GA); ``loader_opts``: those the built loader carries when they differ (several processes:
+    the instance's, ``opts`` being its options alone, and the loader reads every sample it is
+    given: ``auto_distributed_partitioning=False``); ``instances``: the processes a training
+    order is read for (``loaders.whole_order``)."""
 
-    def __init__(
-        self, model: torch.nn.Module, label_key: str, needs_labels: bool, dtype: torch.dtype | None
-    ) -> None:
-        self.model: Any = model  # (a WithLoss's num_inputs is read and set)
-        self.label_key = label_key
-        self.needs_labels = needs_labels  # (the labels of a dict batch: for loss_fn, metrics)
-        self.dtype = dtype
-        self.num_inputs: int | None = None  # inputs per batch in the last fit or validate
-        # (issubclass: isinstance would read the wrapped __class__)
-        self.with_loss = issubclass(type(model), WithLoss)
+    poptorch: ModuleType
+    opts: Options
+    training: bool
+    name: str
+    layout: Layout
+    pad: bool = False  # every sample in order, the last host call padded (validation, predict)
+    sequential: bool = False  # in order, not padded (validation's slices)
+    partition: bool = True  # several processes share the samples out (False: each reads all)
+    instances: int = 1
+    async_options: dict[str, Any] | None = None  # a torch loader read ahead (async_data)
+    loader_opts: Any = None  # None: ``opts``
 
-    def split(self, batch: Any, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
-        """The model's call ``(*args, **kwargs)`` for a training or validation ``batch`` of
-        the loader ``name``, and its labels; ``cast=False``: float inputs as they are."""
-        args, kwargs, labels = split_batch(batch, name, self.label_key, self.needs_labels)
-        if not kwargs:
-            n = self.num_inputs = len(args) - 1
-            if self.with_loss and self.model.num_inputs != n:
-                self.model.num_inputs = n  # (Module.__setattr__: only when it changes)
-        if self.dtype is not None and cast:
-            args, kwargs = as_sent(args, kwargs, self.dtype)
-            labels = kwargs.get(self.label_key) if kwargs else args[-1]
-        return args, kwargs, labels
-
-    def predict(self, batch: Any, name: str, first: bool) -> tuple[tuple, dict]:
-        """The model's inputs in a predict ``batch`` (``predict_inputs``); the ``first`` batch,
-        before the model compiles, tells a ``WithLoss`` how many there are."""
-        args, kwargs = predict_inputs(batch, self.num_inputs, name, self.label_key)
-        if first and self.with_loss and not kwargs:
-            self.model.num_inputs = len(args)
-        return as_sent(args, kwargs, self.dtype)
+    @property
+    def factor(self) -> int:
+        """Micro-batches in one host call."""
+        return host_call_factor(self.opts, self.training)
 
 
 def build(
-    poptorch: Any,
-    loader: Any,
-    opts: Any,
+    poptorch: ModuleType,
+    loader: DataLoader,
+    opts: Options,
     training: bool,
     name: str,
     pad: bool = False,
@@ -318,38 +268,30 @@ def build(
     predict reads them); ``pad``: every sample in order, the last host call padded
     (validation, predict); ``async_options``: a torch loader is read ahead
     (``Loop(async_data=...)``)."""
-    layout = Layout.of(opts, training)
-    if opts.Distributed.numProcesses > 1:
-        return _share(
-            poptorch,
-            loader,
-            opts,
-            layout,
-            training=training,
-            name=name,
-            pad=pad,
-            sequential=pad,
-            partition=partition,
-            async_options=async_options,
-        )
-    return _alone(
+    f = Factors(
         poptorch,
-        loader,
         opts,
-        layout,
-        training=training,
-        name=name,
+        training,
+        name,
+        Layout.of(opts, training),
         pad=pad,
         sequential=pad,
+        partition=partition,
         async_options=async_options,
     )
+    if opts.Distributed.numProcesses > 1:
+        with warnings.catch_warnings():  # (dropped samples...: said on instance 0 only)
+            if opts.Distributed.processId != 0:
+                warnings.simplefilter("ignore")
+            return _share(loader, f)
+    return _alone(loader, f, source=loader)
 
 
 def build_inference(
-    poptorch: Any,
-    loader: Any,
-    train: Any,
-    inference: Any,
+    poptorch: ModuleType,
+    loader: DataLoader,
+    train: Options,
+    inference: Options | None,
     name: str,
     *,
     pad: bool = True,
@@ -364,115 +306,137 @@ def build_inference(
     return build(poptorch, loader, opts, False, name, pad, partition, async_options)
 
 
-def _alone(
-    poptorch: Any,
-    loader: Any,
-    opts: Any,
-    layout: Layout,
-    *,
-    training: bool,
-    name: str,
-    pad: bool = False,
-    sequential: bool = False,
-    instances: int = 1,
-    async_options: dict[str, Any] | None = None,
-) -> Plan:
-    """Validate ``loader`` against ``opts`` and rebuild it as a ``poptorch.DataLoader`` for
-    one process (``_share`` shares a loader out between several: the ``instances`` of the
-    run); ``async_options``: read a torch loader ahead in ``Async`` mode (``prefetch_of``)."""
+def _check_loader(loader: object, name: str) -> None:
     if not isinstance(loader, torch.utils.data.DataLoader):
         raise TypeError(
             f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
             f"Received: {name}={type(loader).__name__}."
         )
-    factor = host_call_factor(opts, training)
-    dataset: Any = loader.dataset  # (a dataset, a sampler, a batch size: as the loader holds)
-    batch_sampler: Any = loader.batch_sampler
+
+
+def _custom_batches(poptorch: ModuleType, loader: DataLoader) -> Sampler | None:
+    """The batch sampler the user chose (a subclass, or a plain BatchSampler passed as
+    batch_sampler=, which leaves batch_size None), rather than the one torch built; None."""
+    batch_sampler: Any = loader.batch_sampler  # (a sampler of lists of indices)
+    built = isinstance(loader, poptorch.DataLoader)
+    if batch_sampler is None or not (
+        type(batch_sampler) is not BatchSampler or (not built and loader.batch_size is None)
+    ):
+        return None
+    return getattr(batch_sampler, "batch_sampler", batch_sampler) if built else batch_sampler
+
+
+def _micro_batch(loader: DataLoader, f: Factors, custom: Sampler | None) -> int:
+    """The micro-batch size ``loader`` is read in (a custom batch sampler: its declared batch
+    size, which each micro-batch of a host call, each replica's too, is one batch of)."""
     micro: Any
-    # A batch sampler the user chose (a subclass, or a plain BatchSampler passed as
-    # batch_sampler=, which leaves batch_size None), rather than the one torch built.
-    custom_batches = batch_sampler is not None and (
-        type(batch_sampler) is not BatchSampler
-        or (not isinstance(loader, poptorch.DataLoader) and loader.batch_size is None)
-    )
-    if isinstance(loader, poptorch.DataLoader):
-        micro = built_micro_batch(loader, opts, training, name)
-        if custom_batches:
-            batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)
+    if isinstance(loader, f.poptorch.DataLoader):
+        micro = built_micro_batch(loader, f.opts, f.training, f.name)
     else:
         micro = loader.batch_size
-        if micro is None and not custom_batches:
+        if micro is None and custom is None:
             raise ValueError(
-                f"{name} has batch_size=None: the loop needs micro-batches. "
+                f"{f.name} has batch_size=None: the loop needs micro-batches. "
                 "Pass the micro-batch size as batch_size."
             )
-    if custom_batches:  # each micro-batch of a host call, each replica's too, one batch
-        declared = getattr(batch_sampler, "batch_size", None)
-        micro = declared or micro or 1
-        check_last_batch(batch_sampler, factor, name)
+    if custom is not None:
+        micro = getattr(custom, "batch_size", None) or micro or 1
+        check_last_batch(custom, f.factor, f.name)
+    return micro
+
+
+def _check_samples(samples: int, micro: int, f: Factors) -> None:
+    """A training order of ``samples`` makes at least one host call; its remainder is dropped,
+    with a warning."""
+    combined = micro * f.factor
+    if samples < combined:
+        raise ValueError(
+            f"{f.name} has {samples} samples, fewer than one host call needs: "
+            f"{describe_factors(f.opts, micro, f.training)}. Lower the micro-batch size, "
+            "deviceIterations, gradientAccumulation or replicas, or use more data."
+        )
+    if samples % combined:
+        warnings.warn(
+            f"{f.name}: {samples % combined} of {samples} samples are dropped each "
+            f"epoch ({describe_factors(f.opts, micro, f.training)}).",
+            stacklevel=4,
+        )
+
+
+def _alone(
+    loader: DataLoader, f: Factors, source: DataLoader | None = None, samples: int | None = None
+) -> Plan:
+    """Validate ``loader`` against ``f.opts`` and rebuild it as a ``poptorch.DataLoader`` for
+    one process (``_share`` shares a loader out between several: ``f.instances``); ``source``:
+    the loader whose read-ahead mode the plan keeps (``prefetch_of``; None: none);
+    ``samples``: the samples of the order that count (validation's slice; None: all)."""
+    _check_loader(loader, f.name)
+    custom = _custom_batches(f.poptorch, loader)
+    micro = _micro_batch(loader, f, custom)
+    factor = f.factor
+    dataset: Any = loader.dataset  # (a dataset, a sampler, a batch size: as the loader holds)
     kwargs = loader_kwargs(loader)
     iterable = isinstance(dataset, IterableDataset)
-    samples = None if iterable else len(dataset)
+    length = None if iterable else len(dataset)
     sampler = None
-    if pad and samples is not None:
+    if f.pad and length is not None:
         combined = micro * factor
-        dataset = Padded(dataset, -(-samples // combined) * combined)
+        dataset = Padded(dataset, -(-length // combined) * combined)
     batches = None
-    if custom_batches:
-        kwargs["batch_sampler"] = batches = ResumableBatchSampler(batch_sampler)
+    if custom is not None:
+        kwargs["batch_sampler"] = batches = ResumableBatchSampler(custom)
+        kwargs.pop("generator", None)
         micro_arg = 1
     else:
         micro_arg = micro
         if not iterable:
             inner = (
                 torch.utils.data.SequentialSampler(dataset)
-                if sequential or pad
-                else whole_order(loader.sampler, instances, name)
+                if f.sequential or f.pad
+                else whole_order(order_of(loader), f.instances, f.name)
             )
-            sampler = ResumableSampler(inner)
-            kwargs["sampler"] = sampler
-    if samples is not None and not pad and not custom_batches:
-        combined = micro * factor
-        if samples < combined:
-            raise ValueError(
-                f"{name} has {samples} samples, fewer than one host call needs: "
-                f"{describe_factors(opts, micro, training)}. Lower the micro-batch size, "
-                "deviceIterations, gradientAccumulation or replicas, or use more data."
-            )
-        if samples % combined:
-            warnings.warn(
-                f"{name}: {samples % combined} of {samples} samples are dropped each "
-                f"epoch ({describe_factors(opts, micro, training)}).",
-                stacklevel=3,
-            )
-    if custom_batches:
-        kwargs.pop("generator", None)
-    built = poptorch.DataLoader(opts, dataset, batch_size=micro_arg, drop_last=True, **kwargs)
+            kwargs["sampler"] = sampler = ResumableSampler(inner)
+    if length is not None and not f.pad and custom is None:
+        _check_samples(length, micro, f)
+    if f.loader_opts is not None:  # this instance's options: it reads what it is given
+        kwargs["auto_distributed_partitioning"] = False
+    built = f.poptorch.DataLoader(
+        f.opts if f.loader_opts is None else f.loader_opts,
+        dataset,
+        batch_size=micro_arg,
+        drop_last=True,
+        **kwargs,
+    )
+    stream = None
+    if iterable and f.pad:  # the stream as its loader yields it: its batches, every sample
+        kwargs = loader_kwargs(loader)
+        stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False, **kwargs)
     plan = Plan(
         built,
         sampler,
         micro,
         micro * factor,
-        layout,
-        samples,
-        name,
+        f.layout,
+        length if samples is None else samples,
+        f.name,
         batches,
-        prefetch_of(poptorch, loader, name, async_options),
+        None if source is None else prefetch_of(f.poptorch, source, f.name, f.async_options),
+        stream,
+        None
+        if custom is None
+        else OneShape(f.name, custom, getattr(custom, "batch_size", None), factor),
     )
-    if custom_batches:
-        plan.shape = OneShape(name, batch_sampler, declared, factor)
-    if iterable and pad:  # the stream as its loader yields it: its batches, every sample
-        stream = loader_kwargs(loader)
-        plan.stream = DataLoader(dataset, batch_size=loader.batch_size, drop_last=False, **stream)
-    if samples is not None and plan.steps == 0:
+    if length is not None and plan.steps == 0:
         raise ValueError(
-            f"{name} is empty: {samples} samples make no host call of "
-            f"{describe_factors(opts, micro, training)}."
+            f"{f.name} is empty: {length} samples make no host call of "
+            f"{describe_factors(f.opts, micro, f.training)}."
         )
     return plan
 
 
-def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str) -> tuple:
+def _dataset_of(
+    poptorch: ModuleType, loader: DataLoader, opts: Options, training: bool, name: str
+) -> tuple:
     """The whole dataset behind ``loader`` and its micro-batch size."""
     dataset = loader.dataset
     if isinstance(loader, poptorch.DataLoader):
@@ -500,7 +464,9 @@ def _dataset_of(poptorch: Any, loader: Any, opts: Any, training: bool, name: str
     return loader, loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
 
 
-def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -> Any:
+def _rebuilt(
+    poptorch: ModuleType, opts: Options, plan: Plan, dataset: Dataset, sampler: Sampler
+) -> PopTorchLoader:
     """``plan``'s loader again, with this instance's options and order (``sampler``: of
     samples, or a custom batch sampler's batches), unpartitioned."""
     kwargs = loader_kwargs(plan.loader)
@@ -521,240 +487,102 @@ def _rebuilt(poptorch: Any, opts: Any, plan: Plan, dataset: Any, sampler: Any) -
     )
 
 
-def _share(
-    poptorch: Any,
-    loader: Any,
-    opts: Any,
-    layout: Layout,
-    *,
-    training: bool,
-    name: str,
-    pad: bool = False,
-    sequential: bool = False,
-    partition: bool = True,
-    async_options: dict[str, Any] | None = None,
-) -> Plan:
-    """``_alone`` for one of N instances (``opts.Distributed.numProcesses`` N); its warnings
-    (dropped samples...) are given on instance 0 only."""
-    with warnings.catch_warnings():
-        if opts.Distributed.processId != 0:
-            warnings.simplefilter("ignore")
-        plan = _process_plan(
-            poptorch,
-            loader,
-            opts,
-            layout,
-            training=training,
-            name=name,
-            pad=pad,
-            sequential=sequential,
-            partition=partition,
+def _check_groups(opts: Options, name: str) -> None:
+    if opts.replication_factor % opts.input_group_size:
+        raise ValueError(
+            f"{name}: input replica groups of {opts.input_group_size} with "
+            f"{opts.replication_factor} replicas per instance cannot be shared out "
+            "between instances: use groups that divide the replicas of an instance."
         )
-        plan.prefetch = prefetch_of(poptorch, loader, name, async_options)  # as read alone
-        return plan
 
 
-def _process_plan(
-    poptorch: Any,
-    loader: Any,
-    opts: Any,
-    layout: Any,
-    *,
-    training: bool,
-    name: str,
-    pad: bool,
-    sequential: bool,
-    partition: bool,
-) -> Plan:
+def _share(loader: DataLoader, f: Factors) -> Plan:
+    """``_alone`` for one of N instances (``f.opts.Distributed.numProcesses`` N)."""
+    opts = f.opts
     size = opts.Distributed.numProcesses
     rank = opts.Distributed.processId
     alone = opts.clone()
     alone.Distributed.disable()
+    mine = replace(f, opts=alone, loader_opts=opts)  # checked alone, read as this instance
     if not isinstance(loader, torch.utils.data.DataLoader):  # the usual error
-        return _alone(
-            poptorch,
-            loader,
-            alone,
-            layout,
-            training=training,
-            name=name,
-            pad=pad,
-            sequential=sequential,
-        )
-    view, micro = _dataset_of(poptorch, loader, opts, training, name)
+        return _alone(loader, mine)
+    view, micro = _dataset_of(f.poptorch, loader, opts, f.training, f.name)
     dataset = view.dataset
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not partition:
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not f.partition:
         # a stream has no order to share out: each instance reads its own (shard it in
         # __iter__, e.g. by ipuloop.processes.process_index()); predict reads everything
-        plan = _alone(
-            poptorch,
-            view,
-            alone,
-            layout,
-            training=training,
-            name=name,
-            pad=pad,
-            sequential=sequential,
-        )
-        plan.loader = _rebuilt(
-            poptorch,
-            opts,
-            plan,
-            plan.loader.dataset,
-            plan.sampler if plan.batches is None else plan.batches,
-        )
-        return plan
-    if training:
-        if opts.replication_factor % opts.input_group_size:
-            raise ValueError(
-                f"{name}: input replica groups of {opts.input_group_size} with "
-                f"{opts.replication_factor} replicas per instance cannot be shared out "
-                "between instances: use groups that divide the replicas of an instance."
-            )
+        return _alone(view, mine, source=loader)
+    if f.training:
+        _check_groups(opts, f.name)
         every = alone.clone()
         every.replicationFactor(opts.replication_factor * size)
         try:
-            whole = _alone(
-                poptorch,
-                view,
-                every,
-                layout,
-                training=True,
-                name=name,
-                sequential=sequential,
-                instances=size,
-            )
+            whole = _alone(view, replace(f, opts=every, instances=size))
         except ValueError as e:
             raise ValueError(
                 f"{e} (replicationFactor {opts.replication_factor * size}: "
                 f"{opts.replication_factor} replica(s) on each of {size} "
                 "instances)"
             ) from None
-        groups = max(opts.replication_factor // opts.input_group_size, 1)
+        groups = input_groups(opts)
         iterations = opts.device_iterations * opts.Training.gradient_accumulation
         combined = whole.micro * host_call_factor(opts, True)
+        prefetch = prefetch_of(f.poptorch, loader, f.name, f.async_options)  # as read alone
         if whole.batches is not None:  # a custom batch sampler: its batches shared out alike
             assert whole.shape is not None  # (a custom batch sampler's plan has one)
             batches = ProcessBatchSampler(whole.batches.inner, rank, size, iterations, groups)
-            built = _rebuilt(poptorch, opts, whole, view.dataset, batches)
             return Plan(
-                built,
+                _rebuilt(f.poptorch, opts, whole, view.dataset, batches),
                 None,
                 whole.micro,
                 combined,
-                layout,
+                f.layout,
                 whole.samples,
-                name,
+                f.name,
                 batches,
+                prefetch,
                 shape=OneShape(
-                    name, whole.batches.inner, whole.shape.batch_size, iterations * groups
+                    f.name, whole.batches.inner, whole.shape.batch_size, iterations * groups
                 ),
             )
         assert whole.sampler is not None  # (a map-style dataset's plan, read in an order)
         sampler = ProcessSampler(whole.sampler.inner, rank, size, iterations, groups * whole.micro)
-        built = _rebuilt(poptorch, opts, whole, view.dataset, sampler)
-        return Plan(built, sampler, whole.micro, combined, layout, whole.samples, name)
+        built = _rebuilt(f.poptorch, opts, whole, view.dataset, sampler)
+        return Plan(
+            built,
+            sampler,
+            whole.micro,
+            combined,
+            f.layout,
+            whole.samples,
+            f.name,
+            prefetch=prefetch,
+        )
     # validation: a contiguous slice each, padded to the same number of host calls
     n = len(dataset)
     if n < size:
         raise ValueError(
-            f"{name} has {n} samples, fewer than the {size} instances: every "
+            f"{f.name} has {n} samples, fewer than the {size} instances: every "
             "instance needs at least one."
         )
     cuts = [n * p // size for p in range(size + 1)]
-    combined = micro * host_call_factor(opts, training)
+    combined = micro * host_call_factor(opts, f.training)
     longest = max(b - a for a, b in zip(cuts, cuts[1:]))
     total = -(-longest // combined) * combined
-    mine = torch.utils.data.Subset(dataset, range(cuts[rank], cuts[rank + 1]))
+    part = torch.utils.data.Subset(dataset, range(cuts[rank], cuts[rank + 1]))
     view = torch.utils.data.DataLoader(
-        Padded(mine, total),
+        Padded(part, total),
         batch_size=micro,
         collate_fn=view.collate_fn,
         num_workers=view.num_workers,
     )
-    plan = _alone(poptorch, view, alone, layout, training=False, name=name, sequential=True)
-    plan.loader = _rebuilt(poptorch, opts, plan, plan.loader.dataset, plan.sampler)
-    plan.samples = cuts[rank + 1] - cuts[rank]
-    return plan
+    sliced = replace(mine, pad=False, sequential=True)
+    return _alone(view, sliced, source=loader, samples=cuts[rank + 1] - cuts[rank])
 
 
-def split_batch(
-    batch: Any, name: str, label_key: str = "labels", need_labels: bool = True
-) -> tuple[tuple, dict, Any]:
-    """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
-
-    A tuple ``(inputs..., labels)`` is called ``model(inputs..., labels)``, the labels last;
-    a dict (any mapping: a Hugging Face batch) ``model(**batch)``, the labels included, found
-    under ``label_key`` (a Transformers model takes them as ``labels=`` and returns its loss).
-    A dict without ``label_key`` has no labels: a ``ValueError`` naming its keys when
-    ``need_labels`` (the loop computes the loss or metrics from them).
-    """
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return tuple(batch), _NO_KWARGS, batch[-1]
-    if isinstance(batch, Mapping):
-        kwargs = batch if type(batch) is dict else dict(batch)
-        if label_key in kwargs:
-            return (), kwargs, kwargs[label_key]
-        if need_labels:
-            raise ValueError(
-                f"{name} yields dict batches without the labels' key label_key={label_key!r} "
-                f"(keys {list(kwargs)}), but the loop needs the labels (for loss_fn or the "
-                "metrics). Pass Loop(label_key=...) naming the key that holds them."
-            )
-        return (), kwargs, None
-    raise ValueError(
-        f"{name} must yield (inputs..., labels) tuples (the last element "
-        f"is the labels) or dicts of keyword inputs. Received a "
-        f"{type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-        + ". Return (x, y) from the dataset's __getitem__."
-    )
-
-
-_NO_KWARGS: dict = {}  # a tuple batch's keyword inputs (never written to)
-
-
-def as_sent(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
-    """A call's inputs with their float tensors as ``dtype`` (16-bit precision: the device
-    gets float inputs as half); unchanged for None."""
-    if dtype is None:
-        return args, kwargs
-
-    def cast(x: Any) -> Any:
-        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
-
-
-def predict_inputs(
-    batch: Any, num_inputs: int | None, name: str, label_key: str = "labels"
-) -> tuple[tuple, dict]:
-    """The model's inputs in a predict batch, as ``(args, kwargs)``: all of its elements, or
-    all but the labels.
-
-    After a fit or validate with N inputs, a batch of N elements is N inputs and one of
-    N + 1 is N inputs and the labels; before, a batch of two or more elements is taken
-    as (inputs..., labels). A dict is keyword inputs, less its ``label_key`` entry.
-    """
-    if isinstance(batch, Mapping):
-        return (), {k: v for k, v in batch.items() if k != label_key}
-    if not isinstance(batch, (tuple, list)):
-        return (batch,), _NO_KWARGS
-    n = num_inputs
-    if n is None:
-        return (tuple(batch[:-1]) if len(batch) >= 2 else tuple(batch)), _NO_KWARGS
-    if len(batch) in (n, n + 1):
-        return tuple(batch[:n]), _NO_KWARGS
-    raise ValueError(
-        f"{name} yields batches of {len(batch)} elements, but the model "
-        f"was fit with {n} input(s): predict takes (inputs...) or "
-        "(inputs..., labels) batches of those inputs."
-    )
-
-
-def _check_not_empty(loader: Any, name: str) -> None:
+def _check_not_empty(loader: DataLoader, name: str) -> None:
     try:
-        empty = len(loader.dataset) == 0
+        empty = len(loader.dataset) == 0  # type: ignore[arg-type]
     except TypeError:  # an IterableDataset: its length is unknown
         empty = False
     if empty:
@@ -762,6 +590,12 @@ def _check_not_empty(loader: Any, name: str) -> None:
             f"{name} has 0 samples (the loader is empty): there is nothing "
             "to run. Pass a loader over a dataset with at least one sample."
         )
+
+
+def order_of(loader: DataLoader) -> Sampler:
+    """The sampler of ``loader``'s samples (torch types it an iterable)."""
+    sampler: Any = loader.sampler
+    return sampler
 
 
 def no_host_call(plan: Plan, epoch: int) -> ValueError:
@@ -774,7 +608,7 @@ def no_host_call(plan: Plan, epoch: int) -> ValueError:
     )
 
 
-def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
+def num_updates(loader: DataLoader, opts: Options, epochs: int = 1) -> int:
     """Optimizer updates that ``fit(loader, epochs)`` runs from the first epoch, with the
     training options ``opts`` (``poptorch.Options``, an ``IPUConfig`` or None, as given to
     ``Loop``; a ``replicas=`` given to ``Loop`` instead must be set in them too).
@@ -789,11 +623,78 @@ def num_updates(loader: Any, opts: Any, epochs: int = 1) -> int:
         raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
     pt = poptorch_module()
     opts = configured(resolve_options(pt, opts, None)[0])
-    plan = build(pt, loader, opts, True, "loader")
-    if plan.steps is None:
+    steps = training_steps(pt, loader, opts, "loader")
+    if steps is None:
+        dataset = getattr(loader.dataset, "_dataset", loader.dataset)
         raise ValueError(
-            f"loader reads an {type(plan.loader.dataset).__name__}, whose "
+            f"loader reads an {type(dataset).__name__}, whose "
             "length is unknown, so neither is its number of updates. Count "
             "them as epochs x (samples per epoch // (B * DI * GA * RF)) x DI."
         )
-    return epochs * plan.steps * opts.device_iterations
+    return epochs * steps * opts.device_iterations
+
+
+def training_steps(
+    poptorch: ModuleType, loader: DataLoader, opts: Options, name: str
+) -> int | None:
+    """The host calls of a training epoch of ``loader`` with ``opts`` (``build(...).steps``),
+    counted from the length of its order (its sampler's, or its batch sampler's batches) and
+    the factors, without building a loader, with ``build``'s checks; None for a stream of
+    unknown length."""
+    f = Factors(poptorch, opts, True, name, Layout.of(opts, True))
+    size = opts.Distributed.numProcesses
+    if size == 1:
+        return _count(loader, f)
+    with warnings.catch_warnings():  # (as ``build``: said on instance 0 only)
+        if opts.Distributed.processId != 0:
+            warnings.simplefilter("ignore")
+        return _count_share(loader, f)
+
+
+def _count_share(loader: DataLoader, f: Factors) -> int | None:
+    """``_share(loader, f).steps`` for training, counted."""
+    opts = f.opts
+    size = opts.Distributed.numProcesses
+    name = f.name
+    alone = opts.clone()
+    alone.Distributed.disable()
+    _check_loader(loader, name)
+    view, _ = _dataset_of(f.poptorch, loader, opts, True, name)
+    if isinstance(view.dataset, torch.utils.data.IterableDataset):  # each reads its own
+        return _count(view, replace(f, opts=alone))
+    _check_groups(opts, name)
+    every = alone.clone()
+    every.replicationFactor(opts.replication_factor * size)
+    try:  # an instance's share of a global host call: as many of them as the whole run's
+        return _count(view, replace(f, opts=every, instances=size))
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (replicationFactor {opts.replication_factor * size}: "
+            f"{opts.replication_factor} replica(s) on each of {size} instances)"
+        ) from None
+
+
+def _count(loader: DataLoader, f: Factors) -> int | None:
+    """``_alone(loader, f).steps`` for training, counted."""
+    _check_loader(loader, f.name)
+    custom = _custom_batches(f.poptorch, loader)
+    micro = _micro_batch(loader, f, custom)
+    dataset: Any = loader.dataset  # (sized, or a stream that may be)
+    length = None if isinstance(dataset, IterableDataset) else len(dataset)
+    try:
+        if custom is not None:  # a host call is factor of its batches
+            steps = len(custom) // f.factor  # type: ignore[arg-type]
+        elif length is None:  # a stream: as long as it says it is
+            steps = len(dataset) // (micro * f.factor)
+        else:
+            _check_samples(length, micro, f)
+            order: Any = whole_order(order_of(loader), f.instances, f.name)  # (with a length)
+            steps = len(order) // (micro * f.factor)
+    except TypeError:  # no length
+        return None
+    if length is not None and steps == 0:
+        raise ValueError(
+            f"{f.name} is empty: {length} samples make no host call of "
+            f"{describe_factors(f.opts, micro, f.training)}."
+        )
+    return steps

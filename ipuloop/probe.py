@@ -58,7 +58,7 @@ def probe_plan(
     mixed: bool = False,
 ) -> None:
     """``probe`` the first micro-batch of ``plan`` (a ``plan.Plan``), made the model's call by
-    ``feed`` (``plan.Feed``) in float32; a dataset that cannot be indexed is not probed.
+    ``feed`` (``feed.Feed``) in float32; a dataset that cannot be indexed is not probed.
     ``mixed``: under "16-mixed", then ``check_mixed`` with the float inputs as sent."""
     batch = plan.first_micro_batch()
     if batch is None:

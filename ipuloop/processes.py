@@ -46,13 +46,15 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from .exceptions import InstanceFailedError
+from .poptorch_types import Options
 from .rules import DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, leave_process_group
 from .signals import Preempted
+from .state import State
 
 __all__ = [
     "Launch",
@@ -85,7 +87,7 @@ class Launch:
     local_replicas: int | None = None  # poprun: replicas per instance
 
 
-def _int(env: Any, name: str) -> int:
+def _int(env: Mapping[str, str], name: str) -> int:
     value = env[name]
     try:
         return int(value)
@@ -95,7 +97,7 @@ def _int(env: Any, name: str) -> int:
         ) from None
 
 
-def detect(env: Any = None) -> Launch | None:
+def detect(env: Mapping[str, str] | None = None) -> Launch | None:
     """The launcher's view of this process, or None when it runs alone."""
     env = os.environ if env is None else env
     launch = None
@@ -122,7 +124,7 @@ def detect(env: Any = None) -> Launch | None:
     return launch
 
 
-def _popdist(env: Any) -> Launch:
+def _popdist(env: Mapping[str, str]) -> Launch:
     try:  # on an IPU system: PopDist's own reading of poprun's environment
         import popdist
 
@@ -148,7 +150,7 @@ def _popdist(env: Any) -> Launch:
     return Launch(rank, size, int(env.get("POPDIST_LOCAL_INSTANCE_INDEX", "0")), "poprun", local)
 
 
-def timeout_seconds(env: Any = None) -> float:
+def timeout_seconds(env: Mapping[str, str] | None = None) -> float:
     """``IPULOOP_DIST_TIMEOUT``: seconds a collective waits for the other instances."""
     return dist_timeout(env)
 
@@ -252,45 +254,43 @@ class Processes:
         """``values`` summed over the instances: here, ``values`` (``what``: for errors)."""
         return values
 
-    def gather(self, obj: Any, what: str) -> list[Any]:
+    def gather(self, obj: object, what: str) -> list[Any]:
         """``obj`` of every instance, in instance order."""
         return [obj]
 
-    def failed(self, error: BaseException, st: Any) -> BaseException:
+    def failed(self, error: BaseException, st: State) -> BaseException:
         """``error`` is ending this instance's fit; returns what to raise: ``error``."""
         return error
 
     @contextlib.contextmanager
-    def failing_together(self, st: Any) -> Iterator[None]:
+    def failing_together(self, st: State) -> Iterator[None]:
         """An error escaping the block ends every instance's fit (here: this one's)."""
         yield
 
-    def on_sigterm(self, st: Any) -> None:
+    def on_sigterm(self, st: State) -> None:
         """SIGTERM: the fit stops at the next step boundary (``st``: the loop's ``State``)."""
         st.preempted = True
 
-    def agree_on_stop(self, st: Any) -> None:
+    def agree_on_stop(self, st: State) -> None:
         """At a step boundary: the instances agree on ``st``'s stop flags (here: its own)."""
 
-    def check_preempted(self, st: Any) -> None:
+    def check_preempted(self, st: State) -> None:
         """Raise ``Preempted`` when a SIGTERM (on any instance) stops the fit here."""
         self.agree_on_stop(st)
         if st.preempted:
             raise Preempted
 
-    def at_boundary(self, st: Any) -> bool:
+    def at_boundary(self, st: State) -> bool:
         """Between two steps: a SIGTERM preempts the fit here (``check_preempted``); True
         when it should stop (``State.should_stop``, agreed by the instances)."""
         self.check_preempted(st)
         return st.should_stop()
 
-    def check_agreement(
-        self, loop: Any, plan: Any, val_plan: Any, epochs: int, max_steps: int | None
-    ) -> None:
+    def check_agreement(self, fit: FitSettings) -> None:
         """Before the first step: the instances compare their settings (here: none to)."""
 
     def checkpoint_state(
-        self, st: Any, train_metrics: dict[str, Any], sd: dict[str, Any]
+        self, st: State, train_metrics: dict[str, Any], sd: dict[str, Any]
     ) -> dict[str, Any]:
         """The run's state for a checkpoint: here, ``sd``."""
         return sd
@@ -304,6 +304,43 @@ class Processes:
         """While this instance works alone (``Loop.validate``), its metrics compute from its
         own states (here: the only ones)."""
         yield
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What every instance of a run must share as a fit starts (``check_agreement``)."""
+
+    opts: Options  # the training options
+    micro: int  # the training plan's micro-batch size
+    samples: int | None  # its dataset length
+    steps: int | None  # its host calls per epoch
+    val_steps: int | None  # the validation plan's, if any
+    val_every_n_steps: int | None
+    epochs: int
+    max_steps: int | None
+    optimizer: torch.optim.Optimizer
+    model: torch.nn.Module
+    step: int  # the step counter (after a resume: the checkpoint's)
+
+    def compared(self) -> dict[str, Any]:
+        """The settings by name, as the instances compare them."""
+        o = self.opts
+        return {
+            "randomSeed": o.random_seed if o.exists("random_seed") else None,
+            "deviceIterations": o.device_iterations,
+            "gradientAccumulation": o.Training.gradient_accumulation,
+            "replicationFactor": o.replication_factor,
+            "micro-batch size": self.micro,
+            "training samples": self.samples,
+            "training steps per epoch": self.steps,
+            "validation steps": self.val_steps,
+            "val_every_n_steps": self.val_every_n_steps,
+            "epochs": self.epochs,
+            "max_steps": self.max_steps,
+            "optimizer": type(self.optimizer).__name__,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "step counter": self.step,
+        }
 
 
 ALONE = Processes()  # a run of one instance: what validate() and predict() run as
@@ -345,7 +382,7 @@ class ProcessGroup(Processes):
             raise self._fail(what, e) from e
         return t.tolist()
 
-    def gather(self, obj: Any, what: str) -> list[Any]:
+    def gather(self, obj: object, what: str) -> list[Any]:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
@@ -356,7 +393,7 @@ class ProcessGroup(Processes):
         return out
 
     # -- a failure ends every instance's fit -------------------------------------------------
-    def failed(self, error: BaseException, st: Any) -> BaseException:
+    def failed(self, error: BaseException, st: State) -> BaseException:
         """``error`` is ending this instance's fit: tell the others and leave the process
         group now, so that their collectives fail at once instead of waiting for
         ``IPULOOP_DIST_TIMEOUT``; returns what to raise.
@@ -419,7 +456,7 @@ class ProcessGroup(Processes):
                 time.sleep(0.02)
 
     # -- the loop's hooks ----------------------------------------------------------------------
-    def agree_on_stop(self, st: Any) -> None:
+    def agree_on_stop(self, st: State) -> None:
         """SIGTERM or ``stop()`` on any instance stops them all here (``st``: the loop's
         ``State``)."""
         term, stop = self.sum(
@@ -432,12 +469,12 @@ class ProcessGroup(Processes):
         if stop:
             st.stop_requested = True
 
-    def on_sigterm(self, st: Any) -> None:
+    def on_sigterm(self, st: State) -> None:
         """SIGTERM here: every instance stops at the next boundary they agree on."""
         self.term_pending = True
 
     @contextlib.contextmanager
-    def failing_together(self, st: Any) -> Iterator[None]:
+    def failing_together(self, st: State) -> Iterator[None]:
         """An error escaping the block (``Loop.fit``, from its first check to its last hook)
         on one instance ends the others' fits within seconds, naming it (``failed``)."""
         try:
@@ -448,27 +485,9 @@ class ProcessGroup(Processes):
                 raise
             raise raised from error
 
-    def check_agreement(
-        self, loop: Any, plan: Any, val_plan: Any, epochs: int, max_steps: int | None
-    ) -> None:
+    def check_agreement(self, fit: FitSettings) -> None:
         """Compare what every instance must share; an instance that differs is named."""
-        o = loop.train_opts
-        mine = {
-            "randomSeed": o.random_seed if o.exists("random_seed") else None,
-            "deviceIterations": o.device_iterations,
-            "gradientAccumulation": o.Training.gradient_accumulation,
-            "replicationFactor": o.replication_factor,
-            "micro-batch size": plan.micro,
-            "training samples": plan.samples,
-            "training steps per epoch": plan.steps,
-            "validation steps": val_plan.steps if val_plan is not None else None,
-            "val_every_n_steps": loop.state.val_every_n_steps,
-            "epochs": epochs,
-            "max_steps": max_steps,
-            "optimizer": type(loop.optimizer).__name__,
-            "parameters": sum(p.numel() for p in loop.model.parameters()),
-            "step counter": loop.state.step,
-        }
+        mine = fit.compared()
         every = self.gather(mine, "comparing the instances' settings")
         for index, theirs in enumerate(every):
             diff = [
@@ -486,7 +505,7 @@ class ProcessGroup(Processes):
                 )
 
     def checkpoint_state(
-        self, st: Any, train_metrics: dict[str, Any], sd: dict[str, Any]
+        self, st: State, train_metrics: dict[str, Any], sd: dict[str, Any]
     ) -> dict[str, Any]:
         """The run's state for a checkpoint: the train metrics of every instance together,
         and every instance's own random streams (the losses are the run's already)."""
@@ -563,7 +582,7 @@ def _no_group() -> bool:
     return False
 
 
-def join(opts: Any, inference_opts: Any, replicas_given: bool) -> Processes:
+def join(opts: Options, inference_opts: Options | None, replicas_given: bool) -> Processes:
     """The run this process is an instance of: alone (``Processes``), or one of a run started
     by a launcher (``ProcessGroup``), whose process id and count ``opts`` (and the
     ``inference_opts`` given, if any) then get, and whose process group it joins."""
@@ -603,7 +622,7 @@ def join(opts: Any, inference_opts: Any, replicas_given: bool) -> Processes:
     return ProcessGroup(rank, size, launcher)
 
 
-def _check_popdist_options(opts: Any) -> None:
+def _check_popdist_options(opts: Options) -> None:
     """On an IPU system, PopDist's options also pick the instance's IPUs: say so when the
     program built plain ones (the loop has set their process id and replicas)."""
     try:
@@ -621,7 +640,7 @@ def _check_popdist_options(opts: Any) -> None:
         )
 
 
-def configured(opts: Any) -> Any:
+def configured(opts: Options) -> Options:
     """``opts`` with the launcher's process id and count, when a launcher started us."""
     launch = detect()
     if launch is None or opts.Distributed.numProcesses > 1:

@@ -7,7 +7,7 @@ begins (a checkpoint taken during it resumes before it: the resumed fit runs tha
 again from its start, and after a step's own validation, ``fit(val_every_n_steps=)``, that
 step's ``on_train_step_end``), and the state at the checkpointed step itself. A resumed
 mid-epoch fit draws the epoch's order again from ``epoch_rng``, then goes on from the step's
-state (``plan.Draw``). The device's random state is set once the training model compiles.
+state (``random_state.Draw``). The device's random state is set once the training model compiles.
 
 The data factors are those of the whole run: N processes of R replicas each count as one
 process with N*R replicas, whose host call is N times one instance's. So a checkpoint of
@@ -26,22 +26,35 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from typing import Any, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from .callbacks.base import CancelEpoch, CancelFit
-from .plan import Draw, Plan, rng_state, set_rng_state
+from .accumulators import TrainEpoch
+from .callbacks.base import Callback, CancelEpoch, CancelFit
+from .plan import Plan
+from .poptorch_types import Executor
+from .random_state import Draw, rng_state, set_rng_state
 from .rules import describe_factors
+from .state import State
 
-__all__ = ["Resume", "check_resumable", "check_optimizer", "group_shapes", "optimizer_extras"]
+__all__ = [
+    "Resume",
+    "Checkpointed",
+    "check_resumable",
+    "check_optimizer",
+    "group_shapes",
+    "optimizer_extras",
+]
 
 # poptorch.optim attributes outside optimizer.state_dict() that a fit may change (the others
 # are fixed when the optimizer is built): checkpointed, and set again before the next push
 OPTIMIZER_EXTRAS = ("loss_scaling", "max_grad_norm", "max_weight_norm")
 
 
-def check_resumable(opt: torch.optim.Optimizer, poptorch: Any) -> None:
+def check_resumable(opt: torch.optim.Optimizer | None, poptorch: ModuleType) -> None:
     """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
     writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers, so a
     stateful ``torch.optim`` one keeps it on the device, out of every checkpoint."""
@@ -131,7 +144,7 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
         )
 
 
-def _data_factors(plan: Any) -> dict[str, Any]:
+def _data_factors(plan: Plan) -> dict[str, Any]:
     """The training data factors of the whole run: ``plan`` is one instance's share of N, and
     N instances of R replicas read as one process with N*R replicas (``ipuloop.processes``)."""
     o = plan.loader.options
@@ -150,7 +163,7 @@ def _data_factors(plan: Any) -> dict[str, Any]:
     }
 
 
-def _run_factors(data: dict[str, Any] | None, processes: Any) -> dict[str, Any] | None:
+def _run_factors(data: dict[str, Any] | None, processes: object) -> dict[str, Any] | None:
     """A checkpoint's data factors as the whole run's: those written before they were
     recorded so held one instance's, ``processes`` (one entry per instance) says how many."""
     if data is None or "instances" in data:
@@ -158,6 +171,19 @@ def _run_factors(data: dict[str, Any] | None, processes: Any) -> dict[str, Any] 
     n = len(processes) if isinstance(processes, list) else 1
     factors = dict(data["factors"], replicationFactor=data["factors"]["replicationFactor"] * n)
     return {"factors": factors, "samples_per_step": data["samples_per_step"] * n, "instances": n}
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """The parts of a loop a checkpoint holds (``Resume.capture``) and a resume puts back
+    (``Resume.restore``), besides the RNG points and data factors ``Resume`` keeps."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    state: State  # counters, history, logs
+    epoch: TrainEpoch  # the running epoch's sums and train metrics
+    callbacks: Sequence[Callback]  # each one's state_dict, under its state_key
+    executor: Executor | None  # the training executor, None before the first step
 
 
 class Resume:
@@ -208,18 +234,13 @@ class Resume:
         self._device_rng = None
         return rng
 
-    def capture(
-        self,
-        model: torch.nn.Module,
-        optimizer: Any,
-        st: Any,
-        epoch: Any,
-        callbacks: list,
-        executor: Any,
-    ) -> dict[str, Any]:
-        """A loop's ``state_dict``: its model, optimizer, counters, logs, running epoch
-        (``accumulators.TrainEpoch``: sums and train metrics), callbacks and RNG points;
-        ``executor`` is the training model (or None)."""
+    def capture(self, parts: Checkpointed) -> dict[str, Any]:
+        """A loop's ``state_dict``: its ``parts`` (the model, optimizer, counters, logs,
+        running epoch, callbacks) and the RNG points."""
+        model = parts.model
+        optimizer = parts.optimizer
+        st = parts.state
+        executor = parts.executor
         if executor is not None and executor.isAttachedToDevice():
             # the device holds the current weights (a detached model copied them back when it
             # detached, and reading from a device it no longer holds is undefined in PopTorch)
@@ -233,13 +254,13 @@ class Resume:
             "counters": st.counters(),
             "history": [dict(h) for h in st.history],
             "logs": dict(st.logs),  # an epoch ending right after a resume logs these
-            **epoch.state_dict(),  # epoch_loss, epoch_logs, metrics
+            **parts.epoch.state_dict(),  # epoch_loss, epoch_logs, metrics
             "rng": self.val_rng if self.val_rng is not None else rng_state(),
             "step_validation": self.val_rng is not None and self.val_in_step,
             "optimizer_extras": optimizer_extras(optimizer),
             "sampler_rng": self._sampler_rng(),
             "epoch_rng": self._epoch_rng(),
-            "callbacks": {cb.state_key: cb.state_dict() for cb in callbacks},
+            "callbacks": {cb.state_key: cb.state_dict() for cb in parts.callbacks},
         }
         if executor is not None and executor.isCompiled():
             sd["device_rng"] = executor.rng_state
@@ -260,19 +281,15 @@ class Resume:
             return self._draw.order
         return self.plan.drawn_from if self.plan is not None else None
 
-    def restore(
-        self,
-        sd: dict[str, Any],
-        model: torch.nn.Module,
-        optimizer: Any,
-        st: Any,
-        epoch: Any,
-        callbacks: list,
-        executor: Any,
-    ) -> None:
-        """Put back what ``capture`` took (the optimizer checked first: ``check_optimizer``)."""
+    def restore(self, sd: dict[str, Any], parts: Checkpointed) -> None:
+        """Put back into ``parts`` what ``capture`` took (the optimizer checked first:
+        ``check_optimizer``)."""
+        optimizer = parts.optimizer
+        st = parts.state
+        executor = parts.executor
+        callbacks = parts.callbacks
         check_optimizer(sd, optimizer)
-        (executor or model).load_state_dict(sd["model"])
+        (executor or parts.model).load_state_dict(sd["model"])
         if sd.get("optimizer") is not None:
             optimizer.load_state_dict(sd["optimizer"])
             for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
@@ -280,7 +297,7 @@ class Resume:
         st.load_counters(sd["counters"])
         st.history = [dict(h) for h in sd["history"]]
         st.logs = dict(sd.get("logs", {}))
-        epoch.load_state_dict(sd)
+        parts.epoch.load_state_dict(sd)
         self._step_validation = bool(sd.get("step_validation", False))
         for cb in callbacks:
             key = _state_key_in(cb, sd["callbacks"], callbacks)
@@ -299,7 +316,7 @@ class Resume:
             set_rng_state(sd["rng"])
             self._draw = Draw(sampler=sd.get("sampler_rng"))  # the loader's own generator
 
-    def continue_at(self, plan: Plan, state: Any) -> None:
+    def continue_at(self, plan: Plan, state: State) -> None:
         """A fit starts with the training ``plan``: its data factors, after a load (that
         recorded them) checked by ``_align`` first (a failed check keeps the loaded ones for
         the next fit); its epochs' draws, which a checkpoint records."""
@@ -311,7 +328,9 @@ class Resume:
         self.plan = plan
 
 
-def _state_key_in(cb: Any, states: dict[str, Any], callbacks: list) -> str | None:
+def _state_key_in(
+    cb: Callback, states: dict[str, Any], callbacks: Sequence[Callback]
+) -> str | None:
     """The key of ``cb``'s state among a checkpoint's callback ``states``: its ``state_key``,
     else a key it had in older checkpoints (``former_state_keys``: an unnamed
     ``ModelCheckpoint`` was keyed by its class) that no other callback of the loop claims;
@@ -338,7 +357,7 @@ def _state_key_in(cb: Any, states: dict[str, Any], callbacks: list) -> str | Non
     return None
 
 
-def _align(saved: dict[str, Any], now: dict[str, Any], plan: Any, st: Any) -> None:
+def _align(saved: dict[str, Any], now: dict[str, Any], plan: Plan, st: State) -> None:
     """Continue the saved epoch at the same sample with the new factors (the whole run's),
     or raise naming each factor that changed."""
     old = saved["factors"]

@@ -7,7 +7,7 @@ accumulator's (``accumulators.TrainEpoch``); ``logs`` holds what they give.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 __all__ = ["State"]
 
@@ -69,7 +69,7 @@ class State:
         reached (SIGTERM is ``preempted``)."""
         return self.stop_requested or (self.max_steps is not None and self.step >= self.max_steps)
 
-    def drop_logs(self, prefix: str, names: Any) -> None:
+    def drop_logs(self, prefix: str, names: Iterable[str]) -> None:
         """Remove the logs ``<prefix><name>`` (and ``<prefix><name>_<part>``) of ``names``."""
         for name in names:
             key = prefix + name

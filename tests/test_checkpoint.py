@@ -166,7 +166,7 @@ def resumed_elsewhere(tmp_path_factory):
 
 
 def _forget_rng(sd):
-    from ipuloop.plan import rng_state as _rng_state
+    from ipuloop.random_state import rng_state as _rng_state
 
     sd.pop("device_rng")
     sd["rng"] = _rng_state()

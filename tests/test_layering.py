@@ -134,7 +134,44 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
                 and b != "ipuloop.callbacks.base"
             ):
                 bad.append(f"{a} -> {b} (the loop names no concrete callback)")
+            if (
+                b == "ipuloop.loop"
+                and not a.startswith("ipuloop.callbacks")  # (said above)
+                and (layer_of(a, layers()) or 0) < 6
+            ):
+                bad.append(f"{a} -> {b} (only the entry points import the loop)")
     return bad
+
+
+def _names(annotation: ast.expr | None) -> set[str]:
+    """The names an annotation spells (``Loop``, ``"Loop"``, ``x.Loop``, ``Loop | None``)."""
+    if annotation is None:
+        return set()
+    out = set()
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out |= _names(ast.parse(node.value, mode="eval").body)
+    return out
+
+
+def loop_readers(name: str, source: str) -> list[str]:
+    """The functions of module ``name`` that take the loop itself: a parameter annotated
+    ``Loop``, or named ``loop`` without the callbacks' view of it (``LoopView``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        every = a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]
+        for arg in every:
+            names = _names(arg.annotation)
+            if "Loop" in names or (arg.arg == "loop" and "LoopView" not in names):
+                found.append(f"{name}.{node.name}({arg.arg})")
+    return found
 
 
 # Known edges that close a circle, each with its reason; removed when the code drops them.
@@ -156,6 +193,35 @@ def test_no_import_circle():
 
 def test_no_forbidden_edge():
     assert forbidden(graph()) == []
+
+
+def test_no_lower_module_takes_the_loop():
+    """Below the loop, no function is handed the loop itself (an upward dependency that no
+    import shows): each part gets what it reads, and a callback the loop's ``LoopView``."""
+    table = layers()
+    found = [
+        reader
+        for name, path in module_names().items()
+        if (layer_of(name, table) or 0) < 5
+        for reader in loop_readers(name, path.read_text())
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "source,found",
+    [
+        ("def f(loop): pass", 1),
+        ("def f(loop: Any): pass", 1),
+        ("def f(self, x, *, lp: Loop): pass", 1),
+        ("def f(lp: 'Loop | None'): pass", 1),
+        ("def f(lp: ipuloop.loop.Loop): pass", 1),
+        ("def f(loop: LoopView): pass", 0),
+        ("def f(loop: 'LoopView', plan: Plan): pass", 0),
+    ],
+)
+def test_loop_reader_checker(source, found):
+    assert len(loop_readers("m", source)) == found
 
 
 def test_the_graph_is_read():  # the reader finds relative, aliased and function-local imports
@@ -189,6 +255,8 @@ def test_cycle_checker(edges, expected):
         ("ipuloop.integrations.tensorboard", "ipuloop.loop"),
         ("ipuloop.loop", "ipuloop.callbacks.progress"),
         ("ipuloop.loop", "ipuloop.callbacks"),
+        ("ipuloop.processes", "ipuloop.loop"),
+        ("ipuloop.resume", "ipuloop.loop"),
     ],
 )
 def test_forbidden_checker(edge):
@@ -479,7 +547,7 @@ def _fit(kind: str):
 
 # What carries a batch's values from the loader to the logs (docs/layout.md): loop.py, which
 # calls each in turn, and state.py, whose logs they land in, are counted with them.
-WAY = {"loop", "plan", "loaders", "outputs", "accumulators", "processes", "state"}
+WAY = {"loop", "plan", "feed", "loaders", "outputs", "accumulators", "processes", "state"}
 
 
 @pytest.mark.parametrize("kind", ["plain", "custom", "widest"])
