@@ -136,7 +136,7 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{a} -> {b} (the loop names no concrete callback)")
             if (
                 b == "ipuloop.loop"
-                and not a.startswith("ipuloop.callbacks")  # (said above)
+                and not a.startswith(("ipuloop.callbacks", "ipuloop.integrations"))  # (said above)
                 and (layer_of(a, layers()) or 0) < 6
             ):
                 bad.append(f"{a} -> {b} (only the entry points import the loop)")
