@@ -112,6 +112,8 @@ class TrainEpoch:
         over the step, then summed over the instances; with ``check_finite``, a non-finite one
         on another instance (this one's finite) stops this instance too."""
         mine = self.layout.step_loss(loss)
+        if self.processes.size == 1:  # one instance: the run's loss is its own
+            return StepLoss(*mine)
         total, count = self.processes.sum([mine.total, mine.count], "summing the step's loss")
         if check_finite and not math.isfinite(total) and math.isfinite(mine.total):
             st = self.state

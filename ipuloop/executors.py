@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import time
 import warnings
@@ -35,8 +36,13 @@ def _plain_numbers(opt: torch.optim.Optimizer | None) -> Any:
             group[k] = v
 
 
+_NONES = (None,) * len(OPTIMIZER_GLOBALS)
+
+
 def _globals(opt: torch.optim.Optimizer) -> tuple:
-    return tuple(getattr(opt, k, None) for k in OPTIMIZER_GLOBALS)
+    """The optimizer-wide attributes, None where absent (read by ``map``: no Python frame per
+    attribute, as this runs every step)."""
+    return tuple(map(getattr, itertools.repeat(opt), OPTIMIZER_GLOBALS, _NONES))
 
 
 class _Seen:
@@ -51,7 +57,7 @@ class _Seen:
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.opt = opt
         self.keys = [tuple(g) for g in opt.param_groups]
-        self.values = [tuple(g.values()) for g in opt.param_groups]
+        self.values = [v for g in opt.param_groups for v in g.values()]  # every group's, in turn
         self.tensors = [
             (v, float(v))
             for g in opt.param_groups
@@ -64,12 +70,15 @@ class _Seen:
         if opt is not self.opt:
             return False
         groups = opt.param_groups
-        if len(groups) != len(self.keys):
-            return False
-        try:
-            for g, keys, values in zip(groups, self.keys, self.values):
-                if tuple(g) != keys or not all(map(operator.is_, g.values(), values)):
-                    return False
+        try:  # the same keys, so as many values: each the same object (``map``: no frames)
+            if list(map(tuple, groups)) != self.keys or not all(
+                map(
+                    operator.is_,
+                    itertools.chain.from_iterable(map(dict.values, groups)),
+                    self.values,
+                )
+            ):
+                return False
             for t, v in self.tensors:
                 if float(t) != v:
                     return False

@@ -130,7 +130,17 @@ def probe(
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 model.train()
-                out = model(*args, **kwargs)
+                try:
+                    out = model(*args, **kwargs)
+                except RuntimeError as e:
+                    if _NO_HALF_KERNEL not in str(e):
+                        raise
+                    # the host has no float16 kernel for an op (torch 2.0's CPU: matmul,
+                    # convolution): run it again as the device computes such an op
+                    _restore(model, saved)
+                    del caught[:]
+                    with _HostFloat16():
+                        out = model(*args, **kwargs)
     except Exception as e:  # name what the model was given: usually the labels are wrong
         hint = ""
         if kwargs and isinstance(e, TypeError) and f"argument '{label_key}'" in str(e):
@@ -154,9 +164,7 @@ def probe(
             f"{e}.{hint}"
         ) from e
     finally:
-        with torch.no_grad():
-            for b, s in zip(model.buffers(), saved):
-                b.copy_(s)
+        _restore(model, saved)
         model.train(was_training)
     output, loss, logs = returns.split(out)
     if not isinstance(loss, torch.Tensor) and _labels_swallowed(model, kwargs, label_key):
@@ -227,6 +235,42 @@ def probe(
             )
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     _probe_metrics(output, labels, metrics, metric_output)
+
+
+def _restore(model: torch.nn.Module, saved: list[torch.Tensor]) -> None:
+    """Put back the buffers ``saved`` before a host run (BatchNorm statistics)."""
+    with torch.no_grad():
+        for b, s in zip(model.buffers(), saved):
+            b.copy_(s)
+
+
+_NO_HALF_KERNEL = "for 'Half'"  # torch's error for an op without a float16 kernel on a device
+
+
+def _to_float32(t: Any) -> Any:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t
+
+
+def _to_float16(t: Any) -> Any:
+    return t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+
+class _HostFloat16(TorchFunctionMode):
+    """Runs an op that the host has no float16 kernel for (torch 2.0's CPU has no float16
+    matmul or convolution) in float32, its result rounded to float16, as a float16 op on the
+    device returns it; every other op as it is. The probe runs a float16 model in it when
+    the host cannot run it alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if _NO_HALF_KERNEL not in str(e):
+                raise
+        return tree_map(
+            _to_float16, func(*tree_map(_to_float32, args), **tree_map(_to_float32, kwargs))
+        )
 
 
 def _labels_swallowed(model: torch.nn.Module, kwargs: dict, label_key: str) -> bool:

@@ -200,3 +200,53 @@ def test_pure_16_bit_adamw_trains_close_to_32_bit():
     # Stated tolerance: every epoch's loss within 0.01 of the 32-bit run's (0.41 -> 0.08).
     assert losses["32"][-1] < 0.1
     assert all(abs(a - b) < 0.01 for a, b in zip(losses["32"], losses["16-true"])), losses
+
+
+class HalfNet(nn.Module):
+    """A float16 model-with-loss (made with ``.half()``, not by ``precision``): its matmuls run
+    in float16, which torch 2.0's CPU has no kernel for; the loss in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x, labels=None):
+        out = self.net(x)
+        return out if labels is None else (out, nn.functional.cross_entropy(out.float(), labels))
+
+
+def test_a_half_model_fits_as_its_training_model_trains():
+    """``Loop.fit`` of a ``model.half()`` trains it as ``poptorch.trainingModel`` does on the
+    same batches (the same weights, bitwise), where the host probe before compiling has no
+    float16 kernel for an op (torch 2.0's CPU): it computes that op as the device does."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g).half()
+    y = (x.float() @ torch.randn(8, generator=g) > 0).long()
+    data = TensorDataset(x, y)
+
+    def options():
+        return poptorch.Options().deviceIterations(2)
+
+    looped = HalfNet().half()
+    loop = Loop(
+        looped,
+        options(),
+        optimizer=poptorch.optim.SGD(looped.parameters(), lr=0.1),
+        progress=False,
+    )
+    history = loop.fit(DataLoader(data, batch_size=4), epochs=2)
+
+    plain = HalfNet().half()
+    opts = options()
+    model = poptorch.trainingModel(plain, opts, poptorch.optim.SGD(plain.parameters(), lr=0.1))
+    for _ in range(2):
+        for xb, yb in poptorch.DataLoader(opts, data, batch_size=4):
+            model(xb, yb)
+    model.copyWeightsToHost()
+
+    assert all(p.dtype == torch.float16 for p in looped.parameters())
+    assert not torch.equal(looped.net[0].weight, HalfNet().half().net[0].weight)  # it trained
+    for (name, a), b in zip(looped.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
