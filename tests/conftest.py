@@ -43,20 +43,20 @@ def second_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
     return aborts
 
 
-# Words in a test's source that show it starts processes, threads or loader workers: such a
-# test is marked ``threads`` (as one marked by hand), and CI runs these again with torch's
-# default thread count (docs/reliability.md §2.18), where a fork from a process whose
-# thread pool runs deadlocks. A new test of that kind is marked without anyone's word.
+# Words in a test's source that show it forks processes or starts threads in the test's own
+# process (loader workers, the accessor's worker process): such a test is marked ``threads``
+# (as one marked by hand), and CI runs these again with torch's default thread count
+# (docs/reliability.md §2.18), where a fork from a process whose thread pool runs deadlocks. A
+# new test of that kind is marked without anyone's word. (A test that only starts a new
+# interpreter, which starts with no thread pool, is not: mark it by hand if its program forks.)
 _THREADS_WORDS = (
     "num_workers",
     "workers=",
     "DataLoaderMode.Async",
     "async_data",
     "AsynchronousDataAccessor",
-    "subprocess",
     "multiprocessing",
     "Thread(",
-    "launch.",
 )
 
 
