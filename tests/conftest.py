@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import pytest
@@ -40,3 +41,35 @@ def second_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
 
     monkeypatch.setattr(ipuloop.loop, "handle_signals", recorded)
     return aborts
+
+
+# Words in a test's source that show it forks processes or starts threads in the test's own
+# process (loader workers, the accessor's worker process): such a test is marked ``threads``
+# (as one marked by hand), and CI runs these again with torch's default thread count
+# (docs/reliability.md §2.18), where a fork from a process whose thread pool runs deadlocks. A
+# new test of that kind is marked without anyone's word. (A test that only starts a new
+# interpreter, which starts with no thread pool, is not: mark it by hand if its program forks.)
+_THREADS_WORDS = (
+    "num_workers",
+    "workers=",
+    "DataLoaderMode.Async",
+    "async_data",
+    "AsynchronousDataAccessor",
+    "multiprocessing",
+    "Thread(",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    sources: dict[Any, str] = {}
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None or item.get_closest_marker("threads"):
+            continue
+        if function not in sources:
+            try:
+                sources[function] = inspect.getsource(function)
+            except (OSError, TypeError):
+                sources[function] = ""
+        if any(word in sources[function] for word in _THREADS_WORDS):
+            item.add_marker(pytest.mark.threads)

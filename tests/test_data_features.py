@@ -483,7 +483,6 @@ import torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 from ipuloop import Loop, poptorch
 
-cfg = json.loads(sys.argv[1])
 
 
 class Shuffled:
@@ -500,17 +499,20 @@ class Shuffled:
         return self.n // self.batch_size
 
 
-g = torch.Generator().manual_seed(1)
-x, y = torch.randn(90, 5, generator=g), torch.randint(0, 2, (90,), generator=g)
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
-loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
-            replicas=cfg["replicas"], seed=1, progress=False, async_data=cfg["async_data"],
-            optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-loop.fit(DataLoader(TensorDataset(x, y), batch_sampler=Shuffled(90, 3)), epochs=2)
-if int(os.environ.get("RANK", "0")) == 0:
-    torch.save({"weights": model.state_dict(), "counters": loop.state.counters()},
-               os.path.join(cfg["out"], "result.pt"))
+# (guarded: the accessor's worker process, started by forkserver, imports this file again)
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(90, 5, generator=g), torch.randint(0, 2, (90,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    loop = Loop(model, poptorch.Options().deviceIterations(2), loss_fn=nn.CrossEntropyLoss(),
+                replicas=cfg["replicas"], seed=1, progress=False, async_data=cfg["async_data"],
+                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loop.fit(DataLoader(TensorDataset(x, y), batch_sampler=Shuffled(90, 3)), epochs=2)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"weights": model.state_dict(), "counters": loop.state.counters()},
+                   os.path.join(cfg["out"], "result.pt"))
 """
 
 

@@ -232,17 +232,20 @@ def test_async_stops_its_thread_when_garbage_collected():
     assert not thread.is_alive()
 
 
+class BrokenAt3(torch.utils.data.Dataset):
+    """(At module level: the accessor's worker process gets the dataset pickled.)"""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i == 3:
+            raise KeyError("bad sample 3")
+        return torch.tensor([i])
+
+
 def test_async_producer_exceptions_reach_the_consumer():
-    class Broken(torch.utils.data.Dataset):
-        def __len__(self):
-            return 6
-
-        def __getitem__(self, i):
-            if i == 3:
-                raise KeyError("bad sample 3")
-            return torch.tensor([i])
-
-    loader = DataLoader(opts(), Broken(), mode=DataLoaderMode.Async)
+    loader = DataLoader(opts(), BrokenAt3(), mode=DataLoaderMode.Async)
     seen = []
     with pytest.raises(
         AssertionError, match="An error occurred in the data fetcher: KeyError: 'bad sample 3'"
@@ -308,14 +311,15 @@ def test_rebatched_worker_size_and_iterable_datasets():
     iterable.terminate()
 
 
+class Dicts(torch.utils.data.Dataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([i]), "name": f"s{i}"}
+
+
 def test_dict_batches_are_rebatched():
-    class Dicts(torch.utils.data.Dataset):
-        def __len__(self):
-            return 5
-
-        def __getitem__(self, i):
-            return {"x": torch.tensor([i]), "name": f"s{i}"}
-
     loader = DataLoader(opts(di=2), Dicts(), mode=DataLoaderMode.AsyncRebatched, drop_last=False)
     batches = list(loader)
     assert [b["x"].flatten().tolist() for b in batches] == [[0, 1], [2, 3], [4]]

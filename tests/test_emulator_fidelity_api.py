@@ -456,24 +456,37 @@ def test_async_loader_referenced_only_by_its_iterator_yields_every_batch():
     gc.collect()
 
 
-def test_async_rebatched_workers_read_the_combined_batch_size(tmp_path):
-    record = tmp_path / "sizes"  # collate runs in the accessor's worker process
+class Floats(torch.utils.data.Dataset):
+    """(At module level, as ``RecordSizes``: the accessor's worker process gets them pickled.)"""
 
-    class Recording(torch.utils.data.Dataset):
-        def __len__(self):
-            return 10
+    def __len__(self):
+        return 10
 
-        def __getitem__(self, i):
-            return torch.tensor([float(i)])
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
 
-    def collate(items):
-        with open(record, "a") as f:
+
+class RecordSizes:
+    """A collate function that appends each batch's size to ``path``."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __call__(self, items):
+        with open(self.path, "a") as f:
             f.write(f"{len(items)}\n")
         return torch.stack(items)
 
+
+def test_async_rebatched_workers_read_the_combined_batch_size(tmp_path):
+    record = tmp_path / "sizes"  # collate runs in the accessor's worker process
     opts = poptorch.Options().deviceIterations(4)
     loader = DataLoader(
-        opts, Recording(), mode=DataLoaderMode.AsyncRebatched, drop_last=False, collate_fn=collate
+        opts,
+        Floats(),
+        mode=DataLoaderMode.AsyncRebatched,
+        drop_last=False,
+        collate_fn=RecordSizes(record),
     )
     assert [x.flatten().tolist() for x in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     loader.terminate()
@@ -482,20 +495,23 @@ def test_async_rebatched_workers_read_the_combined_batch_size(tmp_path):
     # next epoch may already be loading: load_indefinitely)
 
 
+class NoSamples(torch.utils.data.Dataset):
+    """(At module level: the accessor's worker process gets the dataset pickled.)"""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise KeyError("no samples here")
+
+
 def test_async_dataset_failing_at_start_raises_poptorch_error():
-    class Broken(torch.utils.data.Dataset):
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            raise KeyError("no samples here")
-
     with pytest.raises(
         poptorch.Error, match="AsynchronousDataAccessor worker thread failed to start"
     ) as info:
-        DataLoader(poptorch.Options(), Broken(), mode=DataLoaderMode.Async)
+        DataLoader(poptorch.Options(), NoSamples(), mode=DataLoaderMode.Async)
     assert isinstance(info.value.__cause__, KeyError)
-    loader = DataLoader(poptorch.Options(), Broken())
+    loader = DataLoader(poptorch.Options(), NoSamples())
     with pytest.raises(poptorch.Error, match="worker thread failed to start"):
         poptorch.AsynchronousDataAccessor(loader)
 

@@ -506,19 +506,22 @@ def test_ctrl_c_in_the_accessor_prints_nothing():
     assert not unexpected, "".join(lines)
 
 
+class BrokenDataset(torch.utils.data.Dataset):
+    """(At module level: the accessor's worker process gets the dataset pickled.)"""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        assert False, "Broken dataset"
+
+
 def test_broken_dataset_worker_prints_its_traceback(capfd):
     """python/_dataloader.py: a dataset that fails in the worker process prints its traceback
     there ("worker thread failed to start (Check above for details)"; tests/dataloader_test.py
     ``test_subprocess_broken_dataset`` looks for "AssertionError: Broken dataset")."""
 
-    class Broken(torch.utils.data.Dataset):
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            assert False, "Broken dataset"
-
-    data = poptorch.DataLoader(poptorch.Options(), Broken(), batch_size=1)
+    data = poptorch.DataLoader(poptorch.Options(), BrokenDataset(), batch_size=1)
     with pytest.raises(poptorch.Error, match="worker thread failed to start"):
         poptorch.AsynchronousDataAccessor(data)
     err = capfd.readouterr().err

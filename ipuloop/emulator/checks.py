@@ -27,12 +27,13 @@ and the IPUs they need (``check_stages``) and ``backward()`` on a model's output
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
@@ -106,17 +107,62 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+_getitem = torch.Tensor.__getitem__  # what a function mode sees ``x[index]`` as
+_getitem_shown: list[Any] = []  # [whether modes see it unaided], once probed
+_getitem_users = 0  # modes active that need it shown (any thread)
+_getitem_lock = threading.Lock()
+
+
+def _shown_getitem(self: torch.Tensor, index: Any) -> Any:
+    """``Tensor.__getitem__`` passed to the active function mode first, as torch >= 2.1 does."""
+    if torch._C._is_torch_function_mode_enabled():
+        return handle_torch_function(_getitem, (self,), self, index)
+    return _getitem(self, index)
+
+
+class _GetitemProbe(TorchFunctionMode):
+    seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen = self.seen or func is _getitem
+        return func(*args, **(kwargs or {}))
+
+
+def _show_getitem(users: int) -> None:
+    """Add ``users`` (1 or -1) to the modes that need to see indexing. torch < 2.1 shows
+    function modes neither basic nor advanced indexing (``x[idx]``, ``x[mask]``,
+    ``x[idx, lengths]``): there, while one is active, ``torch.Tensor.__getitem__`` is
+    ``_shown_getitem``, which shows it them (to the modes of the thread that indexes only)."""
+    global _getitem_users
+    with _getitem_lock:
+        if not _getitem_shown:
+            probe = _GetitemProbe()
+            with probe:
+                torch.zeros(1)[torch.zeros(1, dtype=torch.long)]
+            _getitem_shown.append(probe.seen)
+        if _getitem_shown[0]:
+            return
+        _getitem_users += users
+        if _getitem_users and "__getitem__" not in torch.Tensor.__dict__:
+            torch.Tensor.__getitem__ = _shown_getitem  # type: ignore[method-assign]
+        elif not _getitem_users and torch.Tensor.__dict__.get("__getitem__") is _shown_getitem:
+            del torch.Tensor.__getitem__
+
+
 class _LossMode(TorchFunctionMode):
-    """A mode that ``identity_loss`` reports to (``note_loss``) while it is active."""
+    """A mode that ``identity_loss`` reports to (``note_loss``) while it is active; it sees
+    indexing on every torch version (``_show_getitem``)."""
 
     def __enter__(self) -> _LossMode:
         global _active
         self._previous, _active = _active, self
+        _show_getitem(1)
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         global _active
         _active = self._previous
+        _show_getitem(-1)
         return super().__exit__(*exc_info)
 
     def note_loss(self, t: torch.Tensor) -> None:

@@ -2,11 +2,12 @@
 
 One iteration of a ``DataLoader`` is one model call: it yields batches of
 ``batch_size * deviceIterations * (replicationFactor // input_group_size) * gradientAccumulation``
-samples. As PopTorch's, the emulator's accessor reads the dataset in a worker process (forked:
-the dataset need not be picklable, its batches must be); the batches reach the host through
-shared memory, and a thread of the host process prefetches them into a bounded buffer. It
-yields the same batches in the same order as Sync mode, and returns fresh tensors (PopTorch's
-are overwritten by the next batch, so code that clones them behaves the same on both).
+samples. As PopTorch's, the emulator's accessor reads the dataset in a worker process started
+with its ``sharing_strategy``'s start method (``ForkServer``, the default, and ``SharedMemory``
+and ``FileSystem`` start a new interpreter, so the dataset must pickle; ``Fork`` forks); its
+batches must pickle and reach the host through shared memory, and a thread of the host
+process prefetches them into a bounded buffer. It returns fresh tensors (PopTorch's are
+overwritten by the next batch, so code that clones them behaves the same on both).
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ from __future__ import annotations
 import abc
 import atexit
 import collections
+import copyreg
 import functools
+import io
 import itertools
+import multiprocessing
 import os
+import pickle
+import random
 import sys
+import tempfile
 import threading
 import traceback
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator
 
 import torch
@@ -446,6 +454,10 @@ class DataLoader(torch.utils.data.DataLoader):
             else batches
         )
 
+    def _itself(self) -> DataLoader:
+        """This loader (called through the weak proxy its accessor holds)."""
+        return self
+
     def terminate(self) -> None:
         """Stop the background prefetch thread (Async modes); no effect in Sync mode."""
         accessor = self.__dict__.get("_accessor")
@@ -468,20 +480,100 @@ def _sampler_len(batch_sampler: Any) -> int | None:
 _ITEM, _EOF = 0, 1
 _ERROR, _EPOCH, _STOP = 2, 3, 4
 
+# PopTorch's worker process start method for each SharingStrategy (python/_dataloader.py):
+# only Fork forks the host process; the others start a new interpreter (ForkServer forks a
+# single-threaded server process started once), so the dataset must pickle.
+_START_METHODS = {
+    SharingStrategy.Fork: "fork",
+    SharingStrategy.ForkServer: "forkserver",
+    SharingStrategy.SharedMemory: "spawn",
+    SharingStrategy.FileSystem: "spawn",
+}
+
+
+def _generator(device: str, state: bytes) -> torch.Generator:
+    generator = torch.Generator(device)
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
+def _reduce_generator(generator: torch.Generator) -> tuple:
+    """A generator as its state's bytes: torch < 2.1 cannot pickle one, and the state tensor
+    a newer torch pickles it as is freed (with the file that shares it) before a spawned
+    process reads it."""
+    return _generator, (str(generator.device), generator.get_state().numpy().tobytes())
+
+
+def _dumps(obj: Any, pickler: type = ForkingPickler) -> bytes:
+    """``obj`` pickled (its tensors in shared memory, with ``ForkingPickler``), generators
+    included (a sampler's, a loader's)."""
+    buffer = io.BytesIO()
+    p = pickler(buffer, 4)
+    p.dispatch_table = {**getattr(p, "dispatch_table", copyreg.dispatch_table)}
+    p.dispatch_table[torch.Generator] = _reduce_generator
+    p.dump(obj)
+    return buffer.getvalue()
+
+
+class _Source:
+    """What the worker process reads: ``dataset`` (a ``poptorch.DataLoader`` read as in Sync
+    mode, or any iterable), or, under ``SharingStrategy.FileSystem``, the file it was pickled
+    to (PopTorch's worker loads it from there). Picklable when the dataset is."""
+
+    def __init__(self, dataset: Any, ours: bool, path: str | None = None) -> None:
+        self.dataset, self.ours, self.path = dataset, ours, path
+
+    def __reduce__(self) -> tuple:
+        return _Source._loads, (_dumps(self.dataset), self.ours, self.path)
+
+    @staticmethod
+    def _loads(payload: bytes, ours: bool, path: str | None) -> _Source:
+        return _Source(pickle.loads(payload), ours, path)
+
+    def load(self) -> None:
+        if self.path is not None:
+            with open(self.path, "rb") as f:
+                self.dataset = pickle.load(f)  # written by the host process
+            self.path = None
+
+    def __call__(self) -> Iterator[Any]:
+        return self.dataset._sync_iter() if self.ours else iter(self.dataset)
+
 
 def _worker_main(
-    make_iter: Callable[[], Iterator[Any]], commands: Any, out: Any, credits: Any
+    source: _Source,
+    commands: Any,
+    out: Any,
+    credits: Any,
+    forked: bool,
+    level: int,
+    random_state: tuple[torch.Tensor, Any],
+    start_method: str,
 ) -> None:
     """The accessor's worker process: on each ``(_EPOCH, n)`` command, iterate a new epoch and
     send ``(n, _ITEM, batch)`` messages then ``(n, _EOF, None)``, each once the host has a free
     slot (``credits``); a new command abandons the epoch. Ctrl-C ends it quietly, as
-    PopTorch's worker does (the host sees the end of its pipe)."""
+    PopTorch's worker does (the host sees the end of its pipe).
+
+    It starts with the host's log level, its torch and Python random states at the
+    accessor's construction and its default start method (a forked process has them already),
+    so that a sampler without a generator draws what it would in Sync mode, and the processes
+    it starts (a torch loader's workers) start as the program's would: a forkserver's would be
+    the server's children, which outlive the worker. A forked one computes on one thread, as
+    torch's loader workers do: the host's thread pool does not exist in it."""
     try:
-        logger.debug("AsynchronousDataAccessor worker process: %d", os.getpid())
+        if forked:
+            torch.set_num_threads(1)
+        else:
+            logger.setLevel(level)
+            torch.set_rng_state(random_state[0])
+            random.setstate(random_state[1])
+            multiprocessing.set_start_method(start_method, force=True)
+        source.load()
         while True:
             kind, epoch = commands.recv()
             while kind == _EPOCH:
-                kind, epoch = _worker_epoch(make_iter, epoch, commands, out, credits)
+                kind, epoch = _worker_epoch(source, epoch, commands, out, credits)
                 if kind is None:  # the epoch ended: wait for the next command
                     break
             if kind == _STOP:
@@ -495,6 +587,18 @@ def _worker_main(
         os._exit(0)
     except (EOFError, BrokenPipeError):
         return
+
+
+def _error_message(e: BaseException) -> tuple[BaseException, str]:
+    """``e`` (or, where it does not pickle, a RuntimeError with its words) and its traceback,
+    which the host prints: PopTorch's worker prints it ("Check above for details"), and a
+    forkserver's worker may not write where the host does."""
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        pickle.dumps(e)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle
+        e = RuntimeError(f"{type(e).__name__}: {e}")
+    return e, text
 
 
 def _worker_epoch(
@@ -516,9 +620,12 @@ def _worker_epoch(
                 (
                     epoch,
                     _ERROR,
-                    RuntimeError(
-                        f"the worker process could not send a batch to the host process: "
-                        f"{type(e).__name__}: {e}"
+                    (
+                        RuntimeError(
+                            f"the worker process could not send a batch to the host process: "
+                            f"{type(e).__name__}: {e}"
+                        ),
+                        "",
                     ),
                 )
             )
@@ -532,23 +639,23 @@ def _worker_epoch(
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         raise
     except BaseException as e:  # noqa: BLE001 - re-raised by the host
-        traceback.print_exc()  # as PopTorch's worker process prints it ("Check above")
-        try:
-            out.put((epoch, _ERROR, e))
-        except Exception:  # noqa: BLE001 - an exception that does not pickle
-            out.put((epoch, _ERROR, RuntimeError(f"{type(e).__name__}: {e}")))
+        out.put((epoch, _ERROR, _error_message(e)))
         return None, 0
     command = send(_EOF, None)
     return command if command[0] is not None else (None, 0)
 
 
 class _WorkerProcess:
-    """The process an ``AsynchronousDataAccessor`` reads its dataset in. ``epoch()`` starts a
-    new epoch there (abandoning the one before) and yields its batches; ``pid`` is the
-    process's, which PopTorch logs at DEBUG."""
+    """The process an ``AsynchronousDataAccessor`` reads its dataset in, started with the
+    ``sharing_strategy``'s start method (``_START_METHODS``). ``epoch()`` starts a new epoch
+    there (abandoning the one before) and yields its batches; ``pid`` is the process's, which
+    PopTorch logs at DEBUG."""
 
-    def __init__(self, make_iter: Callable[[], Iterator[Any]], buffer_size: int) -> None:
-        ctx = torch.multiprocessing.get_context("fork")  # tensors cross in shared memory
+    def __init__(
+        self, source: _Source, buffer_size: int, sharing_strategy: SharingStrategy
+    ) -> None:
+        method = _START_METHODS[SharingStrategy(sharing_strategy)]
+        ctx = torch.multiprocessing.get_context(method)  # tensors cross in shared memory
         self._commands, commands = ctx.Pipe()
         self._out = ctx.SimpleQueue()
         self._credits = ctx.Semaphore(max(1, buffer_size))
@@ -558,10 +665,27 @@ class _WorkerProcess:
         self.process = ctx.Process(
             target=_worker_main,
             name="AsynchronousDataAccessor",
-            args=(make_iter, commands, self._out, self._credits),
+            args=(
+                source,
+                commands,
+                self._out,
+                self._credits,
+                method == "fork",
+                logger.getEffectiveLevel(),
+                (torch.get_rng_state(), random.getstate()),
+                multiprocessing.get_start_method(),
+            ),
         )
-        self.process.start()
+        try:
+            self.process.start()
+        except Exception as e:
+            if method == "fork":
+                raise
+            raise _not_picklable(e, sharing_strategy, method) from e
         self.pid = self.process.pid
+        # (PopTorch logs it in the worker; here the host does, as a forkserver's worker may
+        # not write where the host does)
+        logger.debug("AsynchronousDataAccessor worker process: %d", self.pid)
         self._data_buffers: Any = None  # set by the accessor: what PopTorch's ring buffer holds
 
     def isAlive(self) -> bool:
@@ -586,7 +710,11 @@ class _WorkerProcess:
             if kind == _EOF:
                 return
             if kind == _ERROR:
-                raise payload
+                error, text = payload
+                if text:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+                raise error
             yield payload
 
     def _next(self) -> tuple[int, int, Any]:
@@ -608,6 +736,22 @@ class _WorkerProcess:
         if self.process.exitcode is None:
             self.process.terminate()
             self.process.join(timeout=2)
+
+
+def _not_picklable(e: Exception, sharing_strategy: Any, method: str) -> Exception:
+    """``e``, raised pickling the dataset for a worker process that is not forked, as an
+    exception of its type (where it takes a message) that says why and what to do."""
+    message = (
+        f"{e} (poptorch.AsynchronousDataAccessor: with sharing_strategy=SharingStrategy."
+        f"{SharingStrategy(sharing_strategy).name} the worker process is started with "
+        f"{method!r}, so the dataset, its sampler and collate_fn must pickle: define their "
+        "classes and functions at module level, not in a function or lambda; or pass "
+        "async_options={'sharing_strategy': poptorch.SharingStrategy.Fork})"
+    )
+    try:
+        return type(e)(message)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        return e
 
 
 class _RingBufferView:
@@ -782,8 +926,12 @@ class AsynchronousDataAccessor:
             is always read at once, as PopTorch's worker does: a dataset that cannot produce
             it raises ``poptorch.Error`` here).
         rebatched_size: re-cut the incoming batches into batches of this size (> 1).
-        miss_sleep_time_in_ms, sharing_strategy: accepted, unused (the worker process is
-            forked whatever the strategy).
+        miss_sleep_time_in_ms: accepted, unused.
+        sharing_strategy: how the worker process starts, as in PopTorch: ``ForkServer``
+            (forked from a single-threaded server process) and ``SharedMemory`` (spawned) get
+            the dataset pickled, ``FileSystem`` (spawned) reads it from a file it was pickled
+            to, ``Fork`` forks this process (the dataset need not pickle; the worker computes
+            on one thread, as torch's loader workers do).
 
     The worker process's PID is logged at DEBUG ("AsynchronousDataAccessor worker process:
     PID"), as PopTorch logs it; ``accessor._worker`` is that process.
@@ -844,11 +992,46 @@ class AsynchronousDataAccessor:
         self._consumed = False  # something was returned since the last iter()
         self._at_eof = False
 
-        def make_iter() -> Iterator[Any]:  # in the worker process
-            return dataset._sync_iter() if ours else iter(dataset)
+        strategy = SharingStrategy(sharing_strategy)
+        # (the loader itself, not the weak proxy its Async mode passes: it is pickled)
+        source = _Source(dataset._itself() if ours else dataset, ours)
+        folder = None
+        if strategy == SharingStrategy.FileSystem:  # as PopTorch: the worker reads a file
+            folder = tempfile.TemporaryDirectory(prefix="poptorch-dataset-")
+            path = os.path.join(folder.name, "dataset.pkl")
+            logger.debug("Serialising dataset to file: %s", path)
+            try:
+                with open(path, "wb") as f:
+                    f.write(_dumps(source.dataset, pickle.Pickler))
+            except Exception as e:
+                folder.cleanup()
+                raise _not_picklable(e, strategy, "spawn") from e
+            source = _Source(None, ours, path)
+        try:
+            self._start(source, buffer_size, strategy, rebatched_size, load_indefinitely)
+        finally:
+            if folder is not None:  # read by now (or never: the worker ended)
+                folder.cleanup()
+        if early_preload:
+            channel = self._channel
+            assert channel is not None
+            with channel.cond:
+                channel.started = True
+                channel.cond.notify_all()
 
+    def _start(
+        self,
+        source: _Source,
+        buffer_size: int,
+        strategy: SharingStrategy,
+        rebatched_size: int | None,
+        load_indefinitely: bool,
+    ) -> None:
+        """Start the worker process and the prefetch thread; wait for the first batch."""
+        dataset = self._dataset
         channel = _Channel(buffer_size)
-        worker = self._worker = _WorkerProcess(make_iter, buffer_size)
+        worker = self._worker = _WorkerProcess(source, buffer_size, strategy)
+        del source  # (the worker's copy is the one read)
         worker._data_buffers = _RingBufferView(channel)
         thread = threading.Thread(
             target=_produce,
@@ -873,10 +1056,6 @@ class AsynchronousDataAccessor:
                 "AsynchronousDataAccessor worker thread failed to start (Check above for "
                 f"details): {type(error).__name__}: {error}"
             ) from error
-        if early_preload:
-            with channel.cond:
-                channel.started = True
-                channel.cond.notify_all()
 
     def terminate(self) -> None:
         """Stop the worker process and the prefetch thread. Also runs on garbage collection

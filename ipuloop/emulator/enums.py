@@ -90,7 +90,7 @@ class AutoStage(IntEnum):
 
 
 class SharingStrategy(IntEnum):
-    """How PopTorch's async worker gets the dataset (ignored: the emulator uses a thread)."""
+    """How the AsynchronousDataAccessor's worker process starts and gets the dataset."""
 
     SharedMemory = 0
     FileSystem = 1
