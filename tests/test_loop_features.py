@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
 from launch import clean_env, command
-from test_checkpoint import assert_same
+from test_callbacks_checkpoint import assert_same
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ipuloop import Callback, CancelEpoch, Loop, poptorch
