@@ -514,6 +514,7 @@ if int(os.environ.get("RANK", "0")) == 0:
 """
 
 
+@pytest.mark.slow
 def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_replicas(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
