@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one interpreter per scenario: about 40 s
 REPO = Path(__file__).resolve().parents[1]
 
 # Prints one JSON line: the backend name, the module's name, and whether it is ipuloop.emulator.

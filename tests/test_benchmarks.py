@@ -11,6 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = (
+    pytest.mark.slow
+)  # the benchmarks' tiny runs in subprocesses: about a minute and a half
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "overhead.py"
 

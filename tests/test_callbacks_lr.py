@@ -270,7 +270,7 @@ def test_unserialisable_scheduler_state_is_a_clear_error():
 
 def test_missing_monitor_lists_the_logs():
     make = lambda o: L.ReduceLROnPlateau(o)  # noqa: E731
-    # (a validation log without val_loader is refused when the fit starts: test_data_paths)
+    # (a validation log without val_loader is refused when the fit starts: test_loaders_paths)
     with pytest.raises(ValueError, match=r"monitor='train_acc'.*Available: \['loss', 'train_loss"):
         fit(make, epochs=1, monitor="train_acc")
 

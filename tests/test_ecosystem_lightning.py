@@ -27,6 +27,7 @@ if os.environ.get("IPULOOP_REQUIRE_ECOSYSTEM") == "1":
 else:
     pytest.importorskip("lightning_graphcore")
 
+pytestmark = pytest.mark.slow  # a library's programs in subprocesses
 REPO = Path(__file__).resolve().parents[1]
 
 # The data both sides use: 64 samples of y = x @ w + noise, no random generator involved.

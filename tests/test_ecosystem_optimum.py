@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a library's programs in subprocesses
 REPO = Path(__file__).resolve().parents[1]
 
 try:

@@ -228,6 +228,7 @@ def test_two_processes_train_as_one_with_twice_the_replicas(tmp_path):
         assert (f"rank {rank} R=2 GA=2 DI=1 mean=True torch.float16: equal" in out) == half
 
 
+@pytest.mark.slow
 def test_instances_must_agree_on_options_and_rank(tmp_path):
     run = _torchrun(tmp_path, MISMATCH)
     out = run.stdout + run.stderr
@@ -237,6 +238,7 @@ def test_instances_must_agree_on_options_and_rank(tmp_path):
     assert out.count("WEIGHTS-WARNING") == 1, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["before-join", "after-join"])
 def test_a_dead_instance_fails_the_others_within_the_timeout(tmp_path, mode):
     script = tmp_path / "dead.py"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every example in a subprocess, about a minute
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 MNIST_RAW = Path(os.environ.get("IPULOOP_TEST_MNIST_RAW", "/work/shared/data/mnist/MNIST/raw"))

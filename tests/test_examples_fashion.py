@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the example programs in subprocesses
 REPO = Path(__file__).resolve().parents[1]
 RAW = Path(
     os.environ.get(

@@ -6,7 +6,7 @@ keep loading with ``weights_only=True`` and resume to the recorded weights. The 
 written on one machine; another CPU of the same ISA level may still pick other float kernels
 (seen: two AVX-512 hosts differing in the 7th digit of a loss), so weights and losses are compared
 to float rounding and counters exactly. Bitwise resume parity on one machine is
-``test_checkpoint.py``'s job.
+``test_callbacks_checkpoint.py``'s job.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Kills, disk faults, signals and bad input. The subprocess tests run ``helpers_train.py``
 children (a tiny MLP with dropout, shuffled data, AdamW, slow saves), several at a time, and
-compare resumed runs bitwise with an uninterrupted one (``test_checkpoint.reference``).
+compare resumed runs bitwise with an uninterrupted one (``test_callbacks_checkpoint.reference``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_checkpoint import EPOCHS, assert_same, reference
+from test_callbacks_checkpoint import EPOCHS, assert_same, reference
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
 from launch import clean_env, command
-from test_checkpoint import assert_same
+from test_callbacks_checkpoint import assert_same
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ipuloop import Callback, CancelEpoch, Loop, poptorch
@@ -956,6 +956,7 @@ def _run(tmp_path: Path, name: str, replicas: int, processes: int) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_validate_at_the_same_steps_as_one_with_two_replicas(tmp_path):
     """Dict batches, a loss and logs in a dict output, a validation every 3 steps: both
     instances validate at the same steps, and every logged number (val_loss, val_x0, the

@@ -835,7 +835,7 @@ def test_write_order_fsync_replace_then_rotate(tmp_path, monkeypatch):
 
 def test_missing_monitor_lists_the_logs(tmp_path):
     # Step saves before the first epoch end go unranked; the epoch-end save needs the log.
-    # (A validation log without val_loader is refused when the fit starts: test_data_paths.)
+    # (A validation log without val_loader is refused when the fit starts: test_loaders_paths.)
     ckpt = ModelCheckpoint(tmp_path, every_n_steps=1, monitor="train_acc")
     loop, loader, _ = H.make_loop(callbacks=[ckpt])
     with pytest.warns(UserWarning, match="no such log yet at step 1"), pytest.raises(

@@ -516,6 +516,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_replicas(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

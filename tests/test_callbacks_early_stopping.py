@@ -1,8 +1,7 @@
-"""EarlyStopping and CSVLogger: scripted logs, real fits, resume."""
+"""EarlyStopping: scripted logs, a real fit, resume."""
 
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
@@ -10,8 +9,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ipuloop import Callback, Loop, State, poptorch
-from ipuloop.callbacks import CSVLogger, EarlyStopping
+from ipuloop import Loop, State, poptorch
+from ipuloop.callbacks import EarlyStopping
 
 NAN, INF = math.nan, math.inf
 
@@ -122,93 +121,3 @@ def test_real_fit_stops_when_val_loss_stalls():
     loop = make_loop([EarlyStopping("val_loss", patience=2)], lr=0.0)  # val_loss never moves
     history = loop.fit(loader(), epochs=10, val_loader=loader(8, seed=1))
     assert len(history) == 3 and loop.state.epoch == 3  # best at 1, then 2 without improvement
-
-
-def read(path):
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    with open(path, newline="") as f:
-        header = next(csv.reader(f))
-    return header, rows
-
-
-def test_one_row_per_epoch_matches_the_history(tmp_path):
-    path = tmp_path / "logs" / "m.csv"
-    loop = make_loop([CSVLogger(path)])
-    history = loop.fit(loader(), epochs=3, val_loader=loader(8, seed=1))
-    header, rows = read(path)
-    assert header == [
-        "epoch",
-        "step",
-        "update",
-        "loss",
-        "train_loss",
-        "train_loss_exact",
-        "val_loss",
-    ]
-    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    assert [int(r["step"]) for r in rows] == [4, 8, 12]
-    assert [int(r["update"]) for r in rows] == [8, 16, 24]  # 2 device iterations per step
-    for r, h in zip(rows, history):
-        assert float(r["val_loss"]) == h["val_loss"] and float(r["train_loss"]) == h["train_loss"]
-
-
-def test_step_rows_and_a_header_rewritten_for_new_keys(tmp_path):
-    class Late(Callback):  # a key that first appears in epoch 2
-        order = 0
-
-        def on_epoch_end(self, loop):
-            if loop.state.epoch >= 2:
-                loop.state.logs["extra"] = 7.0
-
-    path = tmp_path / "m.csv"
-    make_loop([CSVLogger(path, every_n_steps=2), Late()]).fit(loader(), epochs=2)
-    header, rows = read(path)
-    assert header == ["epoch", "step", "update", "loss", "train_loss", "train_loss_exact", "extra"]
-    assert [(r["epoch"], r["step"]) for r in rows] == [
-        ("0", "2"),
-        ("0", "4"),
-        ("1", "4"),
-        ("1", "6"),
-        ("1", "8"),
-        ("2", "8"),
-    ]
-    step_rows = [rows[i] for i in (0, 1, 3, 4)]
-    assert all(r["loss"] and not r["train_loss"] and not r["extra"] for r in step_rows)
-    assert rows[2]["extra"] == "" and rows[5]["extra"] == "7.0"
-
-
-def test_each_row_is_on_disk_when_written(tmp_path):
-    path = tmp_path / "m.csv"
-    seen = []
-
-    class Peek(Callback):
-        order = 60  # after CSVLogger
-
-        def on_epoch_end(self, loop):
-            seen.append(len(read(path)[1]))
-
-    make_loop([CSVLogger(path), Peek()]).fit(loader(), epochs=3)
-    assert seen == [1, 2, 3]
-
-
-def test_resume_appends_and_a_new_fit_truncates(tmp_path):
-    path = tmp_path / "m.csv"
-    a = make_loop([CSVLogger(path)])
-    a.fit(loader(), epochs=2)
-    sd = a.state_dict()
-    a.fit(loader(), epochs=3)  # a row written after the checkpoint, which the resume redoes
-    assert len(read(path)[1]) == 3
-    b = make_loop([CSVLogger(path)])
-    b.load_state_dict(sd)
-    b.fit(loader(), epochs=4)
-    assert [int(r["epoch"]) for r in read(path)[1]] == [1, 2, 3, 4]
-    make_loop([CSVLogger(path)]).fit(loader(), epochs=1)
-    assert [int(r["epoch"]) for r in read(path)[1]] == [1]
-
-
-def test_bad_every_n_steps():
-    with pytest.raises(
-        ValueError, match="every_n_steps must be an int >= 1 or None. Received: every_n_steps=0"
-    ):
-        CSVLogger("x.csv", every_n_steps=0)

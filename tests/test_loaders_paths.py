@@ -462,6 +462,7 @@ SPAWNING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_emulate_binds_poptorch_in_spawned_and_forkserver_workers(tmp_path):
     (tmp_path / "train.py").write_text(SPAWNING)
     fake = tmp_path / "fake"  # an importable poptorch that is not the emulator

@@ -180,6 +180,7 @@ def _close(a: dict, b: dict) -> None:
 
 
 # -- resuming in another process layout -------------------------------------------------------
+@pytest.mark.slow
 def test_a_checkpoint_resumes_across_process_layouts_at_the_same_sample(tmp_path):
     """2 processes x 1 replica and 1 process x 2 replicas are one layout (2 replicas, 32
     samples a step): a checkpoint of either, mid-epoch (epoch 1 after 2 of its 4 steps) or at
@@ -379,6 +380,7 @@ def _epoch_orders(n: int, seed: int, epochs: int) -> list[list[int]]:
     return orders
 
 
+@pytest.mark.slow
 def test_a_distributed_sampler_reads_the_whole_dataset_once_an_epoch_in_a_new_order(tmp_path):
     """``DataLoader(ds, sampler=DistributedSampler(ds, seed=7))`` under torchrun (2 processes):
     each epoch every sample is read once (4 steps of 32 over both instances), in the order of
@@ -504,6 +506,7 @@ json.dump({"alone": alone, "both": both, "ref": ref, "seconds": time.monotonic()
 """
 
 
+@pytest.mark.slow
 def test_validate_on_one_instance_runs_alone_over_every_sample(tmp_path):
     """Under torchrun (2 processes), ``validate()`` called on instance 0 only returns at once
     (no wait on instance 1) the values of plain torch over all 37 samples (micro-batch 3,
@@ -576,6 +579,7 @@ except Exception as e:
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "place, failing, torchrun, cause",
     [

@@ -142,6 +142,7 @@ def test_timeout_comes_from_the_environment():
 
 
 # -- two processes as one run -----------------------------------------------------------------
+@pytest.mark.slow
 def test_two_processes_train_as_one_process_with_twice_the_replicas(tmp_path):
     """Weights, logged losses and metrics (train and validation, 37 validation samples shared
     out without loss) of 2 processes x 1 replica equal those of 1 process x 2 replicas; only
@@ -177,6 +178,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_an_interrupted_two_process_run_resumes_exactly(tmp_path, uninterrupted):
     """Stopped by max_steps mid-epoch with a checkpoint every 2 steps (written by instance 0),
     resumed by both instances from it: the weights equal an uninterrupted run's, bitwise."""
@@ -196,6 +198,7 @@ def test_an_interrupted_two_process_run_resumes_exactly(tmp_path, uninterrupted)
     assert [h["train_acc"] for h in r["history"]] == [h["train_acc"] for h in w["history"]]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path, uninterrupted):
     """SIGTERM to instance 1 at step 3: both stop after step 3, instance 0 saves once, both
     exit 143; a resumed run ends as an uninterrupted one."""
@@ -214,6 +217,7 @@ def test_sigterm_to_one_instance_stops_both_at_the_same_step(tmp_path, uninterru
             assert torch.equal(v, _result(out_r, rank)["weights"][k]), (rank, k)
 
 
+@pytest.mark.slow
 def test_stop_on_one_instance_stops_both(tmp_path):
     proc, out = _run(
         tmp_path, "stop", {"replicas": 1, "act": {"step": 2, "rank": 1, "what": "stop"}}
@@ -222,6 +226,7 @@ def test_stop_on_one_instance_stops_both(tmp_path):
     assert _result(out, 0)["counters"]["step"] == _result(out, 1)["counters"]["step"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["die", "hang"])
 def test_a_dead_or_hung_instance_fails_the_other_with_an_error(tmp_path, what):
     """Instance 1 exits (or stops answering) at step 2; instance 0 fails with an error, within
@@ -263,6 +268,7 @@ def test_a_dead_or_hung_instance_fails_the_other_with_an_error(tmp_path, what):
             p.communicate()
 
 
+@pytest.mark.slow
 def test_instances_with_different_seeds_are_an_error_naming_the_instance(tmp_path):
     proc, _ = _run(tmp_path, "seeds", {"replicas": 1, "seed_step": 1})
     assert proc.returncode != 0
@@ -272,6 +278,7 @@ def test_instances_with_different_seeds_are_an_error_naming_the_instance(tmp_pat
     ), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_benchmark_writes_its_json(tmp_path):
     """A tiny run of benchmarks/distributed.py (random images): keys only, no timing."""
     out = tmp_path / "d.json"
