@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .outputs import Returns, WithLoss, check_logged
+from .rules import NO_HALF_KERNEL, in_float32_as_float16
 
 __all__ = ["shape", "probe", "probe_plan", "check_mixed", "MixedDtypes"]
 
@@ -133,7 +134,7 @@ def probe(
                 try:
                     out = model(*args, **kwargs)
                 except RuntimeError as e:
-                    if _NO_HALF_KERNEL not in str(e):
+                    if NO_HALF_KERNEL not in str(e):
                         raise
                     # the host has no float16 kernel for an op (torch 2.0's CPU: matmul,
                     # convolution): run it again as the device computes such an op
@@ -244,17 +245,6 @@ def _restore(model: torch.nn.Module, saved: list[torch.Tensor]) -> None:
             b.copy_(s)
 
 
-_NO_HALF_KERNEL = "for 'Half'"  # torch's error for an op without a float16 kernel on a device
-
-
-def _to_float32(t: Any) -> Any:
-    return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t
-
-
-def _to_float16(t: Any) -> Any:
-    return t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-
-
 class _HostFloat16(TorchFunctionMode):
     """Runs an op that the host has no float16 kernel for (torch 2.0's CPU has no float16
     matmul or convolution) in float32, its result rounded to float16, as a float16 op on the
@@ -266,11 +256,9 @@ class _HostFloat16(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:
-            if _NO_HALF_KERNEL not in str(e):
+            if NO_HALF_KERNEL not in str(e):
                 raise
-        return tree_map(
-            _to_float16, func(*tree_map(_to_float32, args), **tree_map(_to_float32, kwargs))
-        )
+        return in_float32_as_float16(func, args, kwargs)
 
 
 def _labels_swallowed(model: torch.nn.Module, kwargs: dict, label_key: str) -> bool:
@@ -430,9 +418,7 @@ def check_mixed(model: torch.nn.Module, args: tuple, kwargs: dict) -> MixedDtype
     except Exception:  # noqa: BLE001 (a model that runs in float32 may fail here in float16)
         return None
     finally:
-        with torch.no_grad():
-            for b, s in zip(model.buffers(), saved):
-                b.copy_(s)
+        _restore(model, saved)
         model.train(was_training)
     wide = [n for n, dtype in record.matmuls if dtype == torch.float32]
     if 2 * len(wide) <= len(record.matmuls):

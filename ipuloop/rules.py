@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 __all__ = [
     "FINAL",
@@ -27,6 +28,8 @@ __all__ = [
     "MAX_IPUS",
     "OPTIMIZER_GLOBALS",
     "uses_ipu_model",
+    "NO_HALF_KERNEL",
+    "in_float32_as_float16",
     "input_groups",
     "host_call_factor",
     "describe_factors",
@@ -294,3 +297,23 @@ def leave_process_group() -> None:
             left = store.add(_LEFT_KEY, 0)
     except Exception:  # noqa: BLE001 (the store's host has left: so may this instance)
         pass
+
+
+# -- float16 ops the host cannot compute --------------------------------------------------------
+NO_HALF_KERNEL = "for 'Half'"  # torch's error for an op without a float16 kernel on a device
+
+
+def _float32(t: Any) -> Any:
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t
+
+
+def _float16(t: Any) -> Any:
+    return t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+
+def in_float32_as_float16(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` computed with its float16 operands in float32, its float32
+    results rounded to float16: what an IPU's float16 op returns, where the host has no float16
+    kernel for it (torch 2.0's CPU has no float16 matmul or convolution)."""
+    args, kwargs = tree_map(_float32, (args, kwargs))
+    return tree_map(_float16, func(*args, **kwargs))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import rules
 from . import _pytree as pytree
 
 __all__ = ["MixedFloat", "stochastic_round_to_half"]
@@ -98,7 +99,7 @@ def _differentiates_half(func: Any, args: tuple, kwargs: dict) -> bool:
         try:
             torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
         except Exception as e:  # noqa: BLE001 (only a missing float16 kernel is ours)
-            return not (isinstance(e, RuntimeError) and "for 'Half'" in str(e))
+            return not (isinstance(e, RuntimeError) and rules.NO_HALF_KERNEL in str(e))
     return True
 
 
@@ -165,15 +166,7 @@ class MixedFloat(TorchFunctionMode):
             try:
                 return func(*args, **kwargs)
             except RuntimeError as e:
-                if "for 'Half'" not in str(e):
+                if rules.NO_HALF_KERNEL not in str(e):
                     raise
-
-        def up(t: Any) -> Any:
-            return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t
-
-        def down(t: Any) -> Any:
-            return t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-
         self.cast = True
-        args, kwargs = pytree.tree_map(up, (args, kwargs))
-        return pytree.tree_map(down, func(*args, **kwargs))
+        return rules.in_float32_as_float16(func, args, kwargs)
