@@ -338,9 +338,14 @@ def make_workload(name: str, dtype: str, sizes: dict, args: argparse.Namespace) 
     c = dict(sizes[name])
     b, di, ga = c["micro"], c["di"], c["ga"]
     if name == "mnist":
-        from ipuloop.examples.mnist import Network, TrainingModelWithLoss, build_options
+        from ipuloop.examples.mnist import (
+            Network,
+            TrainingModelWithLoss,
+            build_options,
+            strategy_for,
+        )
 
-        strategy = "pipelined" if ga >= 7 else "sharded"  # 4 pipelined stages need GA >= 7
+        strategy = strategy_for(ga)
 
         def options() -> Any:
             ns = argparse.Namespace(

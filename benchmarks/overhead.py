@@ -204,15 +204,19 @@ def make_workload(
             f"tiny MLP 32-32-10, cross-entropy, SGD lr 0.01, B={b}, DI={di}, GA={ga}",
         )
     if kind == "cnn":
-        from ipuloop.examples.mnist import Network, TrainingModelWithLoss, build_options
+        from ipuloop.examples.mnist import (
+            Network,
+            TrainingModelWithLoss,
+            build_options,
+            strategy_for,
+        )
 
         b = micro or 40
         net = TrainingModelWithLoss(Network())
 
-        # The example's options: 4 stages, pipelined. A pipeline of 4 stages needs GA >= 7
-        # (PopTorch's rule), so smaller GAs (the DI x GA sweep) run the stages sharded: the
-        # same computation on the emulator.
-        strategy = "pipelined" if ga >= 7 else "sharded"
+        # The example's options: 4 stages, pipelined where GA allows it, so smaller GAs (the
+        # DI x GA sweep) run the stages sharded: the same computation on the emulator.
+        strategy = strategy_for(ga)
 
         def opts() -> Any:
             args = argparse.Namespace(

@@ -20,7 +20,14 @@ import time
 import torch
 import torch.nn as nn
 
-__all__ = ["Network", "TrainingModelWithLoss", "build_options", "load_mnist", "main"]
+__all__ = [
+    "Network",
+    "TrainingModelWithLoss",
+    "build_options",
+    "strategy_for",
+    "load_mnist",
+    "main",
+]
 
 MEAN = 0.1307
 STD = 0.3081  # the tutorial's Normalize((0.1307,), (0.3081,))
@@ -107,6 +114,13 @@ def build_options(args: argparse.Namespace):
     inference.Training.gradientAccumulation(1)
     inference.deviceIterations(args.inference_iterations)
     return opts, inference
+
+
+def strategy_for(gradient_accumulation: int) -> str:
+    """The strategy the example's blocks can train with at this GA: "pipelined" where its
+    STAGES stages allow it (PopTorch: GA >= 2 x stages - 1), else "sharded" (the same
+    computation, one stage at a time)."""
+    return "pipelined" if gradient_accumulation >= 2 * STAGES - 1 else "sharded"
 
 
 def _strategy(name: str):
