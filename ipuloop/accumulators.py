@@ -80,8 +80,8 @@ class EpochLoss:
 class TrainEpoch:
     """The running training epoch's numbers: its ``EpochLoss``, the sums of the values the
     model logs, and the train metrics (clones of the loop's, updated with what each step's
-    output mode returns); each step's reduced over the step (``layout``, the fit's) and over
-    the run's instances (``processes``)."""
+    output mode returns); each step's reduced over the step (the fit's ``Layout``, passed with
+    it) and over the run's instances (``processes``)."""
 
     def __init__(
         self,
@@ -96,7 +96,6 @@ class TrainEpoch:
         self.returns = returns
         self.processes = processes
         self.state = state  # the loop's State: the step an error names
-        self.layout: Layout  # the running fit's (set when it starts)
         self.loss = EpochLoss()
         self.logged: dict[str, list] = {}  # name -> [sum of micro-batch values, how many]
 
@@ -107,11 +106,12 @@ class TrainEpoch:
         for m in self.metrics.values():
             m.reset()
 
-    def step_loss(self, loss: torch.Tensor, check_finite: bool) -> StepLoss:
+    def step_loss(self, loss: torch.Tensor, layout: Layout, check_finite: bool) -> StepLoss:
         """The step's loss over the run: what the executor returned (a host tensor) reduced
-        over the step, then summed over the instances; with ``check_finite``, a non-finite one
-        on another instance (this one's finite) stops this instance too."""
-        mine = self.layout.step_loss(loss)
+        over the step (``layout``, the fit's), then summed over the instances; with
+        ``check_finite``, a non-finite one on another instance (this one's finite) stops this
+        instance too."""
+        mine = layout.step_loss(loss)
         if self.processes.size == 1:  # one instance: the run's loss is its own
             return StepLoss(*mine)
         total, count = self.processes.sum([mine.total, mine.count], "summing the step's loss")
@@ -133,10 +133,11 @@ class TrainEpoch:
         loss.exact = loss.exact and step.exact
         return step.total / step.count
 
-    def add_logs(self, logs: Mapping) -> dict[str, float]:
-        """The values the model logged in a step (``Returns.split``), reduced as the loss is
-        and added to the epoch's sums; returns their step means, by name."""
-        names, sums = self.returns.step_logs(logs, self.layout, self.metrics)
+    def add_logs(self, logs: Mapping, layout: Layout) -> dict[str, float]:
+        """The values the model logged in a step (``Returns.split``), reduced over the step
+        (``layout``) as the loss is and added to the epoch's sums; returns their step means, by
+        name."""
+        names, sums = self.returns.step_logs(logs, layout, self.metrics)
         sums = self.processes.sum(sums, "summing the step's logged values")
         means = {}
         for i, name in enumerate(names):
@@ -148,9 +149,10 @@ class TrainEpoch:
             acc[1] += count
         return means
 
-    def update_metrics(self, output: Any, labels: Any) -> None:
-        """Update the train metrics with a step's output and the labels aligned to it."""
-        aligned = self.layout.align(labels)
+    def update_metrics(self, output: Any, labels: Any, layout: Layout) -> None:
+        """Update the train metrics with a step's output and the labels aligned to it
+        (``layout``, the fit's)."""
+        aligned = layout.align(labels)
         if self.metric_output is not None:
             output = self.metric_output(output)
         for m in self.metrics.values():

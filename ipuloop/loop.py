@@ -297,7 +297,6 @@ class Loop:
             self.check_resumable()
             self._load(resume_from)
         self._resume.continue_at(plan, st)
-        self._epoch.layout = plan.layout
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
             warnings.warn(
                 f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
@@ -306,7 +305,6 @@ class Loop:
                 stacklevel=3,
             )
         st.start_fit(plan.steps, max_steps, validates=val_plan is not None)
-        self._resume.val_rng = None
         with self._running(plan, val_plan, fit=True):
             try:
                 self._hooks.scope(
@@ -403,7 +401,7 @@ class Loop:
                 executors.activate(model)
             executors.push_optimizer()
             output, loss, logs = returns(model(*args, **kwargs))
-            step = epoch.step_loss(loss, check_finite)  # the run's: host tensors, no sync
+            step = epoch.step_loss(loss, layout, check_finite)  # the run's: host tensors, no sync
             if check_finite and not math.isfinite(step.total):
                 raise non_finite_error(
                     loss,
@@ -422,9 +420,9 @@ class Loop:
             st.samples += per_step_samples
             st.logs["loss"] = epoch.add(step)
             if logs is not None:  # values the model logs: reduced as the loss is
-                st.logs.update(epoch.add_logs(logs))
+                st.logs.update(epoch.add_logs(logs, layout))
             if metrics:
-                epoch.update_metrics(output, labels)
+                epoch.update_metrics(output, labels, layout)
             if every is not None and st.step % every == 0 and val_plan is not None:
                 self._validate_in_fit(val_plan, in_step=True)
             if step_end:

@@ -319,7 +319,9 @@ class Resume:
     def continue_at(self, plan: Plan, state: State) -> None:
         """A fit starts with the training ``plan``: its data factors, after a load (that
         recorded them) checked by ``_align`` first (a failed check keeps the loaded ones for
-        the next fit); its epochs' draws, which a checkpoint records."""
+        the next fit); its epochs' draws, which a checkpoint records. No validation of it has
+        begun yet."""
+        self.val_rng = None
         now = _data_factors(plan)
         if self._loaded_data is not None:
             _align(self._loaded_data, now, plan, state)
