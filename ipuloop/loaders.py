@@ -580,11 +580,12 @@ def _generators() -> tuple:
 
 
 def _check_no_draws(dataset: Any, name: str) -> None:
-    """A prefetching loader without workers reads the dataset outside the loop's thread
-    (PopTorch: in its worker process; the emulator: in a thread, while the steps draw from the
-    same generators), so a dataset drawing random numbers there would draw them in another
-    order than a synchronous read, and no run or resume could be exact. Its first sample is
-    read here, and one that draws is refused."""
+    """A prefetching loader without workers reads the dataset outside the loop's process: in
+    the accessor's worker process, in PopTorch and the emulator alike, started by the
+    ``SharingStrategy``'s start method (forkserver by default) with a copy of the program's
+    random states. A dataset drawing random numbers there would draw them from other
+    generators, in another order than a synchronous read, and no run or resume could be exact.
+    Its first sample is read here, and one that draws is refused."""
     if isinstance(dataset, IterableDataset):
         return  # a stream cannot be read without consuming it: documented instead
     try:
