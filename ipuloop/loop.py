@@ -384,6 +384,11 @@ class Loop:
             if boundary(st):
                 return
         every = st.val_every_n_steps if val_plan is not None else None
+        # The device holds the optimizer as last pushed: it is compared where user code may
+        # have changed it since, at the epoch's first step (after its start hooks), then at
+        # every step where hooks, a step's validation or metrics run between steps.
+        compare_each_step = bool(step_start or step_end or every is not None or metrics)
+        compare = True
         fresh = st.epoch_step == 0
         seen = False
         for batch in batches:
@@ -399,7 +404,9 @@ class Loop:
                 continue
             if executors.inference:  # validation or predict ran: their executors hold the device
                 executors.activate(model)
-            executors.push_optimizer()
+            if compare:
+                executors.push_optimizer()
+                compare = compare_each_step
             output, loss, logs = returns(model(*args, **kwargs))
             step = epoch.step_loss(loss, layout, check_finite)  # the run's: host tensors, no sync
             if check_finite and not math.isfinite(step.total):

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/overhead.py: a tiny run writes the JSON and the README table.
+"""Smoke tests of the benchmarks (overhead.py, async_data.py, step_profile.py): a tiny run of
+each writes its JSON (and README table).
 
 No timing is asserted here: timings belong to docs/performance.md, measured on purpose.
 """
@@ -154,3 +155,22 @@ def test_async_data_tiny_run_writes_its_json_and_table(tmp_path):
     assert len(res["ratios"]["async"]["paired wall"]) == 2
     text = readme.read_text()
     assert "prose kept" in text and "\nold\n" not in text and "| `async_data=True` |" in text
+
+
+def test_step_profile_tiny_run_names_the_loops_extra_calls(tmp_path):
+    out = tmp_path / "step_profile.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py")]
+    cmd += ["--steps", "20", "--number", "20", "--repeat", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    extra = res["extra_calls_per_step"]
+    # the step's own calls, one each per step; no optimizer comparison without hooks
+    for name in ("feed.py", "outputs.py", "accumulators.py", "processes.py"):
+        assert any(name in k and v == 1.0 for k, v in extra.items()), (name, extra)
+    assert not any("push_optimizer" in k or "unchanged" in k for k in extra), extra
+    assert set(res["per_call_us"]) >= {
+        "Executors.push_optimizer (unchanged optimizer)",
+        "raw loop's whole step: trainingModel call",
+    }
+    assert all(v > 0 for v in res["per_call_us"].values())

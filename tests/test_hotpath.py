@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torchmetrics
 from test_emulator_executor import (
     Dropper,  # Linear + Dropout(0.5), loss identity_loss(out.pow(2), "mean")
 )
@@ -332,6 +335,80 @@ def test_a_changed_optimizer_attribute_is_pushed():
     )
     assert loop.optimizer_pushes == 1
     assert cb.scaling == [2.0] * 3 + [4.0] * 3
+
+
+class EpochLr(Callback):
+    """Sets the lr as each epoch starts (no hook runs between steps); records the lr the
+    device used in each epoch and the steps' losses."""
+
+    def __init__(self) -> None:
+        self.device_lrs: list[float] = []
+
+    def on_epoch_start(self, loop):
+        loop.optimizer.param_groups[0]["lr"] = 0.1 / (loop.state.epoch + 1)
+
+    def on_epoch_end(self, loop):
+        dev = loop.train_model._device_optimizer
+        self.device_lrs.append(float(dev.param_groups[0]["lr"]))
+
+
+def test_an_lr_set_as_an_epoch_starts_is_pushed_before_its_first_step_without_step_hooks():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4 * B, IN, generator=g), torch.randint(0, OUT, (4 * B,), generator=g)
+    model = Mlp()
+    ref = copy.deepcopy(model)
+    cb = EpochLr()
+    loop = Loop(
+        model,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.5),
+        callbacks=[cb],
+        progress=False,
+    )
+    loop.fit(DataLoader(TensorDataset(x, y), batch_size=B), epochs=3)
+    assert cb.device_lrs == pytest.approx([0.1, 0.05, 0.1 / 3])
+    assert loop.optimizer_pushes == 2  # compiled at 0.1 (after the hook), then each later epoch
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for epoch in range(3):  # the same math in plain torch
+        opt.param_groups[0]["lr"] = 0.1 / (epoch + 1)
+        for i in range(4):
+            opt.zero_grad()
+            ref(x[i * B : (i + 1) * B], y[i * B : (i + 1) * B])[1].backward()
+            opt.step()
+    for a, b in zip(loop.model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "metrics", "compares"),
+    [
+        ([], None, 3),  # no user code between steps: each epoch's first step
+        ([EpochLr()], None, 3),  # epoch hooks only: the same
+        ([Edit(99, lambda o: None)], None, 12),  # step hooks: every step
+        ([], "acc", 12),  # metrics (user code) between steps: every step
+    ],
+)
+def test_the_optimizer_is_compared_where_user_code_ran_between_steps(
+    monkeypatch, callbacks, metrics, compares
+):
+    from ipuloop.executors import Executors
+
+    calls = []
+    push = Executors.push_optimizer
+    monkeypatch.setattr(Executors, "push_optimizer", lambda self: calls.append(1) or push(self))
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(4 * B, IN, generator=g), torch.randint(0, OUT, (4 * B,)))
+    model = Mlp()
+    loop = Loop(
+        model,
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=callbacks,
+        metrics=None
+        if metrics is None
+        else {"acc": torchmetrics.Accuracy(task="multiclass", num_classes=OUT)},
+        progress=False,
+    )
+    loop.fit(DataLoader(ds, batch_size=B), epochs=3)
+    assert len(calls) == compares
 
 
 def test_a_new_key_in_a_group_is_a_change():
