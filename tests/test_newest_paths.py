@@ -207,6 +207,13 @@ def test_unnamed_checkpointers_that_cannot_be_told_apart_are_refused(tmp_path):
             callbacks=[ModelCheckpoint(tmp_path / "a"), ModelCheckpoint(tmp_path / "a")],
             progress=False,
         )
+    with pytest.raises(ValueError, match=r"differ in folder, filename, when they save"):
+        Loop(  # the error says which settings tell checkpointers apart
+            model,
+            loss_fn=nn.MSELoss(),
+            callbacks=[ModelCheckpoint(tmp_path / "a"), ModelCheckpoint(tmp_path / "a")],
+            progress=False,
+        )
 
 
 def test_a_checkpoint_keyed_by_the_class_name_still_loads(tmp_path):

@@ -365,8 +365,10 @@ def arrange(callbacks: Any, progress: Any) -> list[Callback]:
         raise ValueError(
             f"Several callbacks have the state_key {', '.join(map(repr, shared))} "
             f"({', '.join(same)}), so a checkpoint could not tell their states "
-            "apart. Give each its own: ModelCheckpoint(..., name='best') sets it; "
-            "another Callback class overrides its state_key property."
+            "apart. Give each its own: ModelCheckpoint(..., name='best') sets it (two "
+            "ModelCheckpoints that differ in folder, filename, when they save or what they "
+            "rank by and keep have their own already); another Callback class overrides "
+            "its state_key property."
         )
     return cbs
 
