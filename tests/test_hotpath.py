@@ -6,8 +6,9 @@
 * the device generator, swapped in and out only for models whose trace drew random numbers;
 * the loss's backward run by the autograd engine directly, and gradients cleared after each
   update without ``zero_grad()`` where it is torch's own and no profiler records it;
-* ``Loop``'s per-step test of the optimizer's hyper-parameters against ``_hyper``;
-* ``Layout.align`` / ``Layout.step_loss`` computed once per layout.
+* ``Loop``'s per-step test of the optimizer's hyper-parameters against ``_hyper``.
+
+(``Layout.align`` / ``Layout.step_loss``, computed once per layout: ``test_outputs.py``.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ipuloop.emulator as poptorch
 from ipuloop import Callback, Loop
-from ipuloop.outputs import ALL, EVERY_N, FINAL, SUM, Layout
 
 IN, OUT, B = 5, 3, 4
 
@@ -417,35 +417,3 @@ def test_a_new_key_in_a_group_is_a_change():
         lambda o: o.param_groups[0].__setitem__("initial_lr", 0.1),
     )
     assert loop.optimizer_pushes == 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout
-
-
-@pytest.mark.parametrize("mode,period", [(ALL, 1), (EVERY_N, 1)])
-def test_align_every_micro_batch_is_the_labels_in_order(mode, period):
-    labels = torch.arange(2 * 3 * 4)
-    layout = Layout(2, 3, 1, mode, period)
-    assert torch.equal(layout.align(labels), labels)
-    replicated = Layout(2, 3, 2, mode, period, group=2)  # 2 replicas read 1 input group
-    got = replicated.align(labels)
-    assert torch.equal(got, labels.reshape(2, 3, 1, 4).repeat(1, 1, 2, 1).reshape(-1))
-
-
-@pytest.mark.parametrize(
-    "mode,period,returned,count,exact",
-    [
-        (SUM, 1, 2, 24, True),
-        (FINAL, 1, 2, 2, False),
-        (ALL, 1, 24, 24, True),
-        (EVERY_N, 2, 12, 12, False),
-    ],
-)
-def test_step_loss_counts(mode, period, returned, count, exact):
-    layout = Layout(4, 3, 2, mode, period)  # DI=4, GA=3, RF=2: 24 micro-batches
-    for _ in range(2):  # computed once, then reused
-        got = layout.step_loss(torch.full((returned,), 0.5))
-        assert (got.count, got.exact) == (count, exact)
-        assert got.total == pytest.approx(0.5 * returned)
-        assert got.mean == pytest.approx(0.5 * returned / count)
