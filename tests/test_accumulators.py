@@ -55,10 +55,8 @@ class Doubled(Processes):
         return [2 * v for v in values]
 
 
-def train_epoch(layout: Layout, processes=None, metrics=None) -> TrainEpoch:
-    te = TrainEpoch(metrics or {}, None, Returns(), processes or Processes(), State())
-    te.layout = layout
-    return te
+def train_epoch(processes=None, metrics=None) -> TrainEpoch:
+    return TrainEpoch(metrics or {}, None, Returns(), processes or Processes(), State())
 
 
 # The micro-batch losses of two steps of [DI, GA, RF] = [2, 1, 2], by (iteration, replica):
@@ -74,9 +72,11 @@ def train_epoch(layout: Layout, processes=None, metrics=None) -> TrainEpoch:
     ids=["All", "Sum", "Final", "EveryN2"],
 )
 def test_train_loss_under_each_output_mode(mode, period, returned, means, epoch_loss, exact):
-    te = train_epoch(Layout(2, 1, 2, mode, period))
+    te, layout = train_epoch(), Layout(2, 1, 2, mode, period)
     assert te.logs() == {}  # no step yet: no logs
-    got = [te.add(te.step_loss(torch.tensor(r, dtype=torch.float32), True)) for r in returned]
+    got = [
+        te.add(te.step_loss(torch.tensor(r, dtype=torch.float32), layout, True)) for r in returned
+    ]
     assert got == means
     assert te.logs() == {"train_loss": epoch_loss, "train_loss_exact": exact}
     te.reset()
@@ -84,29 +84,30 @@ def test_train_loss_under_each_output_mode(mode, period, returned, means, epoch_
 
 
 def test_train_logged_values_are_reduced_as_the_loss():
-    te = train_epoch(Layout(2, 1, 1, ALL))
-    assert te.add_logs({"acc": torch.tensor([0.5, 1.0])}) == {"acc": 0.75}
-    assert te.add_logs({"acc": torch.tensor([0.0, 0.5])}) == {"acc": 0.25}
-    te.add(te.step_loss(torch.tensor([1.0, 3.0]), True))
+    te, layout = train_epoch(), Layout(2, 1, 1, ALL)
+    assert te.add_logs({"acc": torch.tensor([0.5, 1.0])}, layout) == {"acc": 0.75}
+    assert te.add_logs({"acc": torch.tensor([0.0, 0.5])}, layout) == {"acc": 0.25}
+    te.add(te.step_loss(torch.tensor([1.0, 3.0]), layout, True))
     assert te.logs()["train_acc"] == 0.5
 
 
 def test_train_loss_sums_over_the_instances_and_names_another_ones_non_finite_loss():
-    te = train_epoch(Layout(2, 1, 1, ALL), Doubled())
-    step = te.step_loss(torch.tensor([1.0, 3.0]), True)
+    layout = Layout(2, 1, 1, ALL)
+    te = train_epoch(Doubled())
+    step = te.step_loss(torch.tensor([1.0, 3.0]), layout, True)
     assert (step.total, step.count, step.exact) == (8.0, 4, True)
-    te = train_epoch(Layout(2, 1, 1, ALL), Doubled(other=math.nan))
+    te = train_epoch(Doubled(other=math.nan))
     with pytest.raises(NonFiniteLossError, match="on another instance"):
-        te.step_loss(torch.tensor([1.0, 3.0]), True)
-    assert math.isnan(te.step_loss(torch.tensor([1.0, 3.0]), False).total)
+        te.step_loss(torch.tensor([1.0, 3.0]), layout, True)
+    assert math.isnan(te.step_loss(torch.tensor([1.0, 3.0]), layout, False).total)
 
 
 def test_train_epoch_state_dict_gives_the_same_logs_back():
-    te = train_epoch(Layout(1, 1, 1, ALL), metrics={"total": Total()})
-    te.add(te.step_loss(torch.tensor(2.0), True))
-    te.add_logs({"acc": torch.tensor(0.5)})
-    te.update_metrics(torch.tensor([1.0, 2.0]), torch.zeros(2))
-    again = train_epoch(Layout(1, 1, 1, ALL), metrics={"total": Total()})
+    te, layout = train_epoch(metrics={"total": Total()}), Layout(1, 1, 1, ALL)
+    te.add(te.step_loss(torch.tensor(2.0), layout, True))
+    te.add_logs({"acc": torch.tensor(0.5)}, layout)
+    te.update_metrics(torch.tensor([1.0, 2.0]), torch.zeros(2), layout)
+    again = train_epoch(metrics={"total": Total()})
     again.load_state_dict(te.state_dict())
     assert (
         again.logs()
