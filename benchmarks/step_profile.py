@@ -24,6 +24,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import sys
 import timeit
 from pathlib import Path
@@ -51,7 +52,7 @@ def _counts(run: Callable[[], Any]) -> dict[str, int]:
     stats: Any = pstats.Stats(prof)
     return {
         f"{os.path.relpath(f, ROOT) if f.startswith(str(ROOT)) else os.path.basename(f)}"
-        f":{line}({name})": v[0]
+        f":{line}({re.sub(r' at 0x[0-9a-f]+', '', name)})": v[0]  # (no addresses)
         for (f, line, name), v in stats.stats.items()
     }
 
