@@ -27,6 +27,7 @@ compiled model takes one shape (``OneShape``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import sys
 import warnings
@@ -59,6 +60,7 @@ __all__ = [
     "HostCalls",
     "OneShape",
     "Prefetch",
+    "PicklableGenerator",
     "Prefetched",
     "built_micro_batch",
     "loader_kwargs",
@@ -188,6 +190,16 @@ class ResumableSampler(Sampler):
         g = getattr(self.inner, "generator", None)
         if state is not None and isinstance(g, torch.Generator):
             g.set_state(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a prefetching loader's, for its worker process): the wrapped sampler's
+        generator as a ``PicklableGenerator``, which torch before 2.1 can pickle."""
+        state = dict(self.__dict__)
+        g = getattr(self.inner, "generator", None)
+        if type(g) is torch.Generator:
+            state["inner"] = inner = copy.copy(self.inner)
+            inner.generator = picklable(g)
+        return state
 
     def __iter__(self) -> Iterator[int]:
         if self._order is None:  # iterated before any epoch drew (a loader read directly)
@@ -497,6 +509,29 @@ def async_settings(value: object) -> dict[str, Any] | None:
     return dict(value)
 
 
+def _generator(device: str, state: bytes) -> PicklableGenerator:
+    generator = PicklableGenerator(device)
+    generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
+    return generator
+
+
+class PicklableGenerator(torch.Generator):
+    """A ``torch.Generator`` that pickles as its device and state. A prefetching loader is
+    pickled to PopTorch's worker process (started by spawn or a fork server), with the
+    generator its workers' seeds are drawn from; torch before 2.1 cannot pickle a
+    ``torch.Generator`` (a ``TypeError``). The copy draws what the original would."""
+
+    def __reduce__(self) -> tuple:
+        return _generator, (str(self.device), bytes(self.get_state().tolist()))
+
+
+def picklable(generator: torch.Generator) -> PicklableGenerator:
+    """A ``PicklableGenerator`` in ``generator``'s state."""
+    out = PicklableGenerator(generator.device)
+    out.set_state(generator.get_state())
+    return out
+
+
 @dataclass(frozen=True)
 class Prefetch:
     """A ``DataLoaderMode.Async`` or ``AsyncRebatched`` mode, its ``async_options`` and
@@ -519,7 +554,7 @@ class Prefetch:
         synchronous loader's would be in: its workers get the seeds they would get there)."""
         src = plan.loader
         kwargs = loader_kwargs(src)
-        kwargs["generator"] = generator
+        kwargs["generator"] = picklable(generator)  # (the loader is pickled to its worker)
         if plan.batches is not None:
             kwargs["batch_sampler"] = plan.batches
         elif plan.sampler is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import threading
@@ -136,6 +137,36 @@ def test_async_data_gives_loader_workers_the_seeds_of_a_synchronous_read():
     _, sync = train(shuffled(ds=Noisy(), workers=1), epochs=1)
     _, ahead = train(shuffled(ds=Noisy(), workers=1), async_data=True, epochs=1)
     assert_equal(sync, ahead)
+
+
+@pytest.mark.parametrize("given", ["torch", "poptorch"])
+def test_the_loader_an_epoch_reads_ahead_with_pickles_for_its_worker_process(epoch_readers, given):
+    """PopTorch's accessor pickles the loader for its worker process (spawned, or forked from
+    a fork server) as it is built: everything it holds pickles with plain ``pickle``, the
+    generator its workers' seeds are drawn from too (torch before 2.1 cannot pickle a
+    ``torch.Generator``), and the copy draws what the original would."""
+    if given == "torch":
+        train(shuffled(workers=1), async_data=True, epochs=1)
+    else:
+        train(
+            lambda: poptorch.DataLoader(
+                options(di=2),
+                dataset(48),
+                batch_size=3,
+                shuffle=True,
+                num_workers=1,
+                mode=poptorch.DataLoaderMode.Async,
+            ),
+            epochs=1,
+        )
+    (loader,) = [it.loader for it in epoch_readers]
+    built = {k: v for k, v in vars(loader).items() if k != "_accessor"}  # (set once pickled)
+    copy = pickle.loads(pickle.dumps(built))
+    draw = torch.empty(4, dtype=torch.int64)
+    assert torch.equal(
+        draw.random_(generator=copy["generator"]).clone(),
+        draw.random_(generator=loader.generator),
+    )
 
 
 def test_a_dataset_drawing_random_numbers_is_not_read_ahead_without_workers():
