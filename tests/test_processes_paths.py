@@ -8,11 +8,15 @@ read and trained to ``out``; the tests compare those files.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +28,9 @@ from ipuloop import Callback, Loop, poptorch
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = r'''
-import faulthandler, json, os, sys, time, warnings
+import faulthandler, json, os, signal, sys, time, warnings
 faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where, then ends
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # and the test's timeout asks where
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from ipuloop import Callback, Loop, poptorch
@@ -118,43 +123,122 @@ def _launch(
 ) -> subprocess.CompletedProcess:
     """``script`` with ``cfg`` in ``processes`` processes (torchrun, or without it the
     processes started here with its environment: instance 0 then hosts the group's store),
-    or 1 (plain python); the return code is the first non-zero one."""
+    or 1 (plain python); the return code is the first non-zero one, the output each process's
+    (stdout and stderr together, in ``tmp``). A run that has not ended after ``timeout``
+    seconds fails the test with where each instance was (``_hung``)."""
     path = tmp / f"script{len(list(tmp.glob('script*')))}.py"
     path.write_text(script)
     cmd = command(path, json.dumps(cfg), processes=processes if torchrun else 1)
     if processes == 1 or torchrun:
-        return subprocess.run(
-            cmd, env=_env(**env), cwd=tmp, capture_output=True, text=True, timeout=timeout
-        )
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=tmp,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(
+        envs = [_env(**env)]
+    else:
+        port = str(free_port())
+        envs = [
+            _env(
                 RANK=str(r),
                 WORLD_SIZE=str(processes),
                 LOCAL_RANK=str(r),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 **env,
-            ),
-        )
-        for r in range(processes)
-    ]
+            )
+            for r in range(processes)
+        ]
+    logs = [tmp / f"{path.stem}.{i}.log" for i in range(len(envs))]
+    procs = []
     try:
+        for e, log in zip(envs, logs):
+            with open(log, "w") as f:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=tmp,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=e,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout
-        outs = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs]
+        for p in procs:
+            if _ended(p, deadline - time.monotonic()):
+                continue
+            pytest.fail(_hung(procs, logs, path, timeout, cfg.get("out")), pytrace=False)
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+            _kill_tree(p)
     code = next((p.returncode for p in procs if p.returncode), 0)
-    return subprocess.CompletedProcess(cmd, code, "", "".join(outs))
+    return subprocess.CompletedProcess(cmd, code, "".join(log.read_text() for log in logs), "")
+
+
+def _ended(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(timeout=max(seconds, 1))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # (a process gone meanwhile)
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    return children
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    children, out = _children(), [pid]
+    for p in out:
+        out.extend(children.get(p, ()))
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """End a process started here and every process it started (torchrun's instances and
+    their loader workers), and reap it."""
+    if proc.poll() is None:
+        for pid in _tree(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)  # (its session: start_new_session)
+    proc.wait()
+
+
+def _hung(
+    procs: list[subprocess.Popen], logs: list[Path], script: Path, timeout: float, out: Any
+) -> str:
+    """What a run that did not end was doing: each instance still running (a process whose
+    program is ``script``) prints every thread's stack (``faulthandler`` on SIGUSR1, which
+    the scripts register); the files it wrote in ``out`` and each process's output follow."""
+    running = []
+    for proc in procs:
+        for pid in _tree(proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(script).encode() in argv and b"torch.distributed.run" not in argv:
+                running.append(pid)
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGUSR1)
+    time.sleep(3)  # (the stacks printed)
+    written = sorted(p.name for p in Path(out).iterdir()) if out and Path(out).is_dir() else []
+    report = [
+        f"{script.name} had not ended after {timeout:g} s: its instances' processes still "
+        f"running: {running or 'none'} (their stacks below); written to its output folder: "
+        f"{written}."
+    ]
+    for proc, log in zip(procs, logs):
+        report.append(f"--- {' '.join(map(str, proc.args))[:300]} (pid {proc.pid}):")
+        report.append(log.read_text()[-12000:])
+    return "\n".join(report)
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
@@ -478,8 +562,9 @@ def test_a_distributed_sampler_for_another_layout_is_refused_before_any_step(sam
 
 # -- validate() on one instance ---------------------------------------------------------------
 VALIDATE = r"""
-import faulthandler, json, os, sys, time
+import faulthandler, json, os, signal, sys, time
 faulthandler.dump_traceback_later(100, exit=True)
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's timeout asks where
 import torch, torch.nn as nn, torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 from ipuloop import Callback, Loop, poptorch
