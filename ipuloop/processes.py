@@ -52,7 +52,14 @@ import torch
 
 from .exceptions import InstanceFailedError
 from .poptorch_types import Options
-from .rules import DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, leave_process_group
+from .rules import (
+    DEFAULT_DIST_TIMEOUT,
+    DIST_TIMEOUT_ENV,
+    destroy_group,
+    dist_timeout,
+    keep_until_left,
+    leave_process_group,
+)
 from .signals import Preempted
 from .state import State
 
@@ -376,6 +383,7 @@ class ProcessGroup(Processes):
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64)
+        keep_until_left("ipuloop.processes.sum", t)  # (never freed by a gloo worker)
         try:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         except (RuntimeError, ValueError) as e:  # (ValueError: a group left already)
@@ -575,7 +583,7 @@ def _leave_group() -> None:
 
     with contextlib.suppress(Exception):
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_group()
 
 
 def _no_group() -> bool:

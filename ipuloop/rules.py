@@ -44,6 +44,8 @@ __all__ = [
     "DIST_TIMEOUT_ENV",
     "DEFAULT_DIST_TIMEOUT",
     "dist_timeout",
+    "keep_until_left",
+    "destroy_group",
     "leave_process_group",
 ]
 
@@ -264,6 +266,33 @@ def dist_timeout(env: Any = None, error: type = ValueError) -> float:
 
 _LEFT_KEY = "ipuloop/left_process_group"  # instances that destroyed their group
 
+# Each caller's last collective tensor, kept until the process group is destroyed. Before
+# torch 2.8, destroying a gloo group holds the GIL while it joins the group's worker threads,
+# and a worker that drops the last reference to a tensor Python has let go of needs the GIL
+# to free it: the two wait for each other (an instance failing right after a collective hung
+# in ``destroy_process_group``). A tensor kept here never has its last reference in a worker.
+_KEPT: dict[str, torch.Tensor] = {}
+GIL_HANDOVER_S = 0.05  # a worker still freeing some other collective's tensor takes the GIL
+
+
+def keep_until_left(key: str, tensor: torch.Tensor) -> None:
+    """Keep ``tensor``, the input of the collective that ``key`` names (replacing the one
+    kept before), until the process group is destroyed (``destroy_group``)."""
+    _KEPT[key] = tensor
+
+
+def destroy_group() -> None:
+    """``destroy_process_group()`` with no gloo worker left waiting for the GIL: first a
+    short sleep (the GIL free) for any worker finishing a collective whose tensors nobody
+    keeps (``all_gather_object``'s), then the destroy, then the kept tensors are let go."""
+    import torch.distributed as dist
+
+    time.sleep(GIL_HANDOVER_S)
+    try:
+        dist.destroy_process_group()
+    finally:
+        _KEPT.clear()
+
 
 def leave_process_group() -> None:
     """At exit, destroy the default process group a module of ipuloop created. Left to the
@@ -284,7 +313,7 @@ def leave_process_group() -> None:
         except Exception:  # noqa: BLE001 (an instance has gone or hangs: leaving anyway)
             store = None
     try:
-        dist.destroy_process_group()
+        destroy_group()
     except Exception:  # noqa: BLE001 (leaving anyway)
         pass
     if store is None:

@@ -263,6 +263,7 @@ class GradientReducer:
         pieces.append(torch.tensor(present, dtype=wire, device=params[0].device))
         flat = torch.cat(pieces)
         sent = flat.cpu() if self._via_host else flat
+        rules.keep_until_left(f"ipuloop.emulator.gradients.{wire}", sent)  # (rules: why)
         try:
             self._dist.all_reduce(sent)
         except Exception as e:
