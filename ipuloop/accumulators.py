@@ -113,7 +113,7 @@ class TrainEpoch:
         instance too."""
         mine = layout.step_loss(loss)
         if self.processes.size == 1:  # one instance: the run's loss is its own
-            return mine
+            return StepLoss(*mine)
         total, count = self.processes.sum([mine.total, mine.count], "summing the step's loss")
         if check_finite and not math.isfinite(total) and math.isfinite(mine.total):
             st = self.state
