@@ -456,6 +456,7 @@ def test_early_preload_fills_the_buffers_before_iterating():
     no_preload.terminate()
 
 
+@pytest.mark.slow  # (a child program whose accessor's worker process is interrupted)
 def test_ctrl_c_in_the_accessor_prints_nothing():
     """python/_dataloader.py ``_mainLoop``: a worker interrupted by SIGINT ends quietly, and
     so does the program interrupted after it (tests/dataloader_test.py

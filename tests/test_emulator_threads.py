@@ -59,7 +59,16 @@ def run_program(tmp_path: Path, body: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("strategy", list(poptorch.SharingStrategy), ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "strategy",  # the quick suite: the default (ForkServer) and Fork; CI every one
+    [
+        s
+        if s in (poptorch.SharingStrategy.ForkServer, poptorch.SharingStrategy.Fork)
+        else pytest.param(s, marks=pytest.mark.slow)
+        for s in poptorch.SharingStrategy
+    ],
+    ids=lambda s: s.name,
+)
 def test_async_loader_with_the_thread_pool_running(tmp_path, strategy):
     """A shuffled ``DataLoader`` in Async mode with two loader workers, created after a
     parallel op, reads every sample of each epoch, whatever the ``sharing_strategy``."""
@@ -90,6 +99,7 @@ def test_async_loader_with_the_thread_pool_running(tmp_path, strategy):
     assert int(out.split()[-1]) >= 2  # the program ran with a thread pool
 
 
+@pytest.mark.slow  # (a Loop in a child process, its worker processes started twice)
 def test_loop_fed_an_async_loader_with_the_thread_pool_running(tmp_path):
     """``Loop.fit`` fed a shuffled ``poptorch.DataLoader`` in Async mode whose samples are
     computed by parallel ops (each epoch reads through an accessor of its own), with the

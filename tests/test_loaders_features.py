@@ -100,6 +100,7 @@ def shuffled(n: int = 48, workers: int = 0, ds: Dataset | None = None):
 
 
 # -- 5. torch loaders read ahead ---------------------------------------------------------------
+@pytest.mark.slow  # (several fits, each starting its loader worker processes)
 def test_async_data_reads_the_same_batches_and_resumes_exactly(epoch_readers):
     _, sync = train(shuffled())
     reads = Reads(epoch_readers)
@@ -246,9 +247,9 @@ class Exit(Callback):
         "exception",
         "ctrl_c",
         "sigterm",
-        "validation",
+        pytest.param("validation", marks=pytest.mark.slow),  # (the quick suite: the others)
         "second_ctrl_c",
-        "second_ctrl_c_in_validation",
+        pytest.param("second_ctrl_c_in_validation", marks=pytest.mark.slow),
     ],
 )
 def test_the_read_ahead_thread_stops_on_every_exit_path(how, second_ctrl_c):
@@ -375,7 +376,7 @@ def test_a_batch_sampler_gives_each_micro_batch_of_each_replica_its_own_batch():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("async_data", [False, True])
+@pytest.mark.parametrize("async_data", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_batch_sampler_with_replicas_resumes_exactly_without_reading_samples_again(async_data):
     def run(max_steps=None, sd=None):
         ds = Recorded(72)  # 24 batches of 3: 6 host calls of DI 2 x RF 2 batches an epoch

@@ -247,7 +247,12 @@ def test_async_rebatched_and_its_worker_size_are_kept(epoch_readers):
 
 
 @pytest.mark.parametrize(
-    "mode,worker_size", [("Async", None), ("AsyncRebatched", None), ("AsyncRebatched", 2)]
+    "mode,worker_size",
+    [  # (the quick suite runs one; each starts loader worker processes)
+        ("Async", None),
+        pytest.param("AsyncRebatched", None, marks=pytest.mark.slow),
+        pytest.param("AsyncRebatched", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_async_modes_train_as_sync_and_resume_exactly(mode, worker_size):
     mode = getattr(poptorch.DataLoaderMode, mode)

@@ -100,7 +100,9 @@ def test_a_batch_sampler_fit_without_workers_is_the_plain_torch_loop():
     torch.testing.assert_close(ours.weight, model.weight)
 
 
-@pytest.mark.parametrize("async_data", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "async_data", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"]
+)
 def test_a_batch_sampler_with_workers_reads_the_order_drawn_once(async_data):
     """With loader workers, torch calls ``iter()`` on the batch sampler twice as its iterator
     starts: the epoch's order is still drawn once, so the fit is bitwise the one without
