@@ -12,6 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
+from .modes import eval_mode
+from .outputs import MarkLoss, Returns, WithLoss
 from .poptorch_types import Executor, Options
 from .rules import OPTIMIZER_GLOBALS, optimizer_hyperparameters
 
@@ -87,6 +89,26 @@ class _Seen:
             return False
 
 
+def _parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The parameters ``named_parameters`` lists, in its order, read through ``__dict__``."""
+    seen: set[int] = set()
+    stack = [module]
+    modules = []
+    while stack:  # named_modules' order: depth first, each module once
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
+        stack.extend(reversed([c for c in m.__dict__["_modules"].values() if c is not None]))
+    params: set[int] = set()
+    for m in modules:
+        for p in m.__dict__["_parameters"].values():
+            if p is not None and id(p) not in params:
+                params.add(id(p))
+                yield p
+
+
 class Executors:
     """The training model and the inference models (one per host-call shape) of one loop.
 
@@ -96,24 +118,59 @@ class Executors:
     """
 
     def __init__(
-        self, poptorch: ModuleType, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        poptorch: ModuleType,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        returns: Returns | None = None,
     ) -> None:
         self.poptorch = poptorch
         self.model = model
         self.optimizer = optimizer
+        self.returns = returns if returns is not None else Returns()  # where the loss is
         self.train: Executor | None = None
         self.inference: dict[tuple, Executor] = {}
         self.pushes = 0
         self._pushed: dict | None = None  # the snapshot the device holds
         self._seen: _Seen | None = None  # what the last push looked at
+        self._bound: dict[str, torch.Tensor] = {}  # the parameters the training model compiled
+        self._mark: MarkLoss | None = None  # while a fit runs (``marking_loss``)
+
+    @contextlib.contextmanager
+    def marking_loss(self) -> Iterator[None]:
+        """While a fit runs, the loss the model returns is the loss that trains (``MarkLoss``);
+        ``WithLoss`` marks the loss it computes itself."""
+        if isinstance(self.model, WithLoss):
+            yield
+            return
+        self._mark = MarkLoss(self.returns)
+        handle = self.model.register_forward_hook(self._mark)
+        try:
+            yield
+        finally:
+            handle.remove()
+            self._mark = None
+
+    @contextlib.contextmanager
+    def inferring(self) -> Iterator[None]:
+        """While an inference model runs inside a fit (validation), its returned loss is left
+        as the model made it: only the training graph's loss is marked."""
+        mark = self._mark
+        if mark is None:
+            yield
+            return
+        mark.active = False
+        try:
+            yield
+        finally:
+            mark.active = True
 
     def all(self) -> tuple:
         return (self.train, *self.inference.values())
 
     def training_model(self, opts: Options) -> Executor:
         """The training executor, built (not compiled) on first use."""
-        if self.train is None:
-            self.model.train()
+        if self.train is None:  # each module in the mode the user set: PopTorch traces them so
             with _plain_numbers(self.optimizer):
                 self.train = self.poptorch.trainingModel(self.model, opts, optimizer=self.optimizer)
         return self.train
@@ -129,20 +186,19 @@ class Executors:
         if executor is self.train:
             self._pushed = optimizer_hyperparameters(self.optimizer)
             self._seen = None
+            self._bound = dict(self.model.named_parameters())  # (synced: none trained yet)
+            if list(self._bound.values()) != list(_parameters(self.model)):
+                self._bound = {}  # (a parameter listed twice: shared weights are not checked)
         seconds = time.perf_counter() - start
         if rng_state is not None:
             executor.rng_state = rng_state
         return seconds
 
-    @contextlib.contextmanager
-    def eval_mode(self) -> Iterator[None]:
-        """The model in eval mode while an inference executor is built and compiled: PopTorch's
-        wrapper shares its submodules and traces them in the mode they are in."""
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train()
+    def eval_mode(self) -> contextlib.AbstractContextManager[None]:
+        """The model in eval mode while an inference executor is built and compiled (PopTorch's
+        wrapper shares its submodules and traces them in the mode they are in), then each
+        module back in the mode it had."""
+        return eval_mode(self.model)
 
     def inference_model(self, key: tuple, opts: Options) -> Executor:
         """The inference executor for ``key`` (kind, samples per call, DI), built on first use.
@@ -154,6 +210,38 @@ class Executors:
         if model is None:
             model = self.inference[key] = self.poptorch.inferenceModel(self.model, opts)
         return model
+
+    def push_host_weights(self) -> None:
+        """Before a training step: weights the host read since the last step, and so may have
+        written (a callback's weight surgery, a constraint, a head re-initialised), are copied
+        to the device. PopTorch syncs the host on any read of a weight after a training call
+        (``_dirty_host_weights`` is then False) and never reads the host's weights back on its
+        own: without this copy the device would go on with its own and the fit's end would copy
+        them over the edit. A detached training model uploads the host's when it attaches."""
+        executor = self.train
+        if executor is None:
+            return
+        self._check_bound()
+        if not executor._dirty_host_weights and executor.isAttachedToDevice():
+            executor.copyWeightsToDevice()
+
+    def _check_bound(self) -> None:
+        """Refuse a parameter the host replaced (rather than wrote in place) since compiling:
+        the compiled graph and the optimizer hold the one they were given. Read through each
+        module's ``__dict__``: reading the module would sync the device's weights."""
+        if all(map(operator.is_, _parameters(self.model), self._bound.values())):
+            return
+        now = dict(zip(self._bound, _parameters(self.model)))
+        for name, p in self._bound.items():
+            if now.get(name) is not p:
+                raise ValueError(
+                    f"The model's parameter {name!r} is a new tensor since the training model "
+                    "compiled (a module or parameter was replaced, by a callback or between "
+                    "fits): the compiled graph and the optimizer hold the tensor they were "
+                    "given, so the new one would never train. Write new values in place "
+                    f"instead: `with torch.no_grad(): model.get_parameter({name!r}).copy_(new)` "
+                    "(a head re-initialised: its reset_parameters())."
+                )
 
     def push_optimizer(self) -> None:
         """Before a training step: ``setOptimizer`` when a hyper-parameter changed."""

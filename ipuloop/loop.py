@@ -25,6 +25,7 @@ from .executors import Executors
 from .feed import Feed
 from .loaders import async_settings
 from .loop_options import check_fit_args, check_val_every, resolve
+from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error
 from .plan import Plan, build, build_inference, no_host_call, num_updates
 from .poptorch_types import Executor
@@ -146,7 +147,7 @@ class Loop:
         self.check_finite = check_finite
         self.state = State()
         self.callbacks = arrange(callbacks, progress)
-        self.executors = Executors(pt, self.model, self.optimizer)
+        self.executors = Executors(pt, self.model, self.optimizer, r.returns)
         self._inference_opts = r.inference  # the inference_opts given (a clone), or None
         self._returns = r.returns
         self._metric_output = metric_output
@@ -293,6 +294,10 @@ class Loop:
                 st.step,
             )
         )
+        if self.executors.train is None:  # the modes the training model is traced in
+            warn_if_evaluating(
+                self.model.model if isinstance(self.model, WithLoss) else self.model, 4
+            )
         if resume_from is not None:
             self.check_resumable()
             self._load(resume_from)
@@ -305,7 +310,7 @@ class Loop:
                 stacklevel=3,
             )
         st.start_fit(plan.steps, max_steps, validates=val_plan is not None)
-        with self._running(plan, val_plan, fit=True):
+        with self._running(plan, val_plan, fit=True), self.executors.marking_loss():
             try:
                 self._hooks.scope(
                     "on_fit_start", lambda: self._epochs(plan, val_plan, epochs), CancelFit
@@ -402,6 +407,8 @@ class Loop:
             if step_start and not hooks.event("on_train_step_start", CancelStep):
                 st.epoch_step += 1  # its batch is read: the resume position counts it
                 continue
+            if compare:  # what user code wrote to the weights since the last step
+                executors.push_host_weights()
             if executors.inference:  # validation or predict ran: their executors hold the device
                 executors.activate(model)
             if compare:
@@ -508,15 +515,16 @@ class Loop:
             plan, self.metrics, self._metric_output, loss_fn, self._warned, self._returns
         )
         model = None
-        for batch, samples in plan.counted():
-            args, kwargs, labels = self._feed.split(batch, plan.name)
-            if model is None:
-                model = self._inference_model(plan, "validate", args, kwargs)
-            self.executors.activate(model)
-            run.add(model(*args, **kwargs), labels, samples)
-            self._hooks.fire("on_validation_step_end")
-            if in_fit:  # a stop (SIGTERM, on any instance) ends it here
-                processes.check_preempted(st)
+        with self.executors.inferring():
+            for batch, samples in plan.counted():
+                args, kwargs, labels = self._feed.split(batch, plan.name)
+                if model is None:
+                    model = self._inference_model(plan, "validate", args, kwargs)
+                self.executors.activate(model)
+                run.add(model(*args, **kwargs), labels, samples)
+                self._hooks.fire("on_validation_step_end")
+                if in_fit:  # a stop (SIGTERM, on any instance) ends it here
+                    processes.check_preempted(st)
         logs = run.logs(processes)
         if "val_loss" not in logs:
             st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
@@ -544,7 +552,7 @@ class Loop:
         plan = self._inference_plan(loader, "loader", partition=False)
         run = Predictions(plan.layout, plan.loader.dataset)
         model = None
-        with self._running(plan):
+        with self._running(plan), self.executors.inferring():
             for batch, samples in plan.counted():
                 args, kwargs = self._feed.predict(batch, plan.name, first=model is None)
                 if model is None:

@@ -27,6 +27,7 @@ from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, retur
 
 __all__ = [
     "WithLoss",
+    "MarkLoss",
     "Layout",
     "StepLoss",
     "MODE_NAMES",
@@ -104,6 +105,42 @@ class WithLoss(torch.nn.Module):
         return output, loss
 
 
+class MarkLoss:
+    """A forward hook that makes the loss a model-with-loss returns the loss that trains.
+
+    PopTorch trains the graph's final loss: a torch loss function's output or an
+    ``identity_loss``, not arithmetic done after it, so a model returning ``0.25 * ce`` or
+    ``ce + 0.01 * l2`` would train ``ce`` alone (docs/poptorch-semantics.md, the loss). While
+    the device runs the model (``isRunningOnIpu()``, as PopTorch traces it, and each call on
+    the emulator), the hook marks the returned loss with ``identity_loss(loss, "none")``, which
+    folds the losses it is made of into it: the value the loop logs is the value that trains.
+    On the host (the probe, plain torch) it changes nothing. A class, so a model holding it
+    pickles; the loop holds it only while a fit runs (``Executors.marking_loss``)."""
+
+    def __init__(self, returns: Returns) -> None:
+        self.returns = returns
+        self.active = True  # False while inference models run (validation, predict)
+
+    def __call__(self, module: torch.nn.Module, args: Any, out: Any) -> Any:
+        if not self.active:
+            return None
+        pt = poptorch_module()
+        if not pt.isRunningOnIpu():
+            return None
+        _, loss, _ = self.returns.split(out)
+        if not isinstance(loss, torch.Tensor) or is_a_loss(loss):
+            return None  # none where the loop looks for one, or the graph's loss already
+        return self.returns.with_loss(out, pt.identity_loss(loss, reduction="none"))
+
+
+def is_a_loss(t: torch.Tensor) -> bool:
+    """Whether ``t`` is made by a loss op (a torch loss function, ``identity_loss``), read from
+    its autograd node: nothing was computed after the graph's loss, so it needs no mark (a
+    model whose ``with poptorch.Block`` has ended may run no op after it)."""
+    name = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+    return "Loss" in name or name.startswith("BinaryCrossEntropy")
+
+
 # Names a logged value may not take: the loss and the counters (the logs' other keys in
 # CSVLogger rows and ModelCheckpoint filenames)
 RESERVED_LOGS = frozenset(
@@ -160,6 +197,25 @@ class Returns:
             output = next(iter(kept.values())) if len(kept) == 1 else kept
             return output, out[key], out.get("logs")
         return out, None, None
+
+    def with_loss(self, out: Any, loss: torch.Tensor) -> Any:
+        """``out`` with ``loss`` in the place ``split`` found its loss (the same structure)."""
+        if isinstance(out, Mapping):
+            marked = dict(out)
+            marked[self.key] = loss  # (a str key: ``split`` found it there)
+            kind: Any = type(out)
+            if kind is not dict:  # a Transformers ModelOutput, an OrderedDict: rebuilt
+                try:
+                    return kind(**marked)
+                except TypeError:
+                    return kind(marked)
+            return marked
+        key: Any = self.key if not self._pairs else 1  # (an int: the tuple's index)
+        items = list(out)
+        items[key] = loss
+        if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple
+            return type(out)(*items)
+        return type(out)(items)
 
     def step_logs(self, logs: Mapping, layout: Layout, metrics: Any) -> tuple[list, list]:
         """A step's logged values (checked when their names change), each reduced as

@@ -107,6 +107,8 @@ class Executor(Protocol):
     one input shape, attached to the IPUs it runs on while it runs."""
 
     rng_state: torch.Tensor  # the device's random state
+    # PopTorch's own flag: a training call ran since the host's weights were last synced
+    _dirty_host_weights: bool
 
     def __call__(self, *args: object, **kwargs: object) -> Any: ...
 
@@ -119,6 +121,8 @@ class Executor(Protocol):
     def detachFromDevice(self) -> None: ...
 
     def copyWeightsToHostIfNeeded(self) -> bool: ...
+
+    def copyWeightsToDevice(self) -> None: ...
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
 

@@ -125,13 +125,11 @@ def probe(
     if copy_float:  # a float32 copy: the host may have no float16 kernels
         model = copy.deepcopy(model).float()  # (torch 2.0.1's CPU has no float16 matmul)
     saved = [b.clone() for b in model.buffers()]
-    was_training = model.training
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                model.train()
-                try:
+                try:  # in the modes it trains in: each module's as the user set it
                     out = model(*args, **kwargs)
                 except RuntimeError as e:
                     if NO_HALF_KERNEL not in str(e):
@@ -166,7 +164,6 @@ def probe(
         ) from e
     finally:
         _restore(model, saved)
-        model.train(was_training)
     output, loss, logs = returns.split(out)
     if not isinstance(loss, torch.Tensor) and _labels_swallowed(model, kwargs, label_key):
         raise ValueError(
@@ -408,18 +405,15 @@ def check_mixed(model: torch.nn.Module, args: tuple, kwargs: dict) -> MixedDtype
                 names.setdefault(_storage(t), f"the {kind} {n!r}")
     record = MixedDtypes(names)
     saved = [b.clone() for b in model.buffers()]
-    was_training = model.training
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the float32 probe has shown them)
-            model.train()
-            with record:
+            with record:  # (each module in the mode it trains in)
                 model(*args, **kwargs)
     except Exception:  # noqa: BLE001 (a model that runs in float32 may fail here in float16)
         return None
     finally:
         _restore(model, saved)
-        model.train(was_training)
     wide = [n for n, dtype in record.matmuls if dtype == torch.float32]
     if 2 * len(wide) <= len(record.matmuls):
         return record

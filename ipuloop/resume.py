@@ -325,6 +325,13 @@ class Resume:
         now = _data_factors(plan)
         if self._loaded_data is not None:
             _align(self._loaded_data, now, plan, state)
+        elif state.epoch_step and self.plan is not None and self.plan.drawn_from is not None:
+            # a fit of this loop ended mid-epoch (max_steps, stop(), an error): this one goes
+            # on in that epoch's order, drawn again, then from the random state as it is, as
+            # a resume from a checkpoint taken at that step would
+            if self._train_data is not None:
+                _align(self._train_data, now, plan, state, "the last fit")
+            self._draw = Draw(order=self.plan.drawn_from, then=rng_state())
         self._loaded_data = None
         self._train_data = now
         self.plan = plan
@@ -359,9 +366,16 @@ def _state_key_in(
     return None
 
 
-def _align(saved: dict[str, Any], now: dict[str, Any], plan: Plan, st: State) -> None:
+def _align(
+    saved: dict[str, Any],
+    now: dict[str, Any],
+    plan: Plan,
+    st: State,
+    source: str = "the checkpoint",
+) -> None:
     """Continue the saved epoch at the same sample with the new factors (the whole run's),
-    or raise naming each factor that changed."""
+    or raise naming each factor that changed; ``source`` says what ended it (a checkpoint, or
+    the loop's last fit)."""
     old = saved["factors"]
     new = now["factors"]
     was = saved.get("instances", 1)
@@ -369,7 +383,7 @@ def _align(saved: dict[str, Any], now: dict[str, Any], plan: Plan, st: State) ->
     if st.epoch_step and plan.samples is None and was != instances:
         raise ValueError(
             f"Cannot resume in the middle of epoch {st.epoch} with {instances} instance(s): "
-            f"the checkpoint was written by {was}, and each instance reads an IterableDataset "
+            f"{source} was written by {was}, and each instance reads an IterableDataset "
             "on its own, so the samples already read are not known in another layout. Resume "
             f"with {was} instance(s) (finishing this epoch), or from a checkpoint taken at the "
             "end of an epoch."
@@ -393,7 +407,7 @@ def _align(saved: dict[str, Any], now: dict[str, Any], plan: Plan, st: State) ->
         st.epoch_step = position // per_step  # the same sample, in the new host calls
         warnings.warn(
             f"Resuming epoch {st.epoch} after its {position} samples already "
-            f"read, with other factors than the checkpoint's ({changed}): "
+            f"read, with other factors than {source}'s ({changed}): "
             f"{st.epoch_step} host calls of the new factors.",
             stacklevel=4,
         )
@@ -403,7 +417,7 @@ def _align(saved: dict[str, Any], now: dict[str, Any], plan: Plan, st: State) ->
         calls += f" on each of {instances} instances, {per_step} in all"
     raise ValueError(
         f"Cannot resume in the middle of epoch {st.epoch} with other factors ({changed}): "
-        f"the checkpoint stopped after {position} of the epoch's samples, and "
+        f"{source} stopped after {position} of the epoch's samples, and "
         + (
             "a different dataset length changes the epoch's sample order"
             if old.get("dataset length") != new["dataset length"]

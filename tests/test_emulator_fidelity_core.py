@@ -251,7 +251,7 @@ def test_layer_replaced_before_wrapping_and_reached_as_a_global_is_trained():
     training = poptorch.trainingModel(wrapper, optimizer=torch.optim.SGD(head.parameters(), lr=0.1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     training(torch.rand(4, 3), torch.rand(4, 2))
-    assert training._host_dirty  # the host is stale until read
+    assert training._dirty_host_weights  # the host is stale until read
     after = wrapper.model.state_dict()  # reading the wrapped module syncs
     assert not torch.equal(after["1.weight"], before["1.weight"])
     assert torch.equal(after["0.weight"], before["0.weight"])

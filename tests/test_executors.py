@@ -21,9 +21,14 @@ class StubExecutor:
         self.compiled = False
         self.rng_state = torch.zeros(2)
         self.calls: list = []
+        self._dirty_host_weights = False
 
     def __call__(self, *args, **kwargs):
+        self._dirty_host_weights = self.optimizer is not None  # a training call
         return self.model(*args, **kwargs)
+
+    def copyWeightsToDevice(self) -> None:
+        self.calls.append("copyWeightsToDevice")
 
     def compile(self, *args, **kwargs) -> None:
         self.compiled = self.attached = True
@@ -144,3 +149,27 @@ def test_detach_raises_but_release_after_an_error_warns():
         ex.detach(train)
     with pytest.warns(UserWarning, match="Could not detach StubExecutor from the device"):
         ex.release()
+
+
+def test_host_weights_go_to_the_device_only_when_the_host_synced_since_the_last_step():
+    ex, _ = executors()
+    train = ex.training_model("opts")
+    ex.compile(train, (torch.ones(1, 2),), {})
+    train(torch.ones(1, 2))  # a step: the host's weights are stale
+    ex.push_host_weights()
+    assert train.calls == []  # nothing read them: nothing to send
+    train._dirty_host_weights = False  # a hook read them (PopTorch synced)
+    ex.push_host_weights()
+    assert train.calls == ["copyWeightsToDevice"]
+    train.attached = False
+    ex.push_host_weights()  # detached: attaching uploads them
+    assert train.calls == ["copyWeightsToDevice"]
+
+
+def test_a_parameter_replaced_since_compiling_is_refused_naming_it():
+    ex, _ = executors()
+    train = ex.training_model("opts")
+    ex.compile(train, (torch.ones(1, 2),), {})
+    ex.model.bias = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match="parameter 'bias' is a new tensor"):
+        ex.push_host_weights()

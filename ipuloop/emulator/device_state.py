@@ -113,7 +113,7 @@ def wrapped_class(cls: type) -> type:
                 ex = d.get("_poptorch_executor")
                 if (
                     ex is not None
-                    and ex._host_dirty
+                    and ex._dirty_host_weights
                     and (
                         name in _SYNC_ON_READ
                         or name in d["_modules"]
@@ -164,7 +164,7 @@ def wrapped_class(cls: type) -> type:
 def _host_parameter_class(owner: Any, base: type) -> type:
     """PopTorch's ``PoptorchParameter``: reading a host parameter (any attribute, or passing it
     to a torch function) first syncs the device's weights if a training call made them stale.
-    ``owner`` (held weakly) has ``_host_dirty`` and ``copyWeightsToHost()``."""
+    ``owner`` (held weakly) has ``_dirty_host_weights`` and ``copyWeightsToHost()``."""
     parent = weakref.ref(owner)
 
     class PoptorchParameter(base):
@@ -172,7 +172,7 @@ def _host_parameter_class(owner: Any, base: type) -> type:
 
         def __getattribute__(self, name):
             owner = parent()
-            if owner is not None and owner._host_dirty:
+            if owner is not None and owner._dirty_host_weights:
                 owner.copyWeightsToHost()
             return base.__getattribute__(self, name)
 
@@ -188,6 +188,38 @@ def _host_parameter_class(owner: Any, base: type) -> type:
             return super().__torch_function__(func, types, args, kwargs or {})
 
     return PoptorchParameter
+
+
+def _host_buffer_class(owner: Any) -> type:
+    """PopTorch's ``PoptorchBuffer``: reading a host buffer (a BatchNorm's statistics) syncs the
+    device's weights first, as reading a parameter does; what torch functions return from it
+    are plain tensors (a state_dict's copies pickle)."""
+    parent = weakref.ref(owner)
+
+    class PoptorchBuffer(torch.Tensor):
+        _poptorch_base = torch.Tensor
+
+        def __getattribute__(self, name):
+            owner = parent()
+            if owner is not None and owner._dirty_host_weights:
+                owner.copyWeightsToHost()
+            return torch.Tensor.__getattribute__(self, name)
+
+        def __deepcopy__(self, memo):
+            plain = self.as_subclass(torch.Tensor)  # reads (and so syncs) first
+            result = memo[id(self)] = plain.__deepcopy__(memo)  # a copy is a plain tensor
+            return result
+
+        def __reduce_ex__(self, protocol):
+            return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
+
+        __torch_function__ = classmethod(
+            lambda cls, func, types, args=(), kwargs=None: torch._C._disabled_torch_function_impl(
+                func, types, args, kwargs or {}
+            )
+        )
+
+    return PoptorchBuffer
 
 
 def _unwrap(params: list[torch.Tensor]) -> None:
@@ -216,9 +248,9 @@ def _buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, st
 class DeviceWeights:
     """The device's copy of a module's parameters and buffers, and their swap into the module.
 
-    ``owner`` is the executor (``_host_dirty``, ``copyWeightsToHost``); ``wrap`` says whether
-    the host parameters get PopTorch's syncing class while the module is wrapped by ``owner``
-    (a training model's do).
+    ``owner`` is the executor (``_dirty_host_weights``, ``copyWeightsToHost``); ``wrap`` says
+    whether the host parameters and buffers get PopTorch's syncing classes while the module is
+    wrapped by ``owner`` (a training model's do).
     """
 
     def __init__(
@@ -236,6 +268,8 @@ class DeviceWeights:
         self.dev_buffers: list[torch.Tensor] = []
         self.replica_buffers: list[list[torch.Tensor]] | None = None
         self.swapped: list = []  # what ``swap_in`` took out of the user's tensors
+        # each submodule's train/eval flag as bound (traced): a training model runs in them
+        self.modes: list[tuple[torch.nn.Module, bool]] = []
 
     def device_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """A device copy of host tensor ``t`` (float64 as float32)."""
@@ -257,6 +291,7 @@ class DeviceWeights:
         _unwrap([p for p in self.host_params if id(p) not in known])
         self.param_names = [name for name, _ in named]
         self.host_params = params
+        self.modes = [(m, m.training) for m in model.modules()]
         owner = self._owner()
         if self._wrap and self.model.__dict__.get("_poptorch_executor") is owner:
             for p in params:
@@ -271,7 +306,16 @@ class DeviceWeights:
             if self.buffer_slots
             else {}
         )
+        if self.buffer_slots:  # a buffer no longer the module's is unwrapped
+            kept = {id(b) for b in model.buffers()}
+            _unwrap([b for b in self.host_buffers if id(b) not in kept])
         self.buffer_slots = _buffer_slots(model)
+        if self._wrap and self.model.__dict__.get("_poptorch_executor") is owner:
+            for b in self.host_buffers:
+                if type(b) is torch.Tensor:
+                    if torch.Tensor not in self._classes:
+                        self._classes[torch.Tensor] = _host_buffer_class(owner)
+                    b.__class__ = self._classes[torch.Tensor]
         self.dev_buffers = [
             old_buffers[id(b)] if id(b) in old_buffers else self.device_tensor(b)
             for b in self.host_buffers
@@ -281,6 +325,7 @@ class DeviceWeights:
     def unwrap(self) -> None:
         """Give the host parameters their own class back (the module is unwrapped)."""
         _unwrap(self.host_params)
+        _unwrap(self.host_buffers if self.buffer_slots else [])
 
     @property
     def host_buffers(self) -> list[torch.Tensor]:
@@ -305,9 +350,14 @@ class DeviceWeights:
         if base is not None:  # no sync hooks while the device runs (Module.__setattr__ skipped)
             object.__setattr__(model, "__class__", base)
         flags = None
-        if model.training != training:
+        if training:  # each submodule in the mode it was traced in (a frozen BatchNorm stays so)
+            if any(m.training is not t for m, t in self.modes):
+                flags = [(m, m.training) for m, _ in self.modes]
+                for m, t in self.modes:
+                    m.training = t
+        elif model.training:  # an inference model runs in eval mode
             flags = [(m, m.training) for m in model.modules()]
-            model.train(training)
+            model.train(False)
         params = []
         for p, d in zip(self.host_params, self.dev_params):
             pcls = type(p)
@@ -319,18 +369,23 @@ class DeviceWeights:
                 p.grad = None
             params.append((p, pcls, p.data, grad))
             p.data = d
+        classes = [type(b) for b in buffers]
+        for b, bcls in zip(buffers, classes):
+            if "_poptorch_base" in bcls.__dict__:  # no sync hooks while the device runs
+                b.__class__ = torch.Tensor
         saved = [b.data for b in buffers]
         for b, d in zip(buffers, self.dev_buffers):
             b.data = d
-        self.swapped = [cls, flags, params, buffers, saved]
+        self.swapped = [cls, flags, params, buffers, saved, classes]
         return buffers
 
     def swap_out(self) -> None:
         """Undo ``swap_in``: the user's tensors hold the host's values again."""
-        cls, flags, params, buffers, saved = self.swapped
+        cls, flags, params, buffers, saved, classes = self.swapped
         self.swapped = []
-        for b, data in zip(buffers, saved):
+        for b, data, bcls in zip(buffers, saved, classes):
             b.data = data
+            b.__class__ = bcls
         for p, pcls, data, grad in params:
             p.data = data
             if grad is not None or p.grad is not None:

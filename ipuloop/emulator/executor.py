@@ -75,9 +75,26 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
         f'Unsupported reduction type! reduction must be "sum", "mean" or "none". Received: '
         f"reduction={reduction!r}."
     )
-    out = x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x * 1
+    out = IdentityLoss.apply(x, reduction)
     _checks.note_identity_loss(out)  # a loss of the graph being traced, if any
     return out
+
+
+class IdentityLoss(torch.autograd.Function):
+    """``identity_loss`` as an op of its own, as PopTorch's ``poptorch::identity_loss`` is: its
+    result's autograd node (``IdentityLossBackward``) says the tensor is a loss."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, reduction: str) -> torch.Tensor:
+        ctx.shape, ctx.reduction = x.shape, reduction
+        return x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.reduction == "none":
+            return grad, None
+        n = 1 if ctx.reduction == "sum" else max(ctx.shape.numel(), 1)
+        return (grad / n).expand(ctx.shape), None
 
 
 class Executable:
@@ -130,7 +147,7 @@ class PoplarExecutor(HardwareOnly):
         self._on_cpu = self._device.type == "cpu"
         self._compiled = False
         self._attached = False
-        self._host_dirty = False
+        self._dirty_host_weights = False
         self._host_weights_version = 0  # bumped each time host weights are refreshed from device
         self._trained_version = 0  # bumped by each training call
         self._source: PoplarExecutor | None = None  # training executor an inference one follows
@@ -222,7 +239,7 @@ class PoplarExecutor(HardwareOnly):
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
         """Load into the host module, and push to the device when attached."""
         result = self._user_model.load_state_dict(state_dict, strict)
-        self._host_dirty = False
+        self._dirty_host_weights = False
         if self._attached:
             self.copyWeightsToDevice()
         return result
@@ -496,7 +513,7 @@ class PoplarExecutor(HardwareOnly):
         first, so reading them does not sync the trained weights back)."""
         if not self._compiled:
             raise Error(_NO_EXECUTABLE)
-        self._host_dirty = False
+        self._dirty_host_weights = False
         self._weights.to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
@@ -528,12 +545,12 @@ class PoplarExecutor(HardwareOnly):
                 "already copied the weights to the host. Read them from the host "
                 "module, or call attachToDevice() first."
             )
-        self._host_dirty = False
+        self._dirty_host_weights = False
         self._weights.to_host()
         self._host_weights_version += 1
 
     def copyWeightsToHostIfNeeded(self) -> bool:
-        if self._host_dirty:
+        if self._dirty_host_weights:
             self.copyWeightsToHost()
             return True
         return False
@@ -627,7 +644,7 @@ class PoplarExecutor(HardwareOnly):
                         else self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
                     )
             if self._training:
-                self._host_dirty = True
+                self._dirty_host_weights = True
                 self._trained_version += 1
             if edited:
                 _inputs.write_back(edited)
