@@ -75,7 +75,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.callbacks import LRScheduler
 
-# -- which dimensions are drawn ---------------------------------------------------------------------
+# -- which dimensions are drawn -------------------------------------------------------------------
 KNOWN_BUGS = {
     "loss_expr": "a model-with-loss returning an expression of its loss (0.25 * ce, ce + l2, "
     "a sum of two losses) trains the bare torch loss inside it",
@@ -91,16 +91,16 @@ _env = os.environ.get("IPULOOP_DIFF_ENABLE", "")
 ENABLED |= set(KNOWN_BUGS) if _env == "all" else {d for d in _env.split(",") if d}
 assert ENABLED <= set(KNOWN_BUGS), f"unknown dimensions in ENABLED: {ENABLED - set(KNOWN_BUGS)}"
 
-# -- sizes --------------------------------------------------------------------------------------------
+# -- sizes ----------------------------------------------------------------------------------------
 IN, HIDDEN, CLASSES = 3, 4, 3
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 EDIT = 0.5  # the weight edit's factor
 LR_CHANGE = 0.3  # the step-end callback's LR, as a fraction of the base LR
 # Tolerances. The weights are compared exactly: in 814 runs (600 drawn configurations, the
-# resumed loops too) the loop's weights were bitwise those of the reference. torch divides a
-# float32 tensor by a Python number as a multiplication by its reciprocal, so the reference's
-# ``loss / (GA*RF)`` is the emulator's ``loss * (1 / (GA*RF))``, and the gradients add up in the
-# same [DI, GA, RF] order. Should a change reorder float32 additions (a fused reduction over the
+# resumed loops too) the loop's weights were bitwise those of the reference. The reference's
+# ``loss / (GA*RF)`` and the emulator's ``loss * (1 / (GA*RF))`` seed their backward with the same
+# float32 number (1 / (GA*RF) rounded once), and the gradients add up in the same [DI, GA, RF]
+# order. Should a change reorder float32 additions (a fused reduction over the
 # micro-batches, say), relax this to a few float32 ulps, rtol 1e-6 and atol 1e-7 (not to hide a
 # wrong factor: a wrong Mean is off by 10% or more). The logged losses: the loop's float32
 # means against the reference's float64 sums of the float32 micro-batch losses; the largest
@@ -110,7 +110,7 @@ WEIGHTS_TOL = {"rtol": 0.0, "atol": 0.0}
 LOSS_REL = 1e-6
 
 
-# -- the model and data -------------------------------------------------------------------------------
+# -- the model and data ---------------------------------------------------------------------------
 def base_loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y) if task == "cls" else F.mse_loss(out, y)
 
@@ -180,7 +180,7 @@ def make_loss_fn(cfg: Config) -> nn.Module:
     return nn.CrossEntropyLoss() if cfg.task == "cls" else nn.MSELoss()
 
 
-# -- the configuration -------------------------------------------------------------------------------
+# -- the configuration ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
     di: int
@@ -279,7 +279,7 @@ def lr_factor(update: int) -> float:
     return 1.0 / (1.0 + 0.3 * update)
 
 
-# -- the reference: plain torch ------------------------------------------------------------------------
+# -- the reference: plain torch -------------------------------------------------------------------
 def epoch_orders(cfg: Config, generator_seed: int) -> list[list[int]]:
     """Each epoch's sample order, drawn as the module's docstring says."""
     g = torch.Generator().manual_seed(generator_seed)
@@ -385,7 +385,7 @@ def validation(cfg: Config, model: Net, val: TensorDataset) -> dict[str, float]:
     return logs
 
 
-# -- the loop -------------------------------------------------------------------------------------------
+# -- the loop -------------------------------------------------------------------------------------
 class Recorder(Callback):
     """Each step's logged loss."""
 
@@ -534,7 +534,7 @@ def counters(loop: Loop) -> dict[str, int]:
     return {k: loop.state.counters()[k] for k in ("epoch", "step", "update")}
 
 
-# -- the checks -------------------------------------------------------------------------------------------
+# -- the checks -----------------------------------------------------------------------------------
 def check(cfg: Config) -> None:
     note(repr(cfg))
     init = make_model(cfg, cfg.seed)
@@ -554,7 +554,10 @@ def check(cfg: Config) -> None:
         }, where
         for name, want in expected["weights"].items():
             torch.testing.assert_close(
-                run.weights[name], want, **WEIGHTS_TOL, msg=lambda m, n=name: f"{where}, {n}: {m}"
+                run.weights[name],
+                want,
+                **WEIGHTS_TOL,
+                msg=lambda m, w=f"{where}, {name}": f"{w}: {m}",
             )
         want_losses = expected["step_losses"][run.first :]
         assert run.losses == pytest.approx(want_losses, rel=LOSS_REL), f"{where}: step losses"
@@ -610,8 +613,8 @@ def test_the_loop_reads_the_order_the_reference_draws() -> None:
     cfg = Config(
         di=2, ga=1, rf=1, rf_via_loop=False, mode="Sum", micro=2, steps=3, remainder=3,
         epochs=2, shuffle=True, workers=0, task="reg", metric=False, api="loss_fn",
-        expr="plain", optimizer="sgd", lr_course="constant", lr_step=1, validate=False, interrupt="none",
-        at=1, weight_edit=False, frozen_bn=False, seed=11,
+        expr="plain", optimizer="sgd", lr_course="constant", lr_step=1, validate=False,
+        interrupt="none", at=1, weight_edit=False, frozen_bn=False, seed=11,
     )  # fmt: skip
     data = make_data(cfg, cfg.samples, 0)
     logged = Logged(*data.tensors)
