@@ -51,7 +51,14 @@ permutation, so the loop's order differs from plain torch's with the same genera
 
 Known bugs (being fixed elsewhere) break some dimensions today; those are drawn only when listed
 in ``ENABLED`` (or in the environment variable ``IPULOOP_DIFF_ENABLE``, comma-separated, or
-``all``): ``KNOWN_BUGS`` says what each one is.
+``all``): ``KNOWN_BUGS`` says what each one is. Where a dimension fails only in part, its
+working part is drawn today (a stopped fit on an unshuffled loader, a weight edit followed by a
+validation).
+
+Replaying a failure: Hypothesis prints the falsifying ``Config(...)`` (and a
+``@reproduce_failure`` blob); ``check(Config(...))`` runs that one configuration alone, e.g.
+``python -c "import sys; sys.path.insert(0, 'tests'); from test_differential import *;
+check(Config(...))"``.
 """
 
 from __future__ import annotations
@@ -536,7 +543,6 @@ def counters(loop: Loop) -> dict[str, int]:
 
 # -- the checks -----------------------------------------------------------------------------------
 def check(cfg: Config) -> None:
-    note(repr(cfg))
     init = make_model(cfg, cfg.seed)
     data = make_data(cfg, cfg.samples, cfg.seed)
     val = make_data(cfg, cfg.val_samples, cfg.seed + 1)
@@ -588,6 +594,7 @@ def _one_thread():
 )
 @given(configs())
 def test_fit_equals_plain_torch(cfg: Config) -> None:
+    note(repr(cfg))  # one line to paste into check(...)
     check(cfg)
 
 
@@ -596,6 +603,7 @@ def test_fit_equals_plain_torch(cfg: Config) -> None:
 @settings(max_examples=200, deadline=None, print_blob=True)
 @given(configs(workers=(0, 0, 0, 1)))
 def test_fit_equals_plain_torch_many(cfg: Config) -> None:
+    note(repr(cfg))  # one line to paste into check(...)
     check(cfg)
 
 
