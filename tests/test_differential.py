@@ -5,15 +5,16 @@ same weights, log the same losses and compute the same metrics.
 What is drawn (``configs``): device iterations (1-3), gradient accumulation (1-3), replicas (1-2,
 through the options or ``Loop(replicas=)``), the output mode (Final, All, Sum, Default), the
 micro-batch size (1-4), the steps of an epoch (2-5, plus a dropped remainder), epochs (1-2),
-shuffle, loader workers (0, or 1 rarely), the task (classification: cross entropy and
-Accuracy; regression: MSE and MeanSquaredError), a metric or none, the API (a model-with-loss,
-or a plain model with ``loss_fn=``), the optimizer (``poptorch.optim`` SGD, SGD with momentum,
-Adam), the learning rate's course (constant; ``LRScheduler(LambdaLR)`` per update; a callback
-setting it in ``on_epoch_start``; a callback changing it at one step's end), the loss
-expression, an interruption (a stop with ``fit(max_steps=k)`` and a second ``fit`` on the same
-loop; a ``state_dict`` taken at step k, after ``fit(max_steps=k)`` or by a callback in the
-running fit, loaded into a new loop with a fresh model and loader), a callback halving a weight
-in ``on_epoch_end``, and a BatchNorm the user put in eval mode.
+shuffle, loader workers (0; 0 or 1, a quarter of the time, in the slow variant), the task
+(classification: cross entropy and Accuracy; regression: MSE and MeanSquaredError), a metric
+or none, the API (a model-with-loss, or a plain model with ``loss_fn=``), the optimizer
+(``poptorch.optim`` SGD, SGD with momentum, Adam), the learning rate's course (constant;
+``LRScheduler(LambdaLR)`` per update; a callback setting it in ``on_epoch_start``; a callback
+changing it at one step's end), the loss expression, an interruption (a stop with
+``fit(max_steps=k)`` and a second ``fit`` on the same loop; a ``state_dict`` taken at step k,
+after ``fit(max_steps=k)`` or by a callback in the running fit, loaded into a new loop with a
+fresh model and loader), a callback halving a weight in ``on_epoch_end``, a validation at each
+epoch end or none, and a BatchNorm the user put in eval mode.
 
 The reference's rules (``reference``), from docs/poptorch-semantics.md §2 and docs/loop.md:
 
