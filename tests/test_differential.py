@@ -104,11 +104,11 @@ IN, HIDDEN, CLASSES = 3, 4, 3
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.01}
 EDIT = 0.5  # the weight edit's factor
 LR_CHANGE = 0.3  # the step-end callback's LR, as a fraction of the base LR
-# Tolerances. The weights are compared exactly: in 814 runs (600 drawn configurations, the
-# resumed loops too) the loop's weights were bitwise those of the reference. The reference's
-# ``loss / (GA*RF)`` and the emulator's ``loss * (1 / (GA*RF))`` seed their backward with the same
-# float32 number (1 / (GA*RF) rounded once), and the gradients add up in the same [DI, GA, RF]
-# order. Should a change reorder float32 additions (a fused reduction over the
+# Tolerances. The weights are compared exactly: in 600 drawn configurations (814 loops, the
+# resumed ones too), and 1,500 more since, the loop's weights were bitwise the reference's.
+# The reference's ``loss / (GA*RF)`` and the emulator's ``loss * (1 / (GA*RF))`` seed their
+# backward with the same float32 number (1 / (GA*RF) rounded once), and the gradients add up in
+# the same [DI, GA, RF] order. Should a change reorder float32 additions (a fused reduction over the
 # micro-batches, say), relax this to a few float32 ulps, rtol 1e-6 and atol 1e-7 (not to hide a
 # wrong factor: a wrong Mean is off by 10% or more). The logged losses: the loop's float32
 # means against the reference's float64 sums of the float32 micro-batch losses; the largest
