@@ -176,8 +176,13 @@ class TrainEpoch:
             "epoch_logs": {k: list(v) for k, v in self.logged.items()},
             "metrics": {
                 k: {
-                    n: v.clone() if isinstance(v, torch.Tensor) else v
-                    for n, v in metric_state(m).items()
+                    **{
+                        n: v.clone() if isinstance(v, torch.Tensor) else v
+                        for n, v in metric_state(m).items()
+                    },
+                    # how many updates made the state: a resumed metric computes without
+                    # torchmetrics' warning of a compute before any update
+                    "_update_count": getattr(m, "_update_count", 1),
                 }
                 for k, m in self.metrics.items()
             },

@@ -524,12 +524,15 @@ class ProcessGroup(Processes):
             metric.sync(should_sync=True, distributed_available=lambda: True)
             try:
                 sd["metrics"][name] = {
-                    n: v.clone()
-                    if isinstance(v, torch.Tensor)
-                    else list(v)
-                    if isinstance(v, list)
-                    else v
-                    for n, v in ((n, getattr(metric, n)) for n in metric._defaults)
+                    **sd["metrics"].get(name, {}),  # (its update count: this instance's)
+                    **{
+                        n: v.clone()
+                        if isinstance(v, torch.Tensor)
+                        else list(v)
+                        if isinstance(v, list)
+                        else v
+                        for n, v in ((n, getattr(metric, n)) for n in metric._defaults)
+                    },
                 }
             finally:
                 metric.unsync()

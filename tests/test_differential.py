@@ -50,12 +50,6 @@ comparable. Note that a plain torch ``DataLoader`` makes the base-seed draw *bef
 permutation, so the loop's order differs from plain torch's with the same generator:
 ``test_the_loop_reads_the_order_the_reference_draws`` pins the loop's order down.
 
-Known bugs (being fixed elsewhere) break some dimensions today; those are drawn only when listed
-in ``ENABLED`` (or in the environment variable ``IPULOOP_DIFF_ENABLE``, comma-separated, or
-``all``): ``KNOWN_BUGS`` says what each one is. Where a dimension fails only in part, its
-working part is drawn today (a stopped fit on an unshuffled loader, a weight edit followed by a
-validation).
-
 Replaying a failure: Hypothesis prints the falsifying ``Config(...)`` (and a
 ``@reproduce_failure`` blob); ``check(Config(...))`` runs that one configuration alone, e.g.
 ``python -c "import sys; sys.path.insert(0, 'tests'); from test_differential import *;
@@ -66,10 +60,9 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -82,22 +75,6 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.callbacks import LRScheduler
-
-# -- which dimensions are drawn -------------------------------------------------------------------
-KNOWN_BUGS = {
-    "loss_expr": "a model-with-loss returning an expression of its loss (0.25 * ce, ce + l2, "
-    "a sum of two losses) trains the bare torch loss inside it",
-    "continue": "a second fit() after fit(max_steps=k) on a shuffled loader draws the "
-    "interrupted epoch's order again (drawn today with shuffle=False only)",
-    "weight_edit": "a weight edited in place in on_epoch_end is overwritten by the device's "
-    "when no validation runs after it (drawn today with a val_loader only)",
-    "eval_mode": "a submodule the user put in eval mode is put back in train mode by the loop",
-}
-# The known-bug dimensions drawn: set(KNOWN_BUGS) once their fixes are merged.
-ENABLED: set[str] = set()
-_env = os.environ.get("IPULOOP_DIFF_ENABLE", "")
-ENABLED |= set(KNOWN_BUGS) if _env == "all" else {d for d in _env.split(",") if d}
-assert ENABLED <= set(KNOWN_BUGS), f"unknown dimensions in ENABLED: {ENABLED - set(KNOWN_BUGS)}"
 
 # -- sizes ----------------------------------------------------------------------------------------
 IN, HIDDEN, CLASSES = 3, 4, 3
@@ -244,16 +221,12 @@ def configs(draw: st.DrawFn, workers: tuple[int, ...] = (0,)) -> Config:
     epochs = draw(st.integers(1, 2))
     steps = draw(st.integers(2, 5))
     api = draw(st.sampled_from(["with_loss", "loss_fn"]))
-    exprs = ["plain", "scaled", "l2", "two"] if "loss_expr" in ENABLED else ["plain"]
-    expr = "plain" if api == "loss_fn" else draw(st.sampled_from(exprs))
+    expr = "plain" if api == "loss_fn" else draw(st.sampled_from(["plain", "scaled", "l2", "two"]))
     shuffle = draw(st.booleans())
-    interrupts = ["none", "resume_stop", "resume_cb"]
-    if "continue" in ENABLED or not shuffle:  # the known bug needs a shuffled order
-        interrupts.append("continue")
+    interrupts = ["none", "resume_stop", "resume_cb", "continue"]
     total = steps * epochs
     validate = draw(st.booleans())
-    # (the known bug needs no validation after the edit: validation re-uploads the weights)
-    edit = ("weight_edit" in ENABLED or validate) and draw(st.booleans())
+    edit = draw(st.booleans())
     return Config(
         di=di,
         ga=ga,
@@ -277,7 +250,7 @@ def configs(draw: st.DrawFn, workers: tuple[int, ...] = (0,)) -> Config:
         interrupt=draw(st.sampled_from(interrupts)),
         at=draw(st.integers(1, total - 1)),
         weight_edit=edit,
-        frozen_bn="eval_mode" in ENABLED and draw(st.booleans()),
+        frozen_bn=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -613,7 +586,7 @@ def test_the_loop_reads_the_order_the_reference_draws() -> None:
     indices it is asked for, over two shuffled epochs with a remainder dropped."""
 
     class Logged(TensorDataset):
-        log: list[int] = []
+        log: ClassVar[list[int]] = []
 
         def __getitem__(self, i: int) -> Any:
             self.log.append(int(i))
