@@ -87,6 +87,17 @@ class _Seen:
             return False
 
 
+def _group_change(now: int, compiled: int) -> str:
+    return (
+        f"optimizer: it has {now} parameter group(s), and the training model was compiled with "
+        f"{compiled}: the compiled model keeps the groups it was compiled with, so a group "
+        "added during the fit (optimizer.add_param_group) would never train. Build the "
+        "optimizer with every parameter group before the fit, giving a group that should not "
+        "train yet lr=0.0, and raise its lr from a callback when it should (e.g. "
+        "on_epoch_start: the new lr reaches the device before the next step)."
+    )
+
+
 class Executors:
     """The training model and the inference models (one per host-call shape) of one loop.
 
@@ -164,6 +175,8 @@ class Executors:
         current = optimizer_hyperparameters(opt)
         if current != self._pushed:
             assert self.train is not None  # (pushed before a training step)
+            if self._pushed is not None and len(current["groups"]) != len(self._pushed["groups"]):
+                raise ValueError(_group_change(len(current["groups"]), len(self._pushed["groups"])))
             with _plain_numbers(opt):
                 self.train.setOptimizer(opt)
             self.pushes += 1
