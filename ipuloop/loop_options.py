@@ -40,6 +40,7 @@ __all__ = [
     "PRECISIONS",
     "resolve_options",
     "resolve_precision",
+    "check_model_dtype",
     "set_replicas",
     "seed_options",
     "check_optimizer_arg",
@@ -115,6 +116,7 @@ def resolve(
             f"label_key must be a non-empty str (the labels' key in a dict "
             f"batch). Received: label_key={label_key!r}."
         )
+    check_model_dtype(model)
     returns = Returns(loss_key)
     if loss_fn is not None:
         model = WithLoss(model, loss_fn, label_key=label_key)
@@ -145,6 +147,21 @@ def resolve(
         None if precision == "32" else torch.float16,
         optimizer,
     )
+
+
+def check_model_dtype(model: torch.nn.Module) -> None:
+    """A ``TypeError`` for float64 parameters (``model.double()``): the IPU computes in 32 and
+    16 bits, and the loop sends float64 inputs as float32, so such a model fails on its first
+    batch; named here, before anything is built, with the fix."""
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    if wide:
+        more = f" and {len(wide) - 3} more" if len(wide) > 3 else ""
+        raise TypeError(
+            f"model must hold float32 (or float16) parameters: IPUs compute in 32 and 16 bits, "
+            f"and the loop sends float64 inputs as float32. Received: float64 parameters "
+            f"{', '.join(wide[:3])}{more} (model.double()?). Call model.float() before "
+            "building the Loop."
+        )
 
 
 def resolve_options(
