@@ -25,7 +25,7 @@ from .executors import Executors
 from .feed import Feed
 from .loaders import async_settings
 from .loop_options import check_fit_args, check_val_every, resolve, val_sets
-from .outputs import WithLoss, non_finite_error
+from .outputs import WithLoss, non_finite_error, weights_for
 from .plan import Plan, build, build_inference, no_host_call, num_updates
 from .poptorch_types import Executor
 from .probe import probe_plan
@@ -91,6 +91,10 @@ class Loop:
             batches in the same order as reading synchronously (a ``poptorch.DataLoader``
             keeps its own mode).
 
+    ``loop.model`` is the module given; with ``loss_fn`` it runs inside a ``WithLoss``,
+    ``loop.model_with_loss`` (without, the same module). Checkpoints hold ``loop.model``'s
+    ``state_dict``, which loads into that module with plain ``load_state_dict``.
+
     Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
     (Hugging Face's), fed as ``model(**batch)`` (``feed.split_batch``). A model-with-loss may
     return scalars to log beside its loss (``outputs.Returns``): ``<name>`` per step,
@@ -147,7 +151,10 @@ class Loop:
             precision=precision,
         )
         self.label_key = label_key
-        self.model = r.model
+        # the user's module (a checkpoint's "model" is its state_dict), and what runs: it, or
+        # with loss_fn the WithLoss around it
+        self.model: torch.nn.Module = model
+        self.model_with_loss = r.model
         self.metrics = r.metrics  # validation's; the training epoch's are clones
         self.train_opts = r.train
         self.optimizer = r.optimizer
@@ -155,14 +162,17 @@ class Loop:
         self.check_finite = check_finite
         self.state = State()
         self.callbacks = arrange(callbacks, progress)
-        self.executors = Executors(pt, self.model, self.optimizer)
+        self.executors = Executors(pt, self.model_with_loss, self.optimizer)
         self._inference_opts = r.inference  # the inference_opts given (a clone), or None
         self._returns = r.returns
         self._metric_output = metric_output
         self._hooks = Dispatcher(self, self.callbacks)
         # (the labels of a dict batch are needed for loss_fn or the metrics)
         self._feed = Feed(
-            self.model, label_key, loss_fn is not None or bool(self.metrics), r.input_dtype
+            self.model_with_loss,
+            label_key,
+            loss_fn is not None or bool(self.metrics),
+            r.input_dtype,
         )
         self._resume = Resume()
         self._async = async_settings(async_data)  # torch loaders read ahead: async_options
@@ -283,7 +293,7 @@ class Loop:
         val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
         check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
         probe_plan(
-            self.model,
+            self.model_with_loss,
             plan,
             self._feed,
             copy_float=self.precision == "16-true",
@@ -303,7 +313,7 @@ class Loop:
                 epochs,
                 max_steps,
                 self.optimizer,
-                self.model,
+                self.model_with_loss,
                 st.step,
             )
         )
@@ -546,7 +556,8 @@ class Loop:
         ``processes`` (the fit's, or this instance alone: ``validate()``)."""
         st = self.state
         self._hooks.fire("on_validation_start")
-        loss_fn = self.model.loss_fn if isinstance(self.model, WithLoss) else None
+        network = self.model_with_loss
+        loss_fn = network.loss_fn if isinstance(network, WithLoss) else None
         every: dict[str, float] = {}
         for suffix, plan in plans:
             run = Validation(
@@ -673,13 +684,21 @@ class Loop:
 
     def _checkpointed(self) -> Checkpointed:
         return Checkpointed(
-            self.model, self.optimizer, self.state, self._epoch, self.callbacks, self.train_model
+            self.model,
+            self.optimizer,
+            self.state,
+            self._epoch,
+            self.callbacks,
+            self.train_model,
+            self.model_with_loss,
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:
-        """Load model weights only (``load_checkpoint(path)["model"]``), between fits: the
-        next step, validation or predict runs them; optimizer state and counters stay."""
-        self.executors.load_weights(weights)
+        """Load model weights only (``load_checkpoint(path)["model"]``: the user's module's
+        ``state_dict``, or the ``model.``-prefixed keys of its ``loss_fn=`` wrapper that
+        checkpoints held before), between fits: the next step, validation or predict runs
+        them; optimizer state and counters stay."""
+        self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
 
     def _load(self, source: str) -> None:
         if source == "last":  # the callbacks that know where checkpoints are say which

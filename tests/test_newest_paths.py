@@ -79,7 +79,7 @@ def _reference(epochs: int = 2) -> nn.Module:
     """The uninterrupted fit without workers (itself checked against a plain-torch loop below)."""
     loop = _sampler_loop()
     loop.fit(_sampler_loader(0), epochs)
-    return loop.model.model  # (the Linear, without the loss the loop gave it)
+    return loop.model  # (the Linear: the loss the loop gave it is loop.model_with_loss)
 
 
 def test_a_batch_sampler_fit_without_workers_is_the_plain_torch_loop():
@@ -112,8 +112,8 @@ def test_a_batch_sampler_with_workers_reads_the_order_drawn_once(async_data):
     loop = _sampler_loop(async_data)
     loop.fit(_sampler_loader(2), 2)
     assert loop.state.step == 32
-    assert torch.equal(loop.model.model.weight, want.weight)
-    assert torch.equal(loop.model.model.bias, want.bias)
+    assert torch.equal(loop.model.weight, want.weight)
+    assert torch.equal(loop.model.bias, want.bias)
 
     first = _sampler_loop(async_data)
     first.fit(_sampler_loader(2), 2, max_steps=3)
