@@ -292,6 +292,7 @@ class Loop:
         )
         val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
         check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
+        self._rewrap(plan)
         probe_plan(
             self.model_with_loss,
             plan,
@@ -346,6 +347,32 @@ class Loop:
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
+
+    def _rewrap(self, plan: Plan) -> None:
+        """A fit of another micro-batch size than the compiled training model's: the model is
+        wrapped and compiled again at the first step, with a warning; refused, naming the fix,
+        when the optimizer's state could not carry over (it lives on the device only)."""
+        was = self.executors.micro
+        train = self.train_model
+        if was in (None, plan.micro) or train is None or not train.isCompiled():
+            self.executors.micro = plan.micro
+            return
+        try:
+            check_resumable(self.optimizer, self.poptorch)
+        except ValueError as e:
+            raise ValueError(
+                f"train_loader: micro-batch size {plan.micro}, but the training model was "
+                f"compiled for {was}, and wrapping it again would restart the optimizer's "
+                f"state. Pass a loader with batch_size={was}, or build the Loop with a "
+                f"poptorch.optim optimizer, whose state the host holds. ({e})"
+            ) from None
+        if self.executors.rewrap(plan.micro) is not None:
+            warnings.warn(
+                f"train_loader: micro-batch size {plan.micro}, and the training model was "
+                f"compiled for {was}: it is wrapped and compiled again at the first step. "
+                "The weights, the optimizer state and the device's random stream carry over.",
+                stacklevel=4,
+            )
 
     def _epochs(self, plan: Plan, val_plan: ValPlans | None, epochs: int) -> None:
         st = self.state

@@ -118,3 +118,42 @@ class _WithLoss(nn.Module):
     def forward(self, x, y):
         out = self.model(x)
         return out, nn.functional.cross_entropy(out, y)
+
+
+# -- a second fit with another micro-batch size ----------------------------------------------------
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_second_fit_with_another_micro_batch_size_wraps_the_model_again():
+    """The weights, the momentum and the device's random stream carry over: the same as
+    resuming from a checkpoint of the first fit with the new loader."""
+    torch.manual_seed(0)
+    model = _model()
+    loop = _loop(model, poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
+    first = loop.train_model
+    with pytest.warns(UserWarning, match="micro-batch size 4.*compiled for 2.*compiled again"):
+        loop.fit(DataLoader(_data(), batch_size=4), epochs=2)
+    assert loop.train_model is not first and loop.state.epoch == 2
+
+    ref = _model()
+    a = _loop(ref, poptorch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+    a.fit(DataLoader(_data(), batch_size=2), epochs=1)
+    resumed_model = _model()
+    b = _loop(resumed_model, poptorch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9))
+    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match="other factors"):
+        b.fit(DataLoader(_data(), batch_size=4), epochs=2)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(model), _weights(resumed_model)))
+    assert loop.state.history == b.state.history
+
+
+def test_another_micro_batch_size_with_device_only_optimizer_state_names_the_fix():
+    model = _model()
+    loop = _loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
+    with pytest.raises(ValueError, match="train_loader: micro-batch size 4") as e:
+        loop.fit(DataLoader(_data(), batch_size=4), epochs=2)
+    assert "batch_size=2" in str(e.value) and "poptorch.optim.SGD" in str(e.value)
+    loop.fit(DataLoader(_data(), batch_size=2), epochs=2)  # the size it compiled for: trains
