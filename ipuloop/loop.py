@@ -240,9 +240,9 @@ class Loop:
         before its ``on_train_step_end`` (an epoch end right after one does not validate
         again). ``history`` has a row per epoch, with the epoch's last validation.
         Several validation sets: a list of loaders (logged as Lightning does,
-        ``val_loss/dataloader_idx_<i>``) or a dict of name -> loader (``val_loss/<name>``),
-        validated in turn, each with its own metric states, in one validation (one
-        ``on_validation_start`` and ``on_validation_end``).
+        ``val_loss/dataloader_idx_<i>``; a list of one as one loader) or a dict of name ->
+        loader (``val_loss/<name>``), validated in turn, each with its own metric states, in
+        one validation (one ``on_validation_start`` and ``on_validation_end``).
 
         ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback: the
         newest checkpoint written in its folder) continues an interrupted fit exactly; with

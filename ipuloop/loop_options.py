@@ -365,8 +365,9 @@ _SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 def val_sets(value: object, arg: str = "val_loader") -> list[tuple[str, str | None, DataLoader]]:
     """``fit``'s ``val_loader`` (or ``validate``'s ``arg``) as ``(log suffix, name, loader)``
     per validation set: one loader is ``("", None, loader)`` (logs ``val_loss``...); a dict
-    of name -> loader gives each its name (``val_loss/<name>``), a list or tuple Lightning's
-    ``dataloader_idx_<i>`` (``val_loss/dataloader_idx_<i>``). Anything else is refused,
+    of name -> loader gives each its name (``val_loss/<name>``), a list or tuple of several
+    Lightning's ``dataloader_idx_<i>`` (``val_loss/dataloader_idx_<i>``; a list of one logs as
+    one loader, as in Lightning). Anything else is refused,
     naming ``arg``, what it got and the fix, before anything is built."""
     shapes = (
         f"{arg} must be a DataLoader, a list of DataLoaders or a dict of name -> DataLoader "
@@ -413,8 +414,12 @@ def val_sets(value: object, arg: str = "val_loader") -> list[tuple[str, str | No
                 f"{shapes}. Received: {arg}={value!r} (no set): pass at least one, or leave "
                 f"{arg} out."
             )
-        return [
-            (f"dataloader_idx_{i}", f"{arg}[{i}]", loader(v, f"{arg}[{i}]"))
+        return [  # (as Lightning: one loader in a list logs as one loader)
+            (
+                "" if len(value) == 1 else f"dataloader_idx_{i}",
+                f"{arg}[{i}]",
+                loader(v, f"{arg}[{i}]"),
+            )
             for i, v in enumerate(value)
         ]
     return [("", None, loader(value, arg))]

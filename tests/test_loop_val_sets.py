@@ -179,3 +179,10 @@ def test_a_checkpoint_taken_during_the_second_set_runs_the_whole_validation_agai
     got = resumed.fit(_loader(16, 0), epochs=2, val_loader=_sets())
     assert got == expected
     assert all(torch.equal(a, b) for a, b in zip(_weights(whole), _weights(resumed)))
+
+
+def test_a_list_of_one_logs_as_one_loader_as_in_lightning():
+    loop = _loop()
+    history = loop.fit(_loader(16, 0), epochs=1, val_loader=[_loader(8, 1)])
+    assert "val_loss" in history[-1] and not any("/" in k for k in history[-1])
+    assert loop.validate([_loader(8, 1)]) == loop.validate(_loader(8, 1))
