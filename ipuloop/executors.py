@@ -114,7 +114,6 @@ class Executors:
         self.optimizer = optimizer
         self.train: Executor | None = None
         self.micro: int | None = None  # the micro-batch size the training model is built for
-        self._rng: torch.Tensor | None = None  # a destroyed training model's device RNG
         self.inference: dict[tuple, Executor] = {}
         self.pushes = 0
         self._pushed: dict | None = None  # the snapshot the device holds
@@ -142,8 +141,6 @@ class Executors:
         if executor is self.train:
             self._pushed = optimizer_hyperparameters(self.optimizer)
             self._seen = None
-            if rng_state is None:  # wrapped again (``rewrap``): the device's stream goes on
-                rng_state, self._rng = self._rng, None
         seconds = time.perf_counter() - start
         if rng_state is not None:
             executor.rng_state = rng_state
@@ -170,21 +167,21 @@ class Executors:
             model = self.inference[key] = self.poptorch.inferenceModel(self.model, opts)
         return model
 
-    def rewrap(self, micro: int) -> int | None:
+    def rewrap(self, micro: int) -> torch.Tensor | None:
         """A fit of micro-batches of ``micro`` samples: a training model compiled for another
         size is destroyed (PopTorch's ``destroy``: the weights and the optimizer state go to
-        the host, the model is unwrapped) and the next step wraps and compiles it again, its
-        device random stream continued. Returns the size it was compiled for, None when it is
-        kept."""
+        the host, the model is unwrapped), and the next step wraps and compiles it again.
+        Returns the destroyed model's device random state (for the next one to continue),
+        None when the model is kept."""
         was, self.micro = self.micro, micro
         train = self.train
         if train is None or not train.isCompiled() or was in (None, micro):
             return None
-        self._rng = train.rng_state
+        rng = train.rng_state
         train.destroy()
         self.train = None
         self._pushed = self._seen = None
-        return was
+        return rng
 
     def push_optimizer(self) -> None:
         """Before a training step: ``setOptimizer`` when a hyper-parameter changed."""

@@ -366,7 +366,9 @@ class Loop:
                 f"state. Pass a loader with batch_size={was}, or build the Loop with a "
                 f"poptorch.optim optimizer, whose state the host holds. ({e})"
             ) from None
-        if self.executors.rewrap(plan.micro) is not None:
+        rng = self.executors.rewrap(plan.micro)
+        if rng is not None:
+            self._resume.carry_device_rng(rng)  # the next training model continues it
             warnings.warn(
                 f"train_loader: micro-batch size {plan.micro}, and the training model was "
                 f"compiled for {was}: it is wrapped and compiled again at the first step. "

@@ -230,6 +230,11 @@ class Resume:
         self._step_validation = False
         return pending
 
+    def carry_device_rng(self, rng: torch.Tensor) -> None:
+        """The device random state of a training model destroyed to be wrapped again: the
+        next one continues it, and a checkpoint taken before that one compiles holds it."""
+        self._device_rng = rng
+
     def take_device_rng(self) -> torch.Tensor | None:
         """A loaded device random state, once: the compiled model continues it."""
         rng = self._device_rng

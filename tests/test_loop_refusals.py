@@ -24,9 +24,9 @@ def _data(n: int = N) -> TensorDataset:
     )
 
 
-def _model() -> nn.Module:
+def _model(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 8), nn.ReLU(), nn.Linear(8, CLASSES))
+    return nn.Sequential(nn.Linear(IN, 8), nn.ReLU(), nn.Dropout(dropout), nn.Linear(8, CLASSES))
 
 
 def _loop(model: nn.Module, optimizer=None, **kwargs) -> Loop:
@@ -69,7 +69,7 @@ class RaiseLr(Callback):
 
 def test_a_group_added_mid_fit_is_refused_with_a_fix_that_works():
     model = _model()
-    first, second = list(model[0].parameters()), list(model[2].parameters())
+    first, second = list(model[0].parameters()), list(model[3].parameters())
     loop = _loop(model, poptorch.optim.SGD(first, lr=0.1), callbacks=[AddGroup(second)])
     with pytest.raises(ValueError, match="parameter group") as e:
         loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
@@ -79,21 +79,21 @@ def test_a_group_added_mid_fit_is_refused_with_a_fix_that_works():
 
     # the fix it names: every group from the start, the late one at lr=0.0, raised later
     model = _model()
-    before = [p.detach().clone() for p in model[2].parameters()]
+    before = [p.detach().clone() for p in model[3].parameters()]
     optimizer = poptorch.optim.SGD(
-        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.0}], lr=0.1
+        [{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 0.0}], lr=0.1
     )
     seen = []
 
     class Watch(Callback):
         def on_train_step_end(self, loop) -> None:
             if loop.state.step == 2:
-                seen.append([p.detach().clone() for p in model[2].parameters()])
+                seen.append([p.detach().clone() for p in model[3].parameters()])
 
     loop = _loop(model, optimizer, callbacks=[RaiseLr(), Watch()])
     loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
     assert all(torch.equal(a, b) for a, b in zip(before, seen[0]))  # frozen while lr=0.0
-    assert not all(torch.equal(a, b) for a, b in zip(before, model[2].parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model[3].parameters()))
 
 
 def test_the_emulator_names_the_fix_for_a_group_added_after_the_wrap():
@@ -126,10 +126,9 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def test_a_second_fit_with_another_micro_batch_size_wraps_the_model_again():
-    """The weights, the momentum and the device's random stream carry over: the same as
-    resuming from a checkpoint of the first fit with the new loader."""
-    torch.manual_seed(0)
-    model = _model()
+    """The weights, the momentum and the device's random stream (dropout) carry over: the
+    same as resuming from a checkpoint of the first fit with the new loader."""
+    model = _model(dropout=0.3)
     loop = _loop(model, poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
     first = loop.train_model
@@ -137,10 +136,10 @@ def test_a_second_fit_with_another_micro_batch_size_wraps_the_model_again():
         loop.fit(DataLoader(_data(), batch_size=4), epochs=2)
     assert loop.train_model is not first and loop.state.epoch == 2
 
-    ref = _model()
+    ref = _model(dropout=0.3)
     a = _loop(ref, poptorch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
     a.fit(DataLoader(_data(), batch_size=2), epochs=1)
-    resumed_model = _model()
+    resumed_model = _model(dropout=0.3)
     b = _loop(resumed_model, poptorch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9))
     b.load_state_dict(a.state_dict())
     with pytest.warns(UserWarning, match="other factors"):
