@@ -9,6 +9,8 @@ any of them; anything else is refused before the first step; a resume is exact.
 from __future__ import annotations
 
 import csv
+import os
+import signal
 
 import pytest
 import torch
@@ -186,3 +188,39 @@ def test_a_list_of_one_logs_as_one_loader_as_in_lightning():
     history = loop.fit(_loader(16, 0), epochs=1, val_loader=[_loader(8, 1)])
     assert "val_loss" in history[-1] and not any("/" in k for k in history[-1])
     assert loop.validate([_loader(8, 1)]) == loop.validate(_loader(8, 1))
+
+
+class TermInSecondSet(Callback):
+    """SIGTERM during the validation of the second set, at step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.before: object = None
+
+    def on_validation_start(self, loop) -> None:
+        self.before = loop.state.logs.get("val_loss/clean")
+
+    def on_validation_step_end(self, loop) -> None:
+        st = loop.state
+        if st.step == self.at and st.logs.get("val_loss/clean") is not self.before:
+            os.kill(os.getpid(), signal.SIGTERM)  # the first set's logs are this validation's
+
+
+@pytest.mark.parametrize("at", [3, 4], ids=["step-validation", "epoch-end"])
+def test_sigterm_in_the_second_set_resumes_exactly(tmp_path, at):
+    """The checkpoint is taken inside the second set's validation (of a step, or of an epoch
+    end); the resumed fit validates every set again from the first and ends as the
+    uninterrupted fit, bitwise."""
+    whole = _loop()
+    expected = whole.fit(_loader(16, 0), epochs=2, val_loader=_sets(), val_every_n_steps=3)
+
+    stopped = _loop(callbacks=[TermInSecondSet(at), ModelCheckpoint(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        stopped.fit(_loader(16, 0), epochs=2, val_loader=_sets(), val_every_n_steps=3)
+    assert e.value.code == 143 and stopped.state.step == at
+    resumed = _loop(callbacks=[ModelCheckpoint(tmp_path)])
+    got = resumed.fit(
+        _loader(16, 0), epochs=2, val_loader=_sets(), val_every_n_steps=3, resume_from="last"
+    )
+    assert got == expected
+    assert all(torch.equal(a, b) for a, b in zip(_weights(whole), _weights(resumed)))
