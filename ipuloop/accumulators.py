@@ -302,9 +302,10 @@ class Validation:
             for m in self.metrics.values():
                 m.update(output, labels)
 
-    def logs(self, processes: Any) -> dict[str, float]:
+    def logs(self, processes: Any, suffix: str = "") -> dict[str, float]:
         """val_loss (when any sample has a loss), ``val_<metric>`` and ``val_<logged name>``,
-        each summed over the instances of ``processes`` that validated."""
+        each summed over the instances of ``processes`` that validated; with ``suffix`` (one
+        of several validation sets), each as ``<name>/<suffix>``."""
         names = sorted(self.logged)  # (the same on every instance)
         values = [
             self.total,
@@ -345,7 +346,7 @@ class Validation:
             count = values[5 + 2 * i]
             if count:
                 logs["val_" + name] = total / count
-        return logs
+        return {f"{k}/{suffix}": v for k, v in logs.items()} if suffix else logs
 
 
 class Predictions:

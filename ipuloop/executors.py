@@ -109,6 +109,17 @@ def _parameters(module: torch.nn.Module) -> Iterator[torch.Tensor]:
                 yield p
 
 
+def _group_change(now: int, compiled: int) -> str:
+    return (
+        f"optimizer: it has {now} parameter group(s), and the training model was compiled with "
+        f"{compiled}: the compiled model keeps the groups it was compiled with, so a group "
+        "added during the fit (optimizer.add_param_group) would never train. Build the "
+        "optimizer with every parameter group before the fit, giving a group that should not "
+        "train yet lr=0.0, and raise its lr from a callback when it should (e.g. "
+        "on_epoch_start: the new lr reaches the device before the next step)."
+    )
+
+
 class Executors:
     """The training model and the inference models (one per host-call shape) of one loop.
 
@@ -129,6 +140,7 @@ class Executors:
         self.optimizer = optimizer
         self.returns = returns if returns is not None else Returns()  # where the loss is
         self.train: Executor | None = None
+        self.micro: int | None = None  # the micro-batch size the training model is built for
         self.inference: dict[tuple, Executor] = {}
         self.pushes = 0
         self._pushed: dict | None = None  # the snapshot the device holds
@@ -243,6 +255,22 @@ class Executors:
                     "(a head re-initialised: its reset_parameters())."
                 )
 
+    def rewrap(self, micro: int) -> torch.Tensor | None:
+        """A fit of micro-batches of ``micro`` samples: a training model compiled for another
+        size is destroyed (PopTorch's ``destroy``: the weights and the optimizer state go to
+        the host, the model is unwrapped), and the next step wraps and compiles it again.
+        Returns the destroyed model's device random state (for the next one to continue),
+        None when the model is kept."""
+        was, self.micro = self.micro, micro
+        train = self.train
+        if train is None or not train.isCompiled() or was in (None, micro):
+            return None
+        rng = train.rng_state
+        train.destroy()
+        self.train = None
+        self._pushed = self._seen = None
+        return rng
+
     def push_optimizer(self) -> None:
         """Before a training step: ``setOptimizer`` when a hyper-parameter changed."""
         opt = self.optimizer
@@ -252,6 +280,8 @@ class Executors:
         current = optimizer_hyperparameters(opt)
         if current != self._pushed:
             assert self.train is not None  # (pushed before a training step)
+            if self._pushed is not None and len(current["groups"]) != len(self._pushed["groups"]):
+                raise ValueError(_group_change(len(current["groups"]), len(self._pushed["groups"])))
             with _plain_numbers(opt):
                 self.train.setOptimizer(opt)
             self.pushes += 1

@@ -24,9 +24,9 @@ from .exceptions import NonFiniteLossError
 from .executors import Executors
 from .feed import Feed
 from .loaders import async_settings
-from .loop_options import check_fit_args, check_val_every, resolve
+from .loop_options import check_fit_args, check_val_every, resolve, val_sets
 from .modes import warn_if_evaluating
-from .outputs import WithLoss, non_finite_error
+from .outputs import WithLoss, non_finite_error, weights_for
 from .plan import Plan, build, build_inference, no_host_call, num_updates
 from .poptorch_types import Executor
 from .probe import probe_plan
@@ -36,6 +36,15 @@ from .signals import Preempted, handle_signals
 from .state import State
 
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
+
+# The validation sets of a fit or a validate(): (log suffix, plan) each; one loader: ("", plan)
+ValPlans = tuple[tuple[str, Plan], ...]
+
+
+def _val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
+    """The validation host calls the instances compare: one set's, or each set's."""
+    steps = tuple(p.steps for _, p in val_plans)
+    return steps[0] if len(steps) == 1 and not val_plans[0][0] else steps
 
 
 class Loop:
@@ -82,6 +91,10 @@ class Loop:
             (True, or a dict of its ``async_options``, e.g. ``{"buffer_size": 4}``): the same
             batches in the same order as reading synchronously (a ``poptorch.DataLoader``
             keeps its own mode).
+
+    ``loop.model`` is the module given; with ``loss_fn`` it runs inside a ``WithLoss``,
+    ``loop.model_with_loss`` (without, the same module). Checkpoints hold ``loop.model``'s
+    ``state_dict``, which loads into that module with plain ``load_state_dict``.
 
     Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
     (Hugging Face's), fed as ``model(**batch)`` (``feed.split_batch``). A model-with-loss may
@@ -139,7 +152,10 @@ class Loop:
             precision=precision,
         )
         self.label_key = label_key
-        self.model = r.model
+        # the user's module (a checkpoint's "model" is its state_dict), and what runs: it, or
+        # with loss_fn the WithLoss around it
+        self.model: torch.nn.Module = model
+        self.model_with_loss = r.model
         self.metrics = r.metrics  # validation's; the training epoch's are clones
         self.train_opts = r.train
         self.optimizer = r.optimizer
@@ -147,18 +163,22 @@ class Loop:
         self.check_finite = check_finite
         self.state = State()
         self.callbacks = arrange(callbacks, progress)
-        self.executors = Executors(pt, self.model, self.optimizer, r.returns)
+        self.executors = Executors(pt, self.model_with_loss, self.optimizer, r.returns)
         self._inference_opts = r.inference  # the inference_opts given (a clone), or None
         self._returns = r.returns
         self._metric_output = metric_output
         self._hooks = Dispatcher(self, self.callbacks)
         # (the labels of a dict batch are needed for loss_fn or the metrics)
         self._feed = Feed(
-            self.model, label_key, loss_fn is not None or bool(self.metrics), r.input_dtype
+            self.model_with_loss,
+            label_key,
+            loss_fn is not None or bool(self.metrics),
+            r.input_dtype,
         )
         self._resume = Resume()
         self._async = async_settings(async_data)  # torch loaders read ahead: async_options
         self._warned: set[str] = set()  # one-time warnings given
+        self._set_metrics: dict[str, dict[str, Any]] = {}  # several val sets: each one's
         self._frozen = False  # train_opts: settable in on_configure, then frozen
         self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
         # The run this loop is an instance of: this process alone, or several (torchrun,
@@ -208,7 +228,7 @@ class Loop:
         self,
         train_loader: DataLoader,
         epochs: int = 1,
-        val_loader: DataLoader | None = None,
+        val_loader: DataLoader | list | dict | None = None,
         *,
         resume_from: str | None = None,
         max_steps: int | None = None,
@@ -220,6 +240,10 @@ class Loop:
         ``val_every_n_steps``, also at each step that is a multiple of it (``state.step``),
         before its ``on_train_step_end`` (an epoch end right after one does not validate
         again). ``history`` has a row per epoch, with the epoch's last validation.
+        Several validation sets: a list of loaders (logged as Lightning does,
+        ``val_loss/dataloader_idx_<i>``; a list of one as one loader) or a dict of name ->
+        loader (``val_loss/<name>``), validated in turn, each with its own metric states, in
+        one validation (one ``on_validation_start`` and ``on_validation_end``).
 
         ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback: the
         newest checkpoint written in its folder) continues an interrupted fit exactly; with
@@ -247,7 +271,7 @@ class Loop:
         self,
         train_loader: DataLoader,
         epochs: int,
-        val_loader: DataLoader | None,
+        val_loader: DataLoader | list | dict | None,
         resume_from: str | None,
         max_steps: int | None,
         val_every_n_steps: int | None,
@@ -267,10 +291,11 @@ class Loop:
             "train_loader",
             async_options=self._async,
         )
-        val_plan = None if val_loader is None else self._inference_plan(val_loader, "val_loader")
+        val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
         check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
+        self._rewrap(plan)
         probe_plan(
-            self.model,
+            self.model_with_loss,
             plan,
             self._feed,
             copy_float=self.precision == "16-true",
@@ -285,19 +310,17 @@ class Loop:
                 plan.micro,
                 plan.samples,
                 plan.steps,
-                None if val_plan is None else val_plan.steps,
+                None if val_plan is None else _val_steps(val_plan),
                 st.val_every_n_steps,
                 epochs,
                 max_steps,
                 self.optimizer,
-                self.model,
+                self.model_with_loss,
                 st.step,
             )
         )
         if self.executors.train is None:  # the modes the training model is traced in
-            warn_if_evaluating(
-                self.model.model if isinstance(self.model, WithLoss) else self.model, 4
-            )
+            warn_if_evaluating(self.model, 4)
         if resume_from is not None:
             self.check_resumable()
             self._load(resume_from)
@@ -309,8 +332,15 @@ class Loop:
                 f"Pass epochs={st.epoch + epochs} to train {epochs} more.",
                 stacklevel=3,
             )
-        st.start_fit(plan.steps, max_steps, validates=val_plan is not None)
-        with self._running(plan, val_plan, fit=True), self.executors.marking_loss():
+        st.start_fit(
+            plan.steps,
+            max_steps,
+            validates=val_plan is not None,
+            val_sets=tuple(s for s, _ in val_plan or () if s),
+        )
+        with self._running(
+            plan, *(p for _, p in val_plan or ()), fit=True
+        ), self.executors.marking_loss():
             try:
                 self._hooks.scope(
                     "on_fit_start", lambda: self._epochs(plan, val_plan, epochs), CancelFit
@@ -323,13 +353,41 @@ class Loop:
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
 
-    def _epochs(self, plan: Plan, val_plan: Plan | None, epochs: int) -> None:
+    def _rewrap(self, plan: Plan) -> None:
+        """A fit of another micro-batch size than the compiled training model's: the model is
+        wrapped and compiled again at the first step, with a warning; refused, naming the fix,
+        when the optimizer's state could not carry over (it lives on the device only)."""
+        was = self.executors.micro
+        train = self.train_model
+        if was in (None, plan.micro) or train is None or not train.isCompiled():
+            self.executors.micro = plan.micro
+            return
+        try:
+            check_resumable(self.optimizer, self.poptorch)
+        except ValueError as e:
+            raise ValueError(
+                f"train_loader: micro-batch size {plan.micro}, but the training model was "
+                f"compiled for {was}, and wrapping it again would restart the optimizer's "
+                f"state. Pass a loader with batch_size={was}, or build the Loop with a "
+                f"poptorch.optim optimizer, whose state the host holds. ({e})"
+            ) from None
+        rng = self.executors.rewrap(plan.micro)
+        if rng is not None:
+            self._resume.carry_device_rng(rng)  # the next training model continues it
+            warnings.warn(
+                f"train_loader: micro-batch size {plan.micro}, and the training model was "
+                f"compiled for {was}: it is wrapped and compiled again at the first step. "
+                "The weights, the optimizer state and the device's random stream carry over.",
+                stacklevel=4,
+            )
+
+    def _epochs(self, plan: Plan, val_plan: ValPlans | None, epochs: int) -> None:
         st = self.state
         while st.epoch < epochs and not self._processes.at_boundary(st):
             self._fit_epoch(plan, val_plan)
         self._processes.check_preempted(st)  # SIGTERM during the last epoch-end hooks
 
-    def _fit_epoch(self, plan: Plan, val_plan: Plan | None) -> None:
+    def _fit_epoch(self, plan: Plan, val_plan: ValPlans | None) -> None:
         st = self.state
         if st.epoch_step == 0:
             self._epoch.reset()
@@ -349,7 +407,7 @@ class Loop:
         st.history.append({"epoch": st.epoch, **st.logs})
         self._hooks.event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing to skip
 
-    def _validate_in_fit(self, val_plan: Plan, in_step: bool = False) -> None:
+    def _validate_in_fit(self, val_plan: ValPlans, in_step: bool = False) -> None:
         """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
         try:
             with self._resume.validation(in_step):  # (a checkpoint in it resumes before it)
@@ -363,7 +421,7 @@ class Loop:
         """The names of the loss, the metrics and the values the model logged."""
         return ("loss", "loss_exact", *self.metrics, *self._returns.logged)
 
-    def _train_epoch(self, plan: Plan, val_plan: Plan | None) -> None:
+    def _train_epoch(self, plan: Plan, val_plan: ValPlans | None) -> None:
         st = self.state
         epoch = self._epoch
         executors = self.executors
@@ -468,6 +526,14 @@ class Loop:
             async_options=self._async,
         )
 
+    def _val_plans(self, loader: object, arg: str, partition: bool = True) -> ValPlans:
+        """The plans of ``loader``'s validation sets (``loop_options.val_sets``: one loader,
+        a list or a dict of them), each built as one validation loader is."""
+        return tuple(
+            (suffix, self._inference_plan(one, name or "val_loader", partition))
+            for suffix, name, one in val_sets(loader, arg)
+        )
+
     def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Executor:
         key = (kind, plan.combined, plan.loader.options.device_iterations)
         model = self.executors.inference.get(key)
@@ -479,8 +545,12 @@ class Loop:
             self._hooks.fire("on_compile_end")
         return model
 
-    def validate(self, loader: DataLoader) -> dict[str, float]:
+    def validate(self, loader: DataLoader | list | dict) -> dict[str, float]:
         """Run ``loader`` through the inference model; returns val_loss and val metrics.
+
+        ``loader`` may be several validation sets, as ``fit``'s ``val_loader``: a list or a
+        dict of loaders, validated in turn; it returns every set's logs, each under its set's
+        name (``val_loss/<name>``, ``val_loss/dataloader_idx_<i>``).
 
         Every sample counts: the samples are read in order and the last host call is padded
         with copies of the last one (an IterableDataset as it ends, read in the order its
@@ -497,40 +567,63 @@ class Loop:
         """
         st = self.state
         st.start_call()
-        plan = self._inference_plan(loader, "val_loader", partition=False)  # every sample
-        with self._running(plan), self._processes.unsynced(self.metrics):
+        plans = self._val_plans(loader, "loader", partition=False)  # every sample
+        metrics = {f"{s}:{k}": m for s, _ in plans for k, m in self._metrics_of(s).items()}
+        with self._running(*(p for _, p in plans)), self._processes.unsynced(metrics):
             try:
-                return self._run_validation(plan, ALONE, in_fit=False)
+                return self._run_validation(plans, ALONE, in_fit=False)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
                 st.drop_logs("val_", self._logged())
                 return {}
 
-    def _run_validation(self, plan: Plan, processes: Processes, in_fit: bool) -> dict[str, float]:
-        """A validation over ``plan``, its numbers summed over ``processes`` (the fit's, or
-        this instance alone: ``validate()``)."""
+    def _metrics_of(self, suffix: str) -> dict[str, Any]:
+        """The validation metrics of the set ``suffix``: the loop's for one loader, else
+        clones of them kept per set (each set has its own states)."""
+        if not suffix:
+            return self.metrics
+        if suffix not in self._set_metrics:
+            self._set_metrics[suffix] = {k: m.clone() for k, m in self.metrics.items()}
+        return self._set_metrics[suffix]
+
+    def _run_validation(
+        self, plans: ValPlans, processes: Processes, in_fit: bool
+    ) -> dict[str, float]:
+        """A validation over ``plans`` (each validation set in turn), its numbers summed over
+        ``processes`` (the fit's, or this instance alone: ``validate()``)."""
         st = self.state
         self._hooks.fire("on_validation_start")
-        loss_fn = self.model.loss_fn if isinstance(self.model, WithLoss) else None
-        run = Validation(
-            plan, self.metrics, self._metric_output, loss_fn, self._warned, self._returns
-        )
-        model = None
-        with self.executors.inferring():
-            for batch, samples in plan.counted():
-                args, kwargs, labels = self._feed.split(batch, plan.name)
-                if model is None:
-                    model = self._inference_model(plan, "validate", args, kwargs)
-                self.executors.activate(model)
-                run.add(model(*args, **kwargs), labels, samples)
-                self._hooks.fire("on_validation_step_end")
-                if in_fit:  # a stop (SIGTERM, on any instance) ends it here
-                    processes.check_preempted(st)
-        logs = run.logs(processes)
-        if "val_loss" not in logs:
-            st.drop_logs("val_", ("loss",))  # none this time, rather than a stale one
-        st.logs.update(logs)
+        network = self.model_with_loss
+        loss_fn = network.loss_fn if isinstance(network, WithLoss) else None
+        every: dict[str, float] = {}
+        with self.executors.inferring():  # (the returned loss as the model made it)
+            for suffix, plan in plans:
+                run = Validation(
+                    plan,
+                    self._metrics_of(suffix),
+                    self._metric_output,
+                    loss_fn,
+                    self._warned,
+                    self._returns,
+                )
+                model = None
+                for batch, samples in plan.counted():
+                    args, kwargs, labels = self._feed.split(batch, plan.name)
+                    if model is None:
+                        model = self._inference_model(plan, "validate", args, kwargs)
+                    self.executors.activate(model)
+                    run.add(model(*args, **kwargs), labels, samples)
+                    self._hooks.fire("on_validation_step_end")
+                    if in_fit:  # a stop (SIGTERM, on any instance) ends it here
+                        processes.check_preempted(st)
+                logs = run.logs(processes, suffix)
+                if not suffix and "val_loss" not in logs:  # none this time, not a stale one
+                    st.drop_logs("val_", ("loss",))
+                elif suffix and f"val_loss/{suffix}" not in logs:
+                    st.logs.pop(f"val_loss/{suffix}", None)
+                st.logs.update(logs)
+                every.update(logs)
         self._hooks.fire("on_validation_end")
-        return logs
+        return every
 
     def predict(self, loader: DataLoader) -> Any:
         """Outputs for every sample of ``loader``'s dataset, in dataset order.
@@ -628,13 +721,21 @@ class Loop:
 
     def _checkpointed(self) -> Checkpointed:
         return Checkpointed(
-            self.model, self.optimizer, self.state, self._epoch, self.callbacks, self.train_model
+            self.model,
+            self.optimizer,
+            self.state,
+            self._epoch,
+            self.callbacks,
+            self.train_model,
+            self.model_with_loss,
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:
-        """Load model weights only (``load_checkpoint(path)["model"]``), between fits: the
-        next step, validation or predict runs them; optimizer state and counters stay."""
-        self.executors.load_weights(weights)
+        """Load model weights only (``load_checkpoint(path)["model"]``: the user's module's
+        ``state_dict``, or the ``model.``-prefixed keys of its ``loss_fn=`` wrapper that
+        checkpoints held before), between fits: the next step, validation or predict runs
+        them; optimizer state and counters stay."""
+        self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
 
     def _load(self, source: str) -> None:
         if source == "last":  # the callbacks that know where checkpoints are say which

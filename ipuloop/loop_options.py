@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -40,6 +41,7 @@ __all__ = [
     "PRECISIONS",
     "resolve_options",
     "resolve_precision",
+    "check_model_dtype",
     "set_replicas",
     "seed_options",
     "check_optimizer_arg",
@@ -49,6 +51,7 @@ __all__ = [
     "inference_options",
     "check_fit_args",
     "check_val_every",
+    "val_sets",
 ]
 
 PRECISIONS = ("32", "16-mixed", "16-true")
@@ -115,6 +118,7 @@ def resolve(
             f"label_key must be a non-empty str (the labels' key in a dict "
             f"batch). Received: label_key={label_key!r}."
         )
+    check_model_dtype(model)
     returns = Returns(loss_key)
     if loss_fn is not None:
         model = WithLoss(model, loss_fn, label_key=label_key)
@@ -145,6 +149,21 @@ def resolve(
         None if precision == "32" else torch.float16,
         optimizer,
     )
+
+
+def check_model_dtype(model: torch.nn.Module) -> None:
+    """A ``TypeError`` for float64 parameters (``model.double()``): the IPU computes in 32 and
+    16 bits, and the loop sends float64 inputs as float32, so such a model fails on its first
+    batch; named here, before anything is built, with the fix."""
+    wide = [n for n, p in model.named_parameters() if p.dtype == torch.float64]
+    if wide:
+        more = f" and {len(wide) - 3} more" if len(wide) > 3 else ""
+        raise TypeError(
+            f"model must hold float32 (or float16) parameters: IPUs compute in 32 and 16 bits, "
+            f"and the loop sends float64 inputs as float32. Received: float64 parameters "
+            f"{', '.join(wide[:3])}{more} (model.double()?). Call model.float() before "
+            "building the Loop."
+        )
 
 
 def resolve_options(
@@ -338,6 +357,72 @@ def check_fit_args(
             f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
             "but this fit has none. Pass val_loader= too."
         )
+
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def val_sets(value: object, arg: str = "val_loader") -> list[tuple[str, str | None, DataLoader]]:
+    """``fit``'s ``val_loader`` (or ``validate``'s ``arg``) as ``(log suffix, name, loader)``
+    per validation set: one loader is ``("", None, loader)`` (logs ``val_loss``...); a dict
+    of name -> loader gives each its name (``val_loss/<name>``), a list or tuple of several
+    Lightning's ``dataloader_idx_<i>`` (``val_loss/dataloader_idx_<i>``; a list of one logs as
+    one loader, as in Lightning). Anything else is refused,
+    naming ``arg``, what it got and the fix, before anything is built."""
+    shapes = (
+        f"{arg} must be a DataLoader, a list of DataLoaders or a dict of name -> DataLoader "
+        "(several validation sets)"
+    )
+
+    def loader(v: object, where: str) -> DataLoader:
+        if isinstance(v, DataLoader):
+            return v
+        hint = (
+            "wrap the tensors in a DataLoader: DataLoader(TensorDataset(x, y), batch_size=B)"
+            if isinstance(v, torch.Tensor)
+            else "pass a torch.utils.data.DataLoader or poptorch.DataLoader"
+        )
+        raise TypeError(f"{shapes}. Received: {where}={type(v).__name__}: {hint}.")
+
+    if isinstance(value, DataLoader):
+        return [("", None, value)]
+    if isinstance(value, dict):
+        if not value:
+            raise ValueError(
+                f"{shapes}. Received: {arg}={{}} (no set): pass at least one, or leave {arg} out."
+            )
+        out: list[tuple[str, str | None, DataLoader]] = []
+        for name, v in value.items():
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"{shapes}, each name a str. Received: a key {name!r} "
+                    f"({type(name).__name__}) in {arg}: name each set with a str, e.g. "
+                    f"{{'clean': loader}}."
+                )
+            if not _SET_NAME.fullmatch(name):
+                raise ValueError(
+                    f"{arg}: each set's name is part of its log names (val_loss/<name>) and "
+                    "of checkpoint filename fields, so it must be letters, digits, '_' and "
+                    f"'-'. Received: a key {name!r} in {arg}: rename it, e.g. "
+                    f"{re.sub(r'[^A-Za-z0-9_-]+', '_', name).strip('_') or 'set'!r}."
+                )
+            out.append((name, f"{arg}[{name!r}]", loader(v, f"{arg}[{name!r}]")))
+        return out
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(
+                f"{shapes}. Received: {arg}={value!r} (no set): pass at least one, or leave "
+                f"{arg} out."
+            )
+        return [  # (as Lightning: one loader in a list logs as one loader)
+            (
+                "" if len(value) == 1 else f"dataloader_idx_{i}",
+                f"{arg}[{i}]",
+                loader(v, f"{arg}[{i}]"),
+            )
+            for i, v in enumerate(value)
+        ]
+    return [("", None, loader(value, arg))]
 
 
 def check_val_every(

@@ -37,6 +37,8 @@ __all__ = [
     "Returns",
     "check_logged",
     "RESERVED_LOGS",
+    "loss_fn_state",
+    "weights_for",
 ]
 
 MODE_NAMES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum", DEFAULT: "Default"}
@@ -139,6 +141,33 @@ def is_a_loss(t: torch.Tensor) -> bool:
     model whose ``with poptorch.Block`` has ended may run no op after it)."""
     name = type(t.grad_fn).__name__ if t.grad_fn is not None else ""
     return "Loss" in name or name.startswith("BinaryCrossEntropy")
+
+
+def loss_fn_state(network: torch.nn.Module) -> dict[str, Any]:
+    """The state of the loss function a ``WithLoss`` holds (a module's buffers or parameters,
+    e.g. ``CrossEntropyLoss(weight=)``); empty for anything else."""
+    loss_fn = getattr(network, "loss_fn", None) if isinstance(network, WithLoss) else None
+    return dict(loss_fn.state_dict()) if isinstance(loss_fn, torch.nn.Module) else {}
+
+
+def weights_for(
+    network: torch.nn.Module,
+    model: torch.nn.Module,
+    weights: Mapping[str, Any],
+    loss_state: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``weights`` keyed for ``network``, what runs: ``model`` itself, or the ``WithLoss`` the
+    loop wrapped it in. ``weights`` is a ``state_dict`` of ``model`` (what a checkpoint holds;
+    the loss function's state is ``loss_state``, else its own), or one of ``network`` (a
+    checkpoint written when checkpoints held the wrapper's ``model.``-prefixed keys), taken
+    as it is."""
+    if network is model or not set(weights) <= set(model.state_dict()):
+        return dict(weights)
+    loss = loss_fn_state(network) if loss_state is None else loss_state
+    return {
+        **{f"model.{k}": v for k, v in weights.items()},
+        **{f"loss_fn.{k}": v for k, v in loss.items()},
+    }
 
 
 # Names a logged value may not take: the loss and the counters (the logs' other keys in

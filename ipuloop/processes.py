@@ -321,7 +321,8 @@ class FitSettings:
     micro: int  # the training plan's micro-batch size
     samples: int | None  # its dataset length
     steps: int | None  # its host calls per epoch
-    val_steps: int | None  # the validation plan's, if any
+    val_steps: int | tuple[int | None, ...] | None  # the validation plan's, if any (several
+    # validation sets: each one's)
     val_every_n_steps: int | None
     epochs: int
     max_steps: int | None

@@ -34,6 +34,7 @@ import torch
 
 from .accumulators import TrainEpoch
 from .callbacks.base import Callback, CancelEpoch, CancelFit
+from .outputs import loss_fn_state, weights_for
 from .plan import Plan
 from .poptorch_types import Executor
 from .random_state import Draw, rng_state, set_rng_state
@@ -178,12 +179,13 @@ class Checkpointed:
     """The parts of a loop a checkpoint holds (``Resume.capture``) and a resume puts back
     (``Resume.restore``), besides the RNG points and data factors ``Resume`` keeps."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # the user's module: a checkpoint's "model" is its state_dict
     optimizer: torch.optim.Optimizer
     state: State  # counters, history, logs
     epoch: TrainEpoch  # the running epoch's sums and train metrics
     callbacks: Sequence[Callback]  # each one's state_dict, under its state_key
     executor: Executor | None  # the training executor, None before the first step
+    model_with_loss: torch.nn.Module  # what runs: ``model``, or the WithLoss around it
 
 
 class Resume:
@@ -228,6 +230,11 @@ class Resume:
         self._step_validation = False
         return pending
 
+    def carry_device_rng(self, rng: torch.Tensor) -> None:
+        """The device random state of a training model destroyed to be wrapped again: the
+        next one continues it, and a checkpoint taken before that one compiles holds it."""
+        self._device_rng = rng
+
     def take_device_rng(self) -> torch.Tensor | None:
         """A loaded device random state, once: the compiled model continues it."""
         rng = self._device_rng
@@ -247,6 +254,7 @@ class Resume:
             executor.copyWeightsToHostIfNeeded()
         sd: dict[str, Any] = {
             "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "loss_fn": loss_fn_state(parts.model_with_loss),  # (loss_fn=CrossEntropyLoss(weight=))
             "optimizer": optimizer.state_dict(),
             "optimizer_type": type(optimizer).__name__,
             "optimizer_shapes": group_shapes(optimizer),  # checked by the resume
@@ -289,7 +297,8 @@ class Resume:
         executor = parts.executor
         callbacks = parts.callbacks
         check_optimizer(sd, optimizer)
-        (executor or parts.model).load_state_dict(sd["model"])
+        weights = weights_for(parts.model_with_loss, parts.model, sd["model"], sd.get("loss_fn"))
+        (executor or parts.model_with_loss).load_state_dict(weights)
         if sd.get("optimizer") is not None:
             optimizer.load_state_dict(sd["optimizer"])
             for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step

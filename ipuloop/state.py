@@ -39,6 +39,8 @@ class State:
     steps_per_epoch: int | None = None  # training host calls in an epoch; None: length unknown
     max_steps: int | None = None  # fit(max_steps=): the fit ends when ``step`` reaches it
     validates: bool = False  # the fit has a val_loader: val_ logs are written at epoch ends
+    val_sets: tuple[str, ...] = ()  # several validation sets: each one's log suffix (its logs
+    # are val_loss/<suffix>...); one val_loader: none (val_loss...)
     val_every_n_steps: int | None = None  # fit(val_every_n_steps=): also a validation at each
     # step that is a multiple of it, before that step's on_train_step_end
     # Flags, read at step boundaries:
@@ -54,7 +56,11 @@ class State:
         self.exception_source = None
 
     def start_fit(
-        self, steps_per_epoch: int | None, max_steps: int | None, validates: bool
+        self,
+        steps_per_epoch: int | None,
+        max_steps: int | None,
+        validates: bool,
+        val_sets: tuple[str, ...] = (),
     ) -> None:
         """A fit starts: its settings, no stop flag and no error yet."""
         self.start_call()
@@ -63,6 +69,7 @@ class State:
         self.steps_per_epoch = steps_per_epoch
         self.max_steps = max_steps
         self.validates = validates
+        self.val_sets = val_sets
 
     def should_stop(self) -> bool:
         """Whether the fit ends after this step: ``stop()`` was called or ``max_steps`` is
@@ -70,10 +77,11 @@ class State:
         return self.stop_requested or (self.max_steps is not None and self.step >= self.max_steps)
 
     def drop_logs(self, prefix: str, names: Iterable[str]) -> None:
-        """Remove the logs ``<prefix><name>`` (and ``<prefix><name>_<part>``) of ``names``."""
+        """Remove the logs ``<prefix><name>`` (and ``<prefix><name>_<part>``, and each
+        validation set's ``.../<set>``) of ``names``."""
         for name in names:
             key = prefix + name
-            for k in [k for k in self.logs if k == key or k.startswith(key + "_")]:
+            for k in [k for k in self.logs if k == key or k.startswith((key + "_", key + "/"))]:
                 del self.logs[k]
 
     def counters(self) -> dict[str, int]:

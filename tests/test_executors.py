@@ -49,6 +49,10 @@ class StubExecutor:
     def setOptimizer(self, optimizer) -> None:
         self.calls.append(("setOptimizer", optimizer.param_groups[0]["lr"]))
 
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+        self.compiled = self.attached = False
+
     def load_state_dict(self, state_dict, strict: bool = True):
         self.calls.append("load_state_dict")
         return self.model.load_state_dict(state_dict, strict)

@@ -169,7 +169,7 @@ def test_each_validation_scores_the_weights_of_its_step():
     x, y = data(10, 2).tensors
     assert len(rec.weights) == 4  # steps 4, 6 (epoch end), 8, 12
     for (step, logs), weights in zip(rec.val, rec.weights):
-        out = F.linear(x, weights["model.weight"], weights["model.bias"])
+        out = F.linear(x, weights["weight"], weights["bias"])
         assert logs["val_loss"] == pytest.approx(float(F.cross_entropy(out, y)), abs=1e-6)
         assert logs["val_acc"] == pytest.approx(float((out.argmax(-1) == y).float().mean()))
     assert len({logs["val_loss"] for _, logs in rec.val}) == 4  # the weights did change

@@ -207,7 +207,7 @@ def test_validation_before_training_sees_the_trained_weights_after():
     x, y = val.tensors
     with torch.no_grad():
         losses = [
-            nn.functional.cross_entropy(loop.model.model(x[i : i + 2]), y[i : i + 2])
+            nn.functional.cross_entropy(loop.model(x[i : i + 2]), y[i : i + 2])
             for i in range(0, 16, 2)
         ]
     assert after == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)

@@ -79,7 +79,7 @@ def _reference(epochs: int = 2) -> nn.Module:
     """The uninterrupted fit without workers (itself checked against a plain-torch loop below)."""
     loop = _sampler_loop()
     loop.fit(_sampler_loader(0), epochs)
-    return loop.model.model  # (the Linear, without the loss the loop gave it)
+    return loop.model  # (the Linear: the loss the loop gave it is loop.model_with_loss)
 
 
 def test_a_batch_sampler_fit_without_workers_is_the_plain_torch_loop():
@@ -112,8 +112,8 @@ def test_a_batch_sampler_with_workers_reads_the_order_drawn_once(async_data):
     loop = _sampler_loop(async_data)
     loop.fit(_sampler_loader(2), 2)
     assert loop.state.step == 32
-    assert torch.equal(loop.model.model.weight, want.weight)
-    assert torch.equal(loop.model.model.bias, want.bias)
+    assert torch.equal(loop.model.weight, want.weight)
+    assert torch.equal(loop.model.bias, want.bias)
 
     first = _sampler_loop(async_data)
     first.fit(_sampler_loader(2), 2, max_steps=3)
@@ -122,8 +122,8 @@ def test_a_batch_sampler_with_workers_reads_the_order_drawn_once(async_data):
     resumed.load_state_dict(sd)
     resumed.fit(_sampler_loader(2), 2)
     assert resumed.state.step == 32 and resumed.state.epoch == 2
-    assert torch.equal(resumed.model.model.weight, want.weight)
-    assert torch.equal(resumed.model.model.bias, want.bias)
+    assert torch.equal(resumed.model.weight, want.weight)
+    assert torch.equal(resumed.model.bias, want.bias)
 
 
 def test_a_stop_late_in_a_resumed_epoch_leaves_it_incomplete():
@@ -146,7 +146,7 @@ def test_a_stop_late_in_a_resumed_epoch_leaves_it_incomplete():
     third.load_state_dict(second.state_dict())
     third.fit(loader, 1)
     assert (third.state.epoch, third.state.step) == (1, 16)
-    assert torch.equal(third.model.model.weight, want.model.model.weight)
+    assert torch.equal(third.model.weight, want.model.weight)
 
 
 # -- 2. two checkpointers without name= -----------------------------------------------------------

@@ -71,10 +71,13 @@ loop = Loop(model, opts, loss_fn=nn.CrossEntropyLoss(), replicas=cfg["replicas"]
             optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
             metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
             callbacks=cbs, progress=False)
+val = DataLoader(TensorDataset(vx, vy), batch_size=3)
+if cfg.get("val_sets"):  # several validation sets, each shared out
+    val = {"a": DataLoader(TensorDataset(vx[:20], vy[:20]), batch_size=3),
+           "b": DataLoader(TensorDataset(vx[20:], vy[20:]), batch_size=2)}
 try:
     hist = loop.fit(DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
-                    epochs=cfg.get("epochs", 2),
-                    val_loader=DataLoader(TensorDataset(vx, vy), batch_size=3),
+                    epochs=cfg.get("epochs", 2), val_loader=val,
                     max_steps=cfg.get("max_steps"), resume_from=cfg.get("resume"))
 except SystemExit as e:
     with open(os.path.join(out, f"exit{rank}"), "w") as f:
@@ -143,14 +146,18 @@ def test_timeout_comes_from_the_environment():
 
 # -- two processes as one run -----------------------------------------------------------------
 @pytest.mark.slow
-def test_two_processes_train_as_one_process_with_twice_the_replicas(tmp_path):
+@pytest.mark.parametrize("val_sets", [False, True], ids=["one_val_set", "two_val_sets"])
+def test_two_processes_train_as_one_process_with_twice_the_replicas(tmp_path, val_sets):
     """Weights, logged losses and metrics (train and validation, 37 validation samples shared
-    out without loss) of 2 processes x 1 replica equal those of 1 process x 2 replicas; only
-    instance 0 shows progress and writes the CSV log."""
-    one, out1 = _run(tmp_path, "one", {"replicas": 2}, processes=1)
+    out without loss; or two validation sets, each shared out) of 2 processes x 1 replica
+    equal those of 1 process x 2 replicas; only instance 0 shows progress and writes the CSV
+    log."""
+    one, out1 = _run(tmp_path, "one", {"replicas": 2, "val_sets": val_sets}, processes=1)
     _check(one)
-    two, out2 = _run(tmp_path, "two", {"replicas": 1})
+    two, out2 = _run(tmp_path, "two", {"replicas": 1, "val_sets": val_sets})
     _check(two)
+    if val_sets:
+        assert {"val_loss/a", "val_acc/b"} <= set(_result(out2)["history"][-1])
     a, b = _result(out1), _result(out2)
     for k in a["weights"]:
         assert torch.allclose(a["weights"][k], b["weights"][k], atol=1e-6), k

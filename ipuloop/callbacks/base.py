@@ -21,7 +21,7 @@ attached at each event)::
         if val_loader (and the last step did not validate):
             on_validation_start
             [first time: on_compile_start, compile the inference model, on_compile_end]
-            for each host batch: run the inference model; on_validation_step_end
+            for each val set, each host batch: run the inference model; on_validation_step_end
             on_validation_end                    # state.logs has val_loss, val_<metric>
         on_epoch_end                             # the place to checkpoint or stop on val logs
         if loop.stop() was called: leave
@@ -78,6 +78,7 @@ __all__ = [
     "monitored",
     "overridden",
     "check_monitor",
+    "check_val_set",
     "LIGHTNING_HOOKS",
 ]
 
@@ -413,12 +414,37 @@ def check_mode(mode: str) -> float:
 def check_monitor(state: State, monitor: str | None, who: str) -> None:
     """At fit start: a ``ValueError`` when ``monitor`` is a validation log (``val_...``) and
     the fit has no ``val_loader``, so it would never exist (found before any step rather than
-    at the first epoch end)."""
+    at the first epoch end), or names no validation set of the fit (``check_val_set``)."""
     if monitor is not None and monitor.startswith("val_") and not state.validates:
         raise ValueError(
             f"{who}: monitor={monitor!r} is a validation log, but this fit has no val_loader, "
             "so it is never written. Pass val_loader= to fit, or monitor a log of the "
             "training (e.g. 'train_loss')."
+        )
+    if monitor is not None:
+        check_val_set(state, monitor, f"{who}: monitor={monitor!r}")
+
+
+def check_val_set(state: State, log: str, what: str) -> None:
+    """At fit start: a ``ValueError`` when the validation log ``log`` (``what`` says where it
+    was given) could not be written by this fit: a log without a set's name in a fit with
+    several validation sets (each set's is ``val_<name>/<set>``), or with one in a fit with
+    one val_loader (``val_<name>`` alone)."""
+    if not (log.startswith("val_") and state.validates):
+        return
+    name, slash, suffix = log.partition("/")
+    sets = state.val_sets
+    if sets and suffix not in sets:
+        raise ValueError(
+            f"{what} names the log {log!r}, which this fit never writes: with several "
+            "validation sets each validation log carries its set's name "
+            f"({', '.join(f'{name}/{s}' for s in sets)}). Name one of those."
+        )
+    if not sets and slash:
+        raise ValueError(
+            f"{what} names the log {log!r}, of a validation set, but this fit has one "
+            f"val_loader, whose logs carry no set's name. Name {name!r}, or pass val_loader= "
+            "a dict or list of loaders."
         )
 
 

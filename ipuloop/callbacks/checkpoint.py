@@ -12,6 +12,7 @@ from __future__ import annotations
 import io as _bytes
 import math
 import os
+import re
 import string
 import warnings
 from pathlib import Path
@@ -30,7 +31,15 @@ from ..checkpoint_io import (
     read_manifest,
 )
 from ..exceptions import NonFiniteLossError
-from .base import Callback, LoopView, check_mode, check_monitor, monitored, overridden
+from .base import (
+    Callback,
+    LoopView,
+    check_mode,
+    check_monitor,
+    check_val_set,
+    monitored,
+    overridden,
+)
 
 __all__ = [
     "ModelCheckpoint",
@@ -64,10 +73,10 @@ def _check_filename(filename: str, monitor: str | None, every_n_steps: int | Non
     if any(sep and sep in text for sep in ("/", os.sep, os.altsep)) or text.startswith("."):
         raise bad("must give a plain folder name inside dirpath: no path separator, no leading '.'")
     for key in sorted(keys):
-        if not key.isidentifier():
+        if not _log_name(key):
             raise bad(
-                f"has the field {{{key}}}: use names only (a counter or a log), no "
-                "positional fields, attributes or indices"
+                f"has the field {{{key}}}: use names only (a counter or a log, a validation "
+                "set's as val_<name>/<set>), no positional fields, attributes or indices"
             )
         epoch_log = key.startswith(("train_", "val_"))
         if key not in COUNTERS and key != "loss" and key != monitor and not epoch_log:
@@ -91,6 +100,16 @@ def _check_filename(filename: str, monitor: str | None, every_n_steps: int | Non
         filename.format(**{k: 0 if k in COUNTERS else 0.0 for k in keys})
     except (ValueError, TypeError) as e:
         raise bad(f"cannot be formatted: {e}") from None
+
+
+def _log_name(key: str) -> bool:
+    """A filename field that names a counter or a log: an identifier, or a validation set's
+    log ``val_<name>/<set>`` (the "/" is in the field only: the folder gets its value)."""
+    name, slash, suffix = key.partition("/")
+    return name.isidentifier() and (
+        not slash
+        or (name.startswith("val_") and re.fullmatch(r"[A-Za-z0-9_-]+", suffix) is not None)
+    )
 
 
 def _fields(template: str) -> list[str]:
@@ -338,6 +357,8 @@ class ModelCheckpoint(Callback):
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
+        for field in _fields(self.filename):  # a validation set's log, as the fit names them
+            check_val_set(loop.state, field, f"ModelCheckpoint: filename={self.filename!r}")
         self._check_step_fields(loop.state.val_every_n_steps)
         loop.check_resumable()  # before training, rather than at the first save
         for other in loop.callbacks:  # two writing the same folders would delete each other's

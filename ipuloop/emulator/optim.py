@@ -39,6 +39,7 @@ __all__ = [
     "hyperparameters",
     "constant_attributes",
     "changed_constants",
+    "group_count_error",
     "apply_hyperparameters",
     "loss_scaling",
     "needs_running_mean",
@@ -756,14 +757,25 @@ def _write(old: Any, new: Any) -> Any:
     return new
 
 
+def group_count_error(now: int, compiled: int) -> str:
+    """Why the compiled model refuses an optimizer with another number of parameter groups
+    (``add_param_group`` after the wrap), and the fixes that work: its graph holds one set of
+    hyper-parameters per group, fixed when it compiled."""
+    return (
+        f"The optimizer has {now} parameter group(s) but the compiled model's has {compiled}: "
+        "the compiled graph holds the parameter groups it was compiled with, so a group added "
+        "(add_param_group) or removed after the model is wrapped is never trained. Give the "
+        "optimizer every parameter group before wrapping the model (a group whose parameters "
+        "should not train yet with lr=0.0, raised later: lr is always variable), or call "
+        "destroy() on the model and wrap it again with the new optimizer."
+    )
+
+
 def apply_hyperparameters(device_optimizer: torch.optim.Optimizer, snapshot: dict) -> None:
     """Write a host snapshot into the device optimizer's groups and global extras."""
     groups = device_optimizer.param_groups
     if len(groups) != len(snapshot["groups"]):
-        raise ValueError(
-            f"The optimizer has {len(snapshot['groups'])} parameter groups but the "
-            f"compiled model's has {len(groups)}. Re-wrap the model to change them."
-        )
+        raise ValueError(group_count_error(len(snapshot["groups"]), len(groups)))
     for group, values in zip(groups, snapshot["groups"]):
         for k, v in values.items():
             group[k] = _write(group[k], v) if k in group else v

@@ -292,6 +292,10 @@ class OptimizerSync:
             return  # not compiled yet: used as is at compile time
         new = _optim.hyperparameters(optimizer)
         changed = _optim.changed_constants(self.snapshot, new, self.constants)
+        if changed == ["param_groups"]:  # a group added (add_param_group) or removed
+            raise ValueError(
+                _optim.group_count_error(len(new["groups"]), len(self.snapshot["groups"]))
+            )
         if changed:
             raise ValueError(
                 f"Optimizer attribute(s) {changed} are constant in the compiled "
