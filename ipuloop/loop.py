@@ -293,7 +293,6 @@ class Loop:
         )
         val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
         check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
-        self._rewrap(plan)
         probe_plan(
             self.model_with_loss,
             plan,
@@ -325,6 +324,7 @@ class Loop:
             self.check_resumable()
             self._load(resume_from)
         self._resume.continue_at(plan, st)
+        self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
             warnings.warn(
                 f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
