@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -38,7 +38,7 @@ from .state import State
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
 
 # The validation sets of a fit or a validate(): (log suffix, plan) each; one loader: ("", plan)
-ValPlans = tuple[tuple[str, Plan], ...]
+ValPlans = Tuple[Tuple[str, Plan], ...]  # (typing's: a runtime alias on Python 3.8)
 
 
 def _val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
