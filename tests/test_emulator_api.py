@@ -663,6 +663,24 @@ def test_copying_a_wrapped_module_gives_an_unwrapped_module_with_device_weights(
     assert type(model).__name__ == "PoptorchWithNorm"  # the original stays wrapped
 
 
+def test_deep_copies_of_a_wrapped_module_each_hold_its_own_buffers():
+    """PopTorch's buffer class copies as a plain tensor, through a temporary kept alive with the
+    deepcopy memo: a temporary freed early lends its id, a memo key, to a later buffer, which
+    then copied as the earlier one (a BatchNorm's running_var as another's statistics)."""
+    model = nn.Sequential(*(nn.BatchNorm1d(3) for _ in range(6)))
+    with torch.no_grad():
+        for i, bn in enumerate(model):
+            bn.running_mean.fill_(i)
+            bn.running_var.fill_(10 + i)
+    poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(20):
+        copied = copy.deepcopy(model)
+        assert all(type(b) is torch.Tensor for b in copied.buffers())
+        for key, value in copied.state_dict().items():
+            assert torch.equal(value, expected[key]), key
+
+
 @pytest.mark.parametrize(
     "method",
     [

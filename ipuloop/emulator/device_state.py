@@ -207,6 +207,9 @@ def _host_buffer_class(owner: Any) -> type:
 
         def __deepcopy__(self, memo):
             plain = self.as_subclass(torch.Tensor)  # reads (and so syncs) first
+            # kept alive with the memo (as copy.deepcopy keeps what it copies): its id is a
+            # key of the memo, which a later object given the same id would otherwise hit
+            memo.setdefault(id(memo), []).append(plain)
             result = memo[id(self)] = plain.__deepcopy__(memo)  # a copy is a plain tensor
             return result
 
