@@ -33,9 +33,7 @@ from ipuloop import poptorch  # noqa: E402
 def first_batch_seconds(opts: object) -> float:
     data = TensorDataset(torch.arange(64.0).reshape(32, 2), torch.arange(32))
     start = time.perf_counter()
-    loader = poptorch.DataLoader(
-        opts, data, batch_size=4, mode=poptorch.DataLoaderMode.Async
-    )
+    loader = poptorch.DataLoader(opts, data, batch_size=4, mode=poptorch.DataLoaderMode.Async)
     next(iter(loader))
     seconds = time.perf_counter() - start
     loader.terminate()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -356,3 +358,25 @@ def test_accessor_over_torch_loader_and_rebatching():
     assert len(wrapped) == 3 and firsts(wrapped) == firsts(sync_loader)
     del wrapped  # garbage collection terminates it
     sync_loader.terminate()  # no effect in Sync mode
+
+
+def test_the_forkserver_preloads_torch_and_the_accessor_keeping_a_programs_own_list():
+    """An Async loader's worker is forked by a forkserver that already imported torch and the
+    accessor (benchmarks/async_start.py: a program's later loaders start in well under a
+    second); a program's own preload list is kept, and a running forkserver is left alone."""
+    code = (
+        "import multiprocessing, multiprocessing.forkserver as fs, torch\n"
+        "from torch.utils.data import TensorDataset\n"
+        "from ipuloop import poptorch\n"
+        "multiprocessing.set_forkserver_preload(['json'])\n"
+        "data = TensorDataset(torch.arange(8.0).reshape(8, 1))\n"
+        "for _ in range(2):\n"
+        "    loader = poptorch.DataLoader(poptorch.Options(), data, batch_size=2,\n"
+        "                                 mode=poptorch.DataLoaderMode.Async)\n"
+        "    next(iter(loader)); loader.terminate()\n"
+        "print(fs._forkserver._preload_modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "['json', 'torch', 'ipuloop.emulator.data']"
