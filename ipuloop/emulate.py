@@ -25,14 +25,15 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["install", "main", "BINDING"]
+__all__ = ["install", "main", "stand_in", "BINDING"]
 
 
 # also importable as ``poptorch.<name>``
 _SUBMODULES = ("optim", "enums", "options", "poptorch_core", "_logging", "_impl")
 # A folder whose ``poptorch`` module binds the emulator when a new interpreter imports it; on
 # the module path while the emulator is bound, it also presents a ``poptorch`` distribution of
-# the emulated version (importlib.metadata) and ``popart``'s enums.
+# the emulated version (importlib.metadata), ``popart``'s enums, and where they are not
+# installed ``popdist`` and ``horovod.torch`` (``stand_in``).
 BINDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_binding")
 
 
@@ -91,6 +92,40 @@ def install() -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if BINDING not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([BINDING, *paths])
+
+
+def stand_in(name: str, emulated: str | None, submodules: dict[str, str] | None = None) -> None:
+    """Make ``import NAME`` give the real package NAME where one is installed (anywhere on
+    the module path but ``BINDING``), else the emulator's module ``emulated`` (a dotted
+    name; None: an empty package), with ``NAME.SUB`` being each of ``submodules``' modules
+    (``{SUB: dotted name}``, or ``{SUB: "module:attribute,..."}`` for a module of those
+    attributes).
+
+    Called by the binding folder's ``popdist`` and ``horovod`` packages while Python imports
+    them: what it leaves in ``sys.modules[NAME]`` is what the import gives."""
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != BINDING]
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is not None and spec.loader is not None:  # the real one
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return
+    if emulated is None:
+        module = types.ModuleType(name, sys.modules[name].__doc__)
+        module.__path__ = []  # a package, whose submodules are those below
+    else:
+        module = importlib.import_module(emulated)
+    sys.modules[name] = module
+    for sub, target in (submodules or {}).items():
+        if ":" in target:
+            source, names = target.split(":")
+            child = types.ModuleType(f"{name}.{sub}", importlib.import_module(source).__doc__)
+            for attribute in names.split(","):
+                setattr(child, attribute, getattr(importlib.import_module(source), attribute))
+        else:
+            child = importlib.import_module(target)
+        sys.modules[f"{name}.{sub}"] = child
+        setattr(module, sub, child)
 
 
 def _usage(message: str) -> None:
