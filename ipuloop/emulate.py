@@ -152,14 +152,33 @@ def main(argv: list[str] | None = None) -> None:
         _usage(f"no such script: {argv[0]}")
     os.environ["IPULOOP_EMULATOR_IPUS"] = ipus  # inherited by the processes it starts
     install()
-    if argv[0] == "-m":
-        sys.argv = argv[1:]  # run_module sets sys.argv[0] to the module's file, as python -m
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]  # run_module sets sys.argv[0] to the module's file, as python -m
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except BaseException as e:
+        if not (isinstance(e, SystemExit) and e.code in (None, 0)):
+            _leave_at_once()
+        raise
+
+
+def _leave_at_once() -> None:
+    """A program that failed leaves its process group at once, not meeting the other
+    instances at exit (they may be waiting in a collective for it): their waits then fail,
+    and a launcher sees this instance end (the loop's instances leave so on an error too)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            from .rules import destroy_group
+
+            destroy_group()
+    except Exception:  # noqa: BLE001 (leaving a broken group: the exit is what matters)
+        pass
 
 
 if __name__ == "__main__":
