@@ -667,7 +667,6 @@ def test_copying_a_wrapped_module_gives_an_unwrapped_module_with_device_weights(
     "method",
     [
         "getPerfCounters",
-        "getLatency",
         "getHostIpuLatency",
         "getComputeLatency",
         "getIpuHostLatency",
