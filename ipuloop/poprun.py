@@ -138,10 +138,8 @@ def _mpi_args(option: str, text: str, exports: dict[str, str]) -> None:
             i += 2
         elif word == "--mca" and i + 2 < len(words):
             i += 3
-        elif word in ("--bind-to", "--map-by", "--rank-by") and i + 1 < len(words):
-            i += 2
-        elif word.startswith("-"):
-            i += 1
+        elif word.startswith("-"):  # an mpirun setting, with its value if it has one
+            i += 2 if i + 1 < len(words) and not words[i + 1].startswith("-") else 1
         else:
             raise UsageError(
                 f"{option} {text!r}: {word!r} is no mpirun option this launcher reads "
