@@ -104,9 +104,8 @@ def test_a_python_command_runs_on_the_emulator_and_another_as_it_is():
 
     emulate = [sys.executable, "-m", "ipuloop.emulate"]
     assert cmd("python3", "train.py", "--x") == [*emulate, "train.py", "--x"]
-    assert cmd("python", "-u", "-m", "pkg.train") == [sys.executable, "-u", *emulate[1:], "-m"] + [
-        "pkg.train"
-    ]
+    unbuffered = [sys.executable, "-u", *emulate[1:], "-m", "pkg.train"]
+    assert cmd("python", "-u", "-m", "pkg.train") == unbuffered
     assert cmd("/usr/bin/python3.8", "t.py") == [*emulate, "t.py"]
     assert cmd("bash", "run.sh") == ["bash", "run.sh"]
     with pytest.raises(poprun.UsageError, match="python -c"):
