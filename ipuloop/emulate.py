@@ -94,12 +94,17 @@ def install() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([BINDING, *paths])
 
 
-def stand_in(name: str, emulated: str | None, submodules: dict[str, str] | None = None) -> None:
+def stand_in(
+    name: str,
+    emulated: str | None,
+    submodules: dict[str, str] | None = None,
+    refused: str | None = None,
+) -> None:
     """Make ``import NAME`` give the real package NAME where one is installed (anywhere on
     the module path but ``BINDING``), else the emulator's module ``emulated`` (a dotted
     name; None: an empty package), with ``NAME.SUB`` being each of ``submodules``' modules
     (``{SUB: dotted name}``, or ``{SUB: "module:attribute,..."}`` for a module of those
-    attributes).
+    attributes). With ``refused``, no real NAME is an import error saying it.
 
     Called by the binding folder's ``popdist`` and ``horovod`` packages while Python imports
     them: what it leaves in ``sys.modules[NAME]`` is what the import gives."""
@@ -110,6 +115,9 @@ def stand_in(name: str, emulated: str | None, submodules: dict[str, str] | None 
         sys.modules[name] = module
         spec.loader.exec_module(module)
         return
+    if refused is not None:
+        del sys.modules[name]
+        raise ModuleNotFoundError(refused, name=name)
     if emulated is None:
         module = types.ModuleType(name, sys.modules[name].__doc__)
         module.__path__ = []  # a package, whose submodules are those below

@@ -145,6 +145,10 @@ PROGRAM = textwrap.dedent("""
     out["popdist.poptorch.Options"] = issubclass(popdist.poptorch.Options, poptorch.Options)
     hvd.init()
     out["hvd"] = [hvd.rank(), hvd.size(), hvd.allreduce(__import__("torch").tensor(3.0)).item()]
+    try:
+        import poptorch_geometric
+    except ModuleNotFoundError as e:
+        out["poptorch_geometric"] = [e.name, str(e)]
     print(json.dumps(out))
 """)
 
@@ -218,14 +222,21 @@ def test_under_emulate_popdist_and_horovod_answer_for_one_process(under_emulate)
     assert under_emulate["hvd"] == [0, 1, 3.0]
 
 
+def test_under_emulate_poptorch_geometric_is_refused_saying_why(under_emulate):
+    name, message = under_emulate["poptorch_geometric"]
+    assert name == "poptorch_geometric"
+    assert message.startswith("poptorch_geometric is not emulated: PopTorch Geometric ships")
+
+
 def test_under_emulate_an_installed_popdist_and_horovod_are_imported_not_the_stand_ins(tmp_path):
     site = tmp_path / "site"
-    for name in ("popdist", "horovod"):
+    for name in ("popdist", "horovod", "poptorch_geometric"):
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(f"REAL = {name!r}\n")
     (site / "horovod" / "torch.py").write_text("REAL = 'horovod.torch'\n")
     (tmp_path / "prog.py").write_text(
-        "import popdist, horovod.torch as hvd\nprint(popdist.REAL, hvd.REAL)\n"
+        "import popdist, horovod.torch as hvd, poptorch_geometric as pg\n"
+        "print(popdist.REAL, hvd.REAL, pg.REAL)\n"
     )
     p = subprocess.run(
         [sys.executable, "-m", "ipuloop.emulate", "prog.py"],
@@ -236,7 +247,7 @@ def test_under_emulate_an_installed_popdist_and_horovod_are_imported_not_the_sta
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["popdist", "horovod.torch"]
+    assert p.stdout.split() == ["popdist", "horovod.torch", "poptorch_geometric"]
 
 
 def test_without_emulate_no_poptorch_distribution_is_seen():
