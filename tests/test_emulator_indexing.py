@@ -191,3 +191,31 @@ def _recording(seen: list):
         return indexed(self, t, index, out)
 
     return record
+
+
+class Positions(nn.Module):
+    """BERT's position ids: a buffer that is itself a view (``arange(...).expand``), sliced in
+    ``forward`` (basic indexing: a view of a view, whose ``_base`` is the arange, not the
+    buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.register_buffer("position_ids", torch.arange(8).expand((1, -1)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = self.position_ids[:, : ids.shape[1]]
+        return self.embed(ids) + self.embed(positions)
+
+
+@pytest.mark.parametrize("modes_see_indexing", [True, False], ids=["torch", "watch"])
+def test_a_slice_of_a_buffer_that_is_a_view_stays_on_the_device(monkeypatch, modes_see_indexing):
+    if not modes_see_indexing:  # torch 2.0's case on any torch
+        monkeypatch.setattr(checks, "_getitem_shown", [False])
+    elif not checks.modes_see_indexing():
+        pytest.skip("this torch's function modes do not see indexing")
+    torch.manual_seed(0)
+    model = Positions()
+    ids = torch.randint(0, 8, (2, 5))
+    expected = model(ids)
+    torch.testing.assert_close(poptorch.inferenceModel(model)(ids), expected)

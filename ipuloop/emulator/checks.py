@@ -133,11 +133,23 @@ def modes_see_indexing() -> bool:
         return _getitem_shown[0]
 
 
+_aten = torch.ops.aten
+# What ``x[index]`` dispatches to: advanced indexing, and basic indexing's views
+_INDEXING = {
+    _aten.index.Tensor: True,  # (its index tensors are args[1])
+    _aten.slice.Tensor: False,
+    _aten.select.int: False,
+    _aten.unsqueeze.default: False,
+    _aten.alias.default: False,
+}
+
+
 class _IndexWatch(TorchDispatchMode):
-    """On torch < 2.1, beside ``TraceChecks``: the ``aten.index.Tensor`` calls (advanced
-    indexing, which function modes do not see there) that ``forward`` itself makes, shown to
-    the checks as ``Tensor.__getitem__``. A view (basic indexing) is known by its base
-    (``_in_graph``). Nothing of torch's classes is changed."""
+    """On torch < 2.1, beside ``TraceChecks``: the ops of ``x[index]`` (which function modes
+    do not see there) that ``forward`` itself makes, shown to the checks as
+    ``Tensor.__getitem__``: advanced indexing (``aten.index``) and basic indexing's views
+    (``aten.slice``, ``aten.select``, ...; a view of a view has the first one's base, not the
+    indexed tensor). Nothing of torch's classes is changed."""
 
     def __init__(self, checks: TraceChecks) -> None:
         super().__init__()
@@ -145,8 +157,9 @@ class _IndexWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.index.Tensor and not self.checks.inside:
-            self.checks.indexed(args[0], list(args[1]), out)
+        advanced = _INDEXING.get(func)
+        if advanced is not None and not self.checks.inside:
+            self.checks.indexed(args[0], list(args[1]) if advanced else [], out)
         return out
 
 
@@ -246,8 +259,9 @@ class TraceChecks(_LossMode):
         return super().__exit__(*exc_info)
 
     def indexed(self, t: torch.Tensor, index: list[Any], out: torch.Tensor) -> None:
-        """``out = t[index]`` (advanced indexing) seen below torch's functions (torch < 2.1):
-        refused for a boolean mask of a graph tensor, and a graph tensor when ``t`` is."""
+        """``out = t[index]`` seen below torch's functions (torch < 2.1; ``index`` the tensors of
+        advanced indexing, empty for a view): refused for a boolean mask of a graph tensor,
+        and a graph tensor when ``t`` is."""
         if not self._in_graph(t):
             return
         _unsupported.check(_getitem, (t, tuple(index)), {})
