@@ -31,6 +31,7 @@ exits with the failing instance's status, naming it.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -346,11 +347,38 @@ def _print_topology(top: Topology) -> None:
         )
 
 
+def _host_store(port: int, instances: int) -> Any:
+    """The process group's key-value store, served by the launcher at 127.0.0.1:``port`` as
+    torchrun's agent serves it: it outlives every instance, so none loses it while leaving
+    the group at exit (instance 0 serving it, the others could). None without
+    torch.distributed, or with the port taken (instance 0 then serves one)."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return None
+        return dist.TCPStore(
+            "127.0.0.1",
+            port,
+            instances,
+            True,
+            datetime.timedelta(seconds=3600),
+            wait_for_workers=False,
+        )
+    except Exception:  # noqa: BLE001 (the instances then make their own)
+        return None
+
+
 def run(top: Topology, env: dict[str, str] | None = None) -> int:
     """Start the instances and wait for them: 0 when all succeed, else the first failing
     instance's status, the others ended."""
     base = dict(os.environ if env is None else env)
     port = int(base["MASTER_PORT"]) if base.get("MASTER_PORT", "").isdigit() else _free_port()
+    store = None
+    if top.instances > 1 and base.get("MASTER_ADDR", "127.0.0.1") == "127.0.0.1":
+        store = _host_store(port, top.instances)
+    if store is not None:  # the instances' env:// rendezvous uses it, as under torchrun
+        base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     cmd = command_line(top)
     if top.print_topology:
         _print_topology(top)
@@ -402,6 +430,7 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
                 inst.proc.wait()
             for reader in inst.readers:
                 reader.join(timeout=5)
+    del store  # served until every instance has ended
     if failed is None:
         failed = next((inst for inst in instances if inst.proc.returncode != 0), None)
     if failed is None:
