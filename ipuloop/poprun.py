@@ -19,7 +19,8 @@ Instance i of N, with R replicas of P IPUs, gets (L = R / N its replicas):
 ``POPDIST_LOCAL_INSTANCE_INDEX=i``, ``POPDIST_UNIFORM_REPLICAS_PER_INSTANCE=1``, mpirun's
 ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``, and for the process group torchrun's
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1)
-and ``MASTER_PORT`` (a free port, unless set). The emulated system has
+and ``MASTER_PORT`` (a free port, unless set), where the launcher serves the group's store
+as torchrun's agent does. The emulated system has
 ``IPULOOP_EMULATOR_IPUS`` IPUs (16 unless set), at least R*P.
 
 A COMMAND starting with ``python`` runs this interpreter with ``-m ipuloop.emulate``; another

@@ -194,6 +194,7 @@ def test_two_instances_of_a_model_garden_program_train_in_one_group(tmp_path):
     for key in ("SEED", "LOSS", "WEIGHT"):  # instance 0's seed; one mean; the same updates
         assert first[first.index(key) + 1] == second[second.index(key) + 1], key
     assert first[first.index("SEED") + 1] == "42"
+    assert "TCPStore" not in run.stderr  # the store outlives the instances leaving the group
 
 
 @pytest.mark.threads
