@@ -329,7 +329,7 @@ def test_process_id_out_of_range_and_bad_timeout(monkeypatch):
 
 
 def test_the_launchers_whose_environment_creates_the_group():
-    from ipuloop.emulator.distributed import launched
+    from ipuloop.emulator.distributed import launched, launcher_rank
 
     assert not launched({})
     assert launched({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun
@@ -337,6 +337,10 @@ def test_the_launchers_whose_environment_creates_the_group():
     poprun = {"POPDIST_REPLICA_INDEX_OFFSET": "2", "POPDIST_NUM_TOTAL_REPLICAS": "4"}
     assert launched(poprun)
     assert not launched({"RANK": "0"}) and not launched({"OMPI_COMM_WORLD_SIZE": "2"})
+    # the rank the group is created with: the launcher's (the options are checked against it)
+    assert launcher_rank({"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}) == (1, 2)
+    assert launcher_rank({**poprun, "POPDIST_NUM_LOCAL_REPLICAS": "2"}) == (1, 2)
+    assert launcher_rank({}) is None
 
 
 MPIRUN = """
@@ -399,6 +403,6 @@ def test_under_mpirun_s_environment_alone_the_instances_join_one_group(tmp_path)
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
-    lines = [next(l for l in out.splitlines() if l.startswith("RANK")) for out in outs]
+    lines = [next(s for s in out.splitlines() if s.startswith("RANK")) for out in outs]
     assert [line.split()[1:4] for line in lines] == [["0", "OF", "2"], ["1", "OF", "2"]]
     assert lines[0].split()[-1] == lines[1].split()[-1]  # one update, of both instances' data

@@ -77,6 +77,7 @@ __all__ = [
     "join",
     "join_group",
     "launched",
+    "launcher_rank",
     "timeout_seconds",
 ]
 
@@ -144,8 +145,20 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
 
 def launched(env: Any = None) -> bool:
     """Whether a launcher (torchrun, mpirun, poprun) started this process."""
+    return launcher_rank(env) is not None
+
+
+def launcher_rank(env: Any = None) -> tuple[int, int] | None:
+    """(rank, size) as the launcher that started this process says: torchrun's, mpirun's,
+    or poprun's (its replica offset and total over the local replicas); None without one."""
     env = os.environ if env is None else env
-    return any(all(env.get(k) for k in pair) for pair in _LAUNCHERS)
+    for rank, size in _LAUNCHERS:
+        if env.get(rank) and env.get(size):
+            if rank.startswith("POPDIST_"):
+                local = max(int(env.get("POPDIST_NUM_LOCAL_REPLICAS") or 1), 1)
+                return int(env[rank]) // local, int(env[size]) // local
+            return int(env[rank]), int(env[size])
+    return None
 
 
 def _create(dist: Any, pid: int, n: int, device: torch.device) -> None:
@@ -159,12 +172,13 @@ def _create(dist: Any, pid: int, n: int, device: torch.device) -> None:
     port = os.environ.get("MASTER_PORT") or DEFAULT_PORT
     # env:// where the launcher set MASTER_*: under torchrun it joins the launcher's own store
     given = os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    rank, size = launcher_rank() or (pid, n)  # the launcher's: the options are checked on it
     try:
         dist.init_process_group(
             backend,
             init_method="env://" if given else f"tcp://{addr}:{port}",
-            rank=pid,
-            world_size=n,
+            rank=rank,
+            world_size=size,
             timeout=datetime.timedelta(seconds=timeout),
         )
     except Exception as e:  # a store timeout, a refused connection, ...
