@@ -374,6 +374,7 @@ print("RANK", rank, "OF", dist.get_world_size(), "WEIGHT", net.weight.sum().item
 """
 
 
+@pytest.mark.threads
 def test_under_mpirun_s_environment_alone_the_instances_join_one_group(tmp_path):
     """OMPI_COMM_WORLD_* and no MASTER_ADDR (mpirun sets none): the group is created at
     127.0.0.1 and MASTER_PORT, and the two instances apply the same averaged update."""
