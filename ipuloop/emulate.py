@@ -1,7 +1,8 @@
 """``python -m ipuloop.emulate SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``, each after
 ``--ipus N`` if given): run a PopTorch program (or a module, such as ``pytest``) on the emulator.
 
-``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``,
+``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``
+(``popdist`` and ``horovod.torch``, where they are not installed, the emulator's stand-ins),
 and so it does in the Python processes SCRIPT starts: loader workers of any start method
 (``multiprocessing_context="spawn"``, the default on macOS, or "forkserver") and subprocesses.
 SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (MODULE as ``python -m``
