@@ -92,6 +92,12 @@ def test_under_poprun_the_answers_are_its_environment_s(env):
     }
 
 
+def test_the_ipus_per_replica_are_checked_against_poprun_s(env):
+    assert popdist.checkNumIpusPerReplica(4)  # no poprun: any
+    poprun_instance(env, 0, ipus=2)
+    assert popdist.checkNumIpusPerReplica(2) and not popdist.checkNumIpusPerReplica(4)
+
+
 def test_the_instance_is_read_from_the_replicas_not_from_mpirun(env):
     poprun_instance(env, 3, instances=4, replicas=4, ipus=1)
     env(OMPI_COMM_WORLD_RANK=0, OMPI_COMM_WORLD_SIZE=1)  # poprun's replicas decide

@@ -36,6 +36,7 @@ from .options import Options as _Options
 
 __all__ = [
     "Options",
+    "checkNumIpusPerReplica",
     "execute_on_instances",
     "finalizeBackend",
     "getDeviceId",
@@ -95,6 +96,12 @@ def getNumLocalReplicas() -> int:
 def getNumIpusPerReplica() -> int:
     """The IPUs of one replica (poprun's --ipus-per-replica); 1 when unset."""
     return _int(IPUS_PER_REPLICA, 1) or 1
+
+
+def checkNumIpusPerReplica(ipus: int) -> bool:
+    """Whether ``ipus`` is poprun's IPUs per replica (True where poprun gave none)."""
+    given = _int(IPUS_PER_REPLICA)
+    return given is None or given == ipus
 
 
 def getReplicaIndexOffset() -> int:
