@@ -172,20 +172,29 @@ def main(argv: list[str] | None = None) -> None:
             runpy.run_path(argv[0], run_name="__main__")
     except BaseException as e:
         if not (isinstance(e, SystemExit) and e.code in (None, 0)):
-            _leave_at_once()
+            _leave_at_once(e)
         raise
 
 
-def _leave_at_once() -> None:
+def _leave_at_once(error: BaseException) -> None:
     """A program that failed leaves its process group at once, not meeting the other
     instances at exit (they may be waiting in a collective for it): their waits then fail,
-    and a launcher sees this instance end (the loop's instances leave so on an error too)."""
+    and a launcher sees this instance end (the loop's instances leave so on an error too).
+    First it leaves its error in the group's store as the run's first failure, unless an
+    instance did before (``rules.tell_launcher``: ``python -m ipuloop.poprun`` names it)."""
     dist = sys.modules.get("torch.distributed")
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            from .rules import destroy_group
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        import datetime
 
-            destroy_group()
+        from .rules import destroy_group, tell_launcher
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=3))
+        error_text = f"{type(error).__name__}: {error}"[:4000]
+        tell_launcher(store, {"instance": dist.get_rank(), "error": error_text})
+        destroy_group()
     except Exception:  # noqa: BLE001 (leaving a broken group: the exit is what matters)
         pass
 

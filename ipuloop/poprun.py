@@ -27,12 +27,15 @@ A COMMAND starting with ``python`` runs this interpreter with ``-m ipuloop.emula
 runs as it is, with the emulator bound in the Python processes it starts. Each output line is
 tagged ``[1,i]<stdout>:`` (or ``<stderr>``), as poprun's mpirun tags it. When an instance
 fails, the others are ended (SIGTERM, then SIGKILL after ``KILL_AFTER_S``) and the launcher
-exits with the failing instance's status, naming it.
+exits with the failing instance's status, naming it: the one that left the run's first
+failure in the store (``rules.tell_launcher``: a ``Loop``, or any program ``emulate`` runs),
+else the first to exit with an error.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import signal
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .emulate import BINDING
+from .rules import LAUNCHER_FAILURE_KEY
 
 __all__ = ["Topology", "instance_env", "main", "parse"]
 
@@ -370,9 +374,23 @@ def _host_store(port: int, instances: int) -> Any:
         return None
 
 
+def first_failure(store: Any) -> tuple[int, str] | None:
+    """(instance, its error) that an instance left in ``store`` as the run's first failure
+    (``rules.tell_launcher``), or None."""
+    if store is None:
+        return None
+    try:
+        store.wait([LAUNCHER_FAILURE_KEY], datetime.timedelta(milliseconds=100))
+        told = json.loads(store.get(LAUNCHER_FAILURE_KEY))
+        return int(told["instance"]), str(told.get("error") or "")
+    except Exception:  # noqa: BLE001 (none there: the exits decide)
+        return None
+
+
 def run(top: Topology, env: dict[str, str] | None = None) -> int:
-    """Start the instances and wait for them: 0 when all succeed, else the first failing
-    instance's status, the others ended."""
+    """Start the instances and wait for them: 0 when all succeed, else the failing
+    instance's status (the first to fail, as it left in the store, else the first to exit
+    with an error), the others ended."""
     base = dict(os.environ if env is None else env)
     port = int(base["MASTER_PORT"]) if base.get("MASTER_PORT", "").isdigit() else _free_port()
     store = None
@@ -391,8 +409,26 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
         for inst in instances:
             inst.signal(sig)
 
+    def announce(observed: _Instance) -> _Instance:
+        """Say which instance failed (the store's first failure, else ``observed``)."""
+        told = first_failure(store)
+        failed = instances[told[0]] if told and 0 <= told[0] < len(instances) else observed
+        code = failed.proc.poll()
+        what = _status(code) if code is not None else "is ending"
+        error = f" with {told[1][:300]}" if told else ""
+        for line in failed.tail:
+            print(line, file=sys.stderr)
+        print(
+            f"poprun: instance {failed.index} of {top.instances} (PID {failed.proc.pid}) "
+            f"failed{error} and {what}: ending the other instances.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return failed
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed: _Instance | None = None
+    observed: _Instance | None = None  # the first seen to exit with an error
+    failed: _Instance | None = None  # the one announced as failing
     try:
         for i in range(top.instances):
             shown = top.only_output_from is None or top.only_output_from == i
@@ -400,28 +436,23 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
         ending_at: float | None = None
         killed = False
         while any(inst.proc.poll() is None for inst in instances):
-            if failed is None:
-                for inst in instances:
-                    code = inst.proc.poll()
-                    if code is not None and code != 0:
-                        failed = inst
-                        for line in inst.tail:
-                            print(line, file=sys.stderr)
-                        print(
-                            f"poprun: instance {inst.index} of {top.instances} (PID "
-                            f"{inst.proc.pid}) {_status(code)}: ending the other instances.",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        ending_at = time.monotonic() + GRACE_S
-                        break
+            if observed is None:
+                observed = next((i for i in instances if i.proc.poll() not in (None, 0)), None)
+                if observed is not None:  # the others' time to end, the failing one to tell
+                    ending_at = time.monotonic() + GRACE_S
             now = time.monotonic()
             if ending_at is not None and now >= ending_at:
+                if failed is None and observed is not None:
+                    failed = announce(observed)
                 for inst in instances:
                     if inst.proc.poll() is None:
                         inst.signal(signal.SIGKILL if killed else signal.SIGTERM)
                 ending_at, killed = (now + KILL_AFTER_S, True) if not killed else (None, True)
             time.sleep(0.05)
+        if observed is None:
+            observed = next((i for i in instances if i.proc.returncode != 0), None)
+        if failed is None and observed is not None:
+            failed = announce(observed)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -431,12 +462,10 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
                 inst.proc.wait()
             for reader in inst.readers:
                 reader.join(timeout=5)
-    del store  # served until every instance has ended
-    if failed is None:
-        failed = next((inst for inst in instances if inst.proc.returncode != 0), None)
+    store = None  # served until every instance had ended
     if failed is None:
         return 128 + received[0] if received else 0
-    code = failed.proc.returncode
+    code = failed.proc.returncode or (observed.proc.returncode if observed else 1) or 1
     return 128 - code if code < 0 else code
 
 
