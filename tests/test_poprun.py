@@ -224,3 +224,21 @@ def test_an_instance_that_fails_ends_the_others_and_is_named(tmp_path):
     )
     assert "[1,1]<stderr>:" in run.stderr and "ValueError: instance 1 gives up" in run.stderr
     assert took < 60, took  # not the 60 s the collective would wait
+
+
+def test_the_first_failure_an_instance_tells_is_read_under_the_group_s_prefixes():
+    import datetime
+
+    import torch.distributed as dist
+
+    from ipuloop.rules import tell_launcher
+
+    port = free_port()
+    served = dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=10), False)
+    assert poprun.first_failure(served) is None and poprun.first_failure(None) is None
+    client = dist.TCPStore("127.0.0.1", port, 1, False, datetime.timedelta(seconds=10))
+    group = dist.PrefixStore("default_pg", dist.PrefixStore("0/", client))  # as a group's
+    tell_launcher(group, {"instance": 1, "error": "ValueError: first"})
+    tell_launcher(group, {"instance": 0, "error": "RuntimeError: because of it"})
+    assert poprun.first_failure(served) == (1, "ValueError: first")
+    tell_launcher(object(), {"instance": 0, "error": "no store"})  # never raises
