@@ -436,7 +436,7 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
         ending_at: float | None = None
         killed = False
         while any(inst.proc.poll() is None for inst in instances):
-            if observed is None:
+            if observed is None and not received:  # (a signal passed on ends them all)
                 observed = next((i for i in instances if i.proc.poll() not in (None, 0)), None)
                 if observed is not None:  # the others' time to end, the failing one to tell
                     ending_at = time.monotonic() + GRACE_S
@@ -449,7 +449,7 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
                         inst.signal(signal.SIGKILL if killed else signal.SIGTERM)
                 ending_at, killed = (now + KILL_AFTER_S, True) if not killed else (None, True)
             time.sleep(0.05)
-        if observed is None:
+        if observed is None and not received:
             observed = next((i for i in instances if i.proc.returncode != 0), None)
         if failed is None and observed is not None:
             failed = announce(observed)
