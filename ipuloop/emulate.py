@@ -1,7 +1,8 @@
 """``python -m ipuloop.emulate SCRIPT [ARGS...]`` (or ``-m MODULE [ARGS...]``, each after
 ``--ipus N`` if given): run a PopTorch program (or a module, such as ``pytest``) on the emulator.
 
-``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``,
+``import poptorch`` inside SCRIPT (and in everything it imports) gets ``ipuloop.emulator``
+(``popdist`` and ``horovod.torch``, where they are not installed, the emulator's stand-ins),
 and so it does in the Python processes SCRIPT starts: loader workers of any start method
 (``multiprocessing_context="spawn"``, the default on macOS, or "forkserver") and subprocesses.
 SCRIPT runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (MODULE as ``python -m``
@@ -25,14 +26,15 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["install", "main", "BINDING"]
+__all__ = ["install", "main", "stand_in", "BINDING"]
 
 
 # also importable as ``poptorch.<name>``
 _SUBMODULES = ("optim", "enums", "options", "poptorch_core", "_logging", "_impl")
 # A folder whose ``poptorch`` module binds the emulator when a new interpreter imports it; on
 # the module path while the emulator is bound, it also presents a ``poptorch`` distribution of
-# the emulated version (importlib.metadata) and ``popart``'s enums.
+# the emulated version (importlib.metadata), ``popart``'s enums, and where they are not
+# installed ``popdist`` and ``horovod.torch`` (``stand_in``).
 BINDING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_binding")
 
 
@@ -93,6 +95,48 @@ def install() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([BINDING, *paths])
 
 
+def stand_in(
+    name: str,
+    emulated: str | None,
+    submodules: dict[str, str] | None = None,
+    refused: str | None = None,
+) -> None:
+    """Make ``import NAME`` give the real package NAME where one is installed (anywhere on
+    the module path but ``BINDING``), else the emulator's module ``emulated`` (a dotted
+    name; None: an empty package), with ``NAME.SUB`` being each of ``submodules``' modules
+    (``{SUB: dotted name}``, or ``{SUB: "module:attribute,..."}`` for a module of those
+    attributes). With ``refused``, no real NAME is an import error saying it.
+
+    Called by the binding folder's ``popdist`` and ``horovod`` packages while Python imports
+    them: what it leaves in ``sys.modules[NAME]`` is what the import gives."""
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != BINDING]
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is not None and spec.loader is not None:  # the real one
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return
+    if refused is not None:
+        del sys.modules[name]
+        raise ModuleNotFoundError(refused, name=name)
+    if emulated is None:
+        module = types.ModuleType(name, sys.modules[name].__doc__)
+        module.__path__ = []  # a package, whose submodules are those below
+    else:
+        module = importlib.import_module(emulated)
+    sys.modules[name] = module
+    for sub, target in (submodules or {}).items():
+        if ":" in target:
+            source, names = target.split(":")
+            child = types.ModuleType(f"{name}.{sub}", importlib.import_module(source).__doc__)
+            for attribute in names.split(","):
+                setattr(child, attribute, getattr(importlib.import_module(source), attribute))
+        else:
+            child = importlib.import_module(target)
+        sys.modules[f"{name}.{sub}"] = child
+        setattr(module, sub, child)
+
+
 def _usage(message: str) -> None:
     print(f"ipuloop.emulate: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -117,14 +161,42 @@ def main(argv: list[str] | None = None) -> None:
         _usage(f"no such script: {argv[0]}")
     os.environ["IPULOOP_EMULATOR_IPUS"] = ipus  # inherited by the processes it starts
     install()
-    if argv[0] == "-m":
-        sys.argv = argv[1:]  # run_module sets sys.argv[0] to the module's file, as python -m
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]  # run_module sets sys.argv[0] to the module's file, as python -m
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except BaseException as e:
+        if not (isinstance(e, SystemExit) and e.code in (None, 0)):
+            _leave_at_once(e)
+        raise
+
+
+def _leave_at_once(error: BaseException) -> None:
+    """A program that failed leaves its process group at once, not meeting the other
+    instances at exit (they may be waiting in a collective for it): their waits then fail,
+    and a launcher sees this instance end (the loop's instances leave so on an error too).
+    First it leaves its error in the group's store as the run's first failure, unless an
+    instance did before (``rules.tell_launcher``: ``python -m ipuloop.poprun`` names it)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        import datetime
+
+        from .rules import destroy_group, tell_launcher
+
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=3))
+        error_text = f"{type(error).__name__}: {error}"[:4000]
+        tell_launcher(store, {"instance": dist.get_rank(), "error": error_text})
+        destroy_group()
+    except Exception:  # noqa: BLE001 (leaving a broken group: the exit is what matters)
+        pass
 
 
 if __name__ == "__main__":

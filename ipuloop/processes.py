@@ -59,6 +59,7 @@ from .rules import (
     dist_timeout,
     keep_until_left,
     leave_process_group,
+    tell_launcher,
 )
 from .signals import Preempted
 from .state import State
@@ -422,6 +423,8 @@ class ProcessGroup(Processes):
         mine = f"{type(error).__name__}: {error}{notes}"[:4000]
         self.store = _default_store()  # (held: it outlives the group, which goes next)
         first = self._first_failure({"instance": self.rank, "error": mine, "step": st.step})
+        if first is not None:  # and for a launcher serving the store (python -m ipuloop.poprun)
+            tell_launcher(self.store, first)
         _leave_group()
         raised = error
         if first is not None:

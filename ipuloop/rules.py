@@ -11,6 +11,7 @@ backend (the real one or ``ipuloop.emulator``): only their documented attributes
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import time
@@ -47,6 +48,8 @@ __all__ = [
     "keep_until_left",
     "destroy_group",
     "leave_process_group",
+    "LAUNCHER_FAILURE_KEY",
+    "tell_launcher",
 ]
 
 # OutputMode values (PopTorch's enum values; the real poptorch's and the emulator's alike).
@@ -325,6 +328,22 @@ def leave_process_group() -> None:
             time.sleep(0.01)
             left = store.add(_LEFT_KEY, 0)
     except Exception:  # noqa: BLE001 (the store's host has left: so may this instance)
+        pass
+
+
+# Where an instance leaves the run's first failure for a launcher that serves the group's store
+# (python -m ipuloop.poprun), in the store itself, under none of the prefixes groups add.
+LAUNCHER_FAILURE_KEY = "ipuloop/launcher/failure"
+
+
+def tell_launcher(store: Any, failure: dict[str, Any]) -> None:
+    """Leave ``failure`` (``instance``, ``error``: the run's first) at ``LAUNCHER_FAILURE_KEY`` of
+    the store under ``store``'s prefixes, unless an instance did before; never raises."""
+    try:
+        while hasattr(store, "underlying_store"):  # a PrefixStore: the store it prefixes
+            store = store.underlying_store
+        store.compare_set(LAUNCHER_FAILURE_KEY, "", json.dumps(failure))
+    except Exception:  # noqa: BLE001 (no store, or gone: a launcher goes by the exits)
         pass
 
 

@@ -685,7 +685,6 @@ def test_deep_copies_of_a_wrapped_module_each_hold_its_own_buffers():
     "method",
     [
         "getPerfCounters",
-        "getLatency",
         "getHostIpuLatency",
         "getComputeLatency",
         "getIpuHostLatency",

@@ -122,6 +122,15 @@ PROGRAM = textwrap.dedent("""
             "schedule": int(popart.AccumulateOuterFragmentSchedule.OverlapMemoryOptimized),
             "copying": int(popart.SubgraphCopyingStrategy.JustInTime),
             "names": [s.name for s in popart.AccumulateOuterFragmentSchedule],
+            "enums": {
+                e: {m.name: int(m) for m in getattr(popart, e)}
+                for e in (
+                    "VirtualGraphMode",
+                    "RecomputationType",
+                    "BatchSerializationBatchSchedule",
+                    "SyntheticDataMode",
+                )
+            },
         }
         opts = poptorch.Options()
         opts._Popart.set("subgraphCopyingStrategy", int(popart.SubgraphCopyingStrategy.JustInTime))
@@ -131,6 +140,15 @@ PROGRAM = textwrap.dedent("""
             out["popart"]["session"] = str(e)
     except ImportError as e:
         out["popart"] = repr(e)
+    import popdist, popdist.poptorch, horovod.torch as hvd
+    out["popdist"] = [popdist.isPopdistEnvSet(), popdist.getNumInstances()]
+    out["popdist.poptorch.Options"] = issubclass(popdist.poptorch.Options, poptorch.Options)
+    hvd.init()
+    out["hvd"] = [hvd.rank(), hvd.size(), hvd.allreduce(__import__("torch").tensor(3.0)).item()]
+    try:
+        import poptorch_geometric
+    except ModuleNotFoundError as e:
+        out["poptorch_geometric"] = [e.name, str(e)]
     print(json.dumps(out))
 """)
 
@@ -177,6 +195,61 @@ def test_under_emulate_popart_offers_popart_3_4_enums_and_nothing_else(under_emu
     assert "popart.InferenceSession is not emulated" in popart["session"]
 
 
+def test_under_emulate_popart_has_popart_3_4_s_option_enums(under_emulate):
+    # PopART 3.4's python/popart/popart_core/popart.cpp names, sessionoptions.hpp values
+    assert under_emulate["popart"]["enums"] == {
+        "VirtualGraphMode": {"Off": 0, "Manual": 1, "Auto": 2, "ExecutionPhases": 3},
+        "RecomputationType": {
+            "NoRecompute": 0,
+            "Standard": 1,
+            "NormOnly": 2,
+            "Pipeline": 3,
+            "RecomputeAll": 4,
+        },
+        "BatchSerializationBatchSchedule": {
+            "Scheduler": 0,
+            "Isomorphic": 1,
+            "OverlapOnIo": 2,
+            "OverlapOnCompute": 3,
+        },
+        "SyntheticDataMode": {"Off": 0, "Zeros": 1, "RandomNormal": 2, "RandomUniform": 3},
+    }
+
+
+def test_under_emulate_popdist_and_horovod_answer_for_one_process(under_emulate):
+    assert under_emulate["popdist"] == [False, 1]
+    assert under_emulate["popdist.poptorch.Options"] is True
+    assert under_emulate["hvd"] == [0, 1, 3.0]
+
+
+def test_under_emulate_poptorch_geometric_is_refused_saying_why(under_emulate):
+    name, message = under_emulate["poptorch_geometric"]
+    assert name == "poptorch_geometric"
+    assert message.startswith("poptorch_geometric is not emulated: PopTorch Geometric ships")
+
+
+def test_under_emulate_an_installed_popdist_and_horovod_are_imported_not_the_stand_ins(tmp_path):
+    site = tmp_path / "site"
+    for name in ("popdist", "horovod", "poptorch_geometric"):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"REAL = {name!r}\n")
+    (site / "horovod" / "torch.py").write_text("REAL = 'horovod.torch'\n")
+    (tmp_path / "prog.py").write_text(
+        "import popdist, horovod.torch as hvd, poptorch_geometric as pg\n"
+        "print(popdist.REAL, hvd.REAL, pg.REAL)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "ipuloop.emulate", "prog.py"],
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(site)])),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["popdist", "horovod.torch", "poptorch_geometric"]
+
+
 def test_without_emulate_no_poptorch_distribution_is_seen():
     import importlib.metadata
 
@@ -216,3 +289,4 @@ def test_a_wheel_of_ipuloop_carries_the_binding_folder(tmp_path):
     dist = f"ipuloop/_binding/poptorch-{poptorch.__version__}.dist-info"
     assert {f"{dist}/METADATA", f"{dist}/top_level.txt"} <= names
     assert {"ipuloop/_binding/poptorch.py", "ipuloop/_binding/popart.py"} <= names
+    assert {"ipuloop/_binding/popdist/__init__.py", "ipuloop/_binding/horovod/__init__.py"} <= names

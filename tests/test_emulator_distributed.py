@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+MPIRUN_ENV = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+POPRUN_ENV = ("POPDIST_NUM_TOTAL_REPLICAS", "POPDIST_REPLICA_INDEX_OFFSET")
 
 COMMON = """
 import os, sys
@@ -289,7 +291,7 @@ class _WithLoss(torch.nn.Module):
 
 
 def test_several_processes_without_a_launcher_are_a_clear_error(monkeypatch):
-    for name in LAUNCHER_ENV:
+    for name in LAUNCHER_ENV + MPIRUN_ENV + POPRUN_ENV:
         monkeypatch.delenv(name, raising=False)
     assert not dist.is_initialized()
     model, x, y = _model_and_batch()
@@ -298,8 +300,8 @@ def test_several_processes_without_a_launcher_are_a_clear_error(monkeypatch):
     tm = poptorch.trainingModel(_WithLoss(model), opts)
     with pytest.raises(
         poptorch.Error,
-        match=r"MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE.*"
-        r"torch\.distributed\.run --nproc-per-node 2",
+        match=r"torchrun's RANK and WORLD_SIZE, mpirun's OMPI_COMM_WORLD_RANK and "
+        r"OMPI_COMM_WORLD_SIZE, or poprun's POPDIST_\*.*torch\.distributed\.run --nproc-per-node 2",
     ):
         tm(x, y)
     assert not tm.isCompiled()
@@ -324,3 +326,84 @@ def test_process_id_out_of_range_and_bad_timeout(monkeypatch):
     with pytest.raises(poptorch.Error, match=r"IPULOOP_DIST_TIMEOUT='soon'"):
         poptorch.trainingModel(_WithLoss(model), opts)(x, y)
     assert not dist.is_initialized()
+
+
+def test_the_launchers_whose_environment_creates_the_group():
+    from ipuloop.emulator.distributed import launched, launcher_rank
+
+    assert not launched({})
+    assert launched({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun
+    assert launched({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})  # mpirun
+    poprun = {"POPDIST_REPLICA_INDEX_OFFSET": "2", "POPDIST_NUM_TOTAL_REPLICAS": "4"}
+    assert launched(poprun)
+    assert not launched({"RANK": "0"}) and not launched({"OMPI_COMM_WORLD_SIZE": "2"})
+    # the rank the group is created with: the launcher's (the options are checked against it)
+    assert launcher_rank({"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}) == (1, 2)
+    assert launcher_rank({**poprun, "POPDIST_NUM_LOCAL_REPLICAS": "2"}) == (1, 2)
+    assert launcher_rank({}) is None
+
+
+MPIRUN = """
+import os
+import torch
+import torch.distributed as dist
+import ipuloop.emulator as poptorch
+
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 2)
+opts = poptorch.Options()  # numProcesses and processId: mpirun's OMPI_COMM_WORLD_*, by default
+rank = opts.Distributed.processId
+g = torch.Generator().manual_seed(rank)  # each instance its own data
+x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+
+
+class WithLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        out = self.net(x)
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+tm = poptorch.trainingModel(WithLoss(), opts, torch.optim.SGD(net.parameters(), lr=0.1))
+tm(x, y)
+tm.copyWeightsToHost()
+print("RANK", rank, "OF", dist.get_world_size(), "WEIGHT", net.weight.sum().item(), flush=True)
+"""
+
+
+@pytest.mark.threads
+def test_under_mpirun_s_environment_alone_the_instances_join_one_group(tmp_path):
+    """OMPI_COMM_WORLD_* and no MASTER_ADDR (mpirun sets none): the group is created at
+    127.0.0.1 and MASTER_PORT, and the two instances apply the same averaged update."""
+    script = tmp_path / "mpirun.py"
+    script.write_text(MPIRUN)
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = clean_env(
+            OMPI_COMM_WORLD_RANK=str(rank),
+            OMPI_COMM_WORLD_SIZE="2",
+            MASTER_PORT=port,
+            IPULOOP_DIST_TIMEOUT="60",
+        )
+        for name in POPRUN_ENV:
+            env.pop(name, None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    lines = [next(s for s in out.splitlines() if s.startswith("RANK")) for out in outs]
+    assert [line.split()[1:4] for line in lines] == [["0", "OF", "2"], ["1", "OF", "2"]]
+    assert lines[0].split()[-1] == lines[1].split()[-1]  # one update, of both instances' data

@@ -1408,3 +1408,53 @@ def test_is_running_on_ipu_only_inside_the_model():
     poptorch.inferenceModel(M())(torch.ones(2))
     assert seen and all(seen)
     assert not poptorch.isRunningOnIpu()
+
+
+# -- getLatency: PopTorch's _computeLatency over host-side timestamps ----------------------------
+
+
+def test_latency_groups_the_starts_of_each_returned_output_as_poptorch_does():
+    from ipuloop.emulator.executor import latency
+
+    assert latency([], []) == (0.0, 0.0, 0.0)  # not run: PopTorch's zeros
+    # 4 device iterations, 2 outputs: each output's latency runs from its group's first start
+    assert latency([0.0, 1.0, 2.0, 3.0], [5.0, 9.0]) == (5.0, 7.0, 6.0)
+    with pytest.raises(poptorch.Error, match="do not group"):
+        latency([0.0, 1.0, 2.0], [5.0, 9.0])
+
+
+class Slow(nn.Module):
+    """Each forward takes at least ``PAUSE`` seconds."""
+
+    PAUSE = 0.02
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x, y=None):
+        import time
+
+        time.sleep(self.PAUSE)
+        out = self.fc(x)
+        return out if y is None else (out, F.mse_loss(out, y))
+
+
+def test_get_latency_is_zero_before_the_first_run_and_per_device_iteration_with_all():
+    opts = poptorch.Options().deviceIterations(3).outputMode(poptorch.OutputMode.All)
+    model = poptorch.inferenceModel(Slow(), opts)
+    assert model.getLatency() == (0.0, 0.0, 0.0)
+    model(torch.randn(6, 3))
+    low, high, mean = model.getLatency()
+    assert Slow.PAUSE <= low <= mean <= high < 3 * Slow.PAUSE  # one iteration's each
+
+
+def test_get_latency_of_a_final_output_spans_the_whole_call():
+    opts = poptorch.Options().deviceIterations(3)  # training: OutputMode.Final
+    net = Slow()
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
+    model(torch.randn(6, 3), torch.randn(6, 2))
+    low, high, mean = model.getLatency()
+    assert low == high == mean >= 3 * Slow.PAUSE  # the one output waits for every iteration
+    model.destroy()
+    assert model.getLatency() == (0.0, 0.0, 0.0)

@@ -1,7 +1,8 @@
 """Indexing inside a model (``aten::index``, which PopTorch lowers): a traced model sees it on
 every torch version. torch < 2.1 shows function modes no ``Tensor.__getitem__``; the
 emulator's trace must still know an indexed graph tensor for one (checks.py
-``_show_getitem``)."""
+``_IndexWatch``, a dispatch mode beside the trace's function mode), without changing torch's
+classes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ipuloop.emulator as poptorch
+from ipuloop.emulator import checks
 
 VOCAB, HIDDEN, CLASSES, PAD = 11, 8, 3, 0
 
@@ -124,3 +126,96 @@ def test_indexing_outside_a_traced_model_is_torchs_own():
     inference = poptorch.inferenceModel(Pick(lambda out: out[torch.arange(2)]))
     inference(torch.randn(4, 4), torch.tensor([0, 2]))
     assert torch.Tensor.__dict__.get("__getitem__") is before
+
+
+def _scalars_make_a_tensor() -> None:
+    """torch 2.0 reads a list of 0-d tensors as numbers, unless ``torch.Tensor`` was left
+    with a sequence slot (``len() of a 0-d tensor``)."""
+    made = torch.tensor([torch.tensor(1.0), torch.tensor(2.0)])
+    assert made.tolist() == [1.0, 2.0]
+
+
+def _train_last_token_classifier() -> poptorch.PoplarExecutor:
+    model = LastTokenClassifier()
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ids, labels = batches(1)[0]
+    training(ids, labels)
+    return training
+
+
+def test_a_tensor_is_made_of_scalar_tensors_after_a_compile_and_after_a_detach():
+    training = _train_last_token_classifier()
+    _scalars_make_a_tensor()
+    training.detachFromDevice()
+    _scalars_make_a_tensor()
+
+
+def _class_attributes() -> dict[str, dict[str, object]]:
+    classes = (torch.Tensor, torch.nn.Parameter, *torch.Tensor.__bases__)  # TensorBase
+    return {c.__name__: dict(vars(c)) for c in classes}
+
+
+def test_compiling_and_detaching_leave_torchs_classes_as_they_were():
+    before = _class_attributes()
+    training = _train_last_token_classifier()
+    training.detachFromDevice()
+    after = _class_attributes()
+    for name, attributes in before.items():
+        assert after[name].keys() == attributes.keys(), name
+        changed = [k for k, v in attributes.items() if after[name][k] is not v]
+        assert changed == [], (name, changed)
+
+
+def test_where_modes_do_not_see_indexing_the_dispatch_watch_does(monkeypatch):
+    """torch 2.0's case on any torch: the trace learns advanced indexing from the dispatch
+    watch (the indexed logits feed the loss, a boolean mask is refused), and torch's classes
+    are left alone."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    monkeypatch.setattr(checks, "_getitem_shown", [False])
+    watched = []
+    monkeypatch.setattr(checks.TraceChecks, "indexed", _recording(watched))
+    test_a_tensor_is_made_of_scalar_tensors_after_a_compile_and_after_a_detach()
+    assert watched, "the dispatch watch saw no advanced indexing"
+    model = Pick(lambda out: out[out[:, 0] > -100])
+    with pytest.raises(DynamicOutputShapeException):
+        poptorch.inferenceModel(model)(torch.randn(2, 4), torch.tensor([0, 2]))
+    _scalars_make_a_tensor()
+
+
+def _recording(seen: list):
+    indexed = checks.TraceChecks.indexed
+
+    def record(self, t, index, out):
+        seen.append(out.shape)
+        return indexed(self, t, index, out)
+
+    return record
+
+
+class Positions(nn.Module):
+    """BERT's position ids: a buffer that is itself a view (``arange(...).expand``), sliced in
+    ``forward`` (basic indexing: a view of a view, whose ``_base`` is the arange, not the
+    buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.register_buffer("position_ids", torch.arange(8).expand((1, -1)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = self.position_ids[:, : ids.shape[1]]
+        return self.embed(ids) + self.embed(positions)
+
+
+@pytest.mark.parametrize("modes_see_indexing", [True, False], ids=["torch", "watch"])
+def test_a_slice_of_a_buffer_that_is_a_view_stays_on_the_device(monkeypatch, modes_see_indexing):
+    if not modes_see_indexing:  # torch 2.0's case on any torch
+        monkeypatch.setattr(checks, "_getitem_shown", [False])
+    elif not checks.modes_see_indexing():
+        pytest.skip("this torch's function modes do not see indexing")
+    torch.manual_seed(0)
+    model = Positions()
+    ids = torch.randint(0, 8, (2, 5))
+    expected = model(ids)
+    torch.testing.assert_close(poptorch.inferenceModel(model)(ids), expected)

@@ -467,8 +467,15 @@ def test_importing_ipuloop_imports_no_integration(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
 
 
-# The emulator and its entry points, and the examples, are not the loop's kernel either.
-NOT_KERNEL = ("ipuloop.emulator", "ipuloop.emulate", "ipuloop._binding", "ipuloop.examples")
+# The emulator and its entry points (emulate, poprun), and the examples, are not the loop's
+# kernel either.
+NOT_KERNEL = (
+    "ipuloop.emulator",
+    "ipuloop.emulate",
+    "ipuloop.poprun",
+    "ipuloop._binding",
+    "ipuloop.examples",
+)
 
 
 def kernel_statements() -> int:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["AccumulateOuterFragmentSchedule", "SubgraphCopyingStrategy"]
+__all__ = [
+    "AccumulateOuterFragmentSchedule",
+    "BatchSerializationBatchSchedule",
+    "RecomputationType",
+    "SubgraphCopyingStrategy",
+    "SyntheticDataMode",
+    "VirtualGraphMode",
+]
 
 
 class AccumulateOuterFragmentSchedule(enum.IntEnum):
@@ -28,6 +35,44 @@ class SubgraphCopyingStrategy(enum.IntEnum):
 
     OnEnterAndExit = 0
     JustInTime = 1
+
+
+class VirtualGraphMode(enum.IntEnum):
+    """How ops are placed on virtual graphs (IPUs)."""
+
+    Off = 0
+    Manual = 1
+    Auto = 2
+    ExecutionPhases = 3
+
+
+class RecomputationType(enum.IntEnum):
+    """Which forward ops are recomputed in the backward pass (PopART's ``None`` is
+    ``NoRecompute`` in Python, as there)."""
+
+    NoRecompute = 0
+    Standard = 1
+    NormOnly = 2
+    Pipeline = 3
+    RecomputeAll = 4
+
+
+class BatchSerializationBatchSchedule(enum.IntEnum):
+    """How the serialized batches' subgraphs are scheduled."""
+
+    Scheduler = 0
+    Isomorphic = 1
+    OverlapOnIo = 2
+    OverlapOnCompute = 3
+
+
+class SyntheticDataMode(enum.IntEnum):
+    """What a synthetic-data run feeds its inputs with."""
+
+    Off = 0
+    Zeros = 1
+    RandomNormal = 2
+    RandomUniform = 3
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
-from torch.overrides import TorchFunctionMode, handle_torch_function
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import rules
@@ -108,16 +109,8 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 _getitem = torch.Tensor.__getitem__  # what a function mode sees ``x[index]`` as
-_getitem_shown: list[Any] = []  # [whether modes see it unaided], once probed
-_getitem_users = 0  # modes active that need it shown (any thread)
-_getitem_lock = threading.Lock()
-
-
-def _shown_getitem(self: torch.Tensor, index: Any) -> Any:
-    """``Tensor.__getitem__`` passed to the active function mode first, as torch >= 2.1 does."""
-    if torch._C._is_torch_function_mode_enabled():
-        return handle_torch_function(_getitem, (self,), self, index)
-    return _getitem(self, index)
+_getitem_shown: list[bool] = []  # [whether function modes see it], once probed
+_probe_lock = threading.Lock()
 
 
 class _GetitemProbe(TorchFunctionMode):
@@ -128,41 +121,59 @@ class _GetitemProbe(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _show_getitem(users: int) -> None:
-    """Add ``users`` (1 or -1) to the modes that need to see indexing. torch < 2.1 shows
-    function modes neither basic nor advanced indexing (``x[idx]``, ``x[mask]``,
-    ``x[idx, lengths]``): there, while one is active, ``torch.Tensor.__getitem__`` is
-    ``_shown_getitem``, which shows it them (to the modes of the thread that indexes only)."""
-    global _getitem_users
-    with _getitem_lock:
+def modes_see_indexing() -> bool:
+    """Whether function modes see ``x[index]`` of a plain tensor (torch >= 2.1); torch 2.0
+    shows them neither basic nor advanced indexing (``x[idx]``, ``x[mask]``)."""
+    with _probe_lock:
         if not _getitem_shown:
             probe = _GetitemProbe()
             with probe:
                 torch.zeros(1)[torch.zeros(1, dtype=torch.long)]
             _getitem_shown.append(probe.seen)
-        if _getitem_shown[0]:
-            return
-        _getitem_users += users
-        if _getitem_users and "__getitem__" not in torch.Tensor.__dict__:
-            torch.Tensor.__getitem__ = _shown_getitem  # type: ignore[method-assign]
-        elif not _getitem_users and torch.Tensor.__dict__.get("__getitem__") is _shown_getitem:
-            del torch.Tensor.__getitem__
+        return _getitem_shown[0]
+
+
+_aten = torch.ops.aten
+# What ``x[index]`` dispatches to: advanced indexing, and basic indexing's views
+_INDEXING = {
+    _aten.index.Tensor: True,  # (its index tensors are args[1])
+    _aten.slice.Tensor: False,
+    _aten.select.int: False,
+    _aten.unsqueeze.default: False,
+    _aten.alias.default: False,
+}
+
+
+class _IndexWatch(TorchDispatchMode):
+    """On torch < 2.1, beside ``TraceChecks``: the ops of ``x[index]`` (which function modes
+    do not see there) that ``forward`` itself makes, shown to the checks as
+    ``Tensor.__getitem__``: advanced indexing (``aten.index``) and basic indexing's views
+    (``aten.slice``, ``aten.select``, ...; a view of a view has the first one's base, not the
+    indexed tensor). Nothing of torch's classes is changed."""
+
+    def __init__(self, checks: TraceChecks) -> None:
+        super().__init__()
+        self.checks = checks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        advanced = _INDEXING.get(func)
+        if advanced is not None and not self.checks.inside:
+            self.checks.indexed(args[0], list(args[1]) if advanced else [], out)
+        return out
 
 
 class _LossMode(TorchFunctionMode):
-    """A mode that ``identity_loss`` reports to (``note_loss``) while it is active; it sees
-    indexing on every torch version (``_show_getitem``)."""
+    """A mode that ``identity_loss`` reports to (``note_loss``) while it is active."""
 
     def __enter__(self) -> _LossMode:
         global _active
         self._previous, _active = _active, self
-        _show_getitem(1)
         return super().__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         global _active
         _active = self._previous
-        _show_getitem(-1)
         return super().__exit__(*exc_info)
 
     def note_loss(self, t: torch.Tensor) -> None:
@@ -231,6 +242,31 @@ class TraceChecks(_LossMode):
         self._names = {id(t): n for n, t in named if id(t) not in stats}
         for t in [*(t for _, t in named), *_tensors(inputs)]:
             self._graph[t] = _NO_LOSSES
+        self.inside = 0  # torch functions running (their own ops are not forward's)
+        self._watch: _IndexWatch | None = None
+
+    def __enter__(self) -> TraceChecks:
+        super().__enter__()
+        if not modes_see_indexing():
+            self._watch = _IndexWatch(self)
+            self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._watch is not None:
+            self._watch.__exit__(*exc_info)
+            self._watch = None
+        return super().__exit__(*exc_info)
+
+    def indexed(self, t: torch.Tensor, index: list[Any], out: torch.Tensor) -> None:
+        """``out = t[index]`` seen below torch's functions (torch < 2.1; ``index`` the tensors of
+        advanced indexing, empty for a view): refused for a boolean mask of a graph tensor,
+        and a graph tensor when ``t`` is."""
+        if not self._in_graph(t):
+            return
+        _unsupported.check(_getitem, (t, tuple(index)), {})
+        tensors = [t, *(i for i in index if isinstance(i, torch.Tensor))]
+        self._graph[out] = _NO_LOSSES.union(*(self._graph.get(i, _NO_LOSSES) for i in tensors))
 
     def _in_graph(self, t: torch.Tensor) -> bool:
         if t in self._graph or isinstance(t, torch.nn.Parameter):
@@ -245,6 +281,8 @@ class TraceChecks(_LossMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _getitem and self._watch is not None:  # the watch's (a subclass's index)
+            return func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
         in_graph = [self._in_graph(t) for t in inputs]
         if any(in_graph) and not all(in_graph) and func is not torch.Tensor.to:
@@ -266,7 +304,11 @@ class TraceChecks(_LossMode):
             if id(t) in self._inputs:
                 self._used_inputs.add(id(t))
         watched = [(t, t._version) for t in inputs if id(t) in self._names]
-        out = func(*args, **kwargs)
+        self.inside += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.inside -= 1
         for t, version in watched:
             if t._version != version and self._names[id(t)] not in self.updated:
                 self.updated.append(self._names[id(t)])

@@ -4,14 +4,15 @@ all-reduced across every process's replicas before each optimizer update.
 With ``opts.Distributed.numProcesses`` N > 1 a training model, at compile, joins the default
 ``torch.distributed`` process group, or creates it from the launcher's environment
 (``python -m torch.distributed.run`` / torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
-gloo on the CPU, NCCL when the emulator runs on CUDA: give each process its own GPU, e.g.
-``IPULOOP_EMULATOR_DEVICE=cuda:$LOCAL_RANK``). The group's rank and size must be
-``Distributed.processId`` and ``numProcesses``. Joining, and every gloo collective on a group
-this module created, gives up after ``IPULOOP_DIST_TIMEOUT`` seconds (default 300): an
-instance that died or stopped calling makes the others raise ``poptorch.Error`` instead of
-hanging. A group this module created is destroyed at exit, the instances meeting first (left
-to the interpreter, gloo's teardown can abort the process). Inference models need no
-reduction and join nothing.
+mpirun's OMPI_COMM_WORLD_RANK/SIZE and poprun's POPDIST_* too, MASTER_ADDR and MASTER_PORT
+then defaulting to 127.0.0.1:29500; gloo on the CPU, NCCL when the emulator runs on CUDA:
+give each process its own GPU, e.g. ``IPULOOP_EMULATOR_DEVICE=cuda:$LOCAL_RANK``). The
+group's rank and size must be ``Distributed.processId`` and ``numProcesses``. Joining, and
+every gloo collective on a group this module created, gives up after ``IPULOOP_DIST_TIMEOUT``
+seconds (default 300): an instance that died or stopped calling makes the others raise
+``poptorch.Error`` instead of hanging. A group this module created is destroyed at exit, the
+instances meeting first (left to the interpreter, gloo's teardown can abort the process).
+Inference models need no reduction and join nothing.
 
 Replicas (as PopTorch sets PopART's ``globalReplicationFactor`` = N*R and
 ``globalReplicaOffset`` = processId*R): process p's local replica r is global replica
@@ -69,12 +70,27 @@ from . import optim as _optim
 from .enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
 from .errors import Error
 
-__all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "GradientReducer", "join", "timeout_seconds"]
+__all__ = [
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT_S",
+    "GradientReducer",
+    "join",
+    "join_group",
+    "launched",
+    "launcher_rank",
+    "timeout_seconds",
+]
 
 logger = _logging.logger
 
 TIMEOUT_ENV, DEFAULT_TIMEOUT_S = rules.DIST_TIMEOUT_ENV, rules.DEFAULT_DIST_TIMEOUT
-_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# A launcher's environment, any of: torchrun's, mpirun's, poprun's (POPDIST_*, with mpirun's)
+_LAUNCHERS = (
+    ("RANK", "WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("POPDIST_REPLICA_INDEX_OFFSET", "POPDIST_NUM_TOTAL_REPLICAS"),
+)
+DEFAULT_ADDR, DEFAULT_PORT = "127.0.0.1", "29500"  # where the launcher sets no MASTER_*
 _16BIT = (torch.float16, torch.bfloat16)
 
 
@@ -104,30 +120,18 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
     destroyed at exit)."""
     dist = _dist()
     if not dist.is_initialized():
-        missing = [k for k in _LAUNCHER_ENV if not os.environ.get(k)]
-        if missing:
+        if not launched():
             raise Error(
                 f"Options.Distributed.numProcesses is {n} ({_where(pid, n)}) but no "
                 "torch.distributed process group exists and the environment has no "
-                f"{', '.join(missing)}. Launch every instance with "
-                f"`python -m torch.distributed.run --nproc-per-node {n} SCRIPT` (torchrun), or "
-                "call torch.distributed.init_process_group() before the first call, or run one "
-                "process (Options.Distributed.disable())."
+                "launcher's variables (torchrun's RANK and WORLD_SIZE, mpirun's "
+                "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE, or poprun's POPDIST_*). Launch "
+                f"every instance with `python -m torch.distributed.run --nproc-per-node {n} "
+                f"SCRIPT` (torchrun) or `python -m ipuloop.poprun --num-instances {n} python "
+                "SCRIPT`, or call torch.distributed.init_process_group() before the first "
+                "call, or run one process (Options.Distributed.disable())."
             )
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timeout_seconds()
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
-        try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        except Exception as e:  # a store timeout, a refused connection, ...
-            raise Error(
-                f"{_where(pid, n)} could not join the other instances within {timeout:g} s "
-                f"({backend} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-                f"): an instance died or was never started. {TIMEOUT_ENV} sets the timeout. "
-                f"Cause: {type(e).__name__}: {e}"
-            ) from e
-        atexit.register(rules.leave_process_group)
+        _create(dist, pid, n, device)
     rank, size = dist.get_rank(), dist.get_world_size()
     if (rank, size) != (pid, n):
         raise Error(
@@ -137,6 +141,62 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
             'opts.Distributed.setEnvVarNames("WORLD_SIZE", "RANK")).'
         )
     return dist
+
+
+def launched(env: Any = None) -> bool:
+    """Whether a launcher (torchrun, mpirun, poprun) started this process."""
+    return launcher_rank(env) is not None
+
+
+def launcher_rank(env: Any = None) -> tuple[int, int] | None:
+    """(rank, size) as the launcher that started this process says: torchrun's, mpirun's,
+    or poprun's (its replica offset and total over the local replicas); None without one."""
+    env = os.environ if env is None else env
+    for rank, size in _LAUNCHERS:
+        if env.get(rank) and env.get(size):
+            if rank.startswith("POPDIST_"):
+                local = max(int(env.get("POPDIST_NUM_LOCAL_REPLICAS") or 1), 1)
+                return int(env[rank]) // local, int(env[size]) // local
+            return int(env[rank]), int(env[size])
+    return None
+
+
+def _create(dist: Any, pid: int, n: int, device: torch.device) -> None:
+    """Create the default group as instance ``pid`` of ``n``: at the launcher's MASTER_ADDR and
+    MASTER_PORT (127.0.0.1:29500 where it sets none, as mpirun does not), destroyed at exit."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timeout_seconds()
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    addr = os.environ.get("MASTER_ADDR") or DEFAULT_ADDR
+    port = os.environ.get("MASTER_PORT") or DEFAULT_PORT
+    # env:// where the launcher set MASTER_*: under torchrun it joins the launcher's own store
+    given = os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    rank, size = launcher_rank() or (pid, n)  # the launcher's: the options are checked on it
+    try:
+        dist.init_process_group(
+            backend,
+            init_method="env://" if given else f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    except Exception as e:  # a store timeout, a refused connection, ...
+        raise Error(
+            f"{_where(pid, n)} could not join the other instances within {timeout:g} s "
+            f"({backend} at {addr}:{port}): an instance died or was never started. "
+            f"{TIMEOUT_ENV} sets the timeout. Cause: {type(e).__name__}: {e}"
+        ) from e
+    atexit.register(rules.leave_process_group)
+
+
+def join_group(pid: int, n: int) -> Any:
+    """``torch.distributed`` with the default group joined as instance ``pid`` of ``n`` (gloo,
+    created from the launcher's environment if nobody has): what popdist's ``init`` and the
+    host-side collectives (``hvd.init``) join; None for one instance."""
+    if n <= 1:
+        return None
+    return _group(pid, n, torch.device("cpu"))
 
 
 def _collective_error(pid: int, n: int, what: str, e: BaseException) -> Error:

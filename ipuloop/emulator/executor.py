@@ -116,6 +116,26 @@ class Executable:
         return f"<emulated PopTorch executable of {type(self.executor.model).__name__}>"
 
 
+_clock = time.perf_counter
+
+
+def latency(starts: list[float], ends: list[float]) -> tuple[float, float, float]:
+    """(min, max, mean) of the durations from each group of ``starts`` to its end
+    (PopTorch's ``_computeLatency``): there are as many groups as ``ends``, each of
+    ``len(starts) // len(ends)`` consecutive starts, taken at their earliest."""
+    if not ends:
+        return (0.0, 0.0, 0.0)
+    if len(starts) % len(ends):
+        raise Error(
+            f"Internal emulator error: {len(starts)} start timestamps do not group into "
+            f"{len(ends)} ends when calculating latency"
+        )
+    factor = len(starts) // len(ends)
+    firsts = [min(starts[i * factor : (i + 1) * factor]) for i in range(len(ends))]
+    durations = [end - start for start, end in zip(firsts, ends)]
+    return (min(durations), max(durations), sum(durations) / len(durations))
+
+
 class PoplarExecutor(HardwareOnly):
     """A model wrapped by ``trainingModel`` or ``inferenceModel``."""
 
@@ -147,6 +167,9 @@ class PoplarExecutor(HardwareOnly):
         self._on_cpu = self._device.type == "cpu"
         self._compiled = False
         self._attached = False
+        # the last call's host-side timestamps: each device iteration's start, and when each
+        # output the call returns was complete (getLatency)
+        self._marks: tuple[list[float], list[float]] = ([], [])
         self._dirty_host_weights = False
         self._host_weights_version = 0  # bumped each time host weights are refreshed from device
         self._trained_version = 0  # bumped by each training call
@@ -500,6 +523,7 @@ class PoplarExecutor(HardwareOnly):
             self._opt.release()
         self._compiled = False
         self._attached = False
+        self._marks = ([], [])
         self._signature = None
         if self._opt is not None:
             self._opt.device = None
@@ -584,6 +608,7 @@ class PoplarExecutor(HardwareOnly):
                 leaves = self._signature.check(args, kwargs)
             if not self._attached:
                 self._attach()  # a call re-attaches a detached model
+        started = _clock()  # the first input requested, as PopTorch's timestamps start
         spec = self._signature.spec
         if self._training:
             if self._opt.dirty:
@@ -628,6 +653,7 @@ class PoplarExecutor(HardwareOnly):
             buffers = self._weights.swap_in(self._training)
             if frozen is not None:
                 host_attributes = frozen.enter()
+            self._marks = ([started], [])
             if self._loss_capture is _NO_CAPTURE and not self._op_modes:  # no modes to enter
                 out = (
                     self._run_single(leaves, spec)
@@ -643,6 +669,8 @@ class PoplarExecutor(HardwareOnly):
                         if single
                         else self._run(leaves, chunks, spec, di, ga, rf, rfg, buffers)
                     )
+            if not self._marks[1]:  # the outputs come back once, at the end of the call
+                self._marks[1].append(_clock())
             if self._training:
                 self._dirty_host_weights = True
                 self._trained_version += 1
@@ -658,6 +686,14 @@ class PoplarExecutor(HardwareOnly):
             if draws_random:
                 self._rng_state = self._swap_rng(host_rng)
         return _checks.forbid_backward(out)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """The last call's round-trip latency in seconds (minimum, maximum, mean over its
+        device iterations), as PopTorch 3.4 computes it from its timestamps: from the first
+        input requested to the last output written back, here the host-side times the
+        emulator starts each device iteration and has each returned output; (0, 0, 0) before
+        the first run."""
+        return latency(*self._marks)
 
     def _swap_rng(self, state: torch.Tensor) -> torch.Tensor:
         return swap_rng(state, self._device)
@@ -698,9 +734,12 @@ class PoplarExecutor(HardwareOnly):
         is_sum = mode == OutputMode.Sum  # compared once, not per micro-batch
         kept: list[list[Any]] = []
         final: list[Any] = [None] * rf
+        starts, ends = self._marks
         for d in range(di):
             anchored = keep_all and d in returned
             last_d = d == di - 1
+            if d:
+                starts.append(_clock())
             for a in range(ga):
                 for r in range(rf):
                     slot = (d * ga + a) * rfg + ((r % rfg) if grouped else (r // g))
@@ -739,6 +778,8 @@ class PoplarExecutor(HardwareOnly):
                 step()  # the device iteration's gradients are complete: one update
                 # the next one's loss scale (automatic loss scaling changes it each update)
                 scale = self._opt.loss_scaling / (ga * rf) if mean else self._opt.loss_scaling
+            if anchored:
+                ends.append(_clock())  # this iteration's outputs are the host's
         rows = kept if keep_all else final
         return _anchors.assemble(rows, self._tensor_out, self._out_spec)
 

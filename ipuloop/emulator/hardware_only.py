@@ -29,9 +29,6 @@ class HardwareOnly:
     def getPerfCounters(self) -> dict:
         return self._no_timestamps("getPerfCounters")
 
-    def getLatency(self) -> tuple[float, float, float]:
-        return self._no_timestamps("getLatency")
-
     def getHostIpuLatency(self) -> tuple[float, float, float]:
         return self._no_timestamps("getHostIpuLatency")
 

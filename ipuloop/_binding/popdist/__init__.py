@@ -1,0 +1,16 @@
+"""``import popdist`` under ``python -m ipuloop.emulate``: PopDist 3.4's API read from poprun's
+environment (``ipuloop.emulator.popdist``), with ``popdist.poptorch.Options``; a PopDist
+installed elsewhere on the module path is imported in its place."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+if importlib.util.find_spec("ipuloop") is None:  # e.g. a subprocess in another folder
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+
+from ipuloop.emulate import stand_in  # (the path above first)
+
+stand_in("popdist", "ipuloop.emulator.popdist", {"poptorch": "ipuloop.emulator.popdist:Options"})
