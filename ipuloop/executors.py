@@ -156,7 +156,7 @@ class Executors:
             yield
             return
         self._mark = MarkLoss(self.returns)
-        handle = self.model.register_forward_hook(self._mark)
+        handle = self._mark.handle = self.model.register_forward_hook(self._mark)
         try:
             yield
         finally:

@@ -122,6 +122,7 @@ class MarkLoss:
     def __init__(self, returns: Returns) -> None:
         self.returns = returns
         self.active = True  # False while inference models run (validation, predict)
+        self.handle: Any = None  # its registration: removed once no mark is needed
 
     def __call__(self, module: torch.nn.Module, args: Any, out: Any) -> Any:
         if not self.active:
@@ -131,7 +132,12 @@ class MarkLoss:
             return None
         _, loss, _ = self.returns.split(out)
         if not isinstance(loss, torch.Tensor) or is_a_loss(loss):
-            return None  # none where the loop looks for one, or the graph's loss already
+            # none where the loop looks for one, or the graph's loss already: the model
+            # returns the same on each call, so the hook leaves (a module with a forward hook
+            # takes torch's slower call path, once per micro-batch on the emulator)
+            if self.handle is not None:
+                self.handle.remove()
+            return None
         return self.returns.with_loss(out, pt.identity_loss(loss, reduction="none"))
 
 

@@ -347,3 +347,19 @@ def test_programs_calling_poptorch_directly_keep_poptorchs_rule():
     F.mse_loss(reference.net(X[:4]), Y[:4]).backward()  # the bare loss, as PopTorch trains it
     opt.step()
     torch.testing.assert_close(weights(model.net), weights(reference.net))
+
+
+@pytest.mark.parametrize(("expression", "hooked"), [("plain", False), ("scaled", True)])
+def test_the_mark_stays_only_where_the_returned_loss_needs_it(expression, hooked):
+    """A loss op's own output needs no mark: the hook leaves after the first training call, so
+    the model's calls take torch's fast path again; an expression keeps it."""
+    seen = []
+
+    class Look(Callback):
+        def on_train_step_end(self, loop) -> None:
+            seen.append(bool(model._forward_hooks))
+
+    model = WithExpression(expression)
+    loop = Loop(model, progress=False, callbacks=[Look()])
+    loop.fit(DataLoader(TensorDataset(X, Y), batch_size=4), max_steps=3)
+    assert seen == [hooked] * 3
