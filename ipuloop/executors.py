@@ -200,7 +200,7 @@ class Executors:
             self._seen = None
             self._bound = dict(self.model.named_parameters())  # (synced: none trained yet)
             if list(self._bound.values()) != list(_parameters(self.model)):
-                self._bound = {}  # (a parameter listed twice: shared weights are not checked)
+                self._bound = {}  # (an order the walk does not follow: unchecked, not refused)
         seconds = time.perf_counter() - start
         if rng_state is not None:
             executor.rng_state = rng_state
@@ -255,18 +255,25 @@ class Executors:
                     "(a head re-initialised: its reset_parameters())."
                 )
 
-    def rewrap(self, micro: int) -> torch.Tensor | None:
-        """A fit of micro-batches of ``micro`` samples: a training model compiled for another
-        size is destroyed (PopTorch's ``destroy``: the weights and the optimizer state go to
-        the host, the model is unwrapped), and the next step wraps and compiles it again.
-        Returns the destroyed model's device random state (for the next one to continue),
-        None when the model is kept."""
-        was, self.micro = self.micro, micro
-        train = self.train
-        if train is None or not train.isCompiled() or was in (None, micro):
+    def compiled_for_other(self, micro: int) -> int | None:
+        """The micro-batch size the compiled training model was built for, when a fit of
+        micro-batches of ``micro`` cannot run it (``rewrap`` then); None, recording ``micro``,
+        when it can (or none is compiled yet)."""
+        was, train = self.micro, self.train
+        if was in (None, micro) or train is None or not train.isCompiled():
+            self.micro = micro
             return None
-        rng = train.rng_state
-        train.destroy()
+        return was
+
+    def rewrap(self, micro: int) -> torch.Tensor:
+        """For a fit of micro-batches of ``micro`` samples (``compiled_for_other``), destroy the
+        compiled training model (PopTorch's ``destroy``: the weights and the optimizer state go
+        to the host, the model is unwrapped); the next step wraps and compiles it again.
+        Returns its device random state, for the next one to continue."""
+        assert self.train is not None  # (compiled_for_other found it compiled)
+        self.micro = micro
+        rng = self.train.rng_state
+        self.train.destroy()
         self.train = None
         self._pushed = self._seen = None
         return rng

@@ -357,10 +357,8 @@ class Loop:
         """A fit of another micro-batch size than the compiled training model's: the model is
         wrapped and compiled again at the first step, with a warning; refused, naming the fix,
         when the optimizer's state could not carry over (it lives on the device only)."""
-        was = self.executors.micro
-        train = self.train_model
-        if was in (None, plan.micro) or train is None or not train.isCompiled():
-            self.executors.micro = plan.micro
+        was = self.executors.compiled_for_other(plan.micro)
+        if was is None:
             return
         try:
             check_resumable(self.optimizer, self.poptorch)
@@ -371,15 +369,14 @@ class Loop:
                 f"state. Pass a loader with batch_size={was}, or build the Loop with a "
                 f"poptorch.optim optimizer, whose state the host holds. ({e})"
             ) from None
-        rng = self.executors.rewrap(plan.micro)
-        if rng is not None:
-            self._resume.carry_device_rng(rng)  # the next training model continues it
-            warnings.warn(
-                f"train_loader: micro-batch size {plan.micro}, and the training model was "
-                f"compiled for {was}: it is wrapped and compiled again at the first step. "
-                "The weights, the optimizer state and the device's random stream carry over.",
-                stacklevel=4,
-            )
+        # the next training model continues the device's random stream
+        self._resume.carry_device_rng(self.executors.rewrap(plan.micro))
+        warnings.warn(
+            f"train_loader: micro-batch size {plan.micro}, and the training model was "
+            f"compiled for {was}: it is wrapped and compiled again at the first step. "
+            "The weights, the optimizer state and the device's random stream carry over.",
+            stacklevel=4,
+        )
 
     def _epochs(self, plan: Plan, val_plan: ValPlans | None, epochs: int) -> None:
         st = self.state

@@ -216,11 +216,7 @@ def _host_buffer_class(owner: Any) -> type:
         def __reduce_ex__(self, protocol):
             return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
 
-        __torch_function__ = classmethod(
-            lambda cls, func, types, args=(), kwargs=None: torch._C._disabled_torch_function_impl(
-                func, types, args, kwargs or {}
-            )
-        )
+        __torch_function__ = torch._C._disabled_torch_function_impl  # (as nn.Parameter's)
 
     return PoptorchBuffer
 
@@ -296,7 +292,8 @@ class DeviceWeights:
         self.host_params = params
         self.modes = [(m, m.training) for m in model.modules()]
         owner = self._owner()
-        if self._wrap and self.model.__dict__.get("_poptorch_executor") is owner:
+        wrapping = self._wrap and self.model.__dict__.get("_poptorch_executor") is owner
+        if wrapping:
             for p in params:
                 base = type(p)
                 if getattr(base, "_poptorch_base", None) is None:
@@ -313,7 +310,7 @@ class DeviceWeights:
             kept = {id(b) for b in model.buffers()}
             _unwrap([b for b in self.host_buffers if id(b) not in kept])
         self.buffer_slots = _buffer_slots(model)
-        if self._wrap and self.model.__dict__.get("_poptorch_executor") is owner:
+        if wrapping:
             for b in self.host_buffers:
                 if type(b) is torch.Tensor:
                     if torch.Tensor not in self._classes:
