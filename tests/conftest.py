@@ -10,6 +10,10 @@ import pytest
 import ipuloop.loop
 from ipuloop.plan import Plan
 
+# Another project's programs, kept as published (tests/test_model_garden.py runs them): their
+# helper modules are not tests of this one
+collect_ignore_glob = ["fixtures/*"]
+
 
 @pytest.fixture
 def epoch_readers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:

@@ -1,0 +1,150 @@
+"""Graphcore's CNN application (graphcore/examples at the Poplar SDK 3.4 tag, vendored unmodified
+under tests/fixtures/model_garden) runs on the emulator as its README runs it: training with one
+instance, training with two through ``python -m ipuloop.poprun`` (popdist, horovod.torch's
+collectives, PopTorch's DataLoader shared out between the instances), and the inference
+benchmark, which reads ``getLatency()``. Tiny sizes on the application's own generated data.
+
+The application needs timm, PyTurboJPEG and PyYAML (the ``model-garden`` extra); without them
+the module is skipped, unless ``IPULOOP_REQUIRE_ECOSYSTEM=1`` asks for it (CI)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch import clean_env, free_port
+
+if os.environ.get("IPULOOP_REQUIRE_ECOSYSTEM") == "1":
+    import timm  # noqa: F401  # required: a missing install fails
+    import turbojpeg  # noqa: F401
+    import yaml  # noqa: F401
+else:
+    for name in ("timm", "turbojpeg", "yaml"):
+        pytest.importorskip(name)
+
+pytestmark = [pytest.mark.slow, pytest.mark.threads]  # the application's programs, in processes
+
+GARDEN = Path(__file__).resolve().parent / "fixtures" / "model_garden"
+CNNS = GARDEN / "vision" / "cnns" / "pytorch"
+# The README's training line at its smallest: ResNet-18, two micro-batches of 2 per instance.
+TRAIN = [
+    "train.py",
+    "--data",
+    "generated",
+    "--model",
+    "resnet18",
+    "--epoch",
+    "1",
+    "--micro-batch-size",
+    "2",
+    "--iterations",
+    "2",
+    "--dataloader-worker",
+    "1",
+    "--validation-mode",
+    "none",
+]
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    """The command's output (stdout and stderr); fails the test, showing its end, unless it
+    exits 0."""
+    done = subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=clean_env(MASTER_PORT=str(free_port())),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-4000:]}"
+    return done.stdout
+
+
+def losses(out: str) -> list[float]:
+    """The epoch losses the application logs (``[INFO] loss: 7.0043,``)."""
+    return [float(v) for v in re.findall(r"\[INFO\] loss: ([-+0-9.eEnaif]+),", out)]
+
+
+def test_the_vendored_files_are_the_release_s():
+    """Each file listed in SOURCE.md has the git blob id it has at the SDK 3.4 tag, and no
+    other file is there: the programs below are the application as published."""
+    listed = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{40})` \|$", _source(), re.M))
+    present = {p.relative_to(CNNS).as_posix() for p in CNNS.rglob("*") if p.is_file()}
+    present = {p for p in present if "__pycache__" not in p}
+    assert present == set(listed)
+    for name, blob in listed.items():
+        data = (CNNS / name).read_bytes()
+        got = subprocess.run(
+            ["git", "hash-object", "--stdin"], input=data, capture_output=True, check=True
+        ).stdout.decode()
+        assert got.strip() == blob, name
+
+
+def _source() -> str:
+    return (GARDEN / "SOURCE.md").read_text()
+
+
+def test_training_one_instance():
+    out = run([sys.executable, "-m", "ipuloop.emulate", *TRAIN], CNNS / "train")
+    assert "Finished training" in out
+    (loss,) = losses(out)
+    assert math.isfinite(loss) and loss > 0
+
+
+def test_training_two_instances_through_the_launcher():
+    """The README's poprun line with the launcher's name changed: both instances train, each on
+    its share of the generated data (the launcher exits 0 only when both do); instance 0 logs
+    the loss averaged across them (horovod)."""
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "ipuloop.poprun",
+            "--num-instances=2",
+            "--num-replicas=2",
+            sys.executable,
+            *TRAIN,
+        ],
+        CNNS / "train",
+    )
+    assert "[1,0]<" in out and "[1,1]<" in out  # the launcher tags each instance's lines
+    assert "Finished training" in out
+    found = losses(out)
+    assert found and all(math.isfinite(v) and v > 0 for v in found)
+    assert "[INFO] Total replicas: 2" in out
+
+
+def test_inference_benchmark_reports_latency():
+    """run_benchmark.py times each call with ``getLatency()``: a positive latency and a
+    throughput, in its own words."""
+    out = run(
+        [
+            sys.executable,
+            "-m",
+            "ipuloop.emulate",
+            "run_benchmark.py",
+            "--data",
+            "generated",
+            "--model",
+            "resnet18",
+            "--random-weights",
+            "--micro-batch-size",
+            "2",
+            "--iterations",
+            "2",
+            "--dataloader-worker",
+            "1",
+        ],
+        CNNS / "inference",
+    )
+    latency = re.search(r"latency avg: ([0-9.]+) ms", out)
+    throughput = re.search(r"throughput: ([0-9.]+) samples/sec", out)
+    assert latency and throughput, out[-4000:]
+    assert float(latency.group(1)) > 0 and float(throughput.group(1)) > 0
