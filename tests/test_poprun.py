@@ -153,8 +153,12 @@ GARDEN = textwrap.dedent(
     model.copyWeightsToHost()
     mean_loss = hvd.allreduce(loss.mean().detach()).item()
     ranks = hvd.allreduce(torch.tensor(float(hvd.rank() + 1)), op=hvd.Sum).item()
+    every = set(range(popdist.getNumInstances()))
+    total = popdist.execute_on_instances(every, lambda: hvd.allreduce(torch.ones(1), op=hvd.Sum))
+    last = popdist.execute_on_instances({max(every)}, lambda: hvd.allreduce(torch.ones(1) * 5))
     print(f"RANK {hvd.rank()} OF {hvd.size()} REPLICAS {opts.replication_factor} SEED {seed} "
-          f"LOSS {mean_loss:.6f} SUM {ranks:g} WEIGHT {net.fc.weight.sum().item():.6f}")
+          f"LOSS {mean_loss:.6f} SUM {ranks:g} WEIGHT {net.fc.weight.sum().item():.6f} "
+          f"EVERY {total.item():g} LAST {'None' if last is None else format(last.item(), 'g')}")
     """
 )
 
@@ -194,6 +198,9 @@ def test_two_instances_of_a_model_garden_program_train_in_one_group(tmp_path):
     for key in ("SEED", "LOSS", "WEIGHT"):  # instance 0's seed; one mean; the same updates
         assert first[first.index(key) + 1] == second[second.index(key) + 1], key
     assert first[first.index("SEED") + 1] == "42"
+    # execute_on_instances: on every instance, a collective spans them all; on one, that alone
+    assert first[first.index("EVERY") + 1] == second[second.index("EVERY") + 1] == "2"
+    assert (first[first.index("LAST") + 1], second[second.index("LAST") + 1]) == ("None", "5")
     assert "TCPStore" not in run.stderr  # the store outlives the instances leaving the group
 
 

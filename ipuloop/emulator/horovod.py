@@ -147,12 +147,13 @@ def _group() -> Any:
                 "call hvd.init() (or popdist.init()) first."
             )
         return None
-    if only is not None:
+    if only is not None and len(only) < dist.get_world_size():
         if len(only) == 1:
             return None
         raise ValueError(
-            f"horovod: collectives inside popdist.execute_on_instances({sorted(only)}) over "
-            "several of the instances are not emulated; run them outside it, or on one instance."
+            f"horovod: a collective inside popdist.execute_on_instances({sorted(only)}) spans "
+            "every instance, and the others never join it (on IPUs it would wait for ever): "
+            "make it outside, or run the function on one instance or on all."
         )
     return dist
 
