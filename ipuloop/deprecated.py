@@ -110,9 +110,15 @@ def _forwarding(old: str, target: ModuleType) -> ModuleType:
     return module
 
 
-for _old in MOVED:
-    if _old.startswith("ipuloop.callbacks."):
-        _name = _old.rpartition(".")[2]
-        callbacks.MOVED[_name] = functools.partial(_logger, _name)
-sys.modules.setdefault("ipuloop.distributed", _forwarding("ipuloop.distributed", processes))
-sys.modules.setdefault("ipuloop.errors", _forwarding("ipuloop.errors", exceptions))
+def _install() -> None:
+    """Puts the old names in place: the loggers' in ``ipuloop.callbacks``, the two modules in
+    ``sys.modules`` (``from ipuloop.distributed import ...`` finds it there)."""
+    for old in MOVED:
+        if old.startswith("ipuloop.callbacks."):
+            name = old.rpartition(".")[2]
+            callbacks.MOVED[name] = functools.partial(_logger, name)
+    sys.modules.setdefault("ipuloop.distributed", _forwarding("ipuloop.distributed", processes))
+    sys.modules.setdefault("ipuloop.errors", _forwarding("ipuloop.errors", exceptions))
+
+
+_install()

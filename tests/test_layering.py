@@ -175,21 +175,8 @@ def loop_readers(name: str, source: str) -> list[str]:
     return found
 
 
-# Known edges that close a circle, each with its reason; removed when the code drops them.
-KNOWN = {
-    (
-        "ipuloop.emulator.options",
-        "ipuloop.emulator",
-    ): "a function-local import of the package's public names while an options file is read"
-}
-
-
 def test_no_import_circle():
-    edges = graph()
-    for a, b in KNOWN:
-        assert b in edges[a], f"{a} -> {b} is gone: drop it from KNOWN"
-        edges[a] = edges[a] - {b}
-    assert cycles(edges) == []
+    assert cycles(graph()) == []
 
 
 def test_no_forbidden_edge():
