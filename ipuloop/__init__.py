@@ -3,7 +3,9 @@
 Its kernel (the loop, its parts and the built-in callbacks) is about 4,100 statements.
 ``IPUConfig``, the TensorBoard, W&B and MLflow loggers and plotting live in
 ``ipuloop.integrations``, which the kernel never imports: ``IPUConfig`` here is imported on
-first use, as are the loggers from ``ipuloop.callbacks``.
+first use. The first layout's names (``ipuloop.config``, ``ipuloop.plot``,
+``ipuloop.distributed``, ``ipuloop.errors``, the loggers in ``ipuloop.callbacks``) warn until
+their removal: see ``ipuloop.deprecated``.
 
 ``from ipuloop import poptorch`` gives the real poptorch when it is installed, else the
 CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
@@ -14,10 +16,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-# The names these two modules had in 0.1.0's first layout, still importable:
-# ``ipuloop.distributed`` (process_index, is_main_process, ...) and ``ipuloop.errors``.
-from . import exceptions as _exceptions
-from . import processes as _processes
+from . import deprecated  # noqa: F401 (it puts the first layout's names in place)
 from .backend import backend_name
 from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
 from .loop import Loop, NonFiniteLossError, WithLoss
@@ -26,9 +25,6 @@ from .version import __version__
 
 if TYPE_CHECKING:  # imported on first use (``__getattr__``): the kernel imports no integration
     from .integrations.ipu_config import IPUConfig
-
-sys.modules.setdefault(f"{__name__}.distributed", _processes)
-sys.modules.setdefault(f"{__name__}.errors", _exceptions)
 
 __all__ = [
     "Callback",
@@ -57,6 +53,6 @@ def __getattr__(name: str):
         from .integrations.ipu_config import IPUConfig
 
         return IPUConfig
-    if name in ("distributed", "errors"):
+    if name in ("distributed", "errors"):  # the first layout's (``deprecated``): warn when read
         return sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module 'ipuloop' has no attribute {name!r}")

@@ -23,13 +23,10 @@ from launch import clean_env, command
 from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import Callback, Loop, poptorch
-from ipuloop.callbacks import (
-    LRScheduler,
-    MLFlowLogger,
-    ModelCheckpoint,
-    TensorBoardLogger,
-    WandbLogger,
-)
+from ipuloop.callbacks import LRScheduler, ModelCheckpoint
+from ipuloop.integrations.mlflow_logger import MLFlowLogger
+from ipuloop.integrations.tensorboard import TensorBoardLogger
+from ipuloop.integrations.wandb_logger import WandbLogger
 
 wandb = pytest.importorskip("wandb", reason="the test extra installs wandb")
 pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
@@ -390,7 +387,8 @@ import sys
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 from ipuloop import Loop, poptorch
-from ipuloop.callbacks import MLFlowLogger, WandbLogger
+from ipuloop.integrations.mlflow_logger import MLFlowLogger
+from ipuloop.integrations.wandb_logger import WandbLogger
 
 save_dir, uri = sys.argv[1:]
 torch.manual_seed(0)
@@ -434,9 +432,10 @@ def test_a_missing_package_names_the_extra(cls, module, extra, monkeypatch):
         cls()
 
 
-def test_importing_the_callbacks_imports_neither_package():
+def test_importing_the_loggers_imports_neither_package():
     code = (
-        "import sys; from ipuloop.callbacks import MLFlowLogger, WandbLogger; "
+        "import sys; from ipuloop.integrations.mlflow_logger import MLFlowLogger; "
+        "from ipuloop.integrations.wandb_logger import WandbLogger; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'wandb', 'mlflow'}))"
     )
     out = subprocess.run(

@@ -11,7 +11,8 @@ import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import Loop, poptorch
-from ipuloop.callbacks import LRScheduler, TensorBoardLogger
+from ipuloop.callbacks import LRScheduler
+from ipuloop.integrations.tensorboard import TensorBoardLogger
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -2,9 +2,10 @@
 
 Every import of every module is read with ``ast``, relative and function-local ones included.
 The layers are read from the table in docs/layout.md (leaves < PopTorch and what every part
-reads < parts < wiring < the loop < entry points): a module imports its own layer or lower
-ones. No two modules share a basename. The kernel never imports ``ipuloop.integrations``
-(IPUConfig, the experiment loggers, plotting), and importing ipuloop imports none of them. And
+reads < parts < wiring < the loop < integrations < entry points): a module imports its own
+layer or lower ones, with no exception. No two modules share a basename. So the kernel never
+imports ``ipuloop.integrations`` (IPUConfig, the experiment loggers, plotting), a layer above
+the loop, and importing ipuloop imports none of them. And
 at run time, a batch's way from the loader to the logged loss crosses few modules and takes no
 detour (``batch_way``).
 """
@@ -40,20 +41,11 @@ def module_names() -> dict[str, Path]:
     return out
 
 
-def imports_of(
-    name: str,
-    path: Path,
-    modules: set[str],
-    skip: set[int] | frozenset[int] = frozenset(),
-    tree: ast.AST | None = None,
-) -> set[str]:
-    """The ipuloop modules ``name`` (at ``path``) imports, anywhere in its body (but the nodes
-    whose ids are in ``skip``)."""
+def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The ipuloop modules ``name`` (at ``path``) imports, anywhere in its body."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(tree or ast.parse(path.read_text(), str(path))):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -137,7 +129,7 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
             if (
                 b == "ipuloop.loop"
                 and not a.startswith(("ipuloop.callbacks", "ipuloop.integrations"))  # (said above)
-                and (layer_of(a, layers()) or 0) < 6
+                and (layer_of(a, layers()) or 0) < 7
             ):
                 bad.append(f"{a} -> {b} (only the entry points import the loop)")
     return bad
@@ -174,21 +166,8 @@ def loop_readers(name: str, source: str) -> list[str]:
     return found
 
 
-# Known edges that close a circle, each with its reason; removed when the code drops them.
-KNOWN = {
-    (
-        "ipuloop.emulator.options",
-        "ipuloop.emulator",
-    ): "a function-local import of the package's public names while an options file is read"
-}
-
-
 def test_no_import_circle():
-    edges = graph()
-    for a, b in KNOWN:
-        assert b in edges[a], f"{a} -> {b} is gone: drop it from KNOWN"
-        edges[a] = edges[a] - {b}
-    assert cycles(edges) == []
+    assert cycles(graph()) == []
 
 
 def test_no_forbidden_edge():
@@ -230,6 +209,8 @@ def test_the_graph_is_read():  # the reader finds relative, aliased and function
     assert "ipuloop.checkpoint_io" in edges["ipuloop.callbacks.checkpoint"]  # from .. import x
     assert "ipuloop.backend" in edges["ipuloop.integrations.ipu_config"]  # inside a function
     assert "ipuloop.callbacks.base" in edges["ipuloop.loop"]
+    assert "ipuloop.integrations.ipu_config" in edges["ipuloop"]  # inside ``__getattr__``
+    assert "ipuloop.integrations.tensorboard" in edges["ipuloop.deprecated"]  # from . import x
 
 
 @pytest.mark.parametrize(
@@ -316,21 +297,39 @@ def test_every_module_is_in_the_layout_and_imports_down():
     table = layers()
     assert table, "docs/layout.md has no layer table"
     edges = graph()
-    unplaced = sorted(m for m in edges if layer_of(m, table) is None and not outside(m))
+    unplaced = sorted(m for m in edges if layer_of(m, table) is None)
     assert unplaced == [], f"modules missing from docs/layout.md: {unplaced}"
-    top = max(table.values()) + 1  # an integration the table leaves out sits above the kernel
+    assert upward(edges, table) == []
+
+
+def upward(edges: dict[str, set[str]], table: dict[str, int]) -> list[str]:
+    """The imports of a higher layer, as "a (layer i) -> b (layer j)"."""
 
     def layer(m: str) -> int:
-        found = layer_of(m, table)
-        return top if found is None else found
+        return layer_of(m, table) or 0
 
-    upward = [  # an edge to an integration is the kernel's rule (test_the_kernel_...)
+    return [
         f"{a} (layer {layer(a)}) -> {b} (layer {layer(b)})"
         for a, targets in edges.items()
         for b in sorted(targets)
-        if layer(b) > layer(a) and not outside(b)
+        if layer(b) > layer(a)
     ]
-    assert upward == []
+
+
+@pytest.mark.parametrize(
+    "a,b,up",
+    [
+        ("ipuloop.callbacks", "ipuloop.integrations.tensorboard", True),  # the kernel's callbacks
+        ("ipuloop.loop", "ipuloop.integrations.ipu_config", True),  # the loop: below them
+        ("ipuloop.callbacks.progress", "ipuloop.plot", True),  # a first layout's name
+        ("ipuloop.callbacks", "ipuloop.deprecated", True),
+        ("ipuloop", "ipuloop.integrations.ipu_config", False),  # the public names, above them
+        ("ipuloop.deprecated", "ipuloop.integrations.scalars", False),
+        ("ipuloop.integrations.scalars", "ipuloop.callbacks.base", False),
+    ],
+)
+def test_upward_checker(a, b, up):
+    assert len(upward({a: {b}}, layers())) == up
 
 
 def test_the_layer_table_is_read():  # the table's patterns, as the test reads them
@@ -339,8 +338,10 @@ def test_the_layer_table_is_read():  # the table's patterns, as the test reads t
     assert layer_of("ipuloop.emulator.executor", table) == 2
     assert layer_of("ipuloop.callbacks.base", table) == 2
     assert layer_of("ipuloop.callbacks.progress", table) == 3
-    assert layer_of("ipuloop", table) == 6
-    assert layer_of("ipuloop.examples.mnist", table) == 6
+    assert layer_of("ipuloop.integrations.tensorboard", table) == 6  # above the loop
+    assert layer_of("ipuloop", table) == 7
+    assert layer_of("ipuloop.examples.mnist", table) == 7
+    assert layer_of("ipuloop.deprecated", table) == 7
 
 
 def test_no_basename_twice():
@@ -354,92 +355,9 @@ def test_no_basename_twice():
 
 
 # -- the kernel apart from its integrations ------------------------------------------------------
-# ``ipuloop.config`` and ``ipuloop.plot`` are integrations under the first layout's names.
-OUTSIDE = ("ipuloop.integrations", "ipuloop.config", "ipuloop.plot")
-# The packages whose public names include integrations (``from ipuloop import IPUConfig``,
-# ``from ipuloop.callbacks import TensorBoardLogger``): they import them on first use only.
-LAZY = {"ipuloop", "ipuloop.callbacks"}
-
-
-def outside(module: str) -> bool:
-    """``module`` is not the kernel's: an integration, or one under its first name."""
-    return any(module == o or module.startswith(o + ".") for o in OUTSIDE)
-
-
-def eager_imports(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The ipuloop modules ``name`` imports when it is imported: those of ``imports_of`` less
-    the imports inside a function or under ``if TYPE_CHECKING:``."""
-    lazy: set[int] = set()
-    tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
-            isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
-        ):
-            lazy.update(id(n) for n in ast.walk(node))
-    return imports_of(name, path, modules, skip=lazy, tree=tree)
-
-
-def kernel_breaches(edges: dict[str, set[str]], eager: dict[str, set[str]]) -> list[str]:
-    """The kernel's imports of an integration: none, but a lazy one from ``LAZY``."""
-    return [
-        f"{a} -> {b}" + (" (at import)" if a in LAZY else "")
-        for a, targets in sorted(edges.items())
-        if not outside(a)
-        for b in sorted(targets)
-        if outside(b) and (a not in LAZY or b in eager[a])
-    ]
-
-
-def test_the_kernel_imports_no_integration():
-    modules = module_names()
-    edges = graph()
-    eager = {name: eager_imports(name, path, set(modules)) for name, path in modules.items()}
-    assert kernel_breaches(edges, eager) == []
-    assert "ipuloop.integrations.ipu_config" in edges["ipuloop"]  # (the lazy ones are read)
-
-
-@pytest.mark.parametrize(
-    "a,b,eager",
-    [
-        ("ipuloop.loop_options", "ipuloop.config", False),  # the first layout's name too
-        ("ipuloop.loop", "ipuloop.integrations.tensorboard", False),  # even inside a function
-        ("ipuloop.callbacks.progress", "ipuloop.plot", False),
-        ("ipuloop", "ipuloop.integrations.ipu_config", True),  # the public names, at import
-        ("ipuloop.callbacks", "ipuloop.integrations.scalars", True),
-    ],
-)
-def test_kernel_breach_checker(a, b, eager):
-    assert len(kernel_breaches({a: {b}}, {a: {b} if eager else set()})) == 1
-    assert kernel_breaches({a: {"ipuloop.rules"}}, {a: set()}) == []
-
-
-def test_lazy_public_names_and_integrations_pass():
-    edges = {
-        "ipuloop": {"ipuloop.integrations.ipu_config", "ipuloop.loop"},
-        "ipuloop.callbacks": {"ipuloop.integrations.tensorboard"},
-        "ipuloop.integrations.tensorboard": {"ipuloop.callbacks.base"},
-        "ipuloop.config": {"ipuloop.integrations.ipu_config"},
-    }
-    assert kernel_breaches(edges, {"ipuloop": {"ipuloop.loop"}, "ipuloop.callbacks": set()}) == []
-
-
-def test_eager_imports_leave_out_functions_and_type_checking(tmp_path):
-    path = tmp_path / "m.py"
-    path.write_text(
-        "from typing import TYPE_CHECKING\n"
-        "from . import a\n"
-        "if TYPE_CHECKING:\n    from . import b\n"
-        "def f():\n    from . import c\n"
-        "try:\n    from . import d\nexcept ImportError:\n    pass\n"
-    )
-    modules = {f"p.{x}" for x in "abcd"} | {"p.m"}
-    assert imports_of("p.m", path, modules) == {"p.a", "p.b", "p.c", "p.d"}
-    assert eager_imports("p.m", path, modules) == {"p.a", "p.d"}
-
-
 def test_importing_ipuloop_imports_no_integration(tmp_path):
-    """A fit, with ipuloop and its callbacks imported, loads no integration; their public
-    names import them on first use, and the first layout's names forward to them."""
+    """A fit, with ipuloop and its callbacks imported, loads no integration, nor the first
+    layout's modules; ``ipuloop.IPUConfig`` imports its integration on first use."""
     code = (
         "import sys, torch, ipuloop, ipuloop.callbacks as cb\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
@@ -451,39 +369,22 @@ def test_importing_ipuloop_imports_no_integration(tmp_path):
         "outside = ('ipuloop.integrations', 'ipuloop.config', 'ipuloop.plot')\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(outside))\n"
         "assert loaded == [], loaded\n"
-        "import ipuloop.integrations.ipu_config as ic, ipuloop.config, ipuloop.plot\n"
-        "import ipuloop.integrations.plotting as plotting\n"
-        "from ipuloop.integrations import mlflow_logger, scalars, tensorboard, wandb_logger\n"
-        "assert ipuloop.IPUConfig is ic.IPUConfig is ipuloop.config.IPUConfig\n"
-        "assert ipuloop.config.place_layers is ic.place_layers\n"
-        "assert ipuloop.plot.main is plotting.main\n"
-        "assert cb.TensorBoardLogger is tensorboard.TensorBoardLogger\n"
-        "assert cb.WandbLogger is wandb_logger.WandbLogger\n"
-        "assert cb.MLFlowLogger is mlflow_logger.MLFlowLogger\n"
-        "assert cb.ScalarLogger is scalars.ScalarLogger\n"
+        "import ipuloop.integrations.ipu_config as ic\n"
+        "assert ipuloop.IPUConfig is ic.IPUConfig\n"
         "assert all(hasattr(cb, n) for n in cb.__all__)\n"
         "assert all(hasattr(ipuloop, n) for n in ipuloop.__all__ if n != 'poptorch')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
 
 
-# The emulator and its entry points (emulate, poprun), and the examples, are not the loop's
-# kernel either.
-NOT_KERNEL = (
-    "ipuloop.emulator",
-    "ipuloop.emulate",
-    "ipuloop.poprun",
-    "ipuloop._binding",
-    "ipuloop.examples",
-)
-
-
 def kernel_statements() -> int:
-    """The kernel's statements (``ast`` statements, docstrings left out): ipuloop less the
-    integrations, the emulator, its entry points and the examples."""
+    """The kernel's statements (``ast`` statements, docstrings left out): the modules of the
+    layers below the integrations but the emulator, and the public names (``__init__.py``)."""
+    table = layers()
     total = 0
     for name, path in module_names().items():
-        if outside(name) or any(name == n or name.startswith(n + ".") for n in NOT_KERNEL):
+        layer = layer_of(name, table) or 0
+        if name.startswith("ipuloop.emulator") or (layer >= 6 and name != "ipuloop"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
@@ -592,17 +493,3 @@ def test_the_way_finds_a_detour():  # a module passing on another's value is a d
     way.relays = []
     way._check_relay(0, values[0])  # what it was given: no detour
     assert way.relays == []
-
-
-def test_the_first_layout_s_public_modules_still_import():
-    """``ipuloop.distributed`` and ``ipuloop.errors`` are the names 0.1.0 documented for what
-    ``processes`` and ``exceptions`` hold: code written against them still runs."""
-    code = (
-        "import ipuloop, ipuloop.processes as p, ipuloop.exceptions as e\n"
-        "from ipuloop.distributed import is_main_process, process_index\n"
-        "from ipuloop.errors import InstanceFailedError, NonFiniteLossError\n"
-        "assert ipuloop.distributed is p and ipuloop.errors is e\n"
-        "assert is_main_process is p.is_main_process and process_index() == 0\n"
-        "assert InstanceFailedError is e.InstanceFailedError\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -328,7 +328,7 @@ def test_tensorboard_writes_val_logs_at_each_validation(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator"
     )
-    from ipuloop.callbacks import TensorBoardLogger
+    from ipuloop.integrations.tensorboard import TensorBoardLogger
 
     loop, rec, _ = fit_linear(callbacks=[TensorBoardLogger(tmp_path)], val_every_n_steps=4)
     acc = event_accumulator.EventAccumulator(str(tmp_path))

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ipuloop import Callback, CancelStep, Loop, poptorch
-from ipuloop.callbacks import TensorBoardLogger
+from ipuloop.integrations.tensorboard import TensorBoardLogger
 from ipuloop.callbacks.checkpoint import (
     CheckpointError,
     ModelCheckpoint,

@@ -7,6 +7,7 @@ Same names, same semantics, same errors as poptorch 3.x, where the host can repr
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -16,6 +17,7 @@ from . import _logging, optim, poptorch_core
 from . import _pytree as pytree
 from . import checks as _checks
 from . import device_state as _device_state
+from . import options as _options
 from ._logging import logger
 from .blocks import (
     AutoStage,
@@ -67,6 +69,7 @@ from .torch_ops import register as _register_torch_ops
 __version__ = "3.4.0"  # the PopTorch API version this emulates
 
 _register_torch_ops()  # torch.ops.poptorch.*, as importing PopTorch registers them
+_options.read_files_with(sys.modules[__name__])  # an options file's ``poptorch.<name>``
 
 __all__ = [
     "AsynchronousDataAccessor",

@@ -29,6 +29,18 @@ __all__ = ["ConfigFileError", "Options", "TensorLocationSettings", "log_compiled
 
 logger = _logging.logger
 
+# What an options file's lines read as ``poptorch`` (``poptorch.SyncPattern.Full``): the emulator
+# package, which hands itself over when imported (``read_files_with``). The package imports
+# this module; this module never imports the package.
+_options_file_poptorch: Any = None
+
+
+def read_files_with(package: Any) -> None:
+    """Makes ``package`` what ``Options.loadFromFile`` gives an options file as ``poptorch``."""
+    global _options_file_poptorch
+    _options_file_poptorch = package
+
+
 # The IPU versions PopTorch 3.4 documents for useOfflineIpuTarget (an offline Poplar target).
 _OFFLINE_IPU_VERSIONS = (1, 2, 21)
 
@@ -777,8 +789,6 @@ class Options(_OptionsDict):
         """Run each non-comment line of ``filepath`` as ``options.<line>``. As in PopTorch, a
         syntax error anywhere applies nothing and raises ``ConfigFileError`` naming the line
         among the file's option lines (blank and comment lines are not counted)."""
-        from .. import emulator  # the names an options file may use as "poptorch.<name>"
-
         with open(filepath, encoding="utf-8") as f:
             lines = [line.strip() for line in f]
         commands = [f"options.{line}" for line in lines if line and not line.startswith("#")]
@@ -791,7 +801,8 @@ class Options(_OptionsDict):
             raise ConfigFileError(
                 f"{type(e).__name__} at line {n} of {os.path.basename(filepath)}: {e.msg}\n> {line}"
             ) from e
-        exec(code, {"poptorch": emulator, "torch": torch, "options": self})  # noqa: S102
+        namespace = {"poptorch": _options_file_poptorch, "torch": torch, "options": self}
+        exec(code, namespace)  # noqa: S102
         return self
 
     def from_json(self, string: str) -> Options:

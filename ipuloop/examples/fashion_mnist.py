@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--csv",
         default=None,
         metavar="FILE",
-        help="write the logs to this CSV file (plot with python -m ipuloop.plot)",
+        help="write the logs to this CSV file (plot with python -m ipuloop.integrations.plotting)",
     )
     p.add_argument(
         "--tensorboard",
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     import torchmetrics
 
     from ipuloop import Callback, Loop, backend_name, poptorch
-    from ipuloop.callbacks import CSVLogger, TensorBoardLogger
+    from ipuloop.callbacks import CSVLogger
+    from ipuloop.integrations.tensorboard import TensorBoardLogger
 
     data_dir = data_dir_arg(args.data_dir)
     try:

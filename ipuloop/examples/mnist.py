@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="write the logs to this CSV file, a row per step and per epoch "
-        "(draw them with python -m ipuloop.plot FILE)",
+        "(draw them with python -m ipuloop.integrations.plotting FILE)",
     )
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=None, help="stop after N training steps")

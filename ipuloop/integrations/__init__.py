@@ -1,16 +1,18 @@
 """What ipuloop offers beside its kernel: ``IPUConfig``, the experiment loggers, plotting.
 
-The kernel (the loop, its parts and the built-in callbacks) never imports this package:
-``tests/test_layering.py`` keeps it so. Each module here imports the kernel's public parts
-and its own optional package (tensorboard, wandb, mlflow, matplotlib) only when used:
+The kernel (the loop, its parts and the built-in callbacks) never imports this package, a layer
+above the loop (``docs/layout.md``; ``tests/test_layering.py`` keeps it so). Each module here
+imports the kernel's public parts and its own optional package (tensorboard, wandb, mlflow,
+matplotlib) only when used:
 
 - ``ipu_config``: ``IPUConfig`` (optimum-graphcore's settings, built into ``poptorch.Options``)
   and ``place_layers``; ``Loop(model, config)`` calls its ``to_options()`` and ``ipus_used()``;
 - ``scalars``, ``tensorboard``, ``wandb_logger``, ``mlflow_logger``: ``ScalarLogger`` and the
   three loggers built on it;
-- ``plotting``: curves from a ``CSVLogger`` file (``python -m ipuloop.plot``).
+- ``plotting``: curves from a ``CSVLogger`` file (``python -m ipuloop.integrations.plotting``).
 
-The public names stay where they were: ``from ipuloop import IPUConfig`` and
-``from ipuloop.callbacks import TensorBoardLogger, WandbLogger, MLFlowLogger, ScalarLogger``
-import them on first use; ``ipuloop.config`` and ``ipuloop.plot`` forward here.
+Each is imported from its module (``from ipuloop.integrations.tensorboard import
+TensorBoardLogger``); ``from ipuloop import IPUConfig`` imports ``IPUConfig`` on first use. The
+first layout's names (``ipuloop.config``, ``ipuloop.plot``, the loggers in ``ipuloop.callbacks``)
+forward here with a ``DeprecationWarning`` until their removal (``ipuloop.deprecated``).
 """

@@ -1,4 +1,5 @@
-"""Training curves from a ``CSVLogger`` file: ``python -m ipuloop.plot logs.csv -o curves.png``.
+"""Training curves from a ``CSVLogger`` file:
+``python -m ipuloop.integrations.plotting logs.csv -o curves.png``.
 
 One panel per quantity, each against optimizer updates (the ``update`` column): ``loss``
 (the step losses of ``CSVLogger(every_n_steps=...)`` rows, ``train_loss`` and ``val_loss``
@@ -81,7 +82,7 @@ def plot_csv(path: str, output: str) -> list[str]:
         import matplotlib
     except ImportError as e:
         raise ImportError(
-            f"python -m ipuloop.plot needs matplotlib, which is not installed. "
+            f"python -m ipuloop.integrations.plotting needs matplotlib, which is not installed. "
             f"Install it with: {INSTALL}"
         ) from e
     matplotlib.use("Agg")
@@ -116,7 +117,7 @@ def plot_csv(path: str, output: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ipuloop.plot",
+        prog="python -m ipuloop.integrations.plotting",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

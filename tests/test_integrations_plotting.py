@@ -1,4 +1,5 @@
-"""``python -m ipuloop.plot``: curves from a real CSVLogger file; a clear failure on other files."""
+"""``python -m ipuloop.integrations.plotting``: curves from a real CSVLogger file; a clear failure
+on other files."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_module_entry_point(log_file, tmp_path):
     out = tmp_path / "c.png"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.run(
-        [sys.executable, "-m", "ipuloop.plot", str(path), "-o", str(out)],
+        [sys.executable, "-m", "ipuloop.integrations.plotting", str(path), "-o", str(out)],
         capture_output=True,
         text=True,
         env=env,
