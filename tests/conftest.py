@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+import ci_share
 import pytest
 
 import ipuloop.loop
@@ -65,6 +66,20 @@ _THREADS_WORDS = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_threads(items)
+    if ci_share.SHARE:
+        ci_share.order(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    """In CI, a test whose file the other environment runs is passed over (tests/ci_share.py)."""
+    if ci_share.SHARE and not ci_share.runs_here(item):
+        return True
+    return None
+
+
+def _mark_threads(items: list[pytest.Item]) -> None:
     sources: dict[Any, str] = {}
     for item in items:
         function = getattr(item, "function", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,13 @@ TRAIN = [
     "--validation-mode",
     "none",
 ]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the application to run: it writes its logs and checkpoints beside itself."""
+    copy = tmp_path_factory.mktemp("garden") / "cnns"
+    return Path(shutil.copytree(CNNS, copy, ignore=shutil.ignore_patterns("__pycache__")))
 
 
 def run(cmd: list[str], cwd: Path) -> str:
@@ -91,14 +99,14 @@ def _source() -> str:
     return (GARDEN / "SOURCE.md").read_text()
 
 
-def test_training_one_instance():
-    out = run([sys.executable, "-m", "ipuloop.emulate", *TRAIN], CNNS / "train")
+def test_training_one_instance(app):
+    out = run([sys.executable, "-m", "ipuloop.emulate", *TRAIN], app / "train")
     assert "Finished training" in out
     (loss,) = losses(out)
     assert math.isfinite(loss) and loss > 0
 
 
-def test_training_two_instances_through_the_launcher():
+def test_training_two_instances_through_the_launcher(app):
     """The README's poprun line with the launcher's name changed: both instances train, each on
     its share of the generated data (the launcher exits 0 only when both do); instance 0 logs
     the loss averaged across them (horovod)."""
@@ -112,7 +120,7 @@ def test_training_two_instances_through_the_launcher():
             sys.executable,
             *TRAIN,
         ],
-        CNNS / "train",
+        app / "train",
     )
     assert "[1,0]<" in out and "[1,1]<" in out  # the launcher tags each instance's lines
     assert "Finished training" in out
@@ -121,7 +129,7 @@ def test_training_two_instances_through_the_launcher():
     assert "[INFO] Total replicas: 2" in out
 
 
-def test_inference_benchmark_reports_latency():
+def test_inference_benchmark_reports_latency(app):
     """run_benchmark.py times each call with ``getLatency()``: a positive latency and a
     throughput, in its own words."""
     out = run(
@@ -142,7 +150,7 @@ def test_inference_benchmark_reports_latency():
             "--dataloader-worker",
             "1",
         ],
-        CNNS / "inference",
+        app / "inference",
     )
     latency = re.search(r"latency avg: ([0-9.]+) ms", out)
     throughput = re.search(r"throughput: ([0-9.]+) samples/sec", out)
