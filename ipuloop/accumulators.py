@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -21,6 +21,7 @@ from .exceptions import NonFiniteLossError
 from .outputs import Layout, Returns, StepLoss, check_logged, map_tensors
 
 __all__ = [
+    "Metric",
     "EpochLoss",
     "TrainEpoch",
     "Validation",
@@ -29,6 +30,16 @@ __all__ = [
     "metric_state",
     "concat",
 ]
+
+
+class Metric(Protocol):
+    """What the loop uses of a metric (a torchmetrics ``Metric``, or any object with these)."""
+
+    def update(self, output: object, labels: object) -> None: ...  # (torchmetrics': *args)
+
+    def compute(self) -> Any: ...  # a tensor, or several (per class, a dict)
+
+    def reset(self) -> None: ...
 
 
 def metric_logs(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
