@@ -10,6 +10,7 @@ activations, and how to keep them in float16.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Callable, Dict, Tuple, cast
 
@@ -17,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .backend import backend_name
 from .outputs import WithLoss
 
 __all__ = ["check_mixed", "MixedDtypes", "restore_buffers"]
@@ -122,17 +124,31 @@ def _float32_names(model: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+def _device_rule() -> type[TorchFunctionMode]:
+    """The emulator's ``MixedFloat``: how a 16-mixed device computes an op with float16 and
+    float32 operands. Where real PopTorch runs the loop, importing the emulator here must not
+    change PopTorch's logger, which the emulator's ``poptorch.logger`` shares by name (a second
+    console handler, the level set again): its handlers and level are put back."""
+    logger = logging.getLogger("poptorch::python")
+    kept = None if backend_name() == "emulator" else (list(logger.handlers), logger.level)
+    try:
+        from .emulator.precision import MixedFloat
+    finally:
+        if kept is not None:  # (the emulator, imported already, changed nothing now)
+            logger.handlers[:] = kept[0]
+            logger.setLevel(kept[1])
+    return MixedFloat
+
+
 def _record(model: torch.nn.Module, args: Args, kwargs: Kwargs) -> MixedDtypes | None:
     """Run ``model`` once as the device computes it, recording each op's dtype (buffers and the
     host RNG as they were); None when the model fails this run."""
-    from .emulator.precision import MixedFloat  # the device's rule (the emulator loads here)
-
     record = MixedDtypes(_float32_names(model))
     saved = [b.clone() for b in model.buffers()]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the float32 probe has shown them)
-            with MixedFloat(), record:  # (each module in the mode it trains in)
+            with _device_rule()(), record:  # (each module in the mode it trains in)
                 model(*args, **kwargs)
     except Exception:  # noqa: BLE001 (a model that runs in float32 may fail here in float16)
         return None
