@@ -96,6 +96,7 @@ class TrainEpoch:
 
     def __init__(
         self,
+        *,
         metrics: dict[str, Any],
         metric_output: Callable | None,
         returns: Returns,
@@ -117,7 +118,7 @@ class TrainEpoch:
         for m in self.metrics.values():
             m.reset()
 
-    def step_loss(self, loss: torch.Tensor, layout: Layout, check_finite: bool) -> StepLoss:
+    def step_loss(self, loss: torch.Tensor, layout: Layout, *, check_finite: bool) -> StepLoss:
         """The step's loss over the run: what the executor returned (a host tensor) reduced
         over the step (``layout``, the fit's), then summed over the instances; with
         ``check_finite``, a non-finite one on another instance (this one's finite) stops this
@@ -227,6 +228,7 @@ class Validation:
     def __init__(
         self,
         plan: Any,
+        *,
         metrics: dict[str, Any],
         metric_output: Callable | None,
         loss_fn: Callable | None,

@@ -41,6 +41,7 @@ class EarlyStopping(Callback):
         patience: int = 3,
         min_delta: float = 0.0,
         mode: str = "min",
+        *,
         check_finite: bool = True,
     ) -> None:
         self._sign = check_mode(mode)
