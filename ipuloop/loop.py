@@ -162,7 +162,7 @@ class Loop:
         self.precision = r.precision
         self.check_finite = check_finite
         self.state = State()
-        self.callbacks = arrange(callbacks, progress)
+        self.callbacks = arrange(callbacks, progress=progress)
         self.executors = Executors(pt, self.model_with_loss, self.optimizer, r.returns)
         self._inference_opts = r.inference  # the inference_opts given (a clone), or None
         self._returns = r.returns

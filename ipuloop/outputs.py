@@ -14,7 +14,7 @@ over DI*GA. A scalar loss becomes ``[n]`` only when that count n is > 1.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, NamedTuple
@@ -273,7 +273,7 @@ class Returns:
         )
 
 
-def check_logged(logs: Any, metrics: Any = (), where: str = "") -> None:
+def check_logged(logs: object, metrics: Container[str] = (), where: str = "") -> None:
     """Raise ``ValueError`` unless ``logs`` (what a model returns to be logged) is a dict of
     names to tensors, each name a plain identifier that no other log of the loop uses."""
     if not isinstance(logs, Mapping):

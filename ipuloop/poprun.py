@@ -46,6 +46,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import IO, Any
 
 from .emulate import BINDING
@@ -404,7 +405,7 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
     instances: list[_Instance] = []
     received: list[int] = []
 
-    def forward(sig: int, frame: Any) -> None:
+    def forward(sig: int, frame: FrameType | None) -> None:
         received.append(sig)
         for inst in instances:
             inst.signal(sig)

@@ -31,6 +31,7 @@ from ..checkpoint_io import (
     read_manifest,
 )
 from ..exceptions import NonFiniteLossError
+from ..state import State
 from .base import (
     Callback,
     LoopView,
@@ -542,7 +543,7 @@ class ModelCheckpoint(Callback):
         keep = {e["name"] for e in ranked[: self.save_top_k]}
         return keep | {newest} if self.save_last else keep
 
-    def _name(self, st: Any, *, always: bool, exception: BaseException | None) -> str:
+    def _name(self, st: State, *, always: bool, exception: BaseException | None) -> str:
         """The folder name. ``always``: without the logs that are missing or belong to an
         earlier step's weights (a warning names them), rather than fail."""
         values = {**st.logs, **st.counters()}

@@ -58,15 +58,15 @@ class IncompatibleIPUConfigError(ValueError):
 # ---- per-field checks: each returns the value to store (lists copied, numbers as float) ----
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
+def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _type_error(name: str, v: Any, expected: str) -> TypeError:
+def _type_error(name: str, v: object, expected: str) -> TypeError:
     return TypeError(f"{name} must be {expected}. Received: {name}={v!r} ({type(v).__name__}).")
 
 
@@ -104,7 +104,7 @@ def _proportion(name: str, v: Any) -> float | list[float]:
     return float(v) if _is_num(v) else [float(x) for x in values]
 
 
-def _typed(ok: Callable[[Any], bool], expected: str) -> Callable[[str, Any], Any]:
+def _typed(ok: Callable[[object], bool], expected: str) -> Callable[[str, Any], Any]:
     def check(name: str, v: Any) -> Any:
         if not ok(v):
             raise _type_error(name, v, expected)
