@@ -13,14 +13,17 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .exceptions import NonFiniteLossError
 from .outputs import Layout, Returns, StepLoss, check_logged, map_tensors
+from .processes import Processes
+from .state import State
 
 __all__ = [
+    "Metric",
     "EpochLoss",
     "TrainEpoch",
     "Validation",
@@ -31,7 +34,33 @@ __all__ = [
 ]
 
 
-def metric_logs(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
+class Metric(Protocol):
+    """What the loop uses of a metric (a torchmetrics ``Metric``, or any object with these)."""
+
+    def update(self, output: object, labels: object) -> None: ...  # (torchmetrics': *args)
+
+    def compute(self) -> Any: ...  # a tensor, or several (per class, a dict)
+
+    def reset(self) -> None: ...
+
+    def clone(self) -> Metric: ...  # a copy with its own state (TrainEpoch's train metrics)
+
+
+class Measured(Protocol):
+    """What ``Validation`` reads of the loader it runs (a ``plan.Plan``): the host call's
+    shape, the micro-batch size and the samples a call combines."""
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def micro(self) -> int: ...
+
+    @property
+    def combined(self) -> int: ...
+
+
+def metric_logs(prefix: str, metrics: dict[str, Metric]) -> dict[str, float]:
     """Each metric's ``compute()`` as log entries: ``<prefix><name>``, and for a metric that
     returns several values (per class, a dict) ``<prefix><name>_<index or key>``."""
     logs: dict[str, float] = {}
@@ -85,11 +114,12 @@ class TrainEpoch:
 
     def __init__(
         self,
-        metrics: dict[str, Any],
-        metric_output: Callable | None,
+        *,
+        metrics: dict[str, Metric],
+        metric_output: Callable[[object], object] | None,
         returns: Returns,
-        processes: Any,
-        state: Any,
+        processes: Processes,
+        state: State,
     ) -> None:
         self.metrics = {k: m.clone() for k, m in metrics.items()}
         self.metric_output = metric_output
@@ -106,7 +136,7 @@ class TrainEpoch:
         for m in self.metrics.values():
             m.reset()
 
-    def step_loss(self, loss: torch.Tensor, layout: Layout, check_finite: bool) -> StepLoss:
+    def step_loss(self, loss: torch.Tensor, layout: Layout, *, check_finite: bool) -> StepLoss:
         """The step's loss over the run: what the executor returned (a host tensor) reduced
         over the step (``layout``, the fit's), then summed over the instances; with
         ``check_finite``, a non-finite one on another instance (this one's finite) stops this
@@ -149,7 +179,7 @@ class TrainEpoch:
             acc[1] += count
         return means
 
-    def update_metrics(self, output: Any, labels: Any, layout: Layout) -> None:
+    def update_metrics(self, output: object, labels: torch.Tensor, layout: Layout) -> None:
         """Update the train metrics with a step's output and the labels aligned to it
         (``layout``, the fit's)."""
         aligned = layout.align(labels)
@@ -215,9 +245,10 @@ class Validation:
 
     def __init__(
         self,
-        plan: Any,
-        metrics: dict[str, Any],
-        metric_output: Callable | None,
+        plan: Measured,
+        *,
+        metrics: dict[str, Metric],
+        metric_output: Callable[[object], object] | None,
         loss_fn: Callable | None,
         warned: set,
         returns: Returns,
@@ -238,7 +269,7 @@ class Validation:
         for m in metrics.values():
             m.reset()
 
-    def add(self, result: Any, labels: Any, valid: int) -> None:
+    def add(self, result: object, labels: object, valid: int) -> None:
         """One inference call's result (its loss and logs where ``returns`` finds them), of
         which the first ``valid`` samples are samples and the rest padding."""
         layout = self.layout
@@ -302,7 +333,7 @@ class Validation:
             for m in self.metrics.values():
                 m.update(output, labels)
 
-    def logs(self, processes: Any, suffix: str = "") -> dict[str, float]:
+    def logs(self, processes: Processes, suffix: str = "") -> dict[str, float]:
         """val_loss (when any sample has a loss), ``val_<metric>`` and ``val_<logged name>``,
         each summed over the instances of ``processes`` that validated; with ``suffix`` (one
         of several validation sets), each as ``<name>/<suffix>``."""
@@ -342,10 +373,9 @@ class Validation:
         logs = {"val_loss": total / count} if count else {}
         logs.update(metric_logs("val_", self.metrics))
         for i, name in enumerate(names):
-            total = values[4 + 2 * i]
-            count = values[5 + 2 * i]
-            if count:
-                logs["val_" + name] = total / count
+            logged, samples = values[4 + 2 * i], values[5 + 2 * i]
+            if samples:
+                logs["val_" + name] = logged / samples
         return {f"{k}/{suffix}": v for k, v in logs.items()} if suffix else logs
 
 
@@ -353,13 +383,13 @@ class Predictions:
     """A predict run's outputs: each call's collected, then joined in sample order without
     the padding (which only the last call holds: ``Plan.counted``)."""
 
-    def __init__(self, layout: Layout, dataset: Any) -> None:
+    def __init__(self, layout: Layout, dataset: object) -> None:
         self.layout = layout
         self.dataset = dataset
         self.outputs: list[Any] = []
         self.samples = 0
 
-    def add(self, output: Any, samples: int) -> None:
+    def add(self, output: object, samples: int) -> None:
         """One call's outputs, of which the first ``samples`` are samples' (the rest padding)."""
         self.outputs.append(output)
         self.samples += samples

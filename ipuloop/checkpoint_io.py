@@ -292,7 +292,7 @@ def newest(paths: list[str | os.PathLike]) -> Path:
     return max((Path(p) for p in paths), key=lambda p: _written(_folder(p) / MANIFEST))
 
 
-def find_latest(dirpath: Path, include_tainted: bool = False) -> Path | None:
+def find_latest(dirpath: Path, *, include_tainted: bool = False) -> Path | None:
     """The newest valid checkpoint written in ``dirpath`` (by the time its manifest
     records), or None: this run's last save, never an older run's with a higher step.
 

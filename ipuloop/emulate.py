@@ -24,7 +24,7 @@ import os
 import runpy
 import sys
 import types
-from typing import Any
+from typing import Sequence
 
 __all__ = ["install", "main", "stand_in", "BINDING"]
 
@@ -56,7 +56,10 @@ class _PoptorchFinder(importlib.abc.MetaPathFinder):
     environment variables (``POPTORCH_LOG_LEVEL``, ...) when the program imports it."""
 
     def find_spec(
-        self, fullname: str, path: Any = None, target: Any = None
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "poptorch" and not fullname.startswith("poptorch."):
             return None

@@ -302,7 +302,7 @@ class Executors:
                 other.detachFromDevice()
 
     @staticmethod
-    def detach(executor: Executor | None, quiet: bool = False) -> None:
+    def detach(executor: Executor | None, *, quiet: bool = False) -> None:
         """Detach ``executor`` (weights and optimizer state to the host) if it is attached;
         ``quiet``: while tearing down after an error, warn instead of raising."""
         if executor is None or not executor.isAttachedToDevice():

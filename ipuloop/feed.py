@@ -22,7 +22,12 @@ class Feed:
     """
 
     def __init__(
-        self, model: torch.nn.Module, label_key: str, needs_labels: bool, dtype: torch.dtype | None
+        self,
+        model: torch.nn.Module,
+        label_key: str,
+        *,
+        needs_labels: bool,
+        dtype: torch.dtype | None,
     ) -> None:
         self.model: Any = model  # (a WithLoss's num_inputs is read and set)
         self.label_key = label_key
@@ -32,10 +37,12 @@ class Feed:
         # (issubclass: isinstance would read the wrapped __class__)
         self.with_loss = issubclass(type(model), WithLoss)
 
-    def split(self, batch: object, name: str, cast: bool = True) -> tuple[tuple, dict, Any]:
+    def split(self, batch: object, name: str, *, cast: bool = True) -> tuple[tuple, dict, Any]:
         """The model's call ``(*args, **kwargs)`` for a training or validation ``batch`` of
         the loader ``name``, and its labels; ``cast=False``: float inputs as they are."""
-        args, kwargs, labels = split_batch(batch, name, self.label_key, self.needs_labels)
+        args, kwargs, labels = split_batch(
+            batch, name, self.label_key, need_labels=self.needs_labels
+        )
         if not kwargs:
             n = self.num_inputs = len(args) - 1
             if self.with_loss and self.model.num_inputs != n:
@@ -45,7 +52,7 @@ class Feed:
             labels = kwargs.get(self.label_key) if kwargs else args[-1]
         return args, kwargs, labels
 
-    def predict(self, batch: object, name: str, first: bool) -> tuple[tuple, dict]:
+    def predict(self, batch: object, name: str, *, first: bool) -> tuple[tuple, dict]:
         """The model's inputs in a predict ``batch`` (``predict_inputs``); the ``first`` batch,
         before the model compiles, tells a ``WithLoss`` how many there are."""
         args, kwargs = predict_inputs(batch, self.num_inputs, name, self.label_key)
@@ -55,7 +62,7 @@ class Feed:
 
 
 def split_batch(
-    batch: object, name: str, label_key: str = "labels", need_labels: bool = True
+    batch: object, name: str, label_key: str = "labels", *, need_labels: bool = True
 ) -> tuple[tuple, dict, Any]:
     """A batch as the model's call and its labels: ``(args, kwargs, labels)``.
 

@@ -162,7 +162,7 @@ class Loop:
         self.precision = r.precision
         self.check_finite = check_finite
         self.state = State()
-        self.callbacks = arrange(callbacks, progress)
+        self.callbacks = arrange(callbacks, progress=progress)
         self.executors = Executors(pt, self.model_with_loss, self.optimizer, r.returns)
         self._inference_opts = r.inference  # the inference_opts given (a clone), or None
         self._returns = r.returns
@@ -172,8 +172,8 @@ class Loop:
         self._feed = Feed(
             self.model_with_loss,
             label_key,
-            loss_fn is not None or bool(self.metrics),
-            r.input_dtype,
+            needs_labels=loss_fn is not None or bool(self.metrics),
+            dtype=r.input_dtype,
         )
         self._resume = Resume()
         self._async = async_settings(async_data)  # torch loaders read ahead: async_options
@@ -190,7 +190,11 @@ class Loop:
         self.state.instances = self._processes.size
         self._hooks.main_instance_only(self._processes.rank)
         self._epoch = TrainEpoch(
-            self.metrics, metric_output, self._returns, self._processes, self.state
+            metrics=self.metrics,
+            metric_output=metric_output,
+            returns=self._returns,
+            processes=self._processes,
+            state=self.state,
         )
 
     @property
@@ -264,12 +268,18 @@ class Loop:
         # several processes: an error here, from the first check on, ends every instance's fit
         with self._processes.failing_together(self.state):
             return self._fit(
-                train_loader, epochs, val_loader, resume_from, max_steps, val_every_n_steps
+                train_loader,
+                epochs=epochs,
+                val_loader=val_loader,
+                resume_from=resume_from,
+                max_steps=max_steps,
+                val_every_n_steps=val_every_n_steps,
             )
 
     def _fit(
         self,
         train_loader: DataLoader,
+        *,
         epochs: int,
         val_loader: DataLoader | list | dict | None,
         resume_from: str | None,
@@ -287,8 +297,8 @@ class Loop:
             self.poptorch,
             train_loader,
             self.train_opts,
-            True,
-            "train_loader",
+            training=True,
+            name="train_loader",
             async_options=self._async,
         )
         val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
@@ -305,17 +315,17 @@ class Loop:
         )
         self._processes.check_agreement(
             FitSettings(
-                self.train_opts,
-                plan.micro,
-                plan.samples,
-                plan.steps,
-                None if val_plan is None else _val_steps(val_plan),
-                st.val_every_n_steps,
-                epochs,
-                max_steps,
-                self.optimizer,
-                self.model_with_loss,
-                st.step,
+                opts=self.train_opts,
+                micro=plan.micro,
+                samples=plan.samples,
+                steps=plan.steps,
+                val_steps=None if val_plan is None else _val_steps(val_plan),
+                val_every_n_steps=st.val_every_n_steps,
+                epochs=epochs,
+                max_steps=max_steps,
+                optimizer=self.optimizer,
+                model=self.model_with_loss,
+                step=st.step,
             )
         )
         if self.executors.train is None:  # the modes the training model is traced in
@@ -333,8 +343,8 @@ class Loop:
                 stacklevel=3,
             )
         st.start_fit(
-            plan.steps,
-            max_steps,
+            steps_per_epoch=plan.steps,
+            max_steps=max_steps,
             validates=val_plan is not None,
             val_sets=tuple(s for s, _ in val_plan or () if s),
         )
@@ -404,10 +414,10 @@ class Loop:
         st.history.append({"epoch": st.epoch, **st.logs})
         self._hooks.event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing to skip
 
-    def _validate_in_fit(self, val_plan: ValPlans, in_step: bool = False) -> None:
+    def _validate_in_fit(self, val_plan: ValPlans, *, in_step: bool = False) -> None:
         """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
         try:
-            with self._resume.validation(in_step):  # (a checkpoint in it resumes before it)
+            with self._resume.validation(in_step=in_step):  # (a checkpoint in it resumes before it)
                 self._run_validation(val_plan, self._processes, in_fit=True)
         except CancelEpoch:  # raised in a validation hook: no val logs this time
             self.state.drop_logs("val_", self._logged())
@@ -470,7 +480,9 @@ class Loop:
                 executors.push_optimizer()
                 compare = compare_each_step
             output, loss, logs = returns(model(*args, **kwargs))
-            step = epoch.step_loss(loss, layout, check_finite)  # the run's: host tensors, no sync
+            step = epoch.step_loss(
+                loss, layout, check_finite=check_finite
+            )  # the run's: host tensors, no sync
             if check_finite and not math.isfinite(step.total):
                 raise non_finite_error(
                     loss,
@@ -512,7 +524,7 @@ class Loop:
         return model
 
     # -- validation and predict -----------------------------------------------------------------
-    def _inference_plan(self, loader: DataLoader, name: str, partition: bool = True) -> Plan:
+    def _inference_plan(self, loader: DataLoader, name: str, *, partition: bool = True) -> Plan:
         return build_inference(
             self.poptorch,
             loader,
@@ -523,11 +535,11 @@ class Loop:
             async_options=self._async,
         )
 
-    def _val_plans(self, loader: object, arg: str, partition: bool = True) -> ValPlans:
+    def _val_plans(self, loader: object, arg: str, *, partition: bool = True) -> ValPlans:
         """The plans of ``loader``'s validation sets (``loop_options.val_sets``: one loader,
         a list or a dict of them), each built as one validation loader is."""
         return tuple(
-            (suffix, self._inference_plan(one, name or "val_loader", partition))
+            (suffix, self._inference_plan(one, name or "val_loader", partition=partition))
             for suffix, name, one in val_sets(loader, arg)
         )
 
@@ -583,7 +595,7 @@ class Loop:
         return self._set_metrics[suffix]
 
     def _run_validation(
-        self, plans: ValPlans, processes: Processes, in_fit: bool
+        self, plans: ValPlans, processes: Processes, *, in_fit: bool
     ) -> dict[str, float]:
         """A validation over ``plans`` (each validation set in turn), its numbers summed over
         ``processes`` (the fit's, or this instance alone: ``validate()``)."""
@@ -596,11 +608,11 @@ class Loop:
             for suffix, plan in plans:
                 run = Validation(
                     plan,
-                    self._metrics_of(suffix),
-                    self._metric_output,
-                    loss_fn,
-                    self._warned,
-                    self._returns,
+                    metrics=self._metrics_of(suffix),
+                    metric_output=self._metric_output,
+                    loss_fn=loss_fn,
+                    warned=self._warned,
+                    returns=self._returns,
                 )
                 model = None
                 for batch, samples in plan.counted():
@@ -718,13 +730,13 @@ class Loop:
 
     def _checkpointed(self) -> Checkpointed:
         return Checkpointed(
-            self.model,
-            self.optimizer,
-            self.state,
-            self._epoch,
-            self.callbacks,
-            self.train_model,
-            self.model_with_loss,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=self.state,
+            epoch=self._epoch,
+            callbacks=self.callbacks,
+            executor=self.train_model,
+            model_with_loss=self.model_with_loss,
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:

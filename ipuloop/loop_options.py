@@ -73,9 +73,9 @@ class OptionsBuilder(Protocol):
     knows the IPUs a replica uses, as ``ipuloop.IPUConfig`` does. The loop calls these two
     methods and names no such class: the integrations sit above the kernel."""
 
-    def to_options(self, for_inference: bool = False) -> Any: ...
+    def to_options(self, *, for_inference: bool = False) -> Any: ...
 
-    def ipus_used(self, for_inference: bool = False) -> int: ...
+    def ipus_used(self, *, for_inference: bool = False) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -140,14 +140,14 @@ def resolve(
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
     return Resolved(
-        model,
-        returns,
-        metrics,
-        train,
-        inference,
-        precision,
-        None if precision == "32" else torch.float16,
-        optimizer,
+        model=model,
+        returns=returns,
+        metrics=metrics,
+        train=train,
+        inference=inference,
+        precision=precision,
+        input_dtype=None if precision == "32" else torch.float16,
+        optimizer=optimizer,
     )
 
 

@@ -14,7 +14,7 @@ over DI*GA. A scalar loss becomes ``[n]`` only when that count n is > 1.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, NamedTuple
@@ -273,7 +273,7 @@ class Returns:
         )
 
 
-def check_logged(logs: Any, metrics: Any = (), where: str = "") -> None:
+def check_logged(logs: object, metrics: Container[str] = (), where: str = "") -> None:
     """Raise ``ValueError`` unless ``logs`` (what a model returns to be logged) is a dict of
     names to tensors, each name a plain identifier that no other log of the loop uses."""
     if not isinstance(logs, Mapping):
@@ -332,16 +332,16 @@ class Layout:
     orthogonal: bool = False  # CommGroupType.Orthogonal: replica r reads group r % (RF/g)
 
     @classmethod
-    def of(cls, opts: Any, training: bool) -> Layout:
+    def of(cls, opts: Any, training: bool) -> Layout:  # noqa: FBT001 (plan.py calls it so)
         """The shape of one host call under ``opts`` (``poptorch.Options``)."""
         return cls(
-            opts.device_iterations,
-            opts.Training.gradient_accumulation if training else 1,
-            opts.replication_factor,
-            opts.output_mode,
-            max(opts.output_return_period, 1),
-            opts.input_group_size,
-            int(opts.input_cgt) == 2,
+            di=opts.device_iterations,
+            ga=opts.Training.gradient_accumulation if training else 1,
+            rf=opts.replication_factor,
+            mode=opts.output_mode,
+            period=max(opts.output_return_period, 1),
+            group=opts.input_group_size,
+            orthogonal=int(opts.input_cgt) == 2,
         )
 
     @property
@@ -448,7 +448,7 @@ class Layout:
 FLOAT16_MAX = 65504.0  # the largest finite float16
 
 
-def _data_finding(batch: Any, half: bool) -> str | None:
+def _data_finding(batch: Any, *, half: bool) -> str | None:
     """What in the host ``batch`` ((inputs..., labels), or a dict) explains a non-finite loss:
     non-finite values, or (``half``: sent as float16) values beyond float16's range; None if
     nothing."""
@@ -539,7 +539,7 @@ def non_finite_error(
         )
     )
     half = precision != "32"
-    finding = None if batch is None else _data_finding(batch, half)
+    finding = None if batch is None else _data_finding(batch, half=half)
     if finding is not None:
         why = f" The data explains it: {finding}."
     elif half:

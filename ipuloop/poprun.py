@@ -46,6 +46,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import IO, Any
 
 from .emulate import BINDING
@@ -294,7 +295,7 @@ def command_line(top: Topology) -> list[str]:
 class _Instance:
     """One started instance, its output copied line by line with poprun's tag."""
 
-    def __init__(self, index: int, cmd: list[str], env: dict[str, str], shown: bool) -> None:
+    def __init__(self, index: int, cmd: list[str], env: dict[str, str], *, shown: bool) -> None:
         self.index = index
         self.shown = shown
         self.tail: deque[str] = deque(maxlen=20)  # its last lines of stderr, when not shown
@@ -366,8 +367,8 @@ def _host_store(port: int, instances: int) -> Any:
             "127.0.0.1",
             port,
             instances,
-            True,
-            datetime.timedelta(seconds=3600),
+            is_master=True,
+            timeout=datetime.timedelta(seconds=3600),
             wait_for_workers=False,
         )
     except Exception:  # noqa: BLE001 (the instances then make their own)
@@ -404,7 +405,7 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
     instances: list[_Instance] = []
     received: list[int] = []
 
-    def forward(sig: int, frame: Any) -> None:
+    def forward(sig: int, frame: FrameType | None) -> None:
         received.append(sig)
         for inst in instances:
             inst.signal(sig)
@@ -432,7 +433,7 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
     try:
         for i in range(top.instances):
             shown = top.only_output_from is None or top.only_output_from == i
-            instances.append(_Instance(i, cmd, instance_env(top, i, base, port), shown))
+            instances.append(_Instance(i, cmd, instance_env(top, i, base, port), shown=shown))
         ending_at: float | None = None
         killed = False
         while any(inst.proc.poll() is None for inst in instances):

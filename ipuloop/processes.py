@@ -113,14 +113,17 @@ def detect(env: Mapping[str, str] | None = None) -> Launch | None:
         launch = _popdist(env)
     elif "RANK" in env and "WORLD_SIZE" in env:
         launch = Launch(
-            _int(env, "RANK"), _int(env, "WORLD_SIZE"), int(env.get("LOCAL_RANK", "0")), "torchrun"
+            rank=_int(env, "RANK"),
+            size=_int(env, "WORLD_SIZE"),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            launcher="torchrun",
         )
     elif "OMPI_COMM_WORLD_SIZE" in env and "OMPI_COMM_WORLD_RANK" in env:
         launch = Launch(
-            _int(env, "OMPI_COMM_WORLD_RANK"),
-            _int(env, "OMPI_COMM_WORLD_SIZE"),
-            int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")),
-            "mpirun",
+            rank=_int(env, "OMPI_COMM_WORLD_RANK"),
+            size=_int(env, "OMPI_COMM_WORLD_SIZE"),
+            local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")),
+            launcher="mpirun",
         )
     if launch is None or launch.size <= 1:
         return None
@@ -138,11 +141,11 @@ def _popdist(env: Mapping[str, str]) -> Launch:
 
         if popdist.isPopdistEnvSet():
             return Launch(
-                int(popdist.getInstanceIndex()),
-                int(popdist.getNumInstances()),
-                int(popdist.getLocalInstanceIndex()),
-                "poprun",
-                int(popdist.getNumLocalReplicas()),
+                rank=int(popdist.getInstanceIndex()),
+                size=int(popdist.getNumInstances()),
+                local_rank=int(popdist.getLocalInstanceIndex()),
+                launcher="poprun",
+                local_replicas=int(popdist.getNumLocalReplicas()),
             )
     except ImportError:
         pass
@@ -155,7 +158,13 @@ def _popdist(env: Mapping[str, str]) -> Launch:
         rank = _int(env, "POPDIST_INSTANCE_INDEX")
     else:
         rank = int(env.get("POPDIST_REPLICA_INDEX_OFFSET", "0")) // max(local, 1)
-    return Launch(rank, size, int(env.get("POPDIST_LOCAL_INSTANCE_INDEX", "0")), "poprun", local)
+    return Launch(
+        rank=rank,
+        size=size,
+        local_rank=int(env.get("POPDIST_LOCAL_INSTANCE_INDEX", "0")),
+        launcher="poprun",
+        local_replicas=local,
+    )
 
 
 def timeout_seconds(env: Mapping[str, str] | None = None) -> float:
@@ -597,7 +606,7 @@ def _no_group() -> bool:
     return False
 
 
-def join(opts: Options, inference_opts: Options | None, replicas_given: bool) -> Processes:
+def join(opts: Options, inference_opts: Options | None, *, replicas_given: bool) -> Processes:
     """The run this process is an instance of: alone (``Processes``), or one of a run started
     by a launcher (``ProcessGroup``), whose process id and count ``opts`` (and the
     ``inference_opts`` given, if any) then get, and whose process group it joins."""

@@ -210,7 +210,7 @@ class Resume:
         return draw if draw is not None else Draw()
 
     @contextlib.contextmanager
-    def validation(self, in_step: bool) -> Iterator[None]:
+    def validation(self, *, in_step: bool) -> Iterator[None]:
         """A validation inside a fit (``in_step``: a step's, before its on_train_step_end): a
         checkpoint taken during it (SIGTERM, an error) resumes with the RNG as it was before
         it began, and the resumed fit runs it again from its start."""
@@ -421,7 +421,7 @@ def _align(
             stacklevel=4,
         )
         return
-    calls = describe_factors(plan.loader.options, plan.micro, True)
+    calls = describe_factors(plan.loader.options, plan.micro, training=True)
     if instances > 1:
         calls += f" on each of {instances} instances, {per_step} in all"
     raise ValueError(

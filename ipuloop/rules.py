@@ -83,7 +83,7 @@ def input_groups(opts: Any) -> int:
     return max(opts.replication_factor // opts.input_group_size, 1)
 
 
-def host_call_factor(opts: Any, training: bool) -> int:
+def host_call_factor(opts: Any, training: bool) -> int:  # noqa: FBT001 (plan.py, loaders.py)
     """Micro-batches in one host batch: DI * max(RF // input_group_size, 1) * (GA if training
     else 1). Replicas of one input group read the same samples, so they count once; an
     inference call runs no gradient accumulation."""
@@ -91,7 +91,7 @@ def host_call_factor(opts: Any, training: bool) -> int:
     return opts.device_iterations * input_groups(opts) * ga
 
 
-def describe_factors(opts: Any, micro: int, training: bool) -> str:
+def describe_factors(opts: Any, micro: int, training: bool) -> str:  # noqa: FBT001 (as above)
     """``host_call_factor`` spelled out for messages: "micro-batch 4 x deviceIterations 2 x
     replicationFactor 1 x gradientAccumulation 1 = 8 samples per host call" (with
     "/ input_group_size g" after the replication factor when g != 1)."""

@@ -20,7 +20,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from types import FrameType
+from typing import Callable, Iterator
 
 __all__ = ["Preempted", "handle_signals"]
 
@@ -39,13 +40,13 @@ def handle_signals(
     prev_term = signal.getsignal(signal.SIGTERM)
     prev_int = signal.getsignal(signal.SIGINT)
 
-    def term(signum: int, frame: Any) -> None:
+    def term(signum: int, frame: FrameType | None) -> None:
         on_term()
         if callable(prev_term):
             prev_term(signum, frame)
 
-    def interrupt(signum: int, frame: Any) -> None:
-        def again(signum: int, frame: Any) -> None:
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        def again(signum: int, frame: FrameType | None) -> None:
             try:
                 sys.stderr.write("\nSecond interrupt: exiting now.\n")
                 sys.stderr.flush()

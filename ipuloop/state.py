@@ -57,6 +57,7 @@ class State:
 
     def start_fit(
         self,
+        *,
         steps_per_epoch: int | None,
         max_steps: int | None,
         validates: bool,

@@ -56,7 +56,13 @@ class Doubled(Processes):
 
 
 def train_epoch(processes=None, metrics=None) -> TrainEpoch:
-    return TrainEpoch(metrics or {}, None, Returns(), processes or Processes(), State())
+    return TrainEpoch(
+        metrics=metrics or {},
+        metric_output=None,
+        returns=Returns(),
+        processes=processes or Processes(),
+        state=State(),
+    )
 
 
 # The micro-batch losses of two steps of [DI, GA, RF] = [2, 1, 2], by (iteration, replica):
@@ -75,7 +81,8 @@ def test_train_loss_under_each_output_mode(mode, period, returned, means, epoch_
     te, layout = train_epoch(), Layout(2, 1, 2, mode, period)
     assert te.logs() == {}  # no step yet: no logs
     got = [
-        te.add(te.step_loss(torch.tensor(r, dtype=torch.float32), layout, True)) for r in returned
+        te.add(te.step_loss(torch.tensor(r, dtype=torch.float32), layout, check_finite=True))
+        for r in returned
     ]
     assert got == means
     assert te.logs() == {"train_loss": epoch_loss, "train_loss_exact": exact}
@@ -87,24 +94,24 @@ def test_train_logged_values_are_reduced_as_the_loss():
     te, layout = train_epoch(), Layout(2, 1, 1, ALL)
     assert te.add_logs({"acc": torch.tensor([0.5, 1.0])}, layout) == {"acc": 0.75}
     assert te.add_logs({"acc": torch.tensor([0.0, 0.5])}, layout) == {"acc": 0.25}
-    te.add(te.step_loss(torch.tensor([1.0, 3.0]), layout, True))
+    te.add(te.step_loss(torch.tensor([1.0, 3.0]), layout, check_finite=True))
     assert te.logs()["train_acc"] == 0.5
 
 
 def test_train_loss_sums_over_the_instances_and_names_another_ones_non_finite_loss():
     layout = Layout(2, 1, 1, ALL)
     te = train_epoch(Doubled())
-    step = te.step_loss(torch.tensor([1.0, 3.0]), layout, True)
+    step = te.step_loss(torch.tensor([1.0, 3.0]), layout, check_finite=True)
     assert (step.total, step.count, step.exact) == (8.0, 4, True)
     te = train_epoch(Doubled(other=math.nan))
     with pytest.raises(NonFiniteLossError, match="on another instance"):
-        te.step_loss(torch.tensor([1.0, 3.0]), layout, True)
-    assert math.isnan(te.step_loss(torch.tensor([1.0, 3.0]), layout, False).total)
+        te.step_loss(torch.tensor([1.0, 3.0]), layout, check_finite=True)
+    assert math.isnan(te.step_loss(torch.tensor([1.0, 3.0]), layout, check_finite=False).total)
 
 
 def test_train_epoch_state_dict_gives_the_same_logs_back():
     te, layout = train_epoch(metrics={"total": Total()}), Layout(1, 1, 1, ALL)
-    te.add(te.step_loss(torch.tensor(2.0), layout, True))
+    te.add(te.step_loss(torch.tensor(2.0), layout, check_finite=True))
     te.add_logs({"acc": torch.tensor(0.5)}, layout)
     te.update_metrics(torch.tensor([1.0, 2.0]), torch.zeros(2), layout)
     again = train_epoch(metrics={"total": Total()})
@@ -123,7 +130,9 @@ def test_train_epoch_state_dict_gives_the_same_logs_back():
 
 def _validation(loss_fn, warned: set) -> Validation:
     plan = SimpleNamespace(layout=Layout(2, 1, 1, ALL), micro=2, combined=4)
-    return Validation(plan, {}, None, loss_fn, warned, Returns())
+    return Validation(
+        plan, metrics={}, metric_output=None, loss_fn=loss_fn, warned=warned, returns=Returns()
+    )
 
 
 def test_val_loss_of_a_padded_call_is_the_mean_over_its_samples():

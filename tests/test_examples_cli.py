@@ -212,8 +212,8 @@ def test_factors_the_ipus_or_the_pipeline_reject_fail_before_any_data(
             )
         ),
         "sharded",
-        False,
-        {},
+        inference_pipelined=False,
+        names={},
     )
 
 

@@ -62,6 +62,11 @@ def test_feed_tells_a_with_loss_model_its_inputs_and_sends_float_labels_as_cast(
     assert [a.dtype for a in args] == [torch.float16] * 3 and labels is args[-1]
     _, _, labels = feed.split((X, floats), "train_loader", cast=False)  # as in the loader
     assert labels is floats and model.num_inputs == 1
-    feed = Feed(WithLoss(torch.nn.Identity(), torch.nn.functional.mse_loss), "labels", True, None)
+    feed = Feed(
+        WithLoss(torch.nn.Identity(), torch.nn.functional.mse_loss),
+        "labels",
+        needs_labels=True,
+        dtype=None,
+    )
     args, _ = feed.predict((X, X, X), "predict_loader", first=True)  # no fit: labels last
     assert len(args) == 2 and feed.model.num_inputs == 2 and args[0] is X

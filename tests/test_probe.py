@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from ipuloop import WithLoss
+from ipuloop.mixed_advice import check_mixed
 from ipuloop.outputs import Returns
-from ipuloop.probe import check_mixed, probe, shape
+from ipuloop.probe import MicroBatch, probe, shape
 
 X, Y = torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 0, 1])
 
@@ -20,10 +21,7 @@ def run(model, args, labels=None, *, loop_loss=False, metrics=None, kwargs=None)
     labels = args[-1] if labels is None and args else labels
     probe(
         model,
-        args,
-        kwargs or {},
-        labels,
-        "train_loader",
+        MicroBatch(args=args, kwargs=kwargs or {}, labels=labels, name="train_loader"),
         copy_float=False,
         metrics=metrics or {},
         metric_output=None,

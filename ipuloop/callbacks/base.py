@@ -60,7 +60,7 @@ import difflib
 import inspect
 import warnings
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from ..state import State
 
@@ -160,7 +160,7 @@ class Callback:
     order: int = 0
     main_instance_only: bool = False
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Callback:
+    def __new__(cls, *args: object, **kwargs: object) -> Callback:
         if cls not in _CHECKED:
             _CHECKED.add(cls)
             _warn_misnamed_hooks(cls)
@@ -339,16 +339,23 @@ def _warn_lightning_arguments(cls: type, name: str, method: Callable) -> None:
         )
 
 
-# Factories of the callbacks a loop adds unless given one: f(callbacks, progress) -> Callback
+class DefaultCallback(Protocol):
+    """A function that adds a callback a loop lacks (``register_default``): given the loop's
+    callbacks and its ``progress`` argument, the callback to add, or None."""
+
+    def __call__(self, callbacks: list[Callback], *, progress: bool | int) -> Callback | None: ...
+
+
+# Factories of the callbacks a loop adds unless given one: f(callbacks, progress=) -> Callback
 # or None. Registered by the module of each such callback (the progress display).
-_DEFAULTS: list[Callable[[list, Any], Callback | None]] = []
+_DEFAULTS: list[DefaultCallback] = []
 
 
-def register_default(factory: Callable[[list, Any], Callback | None]) -> None:
+def register_default(factory: DefaultCallback) -> None:
     _DEFAULTS.append(factory)
 
 
-def arrange(callbacks: Any, progress: Any) -> list[Callback]:
+def arrange(callbacks: Iterable[Callback], *, progress: bool | int) -> list[Callback]:
     """A loop's callbacks, checked, with the registered defaults they lack (for a loop built
     with ``progress``), sorted by ``order`` once."""
     cbs = list(callbacks)
@@ -357,7 +364,7 @@ def arrange(callbacks: Any, progress: Any) -> list[Callback]:
             raise TypeError(
                 f"callbacks must be ipuloop.Callback instances. Received: {type(cb).__name__}."
             )
-    cbs += [cb for cb in (f(cbs, progress) for f in _DEFAULTS) if cb is not None]
+    cbs += [cb for cb in (f(cbs, progress=progress) for f in _DEFAULTS) if cb is not None]
     cbs.sort(key=lambda cb: cb.order)
     keys = [cb.state_key for cb in cbs]
     shared = sorted({k for k in keys if keys.count(k) > 1})

@@ -31,6 +31,7 @@ from ..checkpoint_io import (
     read_manifest,
 )
 from ..exceptions import NonFiniteLossError
+from ..state import State
 from .base import (
     Callback,
     LoopView,
@@ -504,7 +505,7 @@ class ModelCheckpoint(Callback):
             return step == self._epoch_end_at
         return True
 
-    def _score(self, loop: LoopView, at_step: bool, always: bool) -> float | None:
+    def _score(self, loop: LoopView, *, at_step: bool, always: bool) -> float | None:
         """The save's rank: None without monitor, NaN for an unranked save."""
         monitor = self.monitor
         st = loop.state
@@ -542,7 +543,7 @@ class ModelCheckpoint(Callback):
         keep = {e["name"] for e in ranked[: self.save_top_k]}
         return keep | {newest} if self.save_last else keep
 
-    def _name(self, st: Any, always: bool, exception: BaseException | None) -> str:
+    def _name(self, st: State, *, always: bool, exception: BaseException | None) -> str:
         """The folder name. ``always``: without the logs that are missing or belong to an
         earlier step's weights (a warning names them), rather than fail."""
         values = {**st.logs, **st.counters()}
@@ -587,7 +588,7 @@ class ModelCheckpoint(Callback):
         st = loop.state
         if exception is not None and loop.state.instance != 0:
             return None  # several processes: instance 0 saves what it has, alone
-        name = self._name(st, always, exception)
+        name = self._name(st, always=always, exception=exception)
         name += "-exception" if exception else ""
         if not cio.plain_name(name):
             raise ValueError(
@@ -611,7 +612,7 @@ class ModelCheckpoint(Callback):
         old = self.kept
         entry = {"name": name, "step": st.step, "score": None}
         if exception is None:  # regular saves rotate; exception saves sit apart
-            entry["score"] = self._score(loop, at_step, always)
+            entry["score"] = self._score(loop, at_step=at_step, always=always)
             # one checkpoint per step: this save replaces one at the same step (same weights)
             entries = [e for e in old if e["name"] != name and e["step"] != st.step] + [entry]
             keep = self._keep(entries, name)
@@ -681,9 +682,9 @@ class ModelCheckpoint(Callback):
         return folder
 
     # -- finding -------------------------------------------------------------------------------
-    def latest(self, include_tainted: bool = False) -> Path | None:
+    def latest(self, *, include_tainted: bool = False) -> Path | None:
         """The newest valid checkpoint written in ``dirpath`` (``checkpoint_io.find_latest``)."""
-        return cio.find_latest(self.dirpath, include_tainted)
+        return cio.find_latest(self.dirpath, include_tainted=include_tainted)
 
     def resume_path(self) -> Path | None:
         """What ``fit(resume_from="last")`` loads: the newest checkpoint in ``dirpath`` (with

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..state import State
 from .base import Callback, LoopView, check_mode, check_monitor, monitored
 
 __all__ = ["EarlyStopping"]
@@ -41,6 +42,7 @@ class EarlyStopping(Callback):
         patience: int = 3,
         min_delta: float = 0.0,
         mode: str = "min",
+        *,
         check_finite: bool = True,
     ) -> None:
         self._sign = check_mode(mode)
@@ -68,7 +70,7 @@ class EarlyStopping(Callback):
 
     on_exception = on_fit_end
 
-    def _step_validated(self, st: Any) -> bool:
+    def _step_validated(self, st: State) -> bool:
         """Whether the fit validated at this step itself (then no epoch-end validation)."""
         every = st.val_every_n_steps
         return bool(every and st.step and st.step % every == 0 and self.monitor.startswith("val_"))

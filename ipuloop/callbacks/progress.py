@@ -97,7 +97,7 @@ class ProgressBar(Callback):
     on_exception = on_fit_end
 
 
-def _default(callbacks: list, progress: Any) -> ProgressBar | None:
+def _default(callbacks: list[Callback], *, progress: bool | int) -> ProgressBar | None:
     """``Loop(progress=...)``: a ProgressBar unless one is given or progress is False (an int
     is its ``every``)."""
     if not progress or any(isinstance(cb, ProgressBar) for cb in callbacks):

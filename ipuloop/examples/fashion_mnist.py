@@ -88,7 +88,7 @@ def _root(data_dir: str) -> str:
     return cache
 
 
-def load_fashion_mnist(data_dir: str, train: bool) -> torch.utils.data.TensorDataset:
+def load_fashion_mnist(data_dir: str, *, train: bool) -> torch.utils.data.TensorDataset:
     """Fashion-MNIST through torchvision, normalised once (ToTensor + Normalize((0.5,), (0.5,)))."""
     import torchvision
 

@@ -108,7 +108,7 @@ def build_options(args: argparse.Namespace):
     opts.setExecutionStrategy(_strategy(args.strategy))
     if args.offload_optimiser:
         opts.TensorLocations.setOptimizerLocation(
-            poptorch.TensorLocationSettings().useOnChipStorage(False)
+            poptorch.TensorLocationSettings().useOnChipStorage(False)  # noqa: FBT003 (PopTorch's API)
         )
     inference = opts.clone()
     inference.Training.gradientAccumulation(1)
@@ -132,7 +132,7 @@ def _strategy(name: str):
 
 
 def check_factors(
-    opts, inference, strategy: str, inference_pipelined: bool, names: dict[str, str]
+    opts, inference, strategy: str, *, inference_pipelined: bool, names: dict[str, str]
 ) -> None:
     """The options' factors against the IPUs and the pipeline, before any data is read.
 
@@ -235,7 +235,7 @@ class MissingData(RuntimeError):
     pass
 
 
-def load_mnist(data_dir: str, train: bool):
+def load_mnist(data_dir: str, *, train: bool):
     """Real MNIST through torchvision, normalised once (the tutorial's ToTensor + Normalize)."""
     import torchvision
 
@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("replicas", "gradient_accumulation", "inference_iterations")
         }
     try:  # the config's inference options run sharded; the flags' run as training does
-        check_factors(opts, inference, args.strategy, not args.ipu_config, names)
+        check_factors(
+            opts, inference, args.strategy, inference_pipelined=not args.ipu_config, names=names
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

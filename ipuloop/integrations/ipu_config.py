@@ -58,15 +58,15 @@ class IncompatibleIPUConfigError(ValueError):
 # ---- per-field checks: each returns the value to store (lists copied, numbers as float) ----
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
+def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _type_error(name: str, v: Any, expected: str) -> TypeError:
+def _type_error(name: str, v: object, expected: str) -> TypeError:
     return TypeError(f"{name} must be {expected}. Received: {name}={v!r} ({type(v).__name__}).")
 
 
@@ -104,7 +104,7 @@ def _proportion(name: str, v: Any) -> float | list[float]:
     return float(v) if _is_num(v) else [float(x) for x in values]
 
 
-def _typed(ok: Callable[[Any], bool], expected: str) -> Callable[[str, Any], Any]:
+def _typed(ok: Callable[[object], bool], expected: str) -> Callable[[str, Any], Any]:
     def check(name: str, v: Any) -> Any:
         if not ok(v):
             raise _type_error(name, v, expected)
@@ -309,7 +309,7 @@ class IPUConfig:
 
     # ---- §7.2 layer placement ----
     def expand_layers_per_ipu(
-        self, num_layers: int | Sequence[Any] | None, for_inference: bool = False
+        self, num_layers: int | Sequence[Any] | None, *, for_inference: bool = False
     ) -> list[int]:
         """`layers_per_ipu` with each -1 replaced, for a model of `num_layers` layers.
 
@@ -359,7 +359,7 @@ class IPUConfig:
             )
         return lpi
 
-    def ipus_used(self, for_inference: bool = False) -> int:
+    def ipus_used(self, *, for_inference: bool = False) -> int:
         """IPUs a replica reserves, counted as PopTorch counts them: max(IPUs used, highest
         IPU + 1), i.e. one past the last IPU that can hold layers (an entry other than 0)."""
         p = "inference_" if for_inference else ""
@@ -369,20 +369,22 @@ class IPUConfig:
         return max((i + 1 for i, k in enumerate(lpi) if k != 0), default=1)
 
     def layer_ipu(
-        self, num_layers: int | Sequence[Any] | None, for_inference: bool = False
+        self, num_layers: int | Sequence[Any] | None, *, for_inference: bool = False
     ) -> list[int]:
         """The IPU of each layer: `[2, -1]` and 6 layers give `[0, 0, 1, 1, 1, 1]`."""
-        counts = self.expand_layers_per_ipu(num_layers, for_inference)
+        counts = self.expand_layers_per_ipu(num_layers, for_inference=for_inference)
         return [ipu for ipu, k in enumerate(counts) for _ in range(k)]
 
     # ---- §7.3-7.4 batch size and Options ----
-    def batch_size_factor(self, for_inference: bool = False) -> int:
+    # (batch_size_factor and to_options are optimum-graphcore's, whose programs pass
+    # for_inference positionally: they keep its signatures)
+    def batch_size_factor(self, for_inference: bool = False) -> int:  # noqa: FBT001, FBT002
         """Host batch / micro-batch: RF*GA*DI for training, RF*DI for inference."""
         if for_inference:
             return self.inference_replication_factor * self.inference_device_iterations
         return self.replication_factor * self.gradient_accumulation_steps * self.device_iterations
 
-    def to_options(self, for_inference: bool = False) -> Any:
+    def to_options(self, for_inference: bool = False) -> Any:  # noqa: FBT001, FBT002
         """A new `poptorch.Options` (real or emulated) for training or for inference.
 
         Not done, unlike optimum: the Mk2 hardware check, `compile_only`/offline target, and
@@ -393,7 +395,7 @@ class IPUConfig:
         pt = poptorch_module()
         p = "inference_" if for_inference else ""
         opts = pt.Options()
-        opts.autoRoundNumIPUs(True)
+        opts.autoRoundNumIPUs(True)  # noqa: FBT003 (PopTorch's positional API)
         opts.replicationFactor(getattr(self, p + "replication_factor"))
         opts.deviceIterations(getattr(self, p + "device_iterations"))
         if not for_inference:
@@ -412,7 +414,7 @@ class IPUConfig:
                 self.replicated_tensor_sharding and opts.replication_factor > 1
             )
         )
-        opts.setExecutionStrategy(_strategy(pt, for_inference))
+        opts.setExecutionStrategy(_strategy(pt, for_inference=for_inference))
         n, mp = getattr(self, p + "ipus_per_replica"), getattr(self, p + "matmul_proportion")
         mp = mp if isinstance(mp, list) else [mp] * n
         opts.setAvailableMemoryProportion({f"IPU{i}": mp[i] for i in range(n)})
@@ -545,7 +547,7 @@ def _convert(key: str, raw: str, current: Any) -> Any:
 # ---- automatic placement ----
 
 
-def _strategy(pt: Any, for_inference: bool) -> Any:
+def _strategy(pt: Any, *, for_inference: bool) -> Any:
     auto = pt.AutoStage.AutoIncrement
     return pt.ShardedExecution(auto) if for_inference else pt.PipelinedExecution(auto)
 
@@ -584,7 +586,7 @@ class _RecomputeHook:
 
 
 def place_layers(
-    layers: Sequence[torch.nn.Module], config: IPUConfig, for_inference: bool = False
+    layers: Sequence[torch.nn.Module], config: IPUConfig, *, for_inference: bool = False
 ) -> Any:
     """Annotate `layers` so each IPU gets its layers (`config.layer_ipu`); return the strategy.
 
@@ -601,7 +603,7 @@ def place_layers(
     pt = poptorch_module()
     layers = list(layers)
     checkpointing = config.recompute_checkpoint_every_layer and not for_inference
-    for layer, ipu in zip(layers, config.layer_ipu(len(layers), for_inference)):
+    for layer, ipu in zip(layers, config.layer_ipu(len(layers), for_inference=for_inference)):
         pt.BeginBlock(layer, user_id=f"ipu{ipu}", ipu_id=ipu)
         if checkpointing and backend_name() == "emulator":
             if not isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
@@ -609,7 +611,7 @@ def place_layers(
         elif checkpointing:
             if not any(isinstance(h, _RecomputeHook) for h in layer._forward_hooks.values()):
                 layer.register_forward_hook(_RecomputeHook(pt))
-    return _strategy(pt, for_inference)
+    return _strategy(pt, for_inference=for_inference)
 
 
 def unplace_layers(layers: Sequence[torch.nn.Module]) -> None:
