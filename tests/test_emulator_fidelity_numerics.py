@@ -249,7 +249,7 @@ def test_stochastic_rounding_is_unbiased():
     up or down ... randomly such that the expected (mean) result of rounded value is equal to
     the unrounded value"): to a float16 neighbour, each with the probability that makes the
     mean exact; float16 values are kept; normal and subnormal ranges alike."""
-    from ipuloop.emulator.precision import stochastic_round_to_half
+    from ipuloop.emulator.device.precision import stochastic_round_to_half
 
     g = torch.Generator().manual_seed(0)
     n = 200_000

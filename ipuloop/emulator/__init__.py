@@ -14,8 +14,8 @@ import torch
 from . import _impl as _impl  # poptorch._impl
 from . import _logging, optim, poptorch_core
 from . import _pytree as pytree
-from . import checks as _checks
-from . import device_state as _device_state
+from .device import checks as _checks
+from .device import device_state as _device_state
 from ._logging import logger
 from .blocks import (
     AutoStage,

@@ -23,7 +23,7 @@ import torch
 
 from .. import rules as _rules
 from . import _logging
-from . import precision as _precision
+from .device import precision as _precision
 
 __all__ = [
     "Optimizer",

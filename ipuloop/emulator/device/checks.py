@@ -37,12 +37,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import rules
-from . import _logging, device_state
-from . import _pytree as pytree
+from ... import rules
+from .. import _logging
+from . import device_state
+from .. import _pytree as pytree
 from . import unsupported as _unsupported
-from .enums import ConnectionType
-from .errors import Error
+from ..enums import ConnectionType
+from ..errors import Error
 
 __all__ = [
     "LossCapture",

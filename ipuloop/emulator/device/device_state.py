@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import Error
+from ..errors import Error
 
 __all__ = [
     "DeviceWeights",

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .data import _custom_parser
-from .errors import Error
+from ..data import _custom_parser
+from ..errors import Error
 
 __all__ = ["Signature", "unflatten"]
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .enums import CommGroupType, VariableRetrievalMode
-from .errors import Error
-from .optim import LAMB
+from ..enums import CommGroupType, VariableRetrievalMode
+from ..errors import Error
+from ..optim import LAMB
 
 __all__ = ["GroupedWeights", "ReplicaGroupingWrapper", "check_setting", "replica_groups", "resolve"]
 

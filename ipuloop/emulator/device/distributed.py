@@ -64,11 +64,11 @@ from typing import Any
 
 import torch
 
-from .. import rules
-from . import _logging
-from . import optim as _optim
-from .enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
-from .errors import Error
+from ... import rules
+from .. import _logging
+from .. import optim as _optim
+from ..enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
+from ..errors import Error
 
 __all__ = [
     "TIMEOUT_ENV",

@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import rules
-from . import _pytree as pytree
-from .enums import OutputMode
-from .errors import Error
+from ... import rules
+from .. import _pytree as pytree
+from ..enums import OutputMode
+from ..errors import Error
 
 __all__ = [
     "out_leaves",

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .errors import Error
+from ..errors import Error
 
 __all__ = ["AutoLossScale", "check_float16_gradients", "settings"]
 

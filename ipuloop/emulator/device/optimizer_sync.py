@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from . import _logging
+from .. import _logging
 from . import distributed as _distributed
 from . import loss_scaling as _loss_scaling
-from . import optim as _optim
-from .enums import MeanReductionStrategy, ReductionType
-from .errors import Error
+from .. import optim as _optim
+from ..enums import MeanReductionStrategy, ReductionType
+from ..errors import Error
 
 __all__ = ["OptimizerSync"]
 
