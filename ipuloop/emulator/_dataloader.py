@@ -148,11 +148,12 @@ def _worker_main(
 
 
 def _preload_forkserver() -> None:
-    """Have the forkserver, before it starts, import torch and the accessor's module
-    (``data``, which imports this one) beside what it already preloads (the main module): each accessor's worker it forks then holds them, and
-    starts in well under a second instead of importing torch afresh (seconds), as PopTorch's
-    would in a program that imports them first. A forkserver already running keeps its
-    preload list; a program's own list is kept and added to."""
+    """Have the forkserver, before it starts, import torch and the accessor's module (``data``,
+    which imports this one) beside what it already preloads (the main module): each accessor's
+    worker it forks then holds them, and starts in well under a second instead of importing
+    torch afresh (seconds), as PopTorch's would in a program that imports them first. A
+    forkserver already running keeps its preload list; a program's own list is kept and added
+    to."""
     server = multiprocessing.forkserver._forkserver  # (its preload list has no getter)
     if getattr(server, "_forkserver_pid", None) is not None:
         return

@@ -35,24 +35,24 @@ from torch.autograd.variable import Variable
 
 from .. import rules
 from . import _logging
-from .device import anchors as _anchors
 from . import blocks as _blocks
+from . import options as _options_mod
+from .device import anchors as _anchors
 from .device import checks as _checks
 from .device import constants as _constants
 from .device import group_norm as _group_norm
 from .device import inputs as _inputs
 from .device import loss_scaling as _loss_scaling
-from . import options as _options_mod
 from .device import replica_groups as _replica_groups
 from .device.anchors import Anchors
 from .device.device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
-from .enums import ConnectionType, OutputMode, ReductionType
-from .errors import Error
-from .hardware_only import HardwareOnly
 from .device.optimizer_sync import OptimizerSync
 from .device.precision import MixedFloat
 from .device.signature import Signature
 from .device.signature import unflatten as _unflatten
+from .enums import ConnectionType, OutputMode, ReductionType
+from .errors import Error
+from .hardware_only import HardwareOnly
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 

@@ -39,11 +39,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ... import rules
 from .. import _logging
-from . import device_state
 from .. import _pytree as pytree
-from . import unsupported as _unsupported
 from ..enums import ConnectionType
 from ..errors import Error
+from . import device_state
+from . import unsupported as _unsupported
 
 __all__ = [
     "LossCapture",

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from .. import _logging
-from . import distributed as _distributed
-from . import loss_scaling as _loss_scaling
 from .. import optim as _optim
 from ..enums import MeanReductionStrategy, ReductionType
 from ..errors import Error
+from . import distributed as _distributed
+from . import loss_scaling as _loss_scaling
 
 __all__ = ["OptimizerSync"]
 
