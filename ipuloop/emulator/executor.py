@@ -46,6 +46,7 @@ from .device import loss_scaling as _loss_scaling
 from .device import replica_groups as _replica_groups
 from .device.anchors import Anchors
 from .device.device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
+from .device.latency import latency
 from .device.optimizer_sync import OptimizerSync
 from .device.precision import MixedFloat
 from .device.signature import Signature
@@ -117,23 +118,6 @@ class Executable:
 
 
 _clock = time.perf_counter
-
-
-def latency(starts: list[float], ends: list[float]) -> tuple[float, float, float]:
-    """(min, max, mean) of the durations from each group of ``starts`` to its end
-    (PopTorch's ``_computeLatency``): there are as many groups as ``ends``, each of
-    ``len(starts) // len(ends)`` consecutive starts, taken at their earliest."""
-    if not ends:
-        return (0.0, 0.0, 0.0)
-    if len(starts) % len(ends):
-        raise Error(
-            f"Internal emulator error: {len(starts)} start timestamps do not group into "
-            f"{len(ends)} ends when calculating latency"
-        )
-    factor = len(starts) // len(ends)
-    firsts = [min(starts[i * factor : (i + 1) * factor]) for i in range(len(ends))]
-    durations = [end - start for start, end in zip(firsts, ends)]
-    return (min(durations), max(durations), sum(durations) / len(durations))
 
 
 class PoplarExecutor(HardwareOnly):
