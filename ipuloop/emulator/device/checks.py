@@ -534,7 +534,7 @@ def _backward_error(*args: Any, **kwargs: Any) -> None:
 def forbid_backward(out: Any) -> Any:
     """``out`` with ``backward()`` of each of its tensors raising PopTorch's error."""
     if isinstance(out, torch.Tensor):
-        out.backward = _backward_error
+        out.backward = _backward_error  # type: ignore[method-assign]
     elif isinstance(out, (tuple, list)):
         for o in out:
             forbid_backward(o)

@@ -358,7 +358,7 @@ class GradientReducer:
             return step(closure)
 
         reducing_step._reduces_across_instances = True  # type: ignore[attr-defined]
-        optimizer.step = reducing_step
+        optimizer.step = reducing_step  # type: ignore[method-assign]
 
 
 def join(
