@@ -329,7 +329,7 @@ def test_process_id_out_of_range_and_bad_timeout(monkeypatch):
 
 
 def test_the_launchers_whose_environment_creates_the_group():
-    from ipuloop.emulator.distributed import launched, launcher_rank
+    from ipuloop.emulator.device.distributed import launched, launcher_rank
 
     assert not launched({})
     assert launched({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun

@@ -1413,16 +1413,6 @@ def test_is_running_on_ipu_only_inside_the_model():
 # -- getLatency: PopTorch's _computeLatency over host-side timestamps ----------------------------
 
 
-def test_latency_groups_the_starts_of_each_returned_output_as_poptorch_does():
-    from ipuloop.emulator.executor import latency
-
-    assert latency([], []) == (0.0, 0.0, 0.0)  # not run: PopTorch's zeros
-    # 4 device iterations, 2 outputs: each output's latency runs from its group's first start
-    assert latency([0.0, 1.0, 2.0, 3.0], [5.0, 9.0]) == (5.0, 7.0, 6.0)
-    with pytest.raises(poptorch.Error, match="do not group"):
-        latency([0.0, 1.0, 2.0], [5.0, 9.0])
-
-
 class Slow(nn.Module):
     """Each forward takes at least ``PAUSE`` seconds."""
 

@@ -1,6 +1,6 @@
 """Indexing inside a model (``aten::index``, which PopTorch lowers): a traced model sees it on
 every torch version. torch < 2.1 shows function modes no ``Tensor.__getitem__``; the
-emulator's trace must still know an indexed graph tensor for one (checks.py
+emulator's trace must still know an indexed graph tensor for one (device/checks.py
 ``_IndexWatch``, a dispatch mode beside the trace's function mode), without changing torch's
 classes."""
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ipuloop.emulator as poptorch
-from ipuloop.emulator import checks
+from ipuloop.emulator.device import checks
 
 VOCAB, HIDDEN, CLASSES, PAD = 11, 8, 3, 0
 

@@ -37,7 +37,9 @@ import ipuloop.emulator as poptorch
 from ipuloop import Callback, Loop
 
 PACKAGE = os.path.dirname(os.path.abspath(ipuloop.__file__))
-FORWARDING = {os.path.join(PACKAGE, "emulator", f) for f in ("precision.py", "group_norm.py")}
+FORWARDING = {
+    os.path.join(PACKAGE, "emulator", "device", f) for f in ("precision.py", "group_norm.py")
+}
 
 T = torch.Tensor
 # tensor functions that read a device value on the host (each waits for the device)
@@ -211,7 +213,7 @@ def test_automatic_loss_scaling_reads_its_counts_once_per_update_period(period):
             model(x, y)
     updates = calls * DI
     assert reads.total == updates // period, dict(reads.where)
-    assert {at.split(":")[0] for _, at in reads.where} <= {"/emulator/loss_scaling.py"}
+    assert {at.split(":")[0] for _, at in reads.where} <= {"/emulator/device/loss_scaling.py"}
 
 
 def test_automatic_loss_scaling_counts_as_before():

@@ -83,7 +83,7 @@ def test_dist_timeout_is_a_finite_number_of_seconds_on_both_sides(text, monkeypa
     with pytest.raises(ValueError, match="expected a number of seconds > 0"):
         rules.dist_timeout(env)
     monkeypatch.setenv(rules.DIST_TIMEOUT_ENV, text)
-    from ipuloop.emulator.distributed import timeout_seconds
+    from ipuloop.emulator.device.distributed import timeout_seconds
 
     with pytest.raises(poptorch.Error, match="expected a number of seconds > 0"):
         timeout_seconds()

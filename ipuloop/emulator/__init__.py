@@ -15,8 +15,6 @@ import torch
 from . import _impl as _impl  # poptorch._impl
 from . import _logging, optim, poptorch_core
 from . import _pytree as pytree
-from . import checks as _checks
-from . import device_state as _device_state
 from . import options as _options
 from ._logging import logger
 from .blocks import (
@@ -35,6 +33,8 @@ from .blocks import (
 )
 from .ctc import ctc_beam_search_decoder
 from .data import AsynchronousDataAccessor, DataLoader, ICustomArgParser, registerCustomArgParser
+from .device import checks as _checks
+from .device import device_state as _device_state
 from .enums import (
     CommGroupType,
     ConnectionType,

@@ -35,24 +35,25 @@ from torch.autograd.variable import Variable
 
 from .. import rules
 from . import _logging
-from . import anchors as _anchors
 from . import blocks as _blocks
-from . import checks as _checks
-from . import constants as _constants
-from . import group_norm as _group_norm
-from . import inputs as _inputs
-from . import loss_scaling as _loss_scaling
 from . import options as _options_mod
-from . import replica_groups as _replica_groups
-from .anchors import Anchors
-from .device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
+from .device import anchors as _anchors
+from .device import checks as _checks
+from .device import constants as _constants
+from .device import group_norm as _group_norm
+from .device import inputs as _inputs
+from .device import loss_scaling as _loss_scaling
+from .device import replica_groups as _replica_groups
+from .device.anchors import Anchors
+from .device.device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
+from .device.latency import latency
+from .device.optimizer_sync import OptimizerSync
+from .device.precision import MixedFloat
+from .device.signature import Signature
+from .device.signature import unflatten as _unflatten
 from .enums import ConnectionType, OutputMode, ReductionType
 from .errors import Error
 from .hardware_only import HardwareOnly
-from .optimizer_sync import OptimizerSync
-from .precision import MixedFloat
-from .signature import Signature
-from .signature import unflatten as _unflatten
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "identity_loss", "isRunningOnIpu"]
 
@@ -117,23 +118,6 @@ class Executable:
 
 
 _clock = time.perf_counter
-
-
-def latency(starts: list[float], ends: list[float]) -> tuple[float, float, float]:
-    """(min, max, mean) of the durations from each group of ``starts`` to its end
-    (PopTorch's ``_computeLatency``): there are as many groups as ``ends``, each of
-    ``len(starts) // len(ends)`` consecutive starts, taken at their earliest."""
-    if not ends:
-        return (0.0, 0.0, 0.0)
-    if len(starts) % len(ends):
-        raise Error(
-            f"Internal emulator error: {len(starts)} start timestamps do not group into "
-            f"{len(ends)} ends when calculating latency"
-        )
-    factor = len(starts) // len(ends)
-    firsts = [min(starts[i * factor : (i + 1) * factor]) for i in range(len(ends))]
-    durations = [end - start for start, end in zip(firsts, ends)]
-    return (min(durations), max(durations), sum(durations) / len(durations))
 
 
 class PoplarExecutor(HardwareOnly):

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from .. import rules
-from . import distributed, popdist
+from . import popdist
+from .device import distributed
 
 __all__ = [
     "Adasum",

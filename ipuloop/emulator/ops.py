@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import checks as _checks
 from .blocks import Block
-from .device_state import emulator_device, rng_state, swap_rng
+from .device import checks as _checks
+from .device.device_state import emulator_device, rng_state, swap_rng
+from .device.print_format import PrintFormat, format_tensor
 from .errors import Error
 from .executor import isRunningOnIpu
-from .print_format import PrintFormat, format_tensor
 
 __all__ = ["cond", "dynamic_slice", "dynamic_update", "for_loop", "ipu_print_tensor"]
 

@@ -23,7 +23,7 @@ import torch
 
 from .. import rules as _rules
 from . import _logging
-from . import precision as _precision
+from .device import precision as _precision
 
 __all__ = [
     "Optimizer",
@@ -92,6 +92,7 @@ class Optimizer:
     PopTorch's extra arguments, their pickling, and the unscale/clip before the update."""
 
     _extras: tuple[str, ...] = ()  # global (not per group) attributes, stored on the instance
+    loss_scaling: float  # (each one's extras include it: the static loss scale)
     _extra_defaults: ClassVar[dict[str, Any]] = {}  # every PopTorch-only argument, its default
 
     def _setup(self, init: Callable, args: dict[str, Any]) -> None:

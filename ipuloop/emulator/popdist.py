@@ -31,7 +31,7 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator
 
-from . import distributed
+from .device import distributed
 from .options import Options as _Options
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import Error
+from ..errors import Error
 
 __all__ = ["REFUSED", "check"]
 

@@ -64,11 +64,11 @@ from typing import Any
 
 import torch
 
-from .. import rules
-from . import _logging
-from . import optim as _optim
-from .enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
-from .errors import Error
+from ... import rules
+from .. import _logging
+from .. import optim as _optim
+from ..enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
+from ..errors import Error
 
 __all__ = [
     "TIMEOUT_ENV",
@@ -358,7 +358,7 @@ class GradientReducer:
             return step(closure)
 
         reducing_step._reduces_across_instances = True  # type: ignore[attr-defined]
-        optimizer.step = reducing_step
+        optimizer.step = reducing_step  # type: ignore[method-assign]
 
 
 def join(

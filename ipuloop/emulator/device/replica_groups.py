@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .enums import CommGroupType, VariableRetrievalMode
-from .errors import Error
-from .optim import LAMB
+from ..enums import CommGroupType, VariableRetrievalMode
+from ..errors import Error
+from ..optim import LAMB
 
 __all__ = ["GroupedWeights", "ReplicaGroupingWrapper", "check_setting", "replica_groups", "resolve"]
 
@@ -144,9 +144,10 @@ class GroupedWeights:
             p = w.host_params[i]
             if p.grad is None:
                 continue
-            if self._grads[k] is None:
-                self._grads[k] = torch.zeros_like(w.dev_params[i], dtype=p.grad.dtype)
-            self._grads[k][groups[r]] += p.grad
+            grad = self._grads[k]
+            if grad is None:
+                grad = self._grads[k] = torch.zeros_like(w.dev_params[i], dtype=p.grad.dtype)
+            grad[groups[r]] += p.grad
             p.grad = None
 
     def whole(self) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import copyreg
 import os
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from .errors import Error
+from ..errors import Error
 
 __all__ = [
     "DeviceWeights",
@@ -122,7 +122,7 @@ def wrapped_class(cls: type) -> type:
                     )
                 ):
                     ex.copyWeightsToHost()
-            return cls.__getattribute__(self, name)
+            return cls.__getattribute__(self, name)  # type: ignore[call-arg]
 
         def __reduce_ex__(self, protocol):
             # Pickling or deep-copying the wrapped module gives the user's class, with fresh
@@ -132,7 +132,8 @@ def wrapped_class(cls: type) -> type:
             if ex is not None:
                 ex.copyWeightsToHostIfNeeded()
             state = {k: v for k, v in d.items() if k != "_poptorch_executor"}
-            return copyreg._reconstructor, (cls, object, None), state  # no ipuloop reference
+            reconstruct = copyreg._reconstructor  # type: ignore[attr-defined]
+            return reconstruct, (cls, object, None), state  # no ipuloop reference
 
         def destroy(self):
             """Destroy the model: release the IPUs and the executable (and unwrap the model)."""
@@ -174,10 +175,11 @@ def _host_parameter_class(owner: Any, base: type) -> type:
             owner = parent()
             if owner is not None and owner._dirty_host_weights:
                 owner.copyWeightsToHost()
-            return base.__getattribute__(self, name)
+            return base.__getattribute__(self, name)  # type: ignore[call-arg]
 
         def __deepcopy__(self, memo):
-            result = base.__deepcopy__(self, memo)  # reads (and so syncs) the data first
+            # reads (and so syncs) the data first
+            result = base.__deepcopy__(self, memo)  # type: ignore[attr-defined]
             result.__class__ = base  # a copy is a plain parameter, not tied to the executor
             return result
 
@@ -216,7 +218,8 @@ def _host_buffer_class(owner: Any) -> type:
         def __reduce_ex__(self, protocol):
             return torch.Tensor.__reduce_ex__(self.as_subclass(torch.Tensor), protocol)
 
-        __torch_function__ = torch._C._disabled_torch_function_impl  # (as nn.Parameter's)
+        # (as nn.Parameter's, whose stub types it as a method)
+        __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     return PoptorchBuffer
 
@@ -274,13 +277,13 @@ class DeviceWeights:
         """A device copy of host tensor ``t`` (float64 as float32)."""
         return t.detach().to(self.device, device_dtype(t.dtype), copy=True)
 
-    def bind(self, extra_params: list[torch.Tensor] = ()) -> None:
+    def bind(self, extra_params: Sequence[torch.Tensor] = ()) -> None:
         """Read which parameters and buffers the module has now (with ``extra_params``, those
         an optimizer trains that the module does not list). A tensor bound before keeps its
         device value; a new one is copied to the device; one no longer bound is unwrapped."""
         model = self.model
         named = list(model.named_parameters())
-        params = [p for _, p in named]
+        params: list[torch.Tensor] = [p for _, p in named]
         known = {id(p) for p in params}
         for p in extra_params:  # trained wherever the model reaches them
             if id(p) not in known:

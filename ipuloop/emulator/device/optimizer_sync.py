@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from . import _logging
+from .. import _logging
+from .. import optim as _optim
+from ..enums import MeanReductionStrategy, ReductionType
+from ..errors import Error
 from . import distributed as _distributed
 from . import loss_scaling as _loss_scaling
-from . import optim as _optim
-from .enums import MeanReductionStrategy, ReductionType
-from .errors import Error
 
 __all__ = ["OptimizerSync"]
 
@@ -92,7 +92,7 @@ class OptimizerSync:
             cls_load(opt, sd)
             self.dirty = True
 
-        opt.state_dict, opt.load_state_dict = state_dict, load_state_dict
+        opt.state_dict, opt.load_state_dict = state_dict, load_state_dict  # type: ignore[method-assign]
 
     def _note_read(self) -> None:
         """PopTorch's words when a ``poptorch.optim`` optimizer's state is read: copied from
@@ -112,6 +112,7 @@ class OptimizerSync:
         """The device's state (moments, step counts) with the host's hyper-parameters: as in
         PopTorch, reading the state back must not undo host LR scheduling. With automatic loss
         scaling, ``ipu_state["lossScaleUpdateFactor"]`` is the factor the next step uses."""
+        assert self.device is not None, "read while compiled"
         sd = self.device.state_dict()
         sd["param_groups"] = type(self.optimizer).state_dict(self.optimizer)["param_groups"]
         if self.als is not None:
@@ -199,7 +200,7 @@ class OptimizerSync:
                         "when wrapping did not hold and the model does not have: "
                         "wrap the model again with this optimizer."
                     )
-        patched = {
+        patched: dict[str, Any] = {
             k: opt.__dict__.pop(k) for k in ("state_dict", "load_state_dict") if k in opt.__dict__
         }
         try:
@@ -212,8 +213,8 @@ class OptimizerSync:
         rounding = self._stochastic_rounding(dev)
         if isinstance(dev, _optim.Optimizer):
             dev.__dict__["_rounding"] = rounding
-        elif _optim.has_16bit_params(dev):
-            dev.step = _optim.float32_step(dev, rounding)  # as poptorch.optim's own step does
+        elif _optim.has_16bit_params(dev):  # as poptorch.optim's own step does:
+            dev.step = _optim.float32_step(dev, rounding)  # type: ignore[method-assign]
         if self.reducer is not None:  # each update first all-reduces across the instances
             self.reducer.wrap(dev)
         self.device = dev
@@ -235,6 +236,7 @@ class OptimizerSync:
         (complete here), then the gradients cleared: ``zero_grad(set_to_none=True)``, done
         directly when it is torch's own and no profiler records its scope."""
         dev = self.device
+        assert dev is not None, "stepped while compiled"
         if self.als is None:
             dev.step()
         else:
@@ -249,7 +251,8 @@ class OptimizerSync:
     def _auto_scaled_step(self, dev: torch.optim.Optimizer) -> None:
         """The update with the gradients unscaled by the loss scale their backward used (the
         optimizer's times the factor), then the factor's update (``loss_scaling``)."""
-        final, base = self.loss_scaling, self._base_loss_scaling
+        final, base, als = self.loss_scaling, self._base_loss_scaling, self.als
+        assert als is not None, "automatic loss scaling"
         if isinstance(dev, _optim.Optimizer):
             dev.loss_scaling = final  # poptorch.optim's step divides by its loss_scaling
             try:
@@ -261,8 +264,8 @@ class OptimizerSync:
             if grads and final != 1.0:
                 torch._foreach_div_(grads, final)
             dev.step()
-        self.als.after_step(base)
-        self.loss_scaling = self.als.final(base)
+        als.after_step(base)
+        self.loss_scaling = als.final(base)
 
     def download(self) -> None:
         """Copy the device's state into a ``poptorch.optim`` host optimizer."""
@@ -290,6 +293,7 @@ class OptimizerSync:
                 self.dirty = True
         if self.device is None:
             return  # not compiled yet: used as is at compile time
+        assert self.snapshot is not None, "taken at compile time"
         new = _optim.hyperparameters(optimizer)
         changed = _optim.changed_constants(self.snapshot, new, self.constants)
         if changed == ["param_groups"]:  # a group added (add_param_group) or removed

@@ -10,14 +10,14 @@ With automatic loss scaling, also "finalLossScale" and "lossScaleUpdateFactor" (
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import rules
-from . import _pytree as pytree
-from .enums import OutputMode
-from .errors import Error
+from ... import rules
+from .. import _pytree as pytree
+from ..enums import OutputMode
+from ..errors import Error
 
 __all__ = [
     "out_leaves",
@@ -37,6 +37,7 @@ def register_mappings(out: Any) -> None:
     its own type; torch's pytree only takes apart the types registered with it. Register
     each other dict type of ``out`` (a subclass such as a Transformers ``ModelOutput``), as
     ``registerCustomArgParser`` registers its types: called once, on the traced outputs."""
+    items: Iterable[Any]
     if isinstance(out, dict):
         cls = type(out)
         if cls not in pytree.SUPPORTED_NODES:

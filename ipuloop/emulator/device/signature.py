@@ -19,12 +19,12 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .data import _custom_parser
-from .errors import Error
+from ..data import _custom_parser
+from ..errors import Error
 
 __all__ = ["Signature", "unflatten"]
 
@@ -134,7 +134,7 @@ def _validate(name: str, t: Any, x: Any) -> None:
             )
         for i, (tv, xv) in enumerate(zip(t.items, tensors)):
             _validate(f"{name}[{i}]", tv, xv)
-    elif isinstance(t, dict):
+    elif isinstance(t, dict) and isinstance(x, dict):  # (x is: its type is t's)
         _check_keys(name, t, x)
         for k, v in t.items():
             _validate(f"{name}[{k}]", v, x[k])
@@ -197,7 +197,7 @@ class _Binder:
                 "parameters: remove the bare * from forward's signature."
             )
 
-    def bind(self, args: tuple, kwargs: dict) -> tuple[list, list[str], dict]:
+    def bind(self, args: Sequence[Any], kwargs: dict) -> tuple[list, list[str], dict]:
         """(positional values, their names, keyword values) for ``forward(*args, **kwargs)``."""
         if not self.variadic:
             assert len(args) + len(kwargs) <= len(self.names), (
@@ -208,7 +208,9 @@ class _Binder:
                 assert k in self.names, (
                     f"{k} is not a valid parameter. Allowed values are {self.names}"
                 )
-        values, names, named = [], [], {}
+        values: list[Any] = []
+        names: list[str] = []
+        named: dict[str, Any] = {}
         after_star = False
         args = list(args)
         for i, p in enumerate(self.params):

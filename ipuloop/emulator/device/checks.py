@@ -37,12 +37,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import rules
-from . import _logging, device_state
-from . import _pytree as pytree
+from ... import rules
+from .. import _logging
+from .. import _pytree as pytree
+from ..enums import ConnectionType
+from ..errors import Error
+from . import device_state
 from . import unsupported as _unsupported
-from .enums import ConnectionType
-from .errors import Error
 
 __all__ = [
     "LossCapture",
@@ -533,7 +534,7 @@ def _backward_error(*args: Any, **kwargs: Any) -> None:
 def forbid_backward(out: Any) -> Any:
     """``out`` with ``backward()`` of each of its tensors raising PopTorch's error."""
     if isinstance(out, torch.Tensor):
-        out.backward = _backward_error
+        out.backward = _backward_error  # type: ignore[method-assign]
     elif isinstance(out, (tuple, list)):
         for o in out:
             forbid_backward(o)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import _logging
+from .. import _logging
 
 __all__ = [
     "SENT_AS_FLOAT32",

@@ -60,14 +60,14 @@ class PrintFormat:
                 f"ipu_print_tensor: float_format must be one of {FLOAT_FORMATS}. "
                 f"Received: float_format={float_format!r}."
             )
-        for name, value in (
+        for name, text in (
             ("separator", separator),
             ("open_bracket", open_bracket),
             ("close_bracket", close_bracket),
         ):
-            if not isinstance(value, str):
+            if not isinstance(text, str):
                 raise TypeError(
-                    f"ipu_print_tensor: {name} must be a str. Received: {name}={value!r}."
+                    f"ipu_print_tensor: {name} must be a str. Received: {name}={text!r}."
                 )
         self.summarise_threshold = summarise_threshold
         self.edge_items = edge_items

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import rules
-from . import _pytree as pytree
+from ... import rules
+from .. import _pytree as pytree
 
 __all__ = ["MixedFloat", "stochastic_round_to_half"]
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .errors import Error
+from ..errors import Error
 
 __all__ = ["AutoLossScale", "check_float16_gradients", "settings"]
 
@@ -104,7 +104,7 @@ class AutoLossScale:
 
     def __init__(self, values: dict[str, float], micro_batch_scale: float) -> None:
         self.factor = 1.0  # lossScaleUpdateFactor
-        self.last_final = None  # finalLossScale of the last step (None before any)
+        self.last_final: float | None = None  # finalLossScale of the last step (None before any)
         self._edge = _FP16_MAX * float(values["binEdgeLocation"])
         t = float(values["thresholdUpperCountProportion"])
         self._ratio = t / (1.0 - t) if t < 1.0 else math.inf
