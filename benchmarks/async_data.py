@@ -83,10 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="default: benchmarks/async_data_<workload>.json")
     p.add_argument(
         "--readme",
-        default=str(HERE.parent / "docs" / "performance.md"),
-        help="the page to write the table into; '' to leave it alone",
+        default=None,
+        help="the page to write the table into (default: benchmarks/async_data_<workload>.md, "
+        "beside the JSON); '' to leave it alone",
     )
     args = p.parse_args(argv)
+    if args.readme is None:
+        args.readme = str(HERE / f"async_data_{args.workload}.md")
     defaults = WORKLOADS[args.workload]
     for name, value in zip(
         ("batch_size", "device_iterations", "gradient_accumulation", "steps", "warmup"), defaults

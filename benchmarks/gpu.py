@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """PopTorch programs on a GPU (or the CPU): the same training written three ways, side by side.
 
-Run from the repository root; ``docs/performance.md`` has the commands and the tables.
+Run from the repository root; ``docs/performance.md`` has the commands and what the runs
+conclude, ``benchmarks/gpu_<device>.md`` the last run's table.
 
     python benchmarks/gpu.py                          # CUDA if torch sees one, else the CPU
     python benchmarks/gpu.py --device cuda --preset gpu   # the sizes benchmarks/gpu_check.sh runs
@@ -755,6 +756,11 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_page(readme: str | None, device_type: str) -> Path:
+    """The page a run's table goes into: ``--readme``, else the one beside its JSON."""
+    return Path(readme) if readme else HERE / f"gpu_{device_type}.md"
+
+
 def write_readme(path: Path, marker: str, text: str) -> None:
     begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     page = path.read_text()
@@ -803,8 +809,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="default: benchmarks/gpu_<device>.json")
     p.add_argument(
         "--readme",
-        default=str(ROOT / "docs" / "performance.md"),
-        help="the page to write the table into; '' or none to leave it alone",
+        default=None,
+        help="the page to write the table into (default: benchmarks/gpu_<device>.md, beside "
+        "the JSON); '' or none to leave it alone",
     )
     p.add_argument(
         "--from-json",
@@ -833,8 +840,9 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(Path(args.from_json).read_text())
         text = table(results)
         print(text, flush=True)
-        if args.readme and args.readme != "none":
-            write_readme(Path(args.readme), README_MARKERS[results["meta"]["device"]], text)
+        device_type = results["meta"]["device"]
+        if args.readme != "" and args.readme != "none":
+            write_readme(readme_page(args.readme, device_type), README_MARKERS[device_type], text)
         return 0
     started = time.perf_counter()
     os.environ["IPULOOP_EMULATOR_DEVICE"] = args.device  # read when a model is wrapped
@@ -897,8 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results)
     print("\n" + text, flush=True)
     print(f"wrote {out}", flush=True)
-    if args.readme and args.readme != "none":
-        write_readme(Path(args.readme), README_MARKERS[device.type], text)
+    if args.readme != "" and args.readme != "none":
+        write_readme(readme_page(args.readme, device.type), README_MARKERS[device.type], text)
     return 0
 
 

@@ -7,7 +7,7 @@
 #    training call against native torch), then
 # 2. benchmarks/gpu.py at the GPU sizes: the MNIST CNN, ResNet-50 at 224x224 and a BERT-base
 #    sized encoder, float32 and float16, native torch against the PopTorch program and
-#    Loop.fit. It writes benchmarks/gpu_cuda.json and the table in docs/performance.md.
+#    Loop.fit. It writes benchmarks/gpu_cuda.json and its table, gpu_cuda.md.
 #
 # Under 8 minutes: the tests get 2, the benchmark starts no new workload after 5 and is
 # stopped at 5.5. Environment: PYTHON (default python), GPU_CHECK_DEVICE (cuda),

@@ -301,8 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE / "mnist_vs_torch.json"))
     p.add_argument(
         "--readme",
-        default=str(ROOT / "docs" / "performance.md"),
-        help="the page to write the table into; '' to leave it alone",
+        default=str(HERE / "mnist_vs_torch.md"),
+        help="the page to write the table into (beside the JSON); '' to leave it alone",
     )
     p.add_argument("--_hand", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_breakdown", action="store_true", help=argparse.SUPPRESS)

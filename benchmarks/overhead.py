@@ -3,8 +3,8 @@
 
 Run from the repository root; ``docs/performance.md`` lists the commands behind every number.
 
-    python benchmarks/overhead.py            # everything: results.json, docs/performance.md's
-                                             # tables, the plot
+    python benchmarks/overhead.py            # everything: results.json, the tables beside it
+                                             # (results.md), the plot
 
 Variants, timed in ONE process, interleaved (the order rotates every repeat), medians:
 
@@ -1112,8 +1112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(HERE / "results.json"))
     p.add_argument(
         "--readme",
-        default=str(ROOT / "docs" / "performance.md"),
-        help="the page to write the tables into; '' to leave it alone",
+        default=str(HERE / "results.md"),
+        help="the page to write the tables into (beside results.json); '' to leave it alone",
     )
     p.add_argument(
         "--plot", default=str(ROOT / "docs" / "time_per_sample.png"), help="'' for no plot"

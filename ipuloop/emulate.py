@@ -191,7 +191,8 @@ def _leave_at_once(error: BaseException) -> None:
             return
         import datetime
 
-        from .rules import destroy_group, tell_launcher
+        from .group_teardown import destroy_group
+        from .rules import tell_launcher
 
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=3))

@@ -51,16 +51,9 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .exceptions import InstanceFailedError
+from .group_teardown import destroy_group, keep_until_left, leave_process_group
 from .poptorch_types import Options
-from .rules import (
-    DEFAULT_DIST_TIMEOUT,
-    DIST_TIMEOUT_ENV,
-    destroy_group,
-    dist_timeout,
-    keep_until_left,
-    leave_process_group,
-    tell_launcher,
-)
+from .rules import DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, tell_launcher
 from .signals import Preempted
 from .state import State
 

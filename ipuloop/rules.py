@@ -1,7 +1,8 @@
 """PopTorch rules that both the emulator and the loop need, each written down once.
 
 Also the two rules of a multi-process run that both keep: how long a wait on the other
-instances may last (``IPULOOP_DIST_TIMEOUT``), and how a process group is left at exit.
+instances may last (``IPULOOP_DIST_TIMEOUT``), and where a failing instance tells a launcher
+which it is. How a process group is left at exit is ``group_teardown.py``.
 
 A leaf: it imports only the standard library and torch, so the emulator (which imports nothing
 else of ipuloop) and the loop read the same rule. ``opts`` is a ``poptorch.Options`` of either
@@ -10,11 +11,9 @@ backend (the real one or ``ipuloop.emulator``): only their documented attributes
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
-import time
 from typing import Any
 
 import torch
@@ -45,9 +44,6 @@ __all__ = [
     "DIST_TIMEOUT_ENV",
     "DEFAULT_DIST_TIMEOUT",
     "dist_timeout",
-    "keep_until_left",
-    "destroy_group",
-    "leave_process_group",
     "LAUNCHER_FAILURE_KEY",
     "tell_launcher",
 ]
@@ -265,70 +261,6 @@ def dist_timeout(env: Any = None, error: type = ValueError) -> float:
     if not (math.isfinite(value) and value > 0):
         raise error(f"{DIST_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0.")
     return value
-
-
-_LEFT_KEY = "ipuloop/left_process_group"  # instances that destroyed their group
-
-# Each caller's last collective tensor, kept until the process group is destroyed. Before
-# torch 2.8, destroying a gloo group holds the GIL while it joins the group's worker threads,
-# and a worker that drops the last reference to a tensor Python has let go of needs the GIL
-# to free it: the two wait for each other (an instance failing right after a collective hung
-# in ``destroy_process_group``). A tensor kept here never has its last reference in a worker.
-_KEPT: dict[str, torch.Tensor] = {}
-GIL_HANDOVER_S = 0.05  # a worker still freeing some other collective's tensor takes the GIL
-
-
-def keep_until_left(key: str, tensor: torch.Tensor) -> None:
-    """Keep ``tensor``, the input of the collective that ``key`` names (replacing the one
-    kept before), until the process group is destroyed (``destroy_group``)."""
-    _KEPT[key] = tensor
-
-
-def destroy_group() -> None:
-    """``destroy_process_group()`` with no gloo worker left waiting for the GIL: first a
-    short sleep (the GIL free) for any worker finishing a collective whose tensors nobody
-    keeps (``all_gather_object``'s), then the destroy, then the kept tensors are let go."""
-    import torch.distributed as dist
-
-    time.sleep(GIL_HANDOVER_S)
-    try:
-        dist.destroy_process_group()
-    finally:
-        _KEPT.clear()
-
-
-def leave_process_group() -> None:
-    """At exit, destroy the default process group a module of ipuloop created. Left to the
-    interpreter's teardown, gloo can abort the process ("terminate called without an active
-    exception") when another instance has gone first; and torch 2.0's gloo can hang in
-    ``destroy_process_group`` on an instance whose peers have already exited. So gloo
-    instances first meet (10 s at most), then each destroys its group and leaves only once
-    every instance has destroyed its own (counted in the group's store, 10 s at most)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    store, size = None, dist.get_world_size()
-    if dist.get_backend() == "gloo":
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))
-            store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 (an instance has gone or hangs: leaving anyway)
-            store = None
-    try:
-        destroy_group()
-    except Exception:  # noqa: BLE001 (leaving anyway)
-        pass
-    if store is None:
-        return
-    try:
-        left = store.add(_LEFT_KEY, 1)
-        deadline = time.monotonic() + 10
-        while left < size and time.monotonic() < deadline:
-            time.sleep(0.01)
-            left = store.add(_LEFT_KEY, 0)
-    except Exception:  # noqa: BLE001 (the store's host has left: so may this instance)
-        pass
 
 
 # Where an instance leaves the run's first failure for a launcher that serves the group's store

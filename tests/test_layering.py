@@ -107,9 +107,12 @@ def forbidden(edges: dict[str, set[str]]) -> list[str]:
     for a, targets in edges.items():
         for b in sorted(targets):
             if a.startswith("ipuloop.emulator") and not (
-                b.startswith("ipuloop.emulator") or b == "ipuloop.rules"
+                b.startswith("ipuloop.emulator") or b in ("ipuloop.rules", "ipuloop.group_teardown")
             ):
-                bad.append(f"{a} -> {b} (the emulator imports nothing of ipuloop but rules)")
+                bad.append(
+                    f"{a} -> {b} (the emulator imports nothing of ipuloop but rules and "
+                    "group_teardown)"
+                )
             if a.startswith(("ipuloop.callbacks", "ipuloop.integrations")) and b in (
                 "ipuloop.loop",
                 "ipuloop.executors",
@@ -392,10 +395,18 @@ def kernel_statements() -> int:
     return total
 
 
+# How the kernel's size is stated: "<figure> statements" and the day it was counted, as
+# "4,120 statements (counted 2026-11-28" or "of 4,120 statements, counted 2026-11-28".
+STATED_SIZE = re.compile(r"([\d,]+)\s+statements,?\s+\(?counted\s+(\d{4}-\d{2}-\d{2})")
+
+
 def test_the_stated_kernel_size():
-    """Where ipuloop calls itself minimal, it gives its kernel's size: within 10% of it."""
+    """Where ipuloop calls itself minimal, it gives its kernel's size as counted on a day
+    (``kernel_statements``): the same figure and day everywhere, the figure within 10% of
+    today's count. To update it, put ``kernel_statements()`` and the day in all five places."""
     measured = kernel_statements()
     repo = ROOT.parent
+    stated_everywhere = set()
     for path in (
         "README.md",
         "docs/index.md",
@@ -405,10 +416,10 @@ def test_the_stated_kernel_size():
     ):
         text = (repo / path).read_text()
         assert "minimal" in text, path
-        (stated,) = {
-            int(n.replace(",", "")) for n in re.findall(r"about ([\d,]+) statements", text)
-        }
-        assert abs(stated - measured) <= 0.1 * measured, (path, stated, measured)
+        (stated,) = {(int(n.replace(",", "")), day) for n, day in STATED_SIZE.findall(text)}
+        stated_everywhere.add(stated)
+        assert abs(stated[0] - measured) <= 0.1 * measured, (path, stated, measured)
+    assert len(stated_everywhere) == 1, stated_everywhere
 
 
 # -- a batch's way -------------------------------------------------------------------------------

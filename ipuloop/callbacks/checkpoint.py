@@ -495,7 +495,45 @@ class ModelCheckpoint(Callback):
             always=True,
         )
 
-    # -- saving --------------------------------------------------------------------------------
+    # -- naming --------------------------------------------------------------------------------
+    def _name(self, st: State, *, always: bool, exception: BaseException | None) -> str:
+        """The folder name: ``filename`` formatted, ``-exception`` after an exception save's.
+        ``always``: without the logs that are missing or belong to an earlier step's weights
+        (a warning names them), rather than fail."""
+        suffix = "-exception" if exception else ""
+        values = {**st.logs, **st.counters()}
+        fields = _fields(self.filename)
+        gone = {f for f in fields if f not in values or (always and not self._fresh(f, st.step))}
+        if not gone:
+            return self._plain(self.filename.format(**values) + suffix)
+        if not always:
+            missing = sorted(f for f in gone if f not in values)[0]
+            raise ValueError(
+                f"ModelCheckpoint(filename={self.filename!r}): no log "
+                f"{missing!r} at epoch {st.epoch}, step {st.step}. Available logs: "
+                f"{sorted(st.logs)}."
+            )
+        name = _without(self.filename, gone).format(**values)
+        kind = "exception" if exception is not None else "preemption"
+        warnings.warn(
+            f"ModelCheckpoint: filename={self.filename!r} names "
+            f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
+            f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
+            f"{'it' if len(gone) == 1 else 'them'}, as {name + suffix!r}.",
+            stacklevel=2,
+        )
+        return self._plain(name + suffix)
+
+    def _plain(self, name: str) -> str:
+        """``name``, checked to be a plain folder name inside ``dirpath``."""
+        if not cio.plain_name(name):
+            raise ValueError(
+                f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
+                f"plain folder name inside {self.dirpath}."
+            )
+        return name
+
+    # -- retention -----------------------------------------------------------------------------
     def _fresh(self, log: str, step: int) -> bool:
         """Whether the log ``log`` was computed from the weights of ``step``: an epoch log
         at the step where it was written, any other log (a step log) always."""
@@ -526,7 +564,7 @@ class ModelCheckpoint(Callback):
                     "the last, never among the best). Save at epoch ends "
                     "(every_n_epochs) to rank by a validation log, or every_n_steps "
                     "a multiple of fit(val_every_n_steps=).",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             return math.nan
         return monitored(st, monitor, "ModelCheckpoint")
@@ -543,32 +581,99 @@ class ModelCheckpoint(Callback):
         keep = {e["name"] for e in ranked[: self.save_top_k]}
         return keep | {newest} if self.save_last else keep
 
-    def _name(self, st: State, *, always: bool, exception: BaseException | None) -> str:
-        """The folder name. ``always``: without the logs that are missing or belong to an
-        earlier step's weights (a warning names them), rather than fail."""
-        values = {**st.logs, **st.counters()}
-        fields = _fields(self.filename)
-        gone = {f for f in fields if f not in values or (always and not self._fresh(f, st.step))}
-        if not gone:
-            return self.filename.format(**values)
-        if not always:
-            missing = sorted(f for f in gone if f not in values)[0]
-            raise ValueError(
-                f"ModelCheckpoint(filename={self.filename!r}): no log "
-                f"{missing!r} at epoch {st.epoch}, step {st.step}. Available logs: "
-                f"{sorted(st.logs)}."
-            )
-        name = _without(self.filename, gone).format(**values)
-        kind = "exception" if exception is not None else "preemption"
-        warnings.warn(
-            f"ModelCheckpoint: filename={self.filename!r} names "
-            f"{', '.join(sorted(gone))}, not logged for the weights of epoch "
-            f"{st.epoch}, step {st.step}: the {kind} checkpoint is saved without "
-            f"{'it' if len(gone) == 1 else 'them'}, as "
-            f"{name + ('-exception' if exception is not None else '')!r}.",
-            stacklevel=2,
-        )
-        return name
+    def _retain(
+        self, loop: LoopView, name: str, *, at_step: bool, always: bool, apart: bool
+    ) -> dict[str, Any] | None:
+        """The save's entry (its name, step and score) with ``kept`` set to the checkpoints
+        that stay beside it, or None (``kept`` as it was) when the save itself would not stay.
+        Regular saves rotate; exception saves (``apart``) sit apart, unranked."""
+        step = loop.state.step
+        entry: dict[str, Any] = {"name": name, "step": step, "score": None}
+        if apart:
+            return entry
+        entry["score"] = self._score(loop, at_step=at_step, always=always)
+        # one checkpoint per step: this save replaces one at the same step (same weights)
+        entries = [e for e in self.kept if e["name"] != name and e["step"] != step] + [entry]
+        keep = self._keep(entries, name)
+        if name not in keep:
+            return None  # neither among the best k nor kept as the last
+        self.kept = [e for e in entries if e["name"] in keep]
+        return entry
+
+    def _rotate(self, old: list[dict[str, Any]], folder: Path) -> None:
+        """After ``folder``'s commit, delete the checkpoints of ``old`` no longer kept; the
+        resumed-from one, and one that cannot be deleted, wait for the fit's end."""
+        kept = {e["name"] for e in self.kept}
+        for e in old:
+            if e["name"] in kept:
+                continue
+            if e["name"] == self.resumed_from:
+                self._deferred.append(e["name"])
+                continue
+            try:
+                cio.remove(self.dirpath / e["name"])
+            except OSError as err:  # the new checkpoint is committed: keep training
+                self._deferred.append(e["name"])  # retried at fit end, recorded in saves
+                warnings.warn(
+                    f"ModelCheckpoint: could not rotate out "
+                    f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
+                    "Retrying when the fit ends (or at a resume).",
+                    stacklevel=3,
+                )
+
+    # -- writing -------------------------------------------------------------------------------
+    def _write(
+        self,
+        loop: LoopView,
+        folder: Path,
+        entry: dict[str, Any],
+        old: list[dict[str, Any]],
+        *,
+        exception: BaseException | None,
+        tainted: bool,
+    ) -> bool:
+        """Write and commit the checkpoint ``entry`` names in ``folder`` (instance 0; the
+        others only take the state); whether this instance wrote it. On a failure, ``kept``
+        goes back to ``old`` and no partial checkpoint stays behind."""
+        st = loop.state
+        name = entry["name"]
+        kept = {e["name"] for e in self.kept}
+        self._saving = name  # both recorded in the checkpoint's own state
+        self._rotating = self._deferred + [e["name"] for e in old if e["name"] not in kept]
+        touched = False
+        try:
+            buf = _bytes.BytesIO()
+            sd = loop.state_dict()  # fires on_save_checkpoint; reads the device's weights
+            torch.save(sd, buf)
+            best = self.best_path
+            if self.load_best_at_end and not exception and best is not None and best.name == name:
+                best_weights: tuple | None = (name, sd["model"])  # for the fit's end (a copy)
+            else:
+                best_weights = None
+            if st.instance == 0:  # several processes: instance 0 writes
+                touched = True  # from here on, the folder holds no committed checkpoint
+                cio.write_checkpoint(
+                    folder,
+                    buf.getvalue(),
+                    {
+                        **st.counters(),
+                        "tainted": tainted,
+                        "exception": type(exception).__name__ if exception else None,
+                        "monitor": self.monitor,
+                        "score": entry["score"],
+                    },
+                )
+        except BaseException:
+            self.kept = old
+            if touched:  # no partial checkpoint stays behind (the old ones are untouched)
+                cio.remove(folder)
+            raise
+        finally:
+            self._saving = None
+            self._rotating = []
+        self._last = tuple(st.counters().values())
+        self._best_weights = best_weights or self._best_weights
+        return touched
 
     def save(
         self,
@@ -579,22 +684,17 @@ class ModelCheckpoint(Callback):
         at_step: bool = False,
         always: bool = False,
     ) -> Path | None:
-        """Write, commit, then rotate; returns the folder, or None when it is not kept.
+        """Name, retain, write and commit, then rotate; returns the folder, or None when it is
+        not kept.
 
         ``at_step``: a save between epoch ends, where the monitored log may not exist yet or
         belong to earlier weights (then the save is unranked). ``always`` (SIGTERM and
         exception saves): never fail for the filename's logs (see ``filename``).
         """
         st = loop.state
-        if exception is not None and loop.state.instance != 0:
+        if exception is not None and st.instance != 0:
             return None  # several processes: instance 0 saves what it has, alone
         name = self._name(st, always=always, exception=exception)
-        name += "-exception" if exception else ""
-        if not cio.plain_name(name):
-            raise ValueError(
-                f"ModelCheckpoint: filename={self.filename!r} gives {name!r}, not a "
-                f"plain folder name inside {self.dirpath}."
-            )
         if name == self.resumed_from:
             warnings.warn(
                 f"Not overwriting {self.dirpath / name}: this fit resumed from it.", stacklevel=2
@@ -610,75 +710,13 @@ class ModelCheckpoint(Callback):
         if not self._cleaned:  # a save before any fit: a killed process's leftovers go first
             self._clean_up()
         old = self.kept
-        entry = {"name": name, "step": st.step, "score": None}
-        if exception is None:  # regular saves rotate; exception saves sit apart
-            entry["score"] = self._score(loop, at_step=at_step, always=always)
-            # one checkpoint per step: this save replaces one at the same step (same weights)
-            entries = [e for e in old if e["name"] != name and e["step"] != st.step] + [entry]
-            keep = self._keep(entries, name)
-            if name not in keep:
-                return None  # neither among the best k nor kept as the last
-            self.kept = [e for e in entries if e["name"] in keep]
-        kept = {e["name"] for e in self.kept}
-        self._saving = name
-        self._rotating = self._deferred + [e["name"] for e in old if e["name"] not in kept]
-        touched = False
-        try:
-            buf = _bytes.BytesIO()
-            sd = loop.state_dict()  # fires on_save_checkpoint; reads the device's weights
-            torch.save(sd, buf)
-            data = buf.getvalue()
-            best = self.best_path
-            if (
-                self.load_best_at_end
-                and exception is None
-                and best is not None
-                and best.name == name
-            ):  # for the fit's end (sd holds a copy already)
-                best_weights: tuple | None = (name, sd["model"])
-            else:
-                best_weights = None
-            if loop.state.instance != 0:  # several processes: instance 0 writes
-                self._last = tuple(st.counters().values())
-                self._best_weights = best_weights or self._best_weights
-                return folder
-            touched = True  # from here on, the folder holds no committed checkpoint
-            cio.write_checkpoint(
-                folder,
-                data,
-                {
-                    **st.counters(),
-                    "tainted": tainted,
-                    "exception": type(exception).__name__ if exception else None,
-                    "monitor": self.monitor,
-                    "score": entry["score"],
-                },
-            )
-        except BaseException:
-            self.kept = old
-            if touched:  # no partial checkpoint stays behind (the old ones are untouched)
-                cio.remove(folder)
-            raise
-        finally:
-            self._saving = None
-            self._rotating = []
-        self._last = tuple(st.counters().values())
-        self._best_weights = best_weights or self._best_weights
-        for e in old:  # rotate only after the commit
-            if e["name"] not in kept:
-                if e["name"] == self.resumed_from:
-                    self._deferred.append(e["name"])
-                    continue
-                try:
-                    cio.remove(self.dirpath / e["name"])
-                except OSError as err:  # the new checkpoint is committed: keep training
-                    self._deferred.append(e["name"])  # retried at fit end, recorded in saves
-                    warnings.warn(
-                        f"ModelCheckpoint: could not rotate out "
-                        f"{self.dirpath / e['name']} ({err}); {folder} is committed. "
-                        "Retrying when the fit ends (or at a resume).",
-                        stacklevel=2,
-                    )
+        entry = self._retain(
+            loop, name, at_step=at_step, always=always, apart=exception is not None
+        )
+        if entry is None:
+            return None
+        if self._write(loop, folder, entry, old, exception=exception, tainted=tainted):
+            self._rotate(old, folder)
         return folder
 
     # -- finding -------------------------------------------------------------------------------

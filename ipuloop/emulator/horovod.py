@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .. import rules
+from .. import group_teardown
 from . import popdist
 from .device import distributed
 
@@ -207,7 +207,7 @@ def allreduce(
             dist.all_reduce(t, op=reduce_op)
         except Exception as e:
             raise _failed("allreduce", e) from e
-        rules.keep_until_left("ipuloop.emulator.horovod", t)  # (rules: why)
+        group_teardown.keep_until_left("ipuloop.emulator.horovod", t)  # (why: there)
         if op == Average:
             t = t / dist.get_world_size()
     if postscale_factor != 1.0:
@@ -261,7 +261,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, **_
             dist.broadcast(t, src=root_rank)
         except Exception as e:
             raise _failed("broadcast", e) from e
-        rules.keep_until_left("ipuloop.emulator.horovod", t)
+        group_teardown.keep_until_left("ipuloop.emulator.horovod", t)
     return t.to(device=tensor.device, dtype=tensor.dtype)
 
 

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from ... import rules
+from ... import group_teardown, rules
 from .. import _logging
 from .. import optim as _optim
 from ..enums import CommGroupType, MeanReductionStrategy, OutputMode, ReductionType
@@ -187,7 +187,7 @@ def _create(dist: Any, pid: int, n: int, device: torch.device) -> None:
             f"({backend} at {addr}:{port}): an instance died or was never started. "
             f"{TIMEOUT_ENV} sets the timeout. Cause: {type(e).__name__}: {e}"
         ) from e
-    atexit.register(rules.leave_process_group)
+    atexit.register(group_teardown.leave_process_group)
 
 
 def join_group(pid: int, n: int) -> Any:
@@ -323,7 +323,7 @@ class GradientReducer:
         pieces.append(torch.tensor(present, dtype=wire, device=params[0].device))
         flat = torch.cat(pieces)
         sent = flat.cpu() if self._via_host else flat
-        rules.keep_until_left(f"ipuloop.emulator.gradients.{wire}", sent)  # (rules: why)
+        group_teardown.keep_until_left(f"ipuloop.emulator.gradients.{wire}", sent)  # (why: there)
         try:
             self._dist.all_reduce(sent)
         except Exception as e:
