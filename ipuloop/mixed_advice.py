@@ -2,7 +2,7 @@
 
 One micro-batch runs on the host as the device gets it (float inputs float16, weights float32).
 Each op computes as PopTorch computes it under the emulator's own rule for float16 and float32
-operands in one op (``ipuloop.emulator.device.precision.MixedFloat``, read from there, not restated),
+operands in one op (``emulator.device.precision.MixedFloat``, read from there, not restated),
 while ``MixedDtypes`` records the dtype each op gives. When most matmuls and convolutions
 compute in float32, ``check_mixed`` warns, naming the float32 tensor that promoted the
 activations, and how to keep them in float16.
