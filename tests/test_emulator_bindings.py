@@ -149,6 +149,11 @@ PROGRAM = textwrap.dedent("""
         import poptorch_geometric
     except ModuleNotFoundError as e:
         out["poptorch_geometric"] = [e.name, str(e)]
+    from examples_utils import load_lib
+    try:
+        load_lib("custom_ops/remap_tensor_ce.cpp")
+    except poptorch.Error as e:
+        out["examples_utils"] = str(e)
     print(json.dumps(out))
 """)
 
@@ -228,15 +233,21 @@ def test_under_emulate_poptorch_geometric_is_refused_saying_why(under_emulate):
     assert message.startswith("poptorch_geometric is not emulated: PopTorch Geometric ships")
 
 
+def test_under_emulate_examples_utils_refuses_a_custom_op_saying_what_to_run(under_emulate):
+    message = under_emulate["examples_utils"]
+    assert message.startswith("examples_utils.load_lib('remap_tensor_ce.cpp'): C++ custom ops")
+    assert "--custom-ops False" in message
+
+
 def test_under_emulate_an_installed_popdist_and_horovod_are_imported_not_the_stand_ins(tmp_path):
     site = tmp_path / "site"
-    for name in ("popdist", "horovod", "poptorch_geometric"):
+    for name in ("popdist", "horovod", "poptorch_geometric", "examples_utils"):
         (site / name).mkdir(parents=True)
         (site / name / "__init__.py").write_text(f"REAL = {name!r}\n")
     (site / "horovod" / "torch.py").write_text("REAL = 'horovod.torch'\n")
     (tmp_path / "prog.py").write_text(
-        "import popdist, horovod.torch as hvd, poptorch_geometric as pg\n"
-        "print(popdist.REAL, hvd.REAL, pg.REAL)\n"
+        "import popdist, horovod.torch as hvd, poptorch_geometric as pg, examples_utils as eu\n"
+        "print(popdist.REAL, hvd.REAL, pg.REAL, eu.REAL)\n"
     )
     p = subprocess.run(
         [sys.executable, "-m", "ipuloop.emulate", "prog.py"],
@@ -247,7 +258,7 @@ def test_under_emulate_an_installed_popdist_and_horovod_are_imported_not_the_sta
         timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["popdist", "horovod.torch", "poptorch_geometric"]
+    assert p.stdout.split() == ["popdist", "horovod.torch", "poptorch_geometric", "examples_utils"]
 
 
 def test_without_emulate_no_poptorch_distribution_is_seen():

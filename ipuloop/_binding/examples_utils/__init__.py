@@ -1,0 +1,16 @@
+"""``import examples_utils`` under ``python -m ipuloop.emulate``: Graphcore's examples-utils where
+it is installed elsewhere on the module path, else the emulator's ``load_lib``, which refuses to
+build a C++ custom op and says what to run instead."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+if importlib.util.find_spec("ipuloop") is None:  # e.g. a subprocess in another folder
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+
+from ipuloop.emulate import stand_in  # (the path above first)
+
+stand_in("examples_utils", "ipuloop.emulator.examples_utils")
