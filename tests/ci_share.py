@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
-SHARE = os.environ.get("IPULOOP_CI_SHARE")
-SIDE = os.environ.get("IPULOOP_CI_SIDE", "")
+# Read once and taken out of the environment: a pytest a test starts in a subprocess runs what
+# it is given, all of it
+SHARE = os.environ.pop("IPULOOP_CI_SHARE", None)
+SIDE = os.environ.pop("IPULOOP_CI_SIDE", "")
 BELONGS = {
     "sdk": (
         "test_emulator_",
