@@ -12,7 +12,9 @@ cost. Outside CI (no ``IPULOOP_CI_SHARE``) nothing changes.
 Which files belong to one environment (``IPULOOP_CI_SIDE``):
 - ``sdk`` (Python 3.8, torch 2.0.1, as PopTorch 3.4 pins): the emulator's own tests, which
   mirror PopTorch on the torch it runs on; the ecosystem programs, the model garden and
-  benchmarks/overhead.py, which need that environment's packages;
+  benchmarks/overhead.py, which need that environment's packages; test_hardening.py, whose
+  stress repeats time signals against a child process's start, which this Python and torch
+  make in about half the time;
 - ``current`` (the current torch): benchmarks/gpu.py's tests.
 """
 
@@ -34,6 +36,7 @@ BELONGS = {
         "test_model_garden",
         "test_docs_lightning",
         "test_benchmarks",
+        "test_hardening",
     ),
     "current": ("test_gpu_bench",),
 }
