@@ -114,7 +114,13 @@ def test_steps_counted_equal_the_built_loader_s(kind, factors):
         )
         built = _outcome(
             lambda: (
-                build(poptorch, _loader(kind, n, b, drop_last, opts), opts, True, "loader").steps
+                build(
+                    poptorch,
+                    _loader(kind, n, b, drop_last, opts),
+                    opts,
+                    training=True,
+                    name="loader",
+                ).steps
             )
         )
         assert counted == built, (kind, factors, processes)
