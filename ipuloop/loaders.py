@@ -31,7 +31,7 @@ import copy
 import warnings
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import (
@@ -47,7 +47,7 @@ from .outputs import map_tensors
 from .poptorch_types import DataLoader as PopTorchLoader
 from .poptorch_types import Options
 from .random_state import rng_state
-from .read_ahead import Prefetch, Prefetched, picklable, prefetch_of
+from .read_ahead import Prefetch, Prefetched, picklable
 from .rules import describe_factors, host_call_factor, input_groups
 
 __all__ = [
@@ -578,8 +578,6 @@ class Kind:
     dataset: Any  # what the rebuilt loader reads (padded, an instance's slice)
     opts: Options  # the options the rebuilt loader carries
     args: dict[str, Any]  # its keyword arguments besides the options and the dataset
-    source: Any  # the loader whose read-ahead mode is kept (``prefetch_of``; None: none)
-    async_options: dict[str, Any] | None  # a torch loader read ahead (async_data)
 
     def steps(self) -> int | None:
         """Host calls per epoch: those its length makes (None: it has none)."""
@@ -588,12 +586,9 @@ class Kind:
         except TypeError:
             return None
 
-    def rebuilt(self, poptorch: ModuleType) -> tuple[PopTorchLoader, Prefetch | None]:
-        """The ``poptorch.DataLoader`` it is read through, and how that is read ahead."""
-        loader = poptorch.DataLoader(self.opts, self.dataset, **self.args)
-        if self.source is None:
-            return loader, None
-        return loader, prefetch_of(poptorch, self.source, self.name, self.async_options)
+    def rebuilt(self, poptorch: ModuleType) -> PopTorchLoader:
+        """The ``poptorch.DataLoader`` it is read through."""
+        return poptorch.DataLoader(self.opts, self.dataset, **self.args)
 
     def start(self, skip_steps: int, number: int | None) -> None:
         """Before an epoch is read, after ``skip_steps`` host calls; ``number``: a training
@@ -688,9 +683,7 @@ class Ordered(Kind):
     ) -> None:
         with _one_draw(loader.generator) as own:
             reading.reader = (
-                iter(loader)
-                if prefetch is None
-                else Prefetched(prefetch, loader, self.args, own)
+                iter(loader) if prefetch is None else Prefetched(prefetch, loader, self.args, own)
             )
 
     def counted(self, batches: Iterator[Any]) -> Iterator[tuple[Any, int]]:
@@ -715,10 +708,10 @@ class Ordered(Kind):
         drawn["sampler"] = self.order.generator_state()
         return drawn
 
-    def shared(self, opts: Options, source: DataLoader) -> Ordered:
+    def shared(self, opts: Options) -> Ordered:
         """This instance's share (``opts``: its options, ``Distributed``'s process id and
         count) of the whole run's order, which this kind reads in one process with every
-        instance's replicas, read ahead as ``source`` is."""
+        instance's replicas."""
         rank, size, iterations = self._layout(opts)
         share = input_groups(opts) * self.micro  # (its replicas' samples of an iteration)
         order = ProcessSampler(self.order.inner, rank, size, iterations, share)
@@ -728,7 +721,6 @@ class Ordered(Kind):
             opts=opts,
             args={**self.args, "sampler": order, "auto_distributed_partitioning": False},
             order=order,
-            source=source,
         )
 
     @staticmethod
@@ -771,7 +763,7 @@ class Batched(Ordered):
     def first_rows(self) -> int | None:
         return None
 
-    def shared(self, opts: Options, source: DataLoader) -> Ordered:
+    def shared(self, opts: Options) -> Ordered:
         rank, size, iterations = self._layout(opts)
         groups = input_groups(opts)
         order = ProcessBatchSampler(self.order.inner, rank, size, iterations, groups)
@@ -782,7 +774,6 @@ class Batched(Ordered):
             args={**self.args, "batch_sampler": order, "auto_distributed_partitioning": False},
             order=order,
             shape=OneShape(self.name, self.order.inner, self.shape.batch_size, iterations * groups),
-            source=source,
         )
 
 
@@ -799,7 +790,7 @@ def pick(loader: DataLoader, f: Factors) -> Kind:
             if f.opts.Distributed.processId != 0:
                 warnings.simplefilter("ignore")
             return _share(loader, f)
-    return _alone(loader, f, source=loader)
+    return _alone(loader, f)
 
 
 def fit_iterations(poptorch: ModuleType, loader: DataLoader, train: Options, opts: Options) -> None:
@@ -892,13 +883,10 @@ def _check_samples(samples: int, micro: int, f: Factors) -> None:
         )
 
 
-def _alone(
-    loader: DataLoader, f: Factors, *, source: DataLoader | None, samples: int | None = None
-) -> Kind:
+def _alone(loader: DataLoader, f: Factors, samples: int | None = None) -> Kind:
     """``loader`` checked against ``f.opts`` and measured as one process reads it (``_share``
-    shares a loader out between several: ``f.instances``); ``source``: the loader whose
-    read-ahead mode the plan keeps (``prefetch_of``; None: none); ``samples``: the samples of
-    the order that count (validation's slice; None: all)."""
+    shares a loader out between several: ``f.instances``); ``samples``: the samples of the
+    order that count (validation's slice; None: all)."""
     _check_loader(loader, f.name)
     custom = _custom_batches(f.poptorch, loader)
     micro = _micro_batch(loader, f, custom)
@@ -917,8 +905,6 @@ def _alone(
         "samples": length if samples is None else samples,
         "dataset": dataset,
         "opts": f.opts if f.loader_opts is None else f.loader_opts,
-        "source": source,
-        "async_options": f.async_options,
     }
     kind = _kind(loader, f, custom, args, measured)
     if length is not None and kind.steps() == 0:
@@ -1008,18 +994,18 @@ def _share(loader: DataLoader, f: Factors) -> Kind:
     alone.Distributed.disable()
     mine = replace(f, opts=alone, loader_opts=f.opts)  # checked alone, read as this instance
     if not isinstance(loader, torch.utils.data.DataLoader):  # the usual error
-        return _alone(loader, mine, source=None)
+        return _alone(loader, mine)
     view, micro = _dataset_of(loader, f)
     if isinstance(view.dataset, IterableDataset) or not f.partition:
         # a stream has no order to share out: each instance reads its own (shard it in
         # __iter__, e.g. by ipuloop.processes.process_index()); predict reads everything
-        return _alone(view, mine, source=loader)
+        return _alone(view, mine)
     if f.training:
-        return _global_share(view, f, alone, source=loader)
-    return _slice(view, micro, mine, source=loader)
+        return _global_share(view, f, alone)
+    return _slice(view, micro, mine)
 
 
-def _global_share(view: DataLoader, f: Factors, alone: Options, *, source: DataLoader) -> Kind:
+def _global_share(view: DataLoader, f: Factors, alone: Options) -> Kind:
     """A training order shared out: this instance's replicas' micro-batches of each host call
     of the whole run, read as one process with every instance's replicas reads them."""
     opts = f.opts
@@ -1028,17 +1014,17 @@ def _global_share(view: DataLoader, f: Factors, alone: Options, *, source: DataL
     every = alone.clone()
     every.replicationFactor(opts.replication_factor * size)
     try:  # an instance's share of a global host call: as many of them as the whole run's
-        whole = _alone(view, replace(f, opts=every, instances=size), source=None)
+        whole = _alone(view, replace(f, opts=every, instances=size))
     except ValueError as e:
         raise ValueError(
             f"{e} (replicationFactor {opts.replication_factor * size}: "
             f"{opts.replication_factor} replica(s) on each of {size} instances)"
         ) from None
     assert isinstance(whole, Ordered)  # (a map-style dataset's, read in an order)
-    return whole.shared(opts, source)
+    return whole.shared(opts)
 
 
-def _slice(view: DataLoader, micro: int, mine: Factors, *, source: DataLoader) -> Kind:
+def _slice(view: DataLoader, micro: int, mine: Factors) -> Kind:
     """Validation under several processes: a contiguous slice of the samples each, padded to
     the same number of host calls."""
     opts = mine.loader_opts
@@ -1063,7 +1049,7 @@ def _slice(view: DataLoader, micro: int, mine: Factors, *, source: DataLoader) -
         num_workers=view.num_workers,
     )
     sliced = replace(mine, pad=False, sequential=True)
-    return _alone(padded, sliced, source=source, samples=cuts[rank + 1] - cuts[rank])
+    return _alone(padded, sliced, samples=cuts[rank + 1] - cuts[rank])
 
 
 def order_of(loader: DataLoader) -> Sampler:

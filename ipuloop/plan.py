@@ -39,7 +39,7 @@ from .poptorch_types import DataLoader as PopTorchLoader
 from .poptorch_types import Options
 from .processes import configured
 from .random_state import Draw, set_rng_state
-from .read_ahead import Prefetch
+from .read_ahead import Prefetch, prefetch_of
 from .rules import describe_factors
 
 __all__ = ["Plan", "build", "build_inference", "no_host_call", "num_updates"]
@@ -201,14 +201,15 @@ def build_inference(
 
 
 def _built(loader: DataLoader, f: Factors) -> Plan:
-    """The plan of ``loader``'s kind (``loaders.pick``), rebuilt as a ``poptorch.DataLoader``."""
+    """The plan of ``loader``'s kind (``loaders.pick``), rebuilt as a ``poptorch.DataLoader``
+    and read ahead as ``loader`` is (``read_ahead.prefetch_of``)."""
     kind = pick(loader, f)
-    rebuilt, prefetch = kind.rebuilt(f.poptorch)
+    rebuilt = kind.rebuilt(f.poptorch)
     return Plan(
         loader=rebuilt,
         kind=kind,
         layout=Layout.of(kind.opts, training=f.training),
-        prefetch=prefetch,
+        prefetch=prefetch_of(f.poptorch, loader, f.name, f.async_options),  # as read alone
     )
 
 
