@@ -1,23 +1,27 @@
-"""What a plan is built from: resumable samplers, padding, host-call iterators, reading ahead.
+"""What a plan is built from: the kinds of loader, resumable samplers, padding, host calls.
 
-Every loader given to the loop is rebuilt (``plan.build``) as a ``poptorch.DataLoader`` over
-the same dataset, micro-batch size, sampler (or shuffle and generator), workers and collate
-function, with the loop's options. Its sampler (or custom batch sampler) is wrapped so that
-each epoch's order is drawn at one defined moment (``set_epoch``), from random state the
-checkpoint records, and so that a resumed epoch starts after the samples already seen without
-reading them (an ``IterableDataset``, which has no order to skip into, is read up to there). A
-sampler with ``set_epoch`` is told each training epoch's number before the epoch draws its
-order, as a DDP loop does; a ``DistributedSampler`` stands for its whole dataset
-(``whole_order``). Under several processes, each instance reads its share of one global order
-(``ProcessSampler``).
+One object per kind of loader (``Kind``), picked once (``pick``): a stream read for training
+(``Streamed``) or cut into padded host calls (``CutStream``), a map-style dataset read in an
+order (``Ordered``), a custom batch sampler's batches (``Batched``). It checks the loader against
+the options and measures it, and answers the host calls of an epoch (``steps``: what
+``num_updates`` counts, building nothing), the ``poptorch.DataLoader`` it is rebuilt as
+(``rebuilt``), an epoch's start (``start``) and reading (``read``, ``counted``), and its order's
+generator state.
+
+Every loader given to the loop is rebuilt as a ``poptorch.DataLoader`` over the same dataset,
+micro-batch size, sampler (or shuffle and generator), workers and collate function, with the
+loop's options. Its sampler (or custom batch sampler) is wrapped so that each epoch's order is
+drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
+that a resumed epoch starts after the samples already seen without reading them (an
+``IterableDataset``, which has no order to skip into, is read up to there). A sampler with
+``set_epoch`` is told each training epoch's number before the epoch draws its order, as a DDP
+loop does; a ``DistributedSampler`` stands for its whole dataset (``whole_order``). Under several
+processes, each instance reads its share of one global order (``ProcessSampler``).
 
 Validation and predict count every sample: a map-style dataset is padded to whole host calls
 with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
 loader yields it, its workers' batches cut into host calls and the last one padded as it ends.
-A ``poptorch.DataLoader``'s mode (``Async``, ``AsyncRebatched``) and its ``async_options`` are
-kept, and a torch ``DataLoader`` is read in ``Async`` mode when the loop is asked to
-(``Loop(async_data=...)``): each epoch reads through a prefetching loader of its own, built
-once the epoch's order is drawn (``Prefetch``).
+Reading ahead (``DataLoaderMode.Async``, ``Loop(async_data=...)``) is ``read_ahead.py``'s.
 
 A custom batch sampler gives each micro-batch of a host call (``[DI, GA, RF/g]``, each replica
 its own) one of its batches, in order; every batch must have the shapes of the first, as a

@@ -305,17 +305,17 @@ class Loop:
         )
         self._processes.check_agreement(
             FitSettings(
-                self.train_opts,
-                plan.micro,
-                plan.samples,
-                plan.steps,
-                None if val_plan is None else _val_steps(val_plan),
-                st.val_every_n_steps,
-                epochs,
-                max_steps,
-                self.optimizer,
-                self.model_with_loss,
-                st.step,
+                opts=self.train_opts,
+                micro=plan.micro,
+                samples=plan.samples,
+                steps=plan.steps,
+                val_steps=None if val_plan is None else _val_steps(val_plan),
+                val_every_n_steps=st.val_every_n_steps,
+                epochs=epochs,
+                max_steps=max_steps,
+                optimizer=self.optimizer,
+                model=self.model_with_loss,
+                step=st.step,
             )
         )
         if self.executors.train is None:  # the modes the training model is traced in
@@ -404,7 +404,7 @@ class Loop:
         st.history.append({"epoch": st.epoch, **st.logs})
         self._hooks.event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing to skip
 
-    def _validate_in_fit(self, val_plan: ValPlans, in_step: bool = False) -> None:
+    def _validate_in_fit(self, val_plan: ValPlans, *, in_step: bool = False) -> None:
         """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
         try:
             with self._resume.validation(in_step):  # (a checkpoint in it resumes before it)
@@ -512,7 +512,7 @@ class Loop:
         return model
 
     # -- validation and predict -----------------------------------------------------------------
-    def _inference_plan(self, loader: DataLoader, name: str, partition: bool = True) -> Plan:
+    def _inference_plan(self, loader: DataLoader, name: str, *, partition: bool = True) -> Plan:
         return build_inference(
             self.poptorch,
             loader,
@@ -523,11 +523,11 @@ class Loop:
             async_options=self._async,
         )
 
-    def _val_plans(self, loader: object, arg: str, partition: bool = True) -> ValPlans:
+    def _val_plans(self, loader: object, arg: str, *, partition: bool = True) -> ValPlans:
         """The plans of ``loader``'s validation sets (``loop_options.val_sets``: one loader,
         a list or a dict of them), each built as one validation loader is."""
         return tuple(
-            (suffix, self._inference_plan(one, name or "val_loader", partition))
+            (suffix, self._inference_plan(one, name or "val_loader", partition=partition))
             for suffix, name, one in val_sets(loader, arg)
         )
 
@@ -583,7 +583,7 @@ class Loop:
         return self._set_metrics[suffix]
 
     def _run_validation(
-        self, plans: ValPlans, processes: Processes, in_fit: bool
+        self, plans: ValPlans, processes: Processes, *, in_fit: bool
     ) -> dict[str, float]:
         """A validation over ``plans`` (each validation set in turn), its numbers summed over
         ``processes`` (the fit's, or this instance alone: ``validate()``)."""
@@ -718,13 +718,13 @@ class Loop:
 
     def _checkpointed(self) -> Checkpointed:
         return Checkpointed(
-            self.model,
-            self.optimizer,
-            self.state,
-            self._epoch,
-            self.callbacks,
-            self.train_model,
-            self.model_with_loss,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=self.state,
+            epoch=self._epoch,
+            callbacks=self.callbacks,
+            executor=self.train_model,
+            model_with_loss=self.model_with_loss,
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:

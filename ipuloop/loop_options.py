@@ -139,14 +139,14 @@ def resolve(
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
     return Resolved(
-        model,
-        returns,
-        metrics,
-        train,
-        inference,
-        precision,
-        None if precision == "32" else torch.float16,
-        optimizer,
+        model=model,
+        returns=returns,
+        metrics=metrics,
+        train=train,
+        inference=inference,
+        precision=precision,
+        input_dtype=None if precision == "32" else torch.float16,
+        optimizer=optimizer,
     )
 
 

@@ -171,13 +171,18 @@ def prefetch_of(
         rebatched = getattr(accessor, "rebatched_size", None)
         worker = loader.batch_size if rebatched and loader.batch_size != rebatched else None
         prefetch = Prefetch(
-            poptorch.DataLoader,
-            modes.AsyncRebatched if rebatched else modes.Async,
-            _async_options(accessor, name),
-            worker,
+            factory=poptorch.DataLoader,
+            mode=modes.AsyncRebatched if rebatched else modes.Async,
+            options=_async_options(accessor, name),
+            worker_size=worker,
         )
     elif async_options is not None and isinstance(loader, DataLoader):
-        prefetch = Prefetch(poptorch.DataLoader, modes.Async, dict(async_options), None)
+        prefetch = Prefetch(
+            factory=poptorch.DataLoader,
+            mode=modes.Async,
+            options=dict(async_options),
+            worker_size=None,
+        )
     else:
         return None
     if loader.num_workers == 0:
