@@ -34,6 +34,7 @@ import contextlib
 import copy
 import warnings
 from dataclasses import dataclass, replace
+from functools import cached_property
 from types import ModuleType
 from typing import Any, Iterator
 
@@ -530,9 +531,9 @@ class Factors:
     inference: bool = False
     fitted_to: Options | None = None
 
-    @property
+    @cached_property
     def factor(self) -> int:
-        """Micro-batches in one host call."""
+        """Micro-batches in one host call (asked once)."""
         return host_call_factor(self.opts, training=self.training)
 
 
