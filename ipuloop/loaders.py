@@ -1,23 +1,27 @@
-"""What a plan is built from: resumable samplers, padding, host-call iterators, reading ahead.
+"""What a plan is built from: the kinds of loader, resumable samplers, padding, host calls.
 
-Every loader given to the loop is rebuilt (``plan.build``) as a ``poptorch.DataLoader`` over
-the same dataset, micro-batch size, sampler (or shuffle and generator), workers and collate
-function, with the loop's options. Its sampler (or custom batch sampler) is wrapped so that
-each epoch's order is drawn at one defined moment (``set_epoch``), from random state the
-checkpoint records, and so that a resumed epoch starts after the samples already seen without
-reading them (an ``IterableDataset``, which has no order to skip into, is read up to there). A
-sampler with ``set_epoch`` is told each training epoch's number before the epoch draws its
-order, as a DDP loop does; a ``DistributedSampler`` stands for its whole dataset
-(``whole_order``). Under several processes, each instance reads its share of one global order
-(``ProcessSampler``).
+One object per kind of loader (``Kind``), picked once (``pick``): a stream read for training
+(``Streamed``) or cut into padded host calls (``CutStream``), a map-style dataset read in an
+order (``Ordered``), a custom batch sampler's batches (``Batched``). It checks the loader against
+the options and measures it, and answers the host calls of an epoch (``steps``: what
+``num_updates`` counts, building nothing), the ``poptorch.DataLoader`` it is rebuilt as
+(``rebuilt``), an epoch's start (``start``) and reading (``read``, ``counted``), and its order's
+generator state.
+
+Every loader given to the loop is rebuilt as a ``poptorch.DataLoader`` over the same dataset,
+micro-batch size, sampler (or shuffle and generator), workers and collate function, with the
+loop's options. Its sampler (or custom batch sampler) is wrapped so that each epoch's order is
+drawn at one defined moment (``set_epoch``), from random state the checkpoint records, and so
+that a resumed epoch starts after the samples already seen without reading them (an
+``IterableDataset``, which has no order to skip into, is read up to there). A sampler with
+``set_epoch`` is told each training epoch's number before the epoch draws its order, as a DDP
+loop does; a ``DistributedSampler`` stands for its whole dataset (``whole_order``). Under several
+processes, each instance reads its share of one global order (``ProcessSampler``).
 
 Validation and predict count every sample: a map-style dataset is padded to whole host calls
 with copies of its last sample, and a stream (``IterableDataset``) is read in the order its
 loader yields it, its workers' batches cut into host calls and the last one padded as it ends.
-A ``poptorch.DataLoader``'s mode (``Async``, ``AsyncRebatched``) and its ``async_options`` are
-kept, and a torch ``DataLoader`` is read in ``Async`` mode when the loop is asked to
-(``Loop(async_data=...)``): each epoch reads through a prefetching loader of its own, built
-once the epoch's order is drawn (``Prefetch``).
+Reading ahead (``DataLoaderMode.Async``, ``Loop(async_data=...)``) is ``read_ahead.py``'s.
 
 A custom batch sampler gives each micro-batch of a host call (``[DI, GA, RF/g]``, each replica
 its own) one of its batches, in order; every batch must have the shapes of the first, as a
@@ -28,10 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
-import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from types import ModuleType
 from typing import Any, Iterator
 
@@ -48,7 +51,9 @@ from torch.utils.data import (
 from .outputs import map_tensors
 from .poptorch_types import DataLoader as PopTorchLoader
 from .poptorch_types import Options
-from .rules import describe_factors, host_call_factor
+from .random_state import rng_state
+from .read_ahead import Prefetch, Prefetched, picklable
+from .rules import describe_factors, host_call_factor, input_groups
 
 __all__ = [
     "ResumableSampler",
@@ -59,16 +64,20 @@ __all__ = [
     "StreamCalls",
     "HostCalls",
     "OneShape",
-    "Prefetch",
-    "PicklableGenerator",
-    "Prefetched",
+    "Factors",
+    "Reading",
+    "Kind",
+    "Streamed",
+    "CutStream",
+    "Ordered",
+    "Batched",
+    "pick",
+    "fit_iterations",
     "built_micro_batch",
     "loader_kwargs",
     "whole_order",
     "tell_epoch",
     "check_last_batch",
-    "prefetch_of",
-    "async_settings",
     "kill_workers",
     "close",
 ]
@@ -86,7 +95,7 @@ _KEEP = (
 
 
 def built_micro_batch(
-    loader: PopTorchLoader, opts: Options, training: bool, name: str, where: str = ""
+    loader: PopTorchLoader, opts: Options, *, training: bool, name: str, where: str = ""
 ) -> int | None:
     """The micro-batch size a ``poptorch.DataLoader`` was built for (None if it has no batch
     size); a ``ValueError`` when its host call is not the one the loop runs with ``opts``
@@ -456,224 +465,6 @@ class HostCalls:
         return getattr(self.batches, name)
 
 
-_ASYNC_DEFAULTS = {"buffer_size": 3, "miss_sleep_time_in_ms": 0.1, "early_preload": False}
-
-
-def _async_options(accessor: object, name: str) -> dict[str, Any]:
-    """The settings an ``AsynchronousDataAccessor`` was built with (``async_options``)."""
-    worker = getattr(getattr(accessor, "_worker", None), "_process", None)
-    if worker is not None:  # PopTorch: its worker process object holds them
-        out = {
-            "buffer_size": worker._buffer_size,
-            "miss_sleep_time_in_ms": worker._miss_sleep_time_in_ms,
-            "early_preload": worker._early_preload,
-            "sharing_strategy": worker._sharing_strategy,
-        }
-    else:  # the emulator's accessor keeps them; PopTorch's drops them when terminated
-        out = dict(getattr(accessor, "_settings", None) or {})
-        if not out:
-            warnings.warn(
-                f"{name}: the settings of its AsynchronousDataAccessor cannot be read "
-                "(terminated?), so the loop's loader prefetches with PopTorch's "
-                f"defaults {_ASYNC_DEFAULTS}. Pass a loader that was not terminated "
-                "to keep them.",
-                stacklevel=4,
-            )
-    out.pop("load_indefinitely", None)  # each epoch has its own accessor: see Prefetch
-    return out
-
-
-_ASYNC_KEYS = ("buffer_size", "miss_sleep_time_in_ms", "early_preload", "sharing_strategy")
-
-
-def async_settings(value: object) -> dict[str, Any] | None:
-    """``Loop(async_data=...)`` as the ``async_options`` a torch loader is read with in
-    ``DataLoaderMode.Async``: None (False: read synchronously), ``{}`` (True: PopTorch's
-    defaults) or the dict given, whose keys are ``AsynchronousDataAccessor``'s."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return {}
-    if not isinstance(value, dict):
-        raise TypeError(
-            f"async_data must be a bool or a dict of async_options. Received: async_data={value!r}."
-        )
-    bad = [k for k in value if k not in _ASYNC_KEYS]
-    if bad:
-        raise ValueError(
-            f"async_data has key(s) {bad}: the async_options the loop passes on "
-            f"are {list(_ASYNC_KEYS)} (each epoch has an accessor of its own, so "
-            "load_indefinitely is not one of them). Received: "
-            f"async_data={value!r}."
-        )
-    return dict(value)
-
-
-def _generator(device: str, state: bytes) -> PicklableGenerator:
-    generator = PicklableGenerator(device)
-    generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
-    return generator
-
-
-class PicklableGenerator(torch.Generator):
-    """A ``torch.Generator`` that pickles as its device and state. A prefetching loader is
-    pickled to PopTorch's worker process (started by spawn or a fork server), with the
-    generator its workers' seeds are drawn from; torch before 2.1 cannot pickle a
-    ``torch.Generator`` (a ``TypeError``). The copy draws what the original would."""
-
-    def __reduce__(self) -> tuple:
-        return _generator, (str(self.device), bytes(self.get_state().tolist()))
-
-
-def picklable(generator: torch.Generator) -> PicklableGenerator:
-    """A ``PicklableGenerator`` in ``generator``'s state."""
-    out = PicklableGenerator(generator.device)
-    out.set_state(generator.get_state())
-    return out
-
-
-@dataclass(frozen=True)
-class Prefetch:
-    """A ``DataLoaderMode.Async`` or ``AsyncRebatched`` mode, its ``async_options`` and
-    ``rebatched_worker_size``: a ``poptorch.DataLoader``'s own, kept by the loader the loop
-    builds, or ``Async`` for a torch ``DataLoader`` under ``Loop(async_data=...)``.
-
-    Each epoch reads through a loader of its own in that mode, built once the epoch's order is
-    drawn and stopped when the epoch ends: an accessor started earlier would read its first
-    batches (and, loading indefinitely, the next epoch's) in an order drawn before the one the
-    checkpoint records. So ``load_indefinitely`` is False; the other options are the user's.
-    """
-
-    factory: Any  # poptorch.DataLoader
-    mode: Any  # poptorch.DataLoaderMode
-    options: dict  # async_options
-    worker_size: int | None  # rebatched_worker_size; None: the combined batch size
-
-    def loader(self, plan: Any, generator: torch.Generator) -> Any:
-        """``plan``'s loader in this mode, reading with ``generator`` (in the state the
-        synchronous loader's would be in: its workers get the seeds they would get there)."""
-        src = plan.loader
-        kwargs = loader_kwargs(src)
-        kwargs["generator"] = picklable(generator)  # (the loader is pickled to its worker)
-        if plan.batches is not None:
-            kwargs["batch_sampler"] = plan.batches
-        elif plan.sampler is not None:
-            kwargs["sampler"] = plan.sampler
-        return self.factory(
-            src.options,
-            src.dataset,
-            batch_size=1 if plan.batches is not None else plan.micro,
-            drop_last=True,
-            auto_distributed_partitioning=False,
-            mode=self.mode,
-            async_options={**self.options, "load_indefinitely": False},
-            rebatched_worker_size=self.worker_size,
-            **kwargs,
-        )
-
-
-def prefetch_of(
-    poptorch: ModuleType, loader: DataLoader, name: str, async_options: dict[str, Any] | None = None
-) -> Prefetch | None:
-    """How ``loader`` is read ahead: a ``poptorch.DataLoader`` in its own Async mode (None for
-    Sync); a torch one in ``Async`` mode with ``async_options`` (None: synchronously).
-
-    PopTorch keeps no record of the mode but the accessor it builds for it (its
-    ``rebatched_size`` set for ``AsyncRebatched``, which ``Async`` with ``drop_last=False``
-    becomes); the loader's torch batch size is then the workers' (``rebatched_worker_size``).
-    """
-    modes = poptorch.DataLoaderMode
-    if isinstance(loader, poptorch.DataLoader):
-        accessor = loader.__dict__.get("_accessor")
-        if accessor is None:
-            return None
-        rebatched = getattr(accessor, "rebatched_size", None)
-        worker = loader.batch_size if rebatched and loader.batch_size != rebatched else None
-        prefetch = Prefetch(
-            poptorch.DataLoader,
-            modes.AsyncRebatched if rebatched else modes.Async,
-            _async_options(accessor, name),
-            worker,
-        )
-    elif async_options is not None and isinstance(loader, DataLoader):
-        prefetch = Prefetch(poptorch.DataLoader, modes.Async, dict(async_options), None)
-    else:
-        return None
-    if loader.num_workers == 0:
-        _check_no_draws(loader.dataset, name)
-    return prefetch
-
-
-def _generators() -> tuple:
-    """This process's global random states: torch's, python's, numpy's (when imported)."""
-    np = sys.modules.get("numpy")
-    numpy_state = None
-    if np is not None:
-        _, keys, pos, has_gauss, cached = np.random.get_state()
-        numpy_state = (keys.tobytes(), pos, has_gauss, cached)
-    return torch.get_rng_state(), random.getstate(), numpy_state
-
-
-def _check_no_draws(dataset: Any, name: str) -> None:
-    """A prefetching loader without workers reads the dataset outside the loop's process: in
-    the accessor's worker process, in PopTorch and the emulator alike, started by the
-    ``SharingStrategy``'s start method (forkserver by default) with a copy of the program's
-    random states. A dataset drawing random numbers there would draw them from other
-    generators, in another order than a synchronous read, and no run or resume could be exact.
-    Its first sample is read here, and one that draws is refused."""
-    if isinstance(dataset, IterableDataset):
-        return  # a stream cannot be read without consuming it: documented instead
-    try:
-        if len(dataset) == 0:
-            return
-    except TypeError:
-        return
-    before = _generators()
-    dataset[0]
-    after = _generators()
-    if torch.equal(before[0], after[0]) and before[1:] == after[1:]:
-        return
-    raise ValueError(
-        f"{name} is read ahead (Loop(async_data=...), or its DataLoaderMode.Async) with "
-        f"num_workers=0, and reading a sample of its {type(dataset).__name__} draws random "
-        "numbers from this process's generators (torch, random or numpy). Read ahead, they "
-        "would be drawn outside the loop's order, so neither the run nor a resume could be "
-        "exact. Give the loader num_workers >= 1 (each worker's generator is seeded from the "
-        "loop's random state, as when reading synchronously), or read it synchronously "
-        "(async_data=False, or DataLoaderMode.Sync)."
-    )
-
-
-class Prefetched:
-    """One epoch read through its own prefetching loader, stopped when the epoch ends; with a
-    custom batch sampler, each host call its loader joined is checked (``OneShape``)."""
-
-    def __init__(
-        self, loader: PopTorchLoader, shape: OneShape | None = None, start: int = 0
-    ) -> None:
-        self.loader = loader
-        self.shape = shape
-        self.index = start
-        self.batches = iter(loader)
-
-    def __iter__(self) -> Prefetched:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            batch = next(self.batches)
-        except StopIteration:
-            self.terminate()
-            raise
-        if self.shape is not None:
-            self.shape.check(batch, self.index, "host call")
-            self.index += 1
-        return batch
-
-    def terminate(self) -> None:
-        self.loader.terminate()
-
-
 def check_last_batch(batch_sampler: object, count: int, name: str) -> None:
     """A ``BatchSampler(drop_last=False)`` whose short last batch a host call would read (its
     batches make whole host calls of ``count``) is refused before any step."""
@@ -711,3 +502,562 @@ def close(batches: object) -> None:
     shutdown = getattr(batches, "_shutdown_workers", None) or getattr(batches, "terminate", None)
     if shutdown is not None:
         shutdown()
+
+
+# -- the kinds of loader: how one is measured, rebuilt, started and read ------------------------
+@dataclass(frozen=True)
+class Factors:
+    """What a plan is built from besides the loader, made once per build and read by each
+    of its steps (one that needs another value makes a copy: ``dataclasses.replace``).
+
+    ``opts``: the options the checks and the host call read (``host_call_factor``: DI, RF/g,
+    GA); ``loader_opts``: those the rebuilt loader carries when they differ (several
+    processes: the instance's, ``opts`` being its options alone, and the loader reads every
+    sample it is given: ``auto_distributed_partitioning=False``); ``instances``: the processes
+    a training order is read for (``whole_order``). A validation or predict (``inference``)
+    refuses an empty loader; ``fitted_to``: the training options whose DI*GA its device
+    iterations are fitted from (``fit_iterations``), when it has no options of its own."""
+
+    poptorch: ModuleType
+    opts: Options
+    training: bool
+    name: str
+    pad: bool = False  # every sample in order, the last host call padded (validation, predict)
+    sequential: bool = False  # in order, not padded (validation's slices)
+    partition: bool = True  # several processes share the samples out (False: each reads all)
+    instances: int = 1
+    async_options: dict[str, Any] | None = None  # a torch loader read ahead (async_data)
+    loader_opts: Any = None  # None: ``opts``
+    inference: bool = False
+    fitted_to: Options | None = None
+
+    @cached_property
+    def factor(self) -> int:
+        """Micro-batches in one host call (asked once)."""
+        return host_call_factor(self.opts, training=self.training)
+
+
+@dataclass
+class Reading:
+    """What a plan's running epoch leaves behind (the one part of a plan that changes)."""
+
+    reader: Any = None  # the iterator of the epoch last started (stopped when a call ends)
+    drawn_from: dict[str, Any] | None = None  # the random state its last training epoch drew
+    # its order from (the host's, with the loader generator's under "sampler")
+
+
+@contextlib.contextmanager
+def _one_draw(generator: torch.Generator | None) -> Iterator[torch.Tensor]:
+    """Around starting an epoch's iterator: the state of the loader's ``generator`` (the
+    host's when it has none) to start it from; after it, the random state is as one draw from
+    that generator left it.
+
+    A new torch iterator draws its workers' base seed from the RNG; a persistent-workers
+    loader reuses its iterator from the second epoch on and draws nothing. Drawn exactly once
+    either way, a run resumed in a new process consumes the RNG as the original."""
+    host = torch.get_rng_state()
+    own = generator.get_state() if generator is not None else host
+    yield own
+    torch.set_rng_state(host)
+    if generator is not None:
+        generator.set_state(own)
+    torch.empty((), dtype=torch.int64).random_(generator=generator)  # the same draw iter() makes
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A loader as one process reads it, measured and checked (``pick``): a stream, read in the
+    order its loader yields it (``Streamed``; cut into padded host calls by validation and
+    predict: ``CutStream``), a map-style dataset read in an order drawn each epoch
+    (``Ordered``), or a custom batch sampler's batches (``Batched``).
+
+    Each answers the host calls of an epoch (``steps``), the ``poptorch.DataLoader`` it is read
+    through (``rebuilt``: its ``opts``, ``dataset`` and keyword ``args``), an epoch's start
+    (``start``: the epoch's number, the steps skipped), its reading (``read``, ``counted``) and
+    its order's generator state."""
+
+    name: str
+    micro: int  # micro-batch size B
+    combined: int  # samples per host call
+    samples: int | None  # dataset length, when known (one instance's share in validation)
+    dataset: Any  # what the rebuilt loader reads (padded, an instance's slice)
+    opts: Options  # the options the rebuilt loader carries
+    args: dict[str, Any]  # its keyword arguments besides the options and the dataset
+
+    def steps(self) -> int | None:
+        """Host calls per epoch: those its length makes (None: it has none)."""
+        try:
+            return len(self.dataset) // self.combined
+        except TypeError:
+            return None
+
+    def rebuilt(self, poptorch: ModuleType) -> PopTorchLoader:
+        """The ``poptorch.DataLoader`` it is read through."""
+        return poptorch.DataLoader(self.opts, self.dataset, **self.args)
+
+    def start(self, skip_steps: int, number: int | None) -> None:
+        """Before an epoch is read, after ``skip_steps`` host calls; ``number``: a training
+        epoch's, for a sampler with ``set_epoch``."""
+
+    def read(
+        self, reading: Reading, loader: PopTorchLoader, prefetch: Prefetch | None, skip_steps: int
+    ) -> None:
+        """The epoch's host batches from ``loader`` (``prefetch``: read ahead, through a loader
+        of its own), after ``skip_steps`` of them, as ``reading.reader``."""
+        it: Any
+        with _one_draw(loader.generator) as own:
+            it = iter(loader) if prefetch is None else Prefetched(prefetch, loader, self.args, own)
+        for _ in range(skip_steps):  # a stream: nothing to skip into, read it
+            next(it, None)
+        reading.reader = it
+
+    def counted(self, batches: Iterator[Any]) -> Iterator[tuple[Any, int]]:
+        """``batches``, each with how many of its rows are samples (the rest is padding)."""
+        for batch in batches:
+            yield batch, self.combined
+
+    def first_rows(self) -> int | None:
+        """The samples of the first micro-batch (the host probe's), None when the dataset
+        cannot be indexed."""
+        return None
+
+    def generator_state(self) -> torch.Tensor | None:
+        """The state of its order's own generator, if it draws with one."""
+        return None
+
+    def set_generator_state(self, state: torch.Tensor | None) -> None:
+        """Its order's generator set to ``state`` (None: as it is)."""
+
+    def drawn_from(self) -> dict[str, Any]:
+        """The random state an epoch's order is drawn from now."""
+        return rng_state()
+
+
+@dataclass(frozen=True)
+class Streamed(Kind):
+    """An ``IterableDataset`` read for training: its host calls as its loader yields them, a
+    resumed epoch read up to where it stopped."""
+
+
+@dataclass(frozen=True)
+class CutStream(Kind):
+    """An ``IterableDataset`` read by validation or predict: every sample, in the order its
+    own loader yields it (``stream``: its batches, ``drop_last=False``), cut into host calls
+    and the last one padded (``StreamCalls``)."""
+
+    stream: DataLoader
+
+    def read(
+        self, reading: Reading, loader: PopTorchLoader, prefetch: Prefetch | None, skip_steps: int
+    ) -> None:
+        with _one_draw(self.stream.generator):
+            batches = iter(self.stream)
+        reading.reader = StreamCalls(batches, self.combined)  # read from its start
+
+    def counted(self, batches: Iterator[Any]) -> Iterator[tuple[Any, int]]:
+        calls: Any = batches  # (a ``StreamCalls``: ``real``, the samples of the call it gave)
+        for batch in calls:
+            yield batch, calls.real
+
+
+@dataclass(frozen=True)
+class Ordered(Kind):
+    """A map-style dataset read in ``order`` (a ``ResumableSampler``, or an instance's share
+    of one: ``ProcessSampler``), drawn as each epoch starts and skipped into."""
+
+    order: ResumableSampler
+
+    @property
+    def per_call(self) -> int:
+        """The order's items in one host call (samples)."""
+        return self.combined
+
+    def steps(self) -> int | None:
+        try:  # (the order's whole epoch: its len is the order drawn, less a resume's skip)
+            return self.order.items() // self.per_call
+        except TypeError:
+            return None
+
+    def start(self, skip_steps: int, number: int | None) -> None:
+        if number is not None:
+            tell_epoch(self.order, number)
+        self.order.set_epoch(skip_steps * self.per_call)
+
+    def read(
+        self, reading: Reading, loader: PopTorchLoader, prefetch: Prefetch | None, skip_steps: int
+    ) -> None:
+        with _one_draw(loader.generator) as own:
+            reading.reader = (
+                iter(loader) if prefetch is None else Prefetched(prefetch, loader, self.args, own)
+            )
+
+    def counted(self, batches: Iterator[Any]) -> Iterator[tuple[Any, int]]:
+        left = self.samples or None  # (validation's, padded: the rest of the last call)
+        for batch in batches:
+            real = self.combined if left is None else min(self.combined, left)
+            if left is not None:
+                left -= real
+            yield batch, real
+
+    def first_rows(self) -> int | None:
+        return None if self.samples is None else min(self.micro, self.samples)
+
+    def generator_state(self) -> torch.Tensor | None:
+        return self.order.generator_state()
+
+    def set_generator_state(self, state: torch.Tensor | None) -> None:
+        self.order.set_generator_state(state)
+
+    def drawn_from(self) -> dict[str, Any]:
+        drawn = rng_state()
+        drawn["sampler"] = self.order.generator_state()
+        return drawn
+
+    def shared(self, opts: Options) -> Ordered:
+        """This instance's share (``opts``: its options, ``Distributed``'s process id and
+        count) of the whole run's order, which this kind reads in one process with every
+        instance's replicas."""
+        rank, size, iterations = self._layout(opts)
+        share = input_groups(opts) * self.micro  # (its replicas' samples of an iteration)
+        order = ProcessSampler(self.order.inner, rank, size, iterations, share)
+        return replace(
+            self,
+            combined=self.micro * host_call_factor(opts, training=True),
+            opts=opts,
+            args={**self.args, "sampler": order, "auto_distributed_partitioning": False},
+            order=order,
+        )
+
+    @staticmethod
+    def _layout(opts: Options) -> tuple[int, int, int]:
+        """This instance's rank, the instances, and the iterations (DI*GA) of a host call."""
+        iterations = opts.device_iterations * opts.Training.gradient_accumulation
+        return opts.Distributed.processId, opts.Distributed.numProcesses, iterations
+
+
+@dataclass(frozen=True)
+class Batched(Ordered):
+    """A custom batch sampler's batches (``order``: a ``ResumableBatchSampler``, or an
+    instance's share: ``ProcessBatchSampler``): each micro-batch of a host call is one batch,
+    read as torch's loader yields them and joined (``HostCalls``); every batch has the shapes
+    of the first (``shape``)."""
+
+    shape: OneShape
+
+    @property
+    def per_call(self) -> int:
+        return self.combined // self.micro
+
+    def read(
+        self, reading: Reading, loader: PopTorchLoader, prefetch: Prefetch | None, skip_steps: int
+    ) -> None:
+        skip = skip_steps * self.per_call
+        with _one_draw(loader.generator) as own:
+            if prefetch is not None:  # each host call its loader joined is checked
+                reading.reader = Prefetched(
+                    prefetch, loader, self.args, own, self.shape, skip_steps
+                )
+            else:  # torch's iterator of micro-batches, joined here
+                batches = DataLoader.__iter__(loader)  # type: ignore[arg-type]
+                reading.reader = HostCalls(batches, self.per_call, self.shape, skip)
+
+    def counted(self, batches: Iterator[Any]) -> Iterator[tuple[Any, int]]:
+        for batch in batches:
+            yield batch, self.combined
+
+    def first_rows(self) -> int | None:
+        return None
+
+    def shared(self, opts: Options) -> Ordered:
+        rank, size, iterations = self._layout(opts)
+        groups = input_groups(opts)
+        order = ProcessBatchSampler(self.order.inner, rank, size, iterations, groups)
+        return replace(
+            self,
+            combined=self.micro * host_call_factor(opts, training=True),
+            opts=opts,
+            args={**self.args, "batch_sampler": order, "auto_distributed_partitioning": False},
+            order=order,
+            shape=OneShape(self.name, self.order.inner, self.shape.batch_size, iterations * groups),
+        )
+
+
+def pick(loader: DataLoader, f: Factors) -> Kind:
+    """The kind of ``loader`` as this process reads it with ``f`` (alone, or its share of
+    several processes': ``opts.Distributed.numProcesses`` > 1), measured and checked against
+    the options; a validation or predict's device iterations fitted first (``f.fitted_to``)."""
+    if f.inference:
+        if f.fitted_to is not None:
+            fit_iterations(f.poptorch, loader, f.fitted_to, f.opts)
+        _check_not_empty(loader, f.name)
+    if f.opts.Distributed.numProcesses > 1:
+        with warnings.catch_warnings():  # (dropped samples...: said on instance 0 only)
+            if f.opts.Distributed.processId != 0:
+                warnings.simplefilter("ignore")
+            return _share(loader, f)
+    return _alone(loader, f)
+
+
+def fit_iterations(poptorch: ModuleType, loader: DataLoader, train: Options, opts: Options) -> None:
+    """Set the device iterations a validation or predict over ``loader`` runs with ``opts``
+    (derived from the training options ``train``): from DI*GA down to half of it, the count
+    that pads the fewest samples (fewer only for a short loader); a ``poptorch.DataLoader``'s
+    own (and its replicas)."""
+    if isinstance(loader, poptorch.DataLoader):
+        lo = loader.options
+        opts.deviceIterations(lo.device_iterations)
+        opts.replicationFactor(lo.replication_factor)
+        return
+    di = target = train.device_iterations * train.Training.gradient_accumulation
+    per_iteration = (loader.batch_size or 1) * input_groups(train)
+    with contextlib.suppress(TypeError):
+        n = len(loader.dataset)  # type: ignore[arg-type]
+        if n < per_iteration * target:
+            di = max(1, n // per_iteration)
+        else:  # from DI*GA down to half of it: the count that pads the fewest samples
+            di = min(range(target, (target - 1) // 2, -1), key=lambda d: -n % (per_iteration * d))
+    opts.deviceIterations(di)
+
+
+def _check_not_empty(loader: DataLoader, name: str) -> None:
+    try:
+        empty = len(loader.dataset) == 0  # type: ignore[arg-type]
+    except TypeError:  # an IterableDataset: its length is unknown
+        empty = False
+    if empty:
+        raise ValueError(
+            f"{name} has 0 samples (the loader is empty): there is nothing "
+            "to run. Pass a loader over a dataset with at least one sample."
+        )
+
+
+def _check_loader(loader: object, name: str) -> None:
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise TypeError(
+            f"{name} must be a torch.utils.data.DataLoader or poptorch.DataLoader. "
+            f"Received: {name}={type(loader).__name__}."
+        )
+
+
+def _custom_batches(poptorch: ModuleType, loader: DataLoader) -> Sampler | None:
+    """The batch sampler the user chose (a subclass, or a plain BatchSampler passed as
+    batch_sampler=, which leaves batch_size None), rather than the one torch built; None."""
+    batch_sampler: Any = loader.batch_sampler  # (a sampler of lists of indices)
+    built = isinstance(loader, poptorch.DataLoader)
+    if batch_sampler is None or not (
+        type(batch_sampler) is not BatchSampler or (not built and loader.batch_size is None)
+    ):
+        return None
+    return getattr(batch_sampler, "batch_sampler", batch_sampler) if built else batch_sampler
+
+
+def _micro_batch(loader: DataLoader, f: Factors, custom: Sampler | None) -> int:
+    """The micro-batch size ``loader`` is read in (a custom batch sampler: its declared batch
+    size, which each micro-batch of a host call, each replica's too, is one batch of)."""
+    micro: Any
+    if isinstance(loader, f.poptorch.DataLoader):
+        micro = built_micro_batch(loader, f.opts, training=f.training, name=f.name)
+    else:
+        micro = loader.batch_size
+        if micro is None and custom is None:
+            raise ValueError(
+                f"{f.name} has batch_size=None: the loop needs micro-batches. "
+                "Pass the micro-batch size as batch_size."
+            )
+    if custom is not None:
+        micro = getattr(custom, "batch_size", None) or micro or 1
+        check_last_batch(custom, f.factor, f.name)
+    return micro
+
+
+def _check_samples(samples: int, micro: int, f: Factors) -> None:
+    """A training order of ``samples`` makes at least one host call; its remainder is dropped,
+    with a warning."""
+    combined = micro * f.factor
+    if samples < combined:
+        raise ValueError(
+            f"{f.name} has {samples} samples, fewer than one host call needs: "
+            f"{describe_factors(f.opts, micro, training=f.training)}. Lower the micro-batch "
+            "size, deviceIterations, gradientAccumulation or replicas, or use more data."
+        )
+    if samples % combined:
+        warnings.warn(
+            f"{f.name}: {samples % combined} of {samples} samples are dropped each "
+            f"epoch ({describe_factors(f.opts, micro, training=f.training)}).",
+            stacklevel=7,
+        )
+
+
+def _alone(loader: DataLoader, f: Factors, samples: int | None = None) -> Kind:
+    """``loader`` checked against ``f.opts`` and measured as one process reads it (``_share``
+    shares a loader out between several: ``f.instances``); ``samples``: the samples of the
+    order that count (validation's slice; None: all)."""
+    _check_loader(loader, f.name)
+    custom = _custom_batches(f.poptorch, loader)
+    micro = _micro_batch(loader, f, custom)
+    dataset: Any = loader.dataset  # (a dataset, a sampler, a batch size: as the loader holds)
+    length = None if isinstance(dataset, IterableDataset) else len(dataset)
+    if f.pad and length is not None:
+        combined = micro * f.factor
+        dataset = Padded(dataset, -(-length // combined) * combined)
+    args = {**loader_kwargs(loader), "batch_size": micro, "drop_last": True}
+    if f.loader_opts is not None:  # this instance's options: it reads what it is given
+        args["auto_distributed_partitioning"] = False
+    measured = {
+        "name": f.name,
+        "micro": micro,
+        "combined": micro * f.factor,
+        "samples": length if samples is None else samples,
+        "dataset": dataset,
+        "opts": f.opts if f.loader_opts is None else f.loader_opts,
+    }
+    kind = _kind(loader, f, custom, args, measured)
+    if length is not None and kind.steps() == 0:
+        raise ValueError(
+            f"{f.name} is empty: {length} samples make no host call of "
+            f"{describe_factors(f.opts, micro, training=f.training)}."
+        )
+    return kind
+
+
+def _kind(
+    loader: DataLoader,
+    f: Factors,
+    custom: Sampler | None,
+    args: dict[str, Any],
+    measured: dict[str, Any],
+) -> Kind:
+    """The kind ``_alone`` measured: its order wrapped to be drawn and skipped into."""
+    dataset = measured["dataset"]
+    if custom is not None:
+        args.pop("generator", None)
+        batches = ResumableBatchSampler(custom)
+        shape = OneShape(f.name, custom, getattr(custom, "batch_size", None), f.factor)
+        args.update(batch_sampler=batches, batch_size=1)
+        return Batched(**measured, args=args, order=batches, shape=shape)
+    if isinstance(dataset, IterableDataset):
+        if not f.pad:
+            return Streamed(**measured, args=args)
+        # the stream as its loader yields it: its batches, every sample
+        stream = DataLoader(
+            dataset, batch_size=loader.batch_size, drop_last=False, **loader_kwargs(loader)
+        )
+        return CutStream(**measured, args=args, stream=stream)
+    inner = (
+        torch.utils.data.SequentialSampler(dataset)
+        if f.sequential or f.pad
+        else whole_order(order_of(loader), f.instances, f.name)
+    )
+    args["sampler"] = order = ResumableSampler(inner)
+    if not f.pad:
+        _check_samples(len(dataset), measured["micro"], f)
+    return Ordered(**measured, args=args, order=order)
+
+
+def _dataset_of(loader: DataLoader, f: Factors) -> tuple:
+    """The whole dataset behind ``loader`` and its micro-batch size."""
+    dataset = loader.dataset
+    if isinstance(loader, f.poptorch.DataLoader):
+        micro = built_micro_batch(
+            loader, f.opts, training=f.training, name=f.name, where=" per instance"
+        )
+        dataset = getattr(dataset, "_dataset", dataset)  # PopTorch's per-process slice
+        shuffle = isinstance(loader.sampler, torch.utils.data.RandomSampler) or bool(
+            getattr(loader, "_shuffle_distributed", False)
+        )
+        if type(loader.batch_sampler) is not torch.utils.data.BatchSampler:  # a custom one
+            view = torch.utils.data.DataLoader(
+                dataset,
+                batch_sampler=loader.batch_sampler,
+                collate_fn=loader.collate_fn,
+                num_workers=loader.num_workers,
+            )
+            return view, micro
+        view = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=micro,
+            shuffle=shuffle,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+        )
+        return view, micro
+    return loader, loader.batch_size or getattr(loader.batch_sampler, "batch_size", None) or 1
+
+
+def _check_groups(opts: Options, name: str) -> None:
+    if opts.replication_factor % opts.input_group_size:
+        raise ValueError(
+            f"{name}: input replica groups of {opts.input_group_size} with "
+            f"{opts.replication_factor} replicas per instance cannot be shared out "
+            "between instances: use groups that divide the replicas of an instance."
+        )
+
+
+def _share(loader: DataLoader, f: Factors) -> Kind:
+    """``_alone`` for one of N instances (``f.opts.Distributed.numProcesses`` N)."""
+    alone = f.opts.clone()
+    alone.Distributed.disable()
+    mine = replace(f, opts=alone, loader_opts=f.opts)  # checked alone, read as this instance
+    if not isinstance(loader, torch.utils.data.DataLoader):  # the usual error
+        return _alone(loader, mine)
+    view, micro = _dataset_of(loader, f)
+    if isinstance(view.dataset, IterableDataset) or not f.partition:
+        # a stream has no order to share out: each instance reads its own (shard it in
+        # __iter__, e.g. by ipuloop.processes.process_index()); predict reads everything
+        return _alone(view, mine)
+    if f.training:
+        return _global_share(view, f, alone)
+    return _slice(view, micro, mine)
+
+
+def _global_share(view: DataLoader, f: Factors, alone: Options) -> Kind:
+    """A training order shared out: this instance's replicas' micro-batches of each host call
+    of the whole run, read as one process with every instance's replicas reads them."""
+    opts = f.opts
+    size = opts.Distributed.numProcesses
+    _check_groups(opts, f.name)
+    every = alone.clone()
+    every.replicationFactor(opts.replication_factor * size)
+    try:  # an instance's share of a global host call: as many of them as the whole run's
+        whole = _alone(view, replace(f, opts=every, instances=size))
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (replicationFactor {opts.replication_factor * size}: "
+            f"{opts.replication_factor} replica(s) on each of {size} instances)"
+        ) from None
+    assert isinstance(whole, Ordered)  # (a map-style dataset's, read in an order)
+    return whole.shared(opts)
+
+
+def _slice(view: DataLoader, micro: int, mine: Factors) -> Kind:
+    """Validation under several processes: a contiguous slice of the samples each, padded to
+    the same number of host calls."""
+    opts = mine.loader_opts
+    size = opts.Distributed.numProcesses
+    rank = opts.Distributed.processId
+    dataset: Any = view.dataset  # (sized: a map-style dataset)
+    n = len(dataset)
+    if n < size:
+        raise ValueError(
+            f"{mine.name} has {n} samples, fewer than the {size} instances: every "
+            "instance needs at least one."
+        )
+    cuts = [n * p // size for p in range(size + 1)]
+    combined = micro * host_call_factor(opts, training=mine.training)
+    longest = max(b - a for a, b in zip(cuts, cuts[1:]))
+    total = -(-longest // combined) * combined
+    part = torch.utils.data.Subset(dataset, range(cuts[rank], cuts[rank + 1]))
+    padded = torch.utils.data.DataLoader(
+        Padded(part, total),
+        batch_size=micro,
+        collate_fn=view.collate_fn,
+        num_workers=view.num_workers,
+    )
+    sliced = replace(mine, pad=False, sequential=True)
+    return _alone(padded, sliced, samples=cuts[rank + 1] - cuts[rank])
+
+
+def order_of(loader: DataLoader) -> Sampler:
+    """The sampler of ``loader``'s samples (torch types it an iterable)."""
+    sampler: Any = loader.sampler
+    return sampler

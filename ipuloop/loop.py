@@ -23,7 +23,6 @@ from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
 from .feed import Feed
-from .loaders import async_settings
 from .loop_options import check_fit_args, check_val_every, resolve, val_sets
 from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
@@ -31,6 +30,7 @@ from .plan import Plan, build, build_inference, no_host_call, num_updates
 from .poptorch_types import Executor
 from .probe import probe_plan
 from .processes import ALONE, FitSettings, Processes, join
+from .read_ahead import async_settings
 from .resume import Checkpointed, Resume, check_resumable
 from .signals import Preempted, handle_signals
 from .state import State

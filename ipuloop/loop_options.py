@@ -28,7 +28,6 @@ from .rules import (
     MAX_IPUS,
     SUM,
     check_return_period,
-    input_groups,
     ipu_count_error,
     reserved_ipus,
     uses_ipu_model,
@@ -448,13 +447,10 @@ def check_val_every(
     )
 
 
-def inference_options(
-    pt: ModuleType, train: Options, user: Options | None, loader: DataLoader
-) -> Options:
-    """Options for validating or predicting over ``loader``: a clone of ``user`` (the
-    ``inference_opts``), else of the training options without their training-only settings,
-    with the device-iteration count from DI*GA down to half of it that pads the fewest
-    samples (fewer only for a short loader)."""
+def inference_options(pt: ModuleType, train: Options, user: Options | None) -> Options:
+    """Options for validating or predicting: a clone of ``user`` (the ``inference_opts``),
+    else of the training options without their training-only settings (the loader it reads
+    fits their device iterations: ``loaders.fit_iterations``)."""
     if user is not None:
         opts = user.clone()
         if opts.Training.gradient_accumulation != 1:
@@ -478,18 +474,4 @@ def inference_options(
     opts.Training.setAutomaticLossScaling(False)
     opts.anchored_tensors.clear()
     opts.outputMode(pt.OutputMode.All)
-    if isinstance(loader, pt.DataLoader):
-        lo = loader.options
-        opts.deviceIterations(lo.device_iterations)
-        opts.replicationFactor(lo.replication_factor)
-        return opts
-    di = target = train.device_iterations * train.Training.gradient_accumulation
-    per_iteration = (loader.batch_size or 1) * input_groups(train)
-    with contextlib.suppress(TypeError):
-        n = len(loader.dataset)  # type: ignore[arg-type]
-        if n < per_iteration * target:
-            di = max(1, n // per_iteration)
-        else:  # from DI*GA down to half of it: the count that pads the fewest samples
-            di = min(range(target, (target - 1) // 2, -1), key=lambda d: -n % (per_iteration * d))
-    opts.deviceIterations(di)
     return opts

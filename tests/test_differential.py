@@ -43,7 +43,7 @@ The sample order: the loop rebuilds the loader with its sampler (here torch's
 ``RandomSampler`` over the loader's ``generator``, or ``SequentialSampler``) and draws each
 epoch's whole order once when the epoch starts (``loaders.ResumableSampler.set_epoch``), then
 makes the one draw of the loader's generator that a torch ``DataLoader`` iterator makes for its
-workers' base seed (``plan.Plan._iter``). The reference reads the same ``RandomSampler`` over a
+workers' base seed (``loaders._one_draw``). The reference reads the same ``RandomSampler`` over a
 generator seeded as the loader's, and makes that draw after it, each epoch (``epoch_orders``).
 So the reference is independent of the loop's code (it never reads the loop's order), and
 comparable. Note that a plain torch ``DataLoader`` makes the base-seed draw *before* the

@@ -374,7 +374,7 @@ def test_each_process_reads_its_replicas_share_of_every_host_call(shuffle):
         plan = _process_plan(rank, DataLoader(_Seen(32), batch_size=4, shuffle=shuffle), 2)
         assert plan.combined == 8 and plan.steps == 2
         torch.manual_seed(3)  # the same global order on both
-        reads.append([int(i) for i in iter(plan.sampler)])
+        reads.append([int(i) for i in iter(plan.kind.order)])
     torch.manual_seed(3)
     order = list(iter(torch.utils.data.RandomSampler(range(32)))) if shuffle else list(range(32))
     assert reads[0] == order[0:8] + order[16:24] and reads[1] == order[8:16] + order[24:32]
@@ -387,7 +387,7 @@ def test_a_sampler_over_the_whole_dataset_gives_the_global_order():
     for rank in (0, 1):
         sampler.generator.manual_seed(5)
         plan = _process_plan(rank, DataLoader(data(32), batch_size=4, sampler=sampler))
-        reads.append([int(i) for i in iter(plan.sampler)])
+        reads.append([int(i) for i in iter(plan.kind.order)])
     sampler.generator.manual_seed(5)
     order = [int(i) for i in sampler]
     assert reads[0] == [i for k in range(4) for i in order[8 * k : 8 * k + 4]]

@@ -491,7 +491,11 @@ def test_each_instance_reads_the_batches_its_replicas_read_in_one_process():
 
     def host_calls(opts, skip=0):
         plan = build_plan(
-            poptorch, DataLoader(ds, batch_sampler=Shuffled(100, b)), opts, True, "train_loader"
+            poptorch,
+            DataLoader(ds, batch_sampler=Shuffled(100, b)),
+            opts,
+            training=True,
+            name="train_loader",
         )
         return plan, [x for x, _ in plan.epoch(skip)]
 

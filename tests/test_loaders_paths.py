@@ -308,7 +308,7 @@ class FakePopTorchAccessor:
 
 
 def test_async_settings_are_read_from_poptorchs_accessor_layout():
-    from ipuloop.loaders import prefetch_of
+    from ipuloop.read_ahead import prefetch_of
 
     loader = poptorch.DataLoader(options(di=2), regression_data(), batch_size=3)
     assert prefetch_of(poptorch, loader, "loader") is None  # Sync

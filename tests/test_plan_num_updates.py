@@ -114,7 +114,13 @@ def test_steps_counted_equal_the_built_loader_s(kind, factors):
         )
         built = _outcome(
             lambda: (
-                build(poptorch, _loader(kind, n, b, drop_last, opts), opts, True, "loader").steps
+                build(
+                    poptorch,
+                    _loader(kind, n, b, drop_last, opts),
+                    opts,
+                    training=True,
+                    name="loader",
+                ).steps
             )
         )
         assert counted == built, (kind, factors, processes)
@@ -140,3 +146,22 @@ def test_num_updates_builds_no_loader(monkeypatch):
     ds = TensorDataset(torch.randn(40, 2), torch.zeros(40, dtype=torch.long))
     opts = poptorch.Options().deviceIterations(2)
     assert Loop.num_updates(DataLoader(ds, batch_size=4, shuffle=True), opts, 3) == 3 * 5 * 2
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "batch-sampler"])
+def test_a_several_process_plan_builds_one_loader(monkeypatch, kind):
+    """The whole run's order is measured, not built: an instance's plan builds one
+    ``poptorch.DataLoader``, its own, and counts the steps ``training_steps`` counts."""
+    built = []
+    init = poptorch.DataLoader.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    opts = _opts(1, 1, 2, 1, (1, 2))
+    steps = training_steps(poptorch, _loader(kind, 32, 4, True, opts), opts, "loader")
+    assert built == []
+    monkeypatch.setattr(poptorch.DataLoader, "__init__", counted)
+    plan = build(poptorch, _loader(kind, 32, 4, True, opts), opts, training=True, name="loader")
+    assert built == [plan.loader] and plan.steps == steps == 2
