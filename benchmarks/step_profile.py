@@ -94,12 +94,14 @@ def per_call_us(number: int, repeat: int) -> dict[str, float]:
     args, kwargs, _ = feed.split(batch, plan.name)
     result = model(*args, **kwargs)
     _, loss, _ = loop._returns.split(result)
-    step = epoch.step_loss(loss, layout, True)
+    step = epoch.step_loss(loss, layout, check_finite=True)
     parts: dict[str, Callable[[], Any]] = {
         "Executors.push_optimizer (unchanged optimizer)": executors.push_optimizer,
         "Feed.split (a tuple batch)": lambda: feed.split(batch, plan.name),
         "Returns.split ((output, loss))": lambda: loop._returns.split(result),
-        "TrainEpoch.step_loss (one instance)": lambda: epoch.step_loss(loss, layout, True),
+        "TrainEpoch.step_loss (one instance)": lambda: epoch.step_loss(
+            loss, layout, check_finite=True
+        ),
         "TrainEpoch.add": lambda: epoch.add(step),
         "Processes.at_boundary": lambda: loop._processes.at_boundary(st),
         "Executor.isCompiled": model.isCompiled,
