@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 pytestmark = (
     pytest.mark.slow
@@ -64,8 +64,10 @@ def test_overhead_tiny_run_writes_expected_keys(tmp_path):
         "--plot",
         "",
     ]
-    env = {**os.environ, "IPULOOP_BACKEND": "emulator"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    # the sweep's children get glibc's mmap threshold (read when a process starts) set unless it
+    # is; set here already, they can start warm (tests/warm.py)
+    env = {**os.environ, "IPULOOP_BACKEND": "emulator", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    proc = warm.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     res = json.loads(out.read_text())
@@ -144,7 +146,7 @@ def test_async_data_tiny_run_writes_its_json_and_table(tmp_path):
         str(readme),
     ]
     env = {**os.environ, "IPULOOP_BACKEND": "emulator", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    proc = warm.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())["results"]
     assert res["same_weights"] is True  # every variant trained on the same batches
@@ -162,7 +164,7 @@ def test_step_profile_tiny_run_names_the_loops_extra_calls(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py")]
     cmd += ["--steps", "20", "--number", "20", "--repeat", "1", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+    warm.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
     res = json.loads(out.read_text())
     extra = res["extra_calls_per_step"]
     # the step's own calls, one each per step; no optimizer comparison without hooks

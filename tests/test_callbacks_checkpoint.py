@@ -24,6 +24,7 @@ import helpers_train as H
 import pytest
 import torch
 from torch.utils.data import DataLoader
+import warm
 
 import ipuloop
 from ipuloop import Callback, NonFiniteLossError, backend_name
@@ -151,7 +152,7 @@ def resumed_elsewhere(tmp_path_factory):
                     }
                 )
     (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run(
+    proc = warm.run(
         [sys.executable, str(HELPER), "resume", str(root / "jobs.json")],
         capture_output=True,
         text=True,
@@ -317,7 +318,7 @@ def _kill_during_save(root: Path, seed: int) -> dict:
         "TORCHINDUCTOR_CACHE_DIR": str(root.parent / "torchinductor"),
     }
     with open(root / "stderr.txt", "w") as err:  # written by this process, not the child
-        child = subprocess.Popen(
+        child = warm.Popen(
             [sys.executable, str(HELPER), "kill", str(root / "cfg.json")],
             cwd=root / "cwd",
             env=env,

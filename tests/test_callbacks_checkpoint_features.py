@@ -3,7 +3,6 @@ best checkpoint (``best_path``, ``best_k``, ``load_best_at_end``)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import helpers_train as H
@@ -12,6 +11,7 @@ import torch
 from launch import clean_env, command
 from torch import nn
 from torch.utils.data import DataLoader
+import warm
 
 from ipuloop import Callback, Loop
 from ipuloop.callbacks.base import resume_path
@@ -262,7 +262,7 @@ def test_every_instance_loads_the_best_weights(tmp_path):
     """Two processes (torchrun): each instance ends the fit with the best checkpoint's
     weights (instance 0 wrote it; the others hold the weights they saved with it)."""
     (tmp_path / "script.py").write_text(SCRIPT)
-    proc = subprocess.run(
+    proc = warm.run(
         command(tmp_path / "script.py", str(tmp_path), processes=2),
         env=clean_env(IPULOOP_DIST_TIMEOUT="60", PYTHONWARNINGS="ignore"),
         capture_output=True,

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from launch import clean_env, free_port
+import warm
 
 import ipuloop.emulator as poptorch
 
@@ -205,7 +206,7 @@ def _torchrun(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedPr
         str(script),
         *args,
     ]
-    return subprocess.run(
+    return warm.run(
         cmd,
         cwd=tmp_path,
         env=clean_env(IPULOOP_DIST_TIMEOUT="60"),
@@ -247,7 +248,7 @@ def test_a_dead_instance_fails_the_others_within_the_timeout(tmp_path, mode):
     script.write_text(textwrap.dedent(DEAD))
     port = str(free_port())
     procs = [
-        subprocess.Popen(
+        warm.Popen(
             [sys.executable, str(script), mode],
             cwd=tmp_path,
             stdout=subprocess.PIPE,
@@ -392,7 +393,7 @@ def test_under_mpirun_s_environment_alone_the_instances_join_one_group(tmp_path)
         for name in POPRUN_ENV:
             env.pop(name, None)
         procs.append(
-            subprocess.Popen(
+            warm.Popen(
                 [sys.executable, str(script)],
                 env=env,
                 cwd=tmp_path,

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+import warm
 
 import ipuloop.emulator as poptorch
 
@@ -483,7 +484,7 @@ def test_ctrl_c_in_the_accessor_prints_nothing():
         except KeyboardInterrupt:
             print("[control] interrupted", flush=True)
     """)
-    proc = subprocess.Popen(
+    proc = warm.Popen(
         [sys.executable, "-u", "-c", code],
         env=dict(os.environ, PYTHONPATH=ROOT),
         stdout=subprocess.PIPE,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 from ipuloop import emulator as poptorch
 
@@ -114,7 +115,7 @@ def test_emulate_presents_a_system_of_16_ipus_settable_with_ipus(tmp_path):
         "four": ["--ipus=4", "-m", "prog", "b", "--x"],  # a module, as python -m runs it
     }
     procs = {
-        name: subprocess.Popen(
+        name: warm.Popen(
             [sys.executable, "-m", "ipuloop.emulate", *args],
             cwd=str(tmp_path),
             env=env,

@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import warm
 
 import ipuloop.emulator as poptorch
 
@@ -44,7 +45,7 @@ def run_program(tmp_path: Path, body: str) -> str:
     script.write_text(PRELUDE + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
-        done = subprocess.run(
+        done = warm.run(
             [sys.executable, str(script)],
             env=env,
             cwd=tmp_path,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warm
 
 pytestmark = pytest.mark.slow  # every example in a subprocess, about a minute
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def runs(tmp_path_factory) -> dict[str, Run]:
             str(_mnist_copy(tmp / "packaged")),
         ]
     procs = {
-        name: subprocess.Popen(
+        name: warm.Popen(
             [sys.executable, *args],
             env=env,
             cwd=str(tmp),

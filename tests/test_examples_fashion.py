@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 pytestmark = pytest.mark.slow  # the example programs in subprocesses
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def run(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
         HTTP_PROXY=DEAD_PROXY,
         HTTPS_PROXY=DEAD_PROXY,
     )
-    return subprocess.run(
+    return warm.run(
         [sys.executable, *args], env=env, cwd=str(tmp), capture_output=True, text=True, timeout=300
     )
 

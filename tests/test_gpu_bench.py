@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm
 
 pytestmark = pytest.mark.slow  # subprocesses that train: about a minute in all
 
@@ -32,7 +32,7 @@ def _env() -> dict:
 def _run(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--preset", "tiny", "--out", str(out)]
-    proc = subprocess.run(
+    proc = warm.run(
         [*cmd, *args], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
@@ -88,7 +88,7 @@ def test_gpu_benchmark_tiny_run_writes_json_and_table(tmp_path):
     # --from-json writes the same table again from the results alone
     readme.write_text("<!-- gpu-cpu:begin -->\n<!-- gpu-cpu:end -->\n")
     cmd = [sys.executable, str(SCRIPT), "--from-json", str(tmp_path / "gpu.json")]
-    proc = subprocess.run(
+    proc = warm.run(
         [*cmd, "--readme", str(readme)],
         capture_output=True,
         text=True,
@@ -134,7 +134,7 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
         "GPU_CHECK_OUT": str(out),
         "GPU_CHECK_ARGS": "--workloads bert --dtypes float32 --repeats 1 --readme none",
     }
-    proc = subprocess.run(
+    proc = warm.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
         capture_output=True,
         text=True,

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_callbacks_checkpoint import EPOCHS, assert_same, reference
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+import warm
 
 from ipuloop import Callback, Loop, poptorch
 from ipuloop import checkpoint_io as ck
@@ -131,9 +132,10 @@ def snapshot(dirpath: Path) -> dict[str, bytes]:
 # -- child processes ------------------------------------------------------------------------------
 # Starts a program with SIGINT ignored, as `nohup` or `cmd &` in a script do: a child must set
 # the SIGINT disposition it relies on, whatever it inherits.
-IGNORING_SIGINT = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+IGNORING_SIGINT = (  # then runs the script as python would, SIGINT still ignored
+    "import os, runpy, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
 
@@ -166,7 +168,7 @@ class Child:
         if sigint_ignored:
             command[1:1] = ["-c", IGNORING_SIGINT]
         with open(root / "stderr.txt", "w") as err:
-            self.proc = subprocess.Popen(
+            self.proc = warm.Popen(
                 command,
                 cwd=root / "cwd",
                 env=env,
@@ -234,13 +236,15 @@ class Child:
         return (self.root / "stderr.txt").read_text()
 
     def descendants(self) -> set[int]:
-        """Processes below the child (its loader workers), from /proc."""
+        """Processes below the child (its loader workers), from /proc; a warm child
+        (tests/warm.py) counts as the child of the process that started it."""
         parents: dict[int, int] = {}
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 with contextlib.suppress(OSError, ValueError, IndexError):
                     stat = (d / "stat").read_text()
                     parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.update(warm.parents())
         out, todo = set(), [self.proc.pid]
         while todo:
             p = todo.pop()

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torchmetrics
 from launch import clean_env, command
 from torch.utils.data import DataLoader, TensorDataset
+import warm
 
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.callbacks import LRScheduler, ModelCheckpoint
@@ -405,7 +406,7 @@ loop.fit(DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4), epoch
 def test_only_instance_0_logs(tmp_path, wandb_dir, mlflow_uri):
     script = tmp_path / "train.py"
     script.write_text(TWO_PROCESSES)
-    proc = subprocess.run(
+    proc = warm.run(
         command(script, str(wandb_dir), mlflow_uri, processes=2),
         env=clean_env(IPULOOP_DIST_TIMEOUT="60", PYTHONWARNINGS="ignore"),
         cwd=tmp_path,

@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
 import threading
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.nn as nn
 from launch import clean_env, command
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
+import warm
 
 from ipuloop import Callback, Loop, poptorch
 from ipuloop.plan import build as build_plan
@@ -565,7 +565,7 @@ def test_two_processes_share_out_a_batch_sampler_as_one_process_with_twice_the_r
         out = tmp_path / name
         out.mkdir()
         arg = json.dumps(dict(cfg, out=str(out)))
-        proc = subprocess.run(
+        proc = warm.run(
             command(script, arg, processes=procs),
             env=env,
             capture_output=True,

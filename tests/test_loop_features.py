@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torchmetrics
 from launch import clean_env, command
 from test_callbacks_checkpoint import assert_same
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+import warm
 
 from ipuloop import Callback, CancelEpoch, Loop, poptorch
 from ipuloop.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint
@@ -944,7 +944,7 @@ def _run(tmp_path: Path, name: str, replicas: int, processes: int) -> Path:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cfg = json.dumps({"replicas": replicas, "out": str(out)})
-    proc = subprocess.run(
+    proc = warm.run(
         command(script, cfg, processes=processes),
         env=clean_env(IPULOOP_DIST_TIMEOUT="30", PYTHONWARNINGS="ignore"),
         cwd=tmp_path,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from launch import clean_env, free_port
+import warm
 
 NEEDS = ("timm", "turbojpeg", "yaml", "attrdict", "randaugment", "transformers")
 if os.environ.get("IPULOOP_REQUIRE_ECOSYSTEM") == "1":
@@ -74,7 +75,7 @@ def app(garden: Path) -> Path:
 def run(cmd: list[str], cwd: Path) -> str:
     """The command's output (stdout and stderr); fails the test, showing its end, unless it
     exits 0."""
-    done = subprocess.run(
+    done = warm.run(
         cmd,
         cwd=cwd,
         env=clean_env(MASTER_PORT=str(free_port())),

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from launch import clean_env, free_port
+import warm
 
 from ipuloop import poprun
 from ipuloop.emulate import BINDING
@@ -164,7 +165,7 @@ GARDEN = textwrap.dedent(
 
 
 def _poprun(tmp_path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return warm.run(
         [sys.executable, "-m", "ipuloop.poprun", *args],
         cwd=tmp_path,
         env=clean_env(MASTER_PORT=str(free_port()), IPULOOP_DIST_TIMEOUT="60"),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import clean_env, command, free_port
+import warm
 
 from ipuloop import processes
 
@@ -100,9 +101,7 @@ def _run(tmp_path: Path, name: str, cfg: dict, processes: int = 2, **env: str):
     script.write_text(SCRIPT)
     cfg = dict(cfg, out=str(out))
     cmd = command(script, json.dumps(cfg), processes=processes)
-    proc = subprocess.run(
-        cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True, timeout=170
-    )
+    proc = warm.run(cmd, env=_env(**env), cwd=tmp_path, capture_output=True, text=True, timeout=170)
     return proc, out
 
 
@@ -245,7 +244,7 @@ def test_a_dead_or_hung_instance_fails_the_other_with_an_error(tmp_path, what):
     cfg = json.dumps({"replicas": 1, "out": str(out), "act": {"step": 2, "rank": 1, "what": what}})
     port = str(free_port())
     procs = [
-        subprocess.Popen(
+        warm.Popen(
             [sys.executable, str(script), cfg],
             cwd=tmp_path,
             env=_env(
@@ -289,7 +288,7 @@ def test_instances_with_different_seeds_are_an_error_naming_the_instance(tmp_pat
 def test_the_benchmark_writes_its_json(tmp_path):
     """A tiny run of benchmarks/distributed.py (random images): keys only, no timing."""
     out = tmp_path / "d.json"
-    proc = subprocess.run(
+    proc = warm.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "distributed.py"),

@@ -22,6 +22,7 @@ import pytest
 import torch
 from launch import clean_env, command, free_port
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+import warm
 
 from ipuloop import Callback, Loop, poptorch
 
@@ -150,7 +151,7 @@ def _launch(
         for e, log in zip(envs, logs):
             with open(log, "w") as f:
                 procs.append(
-                    subprocess.Popen(
+                    warm.Popen(
                         cmd,
                         cwd=tmp,
                         stdout=f,
@@ -180,14 +181,17 @@ def _ended(proc: subprocess.Popen, seconds: float) -> bool:
 
 
 def _children() -> dict[int, list[int]]:
-    """Every process's children, from /proc."""
+    """Every process's children, from /proc; a warm child (tests/warm.py) counts as the child
+    of the process that started it."""
     children: dict[int, list[int]] = {}
+    started_by = warm.parents()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):  # (a process gone meanwhile)
             continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
+        pid = int(stat.parent.name)
+        children.setdefault(started_by.get(pid, ppid), []).append(pid)
     return children
 
 
@@ -218,12 +222,15 @@ def _hung(
     program is ``script``) prints every thread's stack (``faulthandler`` on SIGUSR1, which
     the scripts register); the files it wrote in ``out`` and each process's output follow."""
     running = []
+    started_with = warm.command_lines()
     for proc in procs:
         for pid in _tree(proc.pid):
             try:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
+            if pid in started_with:  # a warm child: the server's command line, not its own
+                argv = [str(a).encode() for a in started_with[pid]]
             if str(script).encode() in argv and b"torch.distributed.run" not in argv:
                 running.append(pid)
                 with contextlib.suppress(OSError):
