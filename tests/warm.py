@@ -156,7 +156,7 @@ class _Server:
         log = open(os.path.join(self.folder, "server.log"), "wb")  # noqa: SIM115
         self.proc = _ORIGINAL_POPEN(
             [sys.executable, __file__, "serve", self.address, *PRELOAD],
-            env=env,
+            env={k: v for k, v in env.items() if k != "PYTHONPATH"},  # (each child has its own)
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -164,9 +164,11 @@ class _Server:
         )
         log.close()
         assert self.proc.stdout is not None
-        ready = self.proc.stdout.readline()
+        line = self.proc.stdout.readline()
+        while line not in (b"ready\n", b""):  # (what its imports printed comes first)
+            line = self.proc.stdout.readline()
         self.proc.stdout.close()
-        if ready.strip() != b"ready":
+        if line != b"ready\n":
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError(f"the warm server did not start; its log: {self.folder}")
