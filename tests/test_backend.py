@@ -1,7 +1,8 @@
 """Backend resolution (``IPULOOP_BACKEND``, ``ipuloop.backend_name()``, ``ipuloop.poptorch``).
 
-Resolution is cached once per process, so every scenario runs in its own interpreter. The
-interpreters are started together (one module fixture) because each one imports torch.
+Resolution is cached once per process, so every scenario runs in its own process, a Python
+child started warm (tests/warm.py: torch is imported already, ipuloop is not). They are
+started together (one module fixture).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import warm
 
 pytestmark = pytest.mark.slow  # one interpreter per scenario: about 40 s
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +82,7 @@ def results(tmp_path_factory):
         env["PYTHONPATH"] = os.pathsep.join(paths)
         if value is not None:
             env["IPULOOP_BACKEND"] = value
-        procs[name] = subprocess.Popen(
+        procs[name] = warm.Popen(
             [sys.executable, "-c", PROBE, kind],
             env=env,
             cwd=str(REPO),

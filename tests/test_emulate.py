@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import warm
 
 from ipuloop import emulate
 
@@ -79,7 +80,7 @@ def runs(tmp_path_factory):
         "failing": [str(scripts / "failing.py")],
     }
     procs = {
-        name: subprocess.Popen(
+        name: warm.Popen(
             [sys.executable, "-m", "ipuloop.emulate", *args],
             env=env,
             cwd=str(root),

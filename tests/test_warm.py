@@ -26,7 +26,7 @@ import torch, torchmetrics
 print(json.dumps({
     "argv": sys.argv, "path0": sys.path[0], "path": sys.path, "cwd": os.getcwd(), "name": __name__,
     "file": globals().get("__file__"),
-    "env": {k: v for k, v in os.environ.items() if k != "IPULOOP_WARM_SERVER"},
+    "env": dict(os.environ),
     "threads": torch.get_num_threads(), "main": sys.modules["__main__"].__dict__ is globals(),
     "session": os.getsid(0) == os.getpid(), "ppid": os.getppid(), "before": before,
     "pid": os.getpid(), "rank": os.environ.get("RANK"),
@@ -43,14 +43,16 @@ if mode == "interrupt":
 if mode == "sleep":
     import time
     time.sleep(60)
-if mode == "spawn":  # a function of __main__ pickled into a spawned interpreter
-    import multiprocessing as mp
-    __file__ = os.path.basename(__file__)  # as a runner gives it (runpy.run_path("program.py"))
-    def square(x):
-        return x * x
-    if __name__ == "__main__":
-        with mp.get_context("spawn").Pool(1) as pool:
-            print("spawned", pool.map(square, [3]), flush=True)
+"""
+
+SPAWNING = r"""
+import multiprocessing, os
+__file__ = os.path.basename(__file__)  # as a runner gives it (runpy.run_path("spawning.py"))
+def square(x):
+    return x * x
+if __name__ == "__main__":  # a function of __main__, pickled into a spawned interpreter
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        print("spawned", pool.map(square, [3]), flush=True)
 """
 
 
@@ -73,27 +75,32 @@ def _both(cmd: list, cwd: Path, **env: str):
     return warm.run(cmd, **kw), subprocess.run(cmd, **kw)
 
 
-@pytest.mark.slow  # (fresh interpreters beside it)
+@pytest.mark.slow  # (a fresh interpreter beside it)
 def test_a_script_sees_what_a_fresh_interpreter_sees(program, tmp_path):
     path = os.pathsep.join([*os.environ.get("PYTHONPATH", "").split(os.pathsep), "rel", ""])
-    w, f = _both([sys.executable, str(program), "plain", "a b"], tmp_path, PYTHONPATH=path)
-    assert (w.returncode, f.returncode) == (0, 0), w.stderr + f.stderr
+    w, f = _both([sys.executable, str(program), "raise", "a b"], tmp_path, PYTHONPATH=path)
     vw, vf = _view(w.stdout), _view(f.stdout)
     assert vw["ppid"] != os.getpid() and vf["ppid"] == os.getpid()  # warm: forked by the server
     assert vw["before"] == ["torch", "torchmetrics"] and vf["before"] == []
     for key in ("ppid", "before", "pid"):
         del vw[key], vf[key]
     assert vw == vf
-    assert vw["argv"] == [str(program), "plain", "a b"] and vw["path0"] == str(program.parent)
+    assert vw["argv"] == [str(program), "raise", "a b"] and vw["path0"] == str(program.parent)
     assert vw["env"]["WARM_TEST"] == "x"
     if "TORCHINDUCTOR_CACHE_DIR" in vf["env"]:  # torchvision's import in torch 2.x made it
         assert Path(vf["env"]["TORCHINDUCTOR_CACHE_DIR"]).parent == tmp_path
+    # an uncaught exception: status 1, the program's traceback, then the atexit handlers
+    assert w.returncode == f.returncode == 1
+    line = PROGRAM.splitlines().index('    raise ValueError("raised in the program")') + 1
+    tail = f'line {line}, in <module>\n    raise ValueError("raised in the program")\n'
+    for stderr in (w.stderr, f.stderr):
+        assert tail in stderr and stderr.endswith("ValueError: raised in the program\n")
+        assert stderr.startswith("to stderr\nTraceback (most recent call last):\n")
+    assert "warm.py" not in w.stderr
     assert w.stdout.splitlines()[1:] == f.stdout.splitlines()[1:] == ["atexit"]
-    assert w.stderr.endswith("to stderr\n") and f.stderr.endswith("to stderr\n")
 
 
-@pytest.mark.slow  # (fresh interpreters beside it)
-def test_dash_c_and_dash_m_see_what_a_fresh_interpreter_sees(program, tmp_path):
+def test_dash_c_and_dash_m_see_what_a_fresh_interpreter_sees(tmp_path):
     code = "import json, os, sys; print(json.dumps([sys.argv, sys.path[0], os.getcwd()]))"
     w, f = _both([sys.executable, "-c", code, "x"], tmp_path)
     assert w.stdout == f.stdout and json.loads(w.stdout)[:2] == [["-c", "x"], ""]
@@ -102,18 +109,6 @@ def test_dash_c_and_dash_m_see_what_a_fresh_interpreter_sees(program, tmp_path):
     assert w.returncode == f.returncode == 0, w.stderr + f.stderr
     assert w.stdout == f.stdout
     assert json.loads(w.stdout)[:2] == [[str(tmp_path / "mod_for_warm.py"), "y"], str(tmp_path)]
-
-
-@pytest.mark.slow  # (fresh interpreters beside it)
-def test_an_uncaught_exception_exits_1_with_the_programs_traceback(program, tmp_path):
-    w, f = _both([sys.executable, str(program), "raise"], tmp_path)
-    assert w.returncode == f.returncode == 1
-    line = PROGRAM.splitlines().index('    raise ValueError("raised in the program")') + 1
-    tail = f'line {line}, in <module>\n    raise ValueError("raised in the program")\n'
-    for stderr in (w.stderr, f.stderr):
-        assert tail in stderr and stderr.endswith("ValueError: raised in the program\n")
-    assert "warm.py" not in w.stderr
-    assert w.stdout.splitlines()[1:] == ["atexit"]  # atexit handlers ran
 
 
 def test_a_sitecustomize_or_a_shadowing_module_on_the_path_is_started_afresh(program, tmp_path):
@@ -170,11 +165,11 @@ def test_start_new_session_and_timeouts(program):
     assert time.monotonic() - start < 30  # killed, not waited for
 
 
-@pytest.mark.slow  # (spawned interpreters)
-def test_a_function_of_main_reaches_a_spawned_interpreter(program, tmp_path):
+def test_a_function_of_main_reaches_a_spawned_interpreter(tmp_path):
     # (__main__'s file named relative to the child's folder: a spawn prepares it from there)
-    r = warm.run([sys.executable, program.name, "spawn"], cwd=program.parent, capture_output=True,
-                 text=True, timeout=120)  # fmt: skip
+    (tmp_path / "spawning.py").write_text(SPAWNING)
+    r = warm.run([sys.executable, "spawning.py"], cwd=tmp_path, capture_output=True, text=True,
+                 timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "spawned [9]" in r.stdout
 

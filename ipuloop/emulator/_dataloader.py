@@ -20,6 +20,7 @@ import multiprocessing.forkserver
 import os
 import pickle
 import random
+import signal
 import sys
 import threading
 import traceback
@@ -139,7 +140,14 @@ def _worker_main(
     except KeyboardInterrupt:
         # Leave at once: the exit handlers of what the interrupt cut short (a torch loader's
         # worker queues, on Python 3.8) would print tracebacks, and PopTorch's worker ends
-        # without a word.
+        # without a word. Its own children (a torch loader's workers) end first: one handing
+        # a batch over as this process ends would print the broken hand-over's traceback.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (torch's loader's would raise on it)
+        children = multiprocessing.active_children()
+        for child in children:
+            child.kill()
+        for child in children:
+            child.join(5)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
