@@ -15,7 +15,8 @@ import pytest
 import warm
 from launch import clean_env, command
 
-pytestmark = pytest.mark.threads  # starts processes
+# Not marked ``threads``: the children are forked by the server, which never ran an op, not by
+# this process (tests/conftest.py)
 
 PROGRAM = r"""
 import atexit, json, os, sys
