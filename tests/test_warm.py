@@ -104,7 +104,8 @@ def test_a_script_sees_what_a_fresh_interpreter_sees(program, tmp_path):
 def test_dash_c_and_dash_m_see_what_a_fresh_interpreter_sees(tmp_path):
     code = "import json, os, sys; print(json.dumps([sys.argv, sys.path[0], os.getcwd()]))"
     w, f = _both([sys.executable, "-c", code, "x"], tmp_path)
-    assert w.stdout == f.stdout and json.loads(w.stdout)[:2] == [["-c", "x"], ""]
+    assert w.stdout == f.stdout, (w.returncode, w.stderr[-2000:])
+    assert json.loads(w.stdout)[:2] == [["-c", "x"], ""]
     (tmp_path / "mod_for_warm.py").write_text(code)
     w, f = _both([sys.executable, "-m", "mod_for_warm", "y"], tmp_path)
     assert w.returncode == f.returncode == 0, w.stderr + f.stderr

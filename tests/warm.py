@@ -578,7 +578,7 @@ def _become(request: dict) -> None:
         os.environ.setdefault(name, value)
     if _CACHE_DIR in sys.modules:  # torchvision's import made it, in TMPDIR unless told
         if "TORCHINDUCTOR_CACHE_DIR" not in request["env"]:
-            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         sys.modules[_CACHE_DIR].cache_dir()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
