@@ -417,13 +417,10 @@ class _Serving:
     """The server's state: the socket it listens on, and its children still running, each with
     the connection its exit status goes back on."""
 
-    def __init__(
-        self, address: str, key: tuple, set_at_import: dict[str, str], pythonpath: list[str]
-    ) -> None:
+    def __init__(self, address: str, key: tuple, set_at_import: dict[str, str]) -> None:
         self.address = address
         self.key = key
         self.set_at_import = set_at_import
-        self.pythonpath = pythonpath  # its own, first on its sys.path
         # what the preloaded modules imported (and the interpreter's start), by top-level name
         self.imported = {name.partition(".")[0] for name in sys.modules}
         self.registry = os.path.join(os.path.dirname(address), "children")
@@ -454,7 +451,7 @@ class _Serving:
         """Whether a folder the child puts before the preloaded modules on ``sys.path`` (its
         ``sys.path[0]``, its PYTHONPATH) holds a module they imported, or PYTHONPATH a
         sitecustomize: imported afresh, the child would get another, or run it."""
-        pythonpath = set(_pythonpath(request["env"], request["cwd"])) - set(self.pythonpath)
+        pythonpath = set(_pythonpath(request["env"], request["cwd"]))
         for folder in pythonpath | {_first_path(request) or request["cwd"]}:
             try:
                 names = os.listdir(folder)
@@ -501,7 +498,6 @@ class _Serving:
                 os.setsid()
             request["server"] = self.address
             request["set_at_import"] = self.set_at_import
-            request["server_pythonpath"] = self.pythonpath
             return request
         for fd in fds:
             os.close(fd)
@@ -516,13 +512,12 @@ def _serve(address: str, modules: list[str]) -> dict:
     """Fork a child per request until the process that started this one ends; in a child,
     return its request."""
     before = dict(os.environ)
-    pythonpath = _once(_pythonpath(before, os.getcwd()))
-    assert sys.path[1 : 1 + len(pythonpath)] == pythonpath, (sys.path, pythonpath)
+    assert "PYTHONPATH" not in before  # (_Server starts it without: each child has its own)
     del sys.path[0]  # this file's folder: nothing is imported from there
     said = _preload(modules)
     set_at_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
     parent = os.getppid()
-    state = _Serving(address, _key(before), set_at_import, pythonpath)
+    state = _Serving(address, _key(before), set_at_import)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -592,9 +587,8 @@ def _become(request: dict) -> None:
 
         faulthandler.enable()
     kind, target, args = request["kind"], request["target"], request["args"]
-    rest = sys.path[len(request["server_pythonpath"]) :]
     first = [] if os.environ.get("PYTHONSAFEPATH") else [_first_path(request)]
-    sys.path[:] = [*first, *_once([*_pythonpath(request["env"], request["cwd"]), *rest])]
+    sys.path[:] = [*first, *_once([*_pythonpath(request["env"], request["cwd"]), *sys.path])]
     if kind == "-m":
         sys.argv = ["-m", *args]  # runpy puts the module's file first
         _main_module(None)
