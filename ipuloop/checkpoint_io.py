@@ -46,7 +46,8 @@ __all__ = [
     "find_latest",
 ]
 
-FORMAT_VERSION = "1.0"  # major.minor: readers reject a newer major version
+FORMAT_VERSION = "1.1"  # major.minor: readers reject a newer major version (1.1: epoch
+# orders drawn as torch's DataLoader draws them, the base seed first)
 MANIFEST, STATE = "manifest.json", "state.pt"
 TMP_PREFIX = ".ipuloop-tmp-"  # every temporary file starts with this
 CHUNK = 1 << 20  # bytes per write call

@@ -333,7 +333,7 @@ class Loop:
         if resume_from is not None:
             self.check_resumable()
             self._load(resume_from)
-        self._resume.continue_at(plan, st)
+        self._resume.continue_at(plan, st, tuple(p for _, p in val_plan or ()))
         self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
             warnings.warn(
@@ -544,11 +544,11 @@ class Loop:
         )
 
     def _inference_model(self, plan: Plan, kind: str, args: tuple, kwargs: dict) -> Executor:
-        key = (kind, plan.combined, plan.loader.options.device_iterations)
+        key = (kind, plan.combined, plan.opts.device_iterations)
         model = self.executors.inference.get(key)
         if model is None or not model.isCompiled():
             with self.executors.eval_mode():
-                model = self.executors.inference_model(key, plan.loader.options)
+                model = self.executors.inference_model(key, plan.opts)
                 self._hooks.fire("on_compile_start")
                 self.state.compile_time[kind] = self.executors.compile(model, args, kwargs)
             self._hooks.fire("on_compile_end")
@@ -652,7 +652,7 @@ class Loop:
         """
         self.state.start_call()
         plan = self._inference_plan(loader, "loader", partition=False)
-        run = Predictions(plan.layout, plan.loader.dataset)
+        run = Predictions(plan.layout, plan.source.dataset)
         model = None
         with self._running(plan), self.executors.inferring():
             for batch, samples in plan.counted():

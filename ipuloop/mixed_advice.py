@@ -19,9 +19,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .backend import backend_name
+from .modes import kept_weights
 from .outputs import WithLoss
 
-__all__ = ["check_mixed", "MixedDtypes", "restore_buffers"]
+__all__ = ["check_mixed", "MixedDtypes"]
 
 # torch functions (by name) that multiply matrices or convolve: what 16-bit precision speeds up
 _MATMULS = frozenset(
@@ -49,13 +50,6 @@ _MATMULS = frozenset(
 
 Args = Tuple[Any, ...]  # a model's positional inputs, as a batch gives them
 Kwargs = Dict[str, Any]  # its keyword inputs (a dict batch's)
-
-
-def restore_buffers(model: torch.nn.Module, saved: list[torch.Tensor]) -> None:
-    """Put back the buffers ``saved`` before a host run (BatchNorm statistics)."""
-    with torch.no_grad():
-        for b, s in zip(model.buffers(), saved):
-            b.copy_(s)
 
 
 def _floats(values: list[Any]) -> list[torch.Tensor]:
@@ -141,19 +135,17 @@ def _device_rule() -> type[TorchFunctionMode]:
 
 
 def _record(model: torch.nn.Module, args: Args, kwargs: Kwargs) -> MixedDtypes | None:
-    """Run ``model`` once as the device computes it, recording each op's dtype (buffers and the
-    host RNG as they were); None when the model fails this run."""
+    """Run ``model`` once as the device computes it, recording each op's dtype (its weights,
+    buffers and the host RNG as they were); None when the model fails this run."""
     record = MixedDtypes(_float32_names(model))
-    saved = [b.clone() for b in model.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (the float32 probe has shown them)
-            with _device_rule()(), record:  # (each module in the mode it trains in)
-                model(*args, **kwargs)
+        with kept_weights(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the float32 probe has shown them)
+                with _device_rule()(), record:  # (each module in the mode it trains in)
+                    model(*args, **kwargs)
     except Exception:  # noqa: BLE001 (a model that runs in float32 may fail here in float16)
         return None
-    finally:
-        restore_buffers(model, saved)
     return record
 
 

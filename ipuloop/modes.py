@@ -1,15 +1,16 @@
 """Each submodule's train/eval mode, read and put back whole: a module the user put in eval mode
-(a frozen BatchNorm) stays in it through training, validation, predict and the host probe."""
+(a frozen BatchNorm) stays in it through training, validation, predict and the host probe; and
+a model's weights put back after a run on the host (``kept_weights``)."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 import torch
 
-__all__ = ["Modes", "modes", "restore", "eval_mode", "warn_if_evaluating"]
+__all__ = ["Modes", "modes", "restore", "eval_mode", "kept_weights", "warn_if_evaluating"]
 
 Modes = List[Tuple[torch.nn.Module, bool]]
 
@@ -34,6 +35,25 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         restore(saved)
+
+
+@contextlib.contextmanager
+def kept_weights(model: torch.nn.Module) -> Iterator[Callable[[], None]]:
+    """``model``'s parameters and buffers bitwise as they were before the block: what a run on
+    the host writes in place (BatchNorm statistics, a parameter a ``forward`` updates under
+    ``no_grad``, as an EMA does) is undone. The block gets the function that undoes it."""
+    tensors = [*model.parameters(), *model.buffers()]
+    saved = [t.detach().clone() for t in tensors]
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+
+    try:
+        yield put_back
+    finally:
+        put_back()
 
 
 def warn_if_evaluating(model: torch.nn.Module, stacklevel: int = 2) -> None:

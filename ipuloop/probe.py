@@ -13,14 +13,15 @@ import copy
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Protocol, cast
+from typing import Any, Callable, Protocol, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .accumulators import Metric
 from .feed import Feed
-from .mixed_advice import check_mixed, restore_buffers
+from .mixed_advice import check_mixed
+from .modes import kept_weights
 from .outputs import Returns, WithLoss, check_logged
 from .rules import NO_HALF_KERNEL, in_float32_as_float16
 
@@ -44,7 +45,9 @@ class Probed(Protocol):
     @property
     def name(self) -> str: ...  # the loader's name in messages ("train_loader")
 
-    def first_micro_batch(self) -> object: ...  # None when the dataset cannot be indexed
+    def first_micro_batches(self) -> list[Any]: ...  # none when the dataset cannot be indexed
+
+    def check_shapes(self, batches: list[Any]) -> None: ...  # all of the first one's shapes
 
 
 @dataclass(frozen=True)
@@ -106,10 +109,13 @@ def _first_micro_batch(
     plan: Probed, feed: Feed, *, mixed: bool
 ) -> tuple[MicroBatch, tuple[tuple, dict[str, object]] | None] | None:
     """The first micro-batch of ``plan`` as the probe runs it (float32) and, ``mixed``, its
-    inputs as sent (float16); None when the dataset cannot be indexed."""
-    batch = plan.first_micro_batch()
-    if batch is None:
+    inputs as sent (float16), once the first few have been checked to have one shape; None when
+    the dataset cannot be indexed."""
+    batches = plan.first_micro_batches()
+    if not batches:
         return None
+    plan.check_shapes(batches)
+    batch = batches[0]
     args, kwargs, labels = feed.split(batch, plan.name, cast=False)  # float32
     sent = feed.split(batch, plan.name)[:2] if mixed else None  # float16, as sent
     micro = MicroBatch(
@@ -168,35 +174,33 @@ def _check_batch_sizes(micro: MicroBatch) -> None:
 
 def _run(model: torch.nn.Module, micro: MicroBatch) -> tuple[object, list[warnings.WarningMessage]]:
     """The model's return value for ``micro`` and the warnings it gave, run without gradients,
-    its buffers and the host RNG put back; a failure is raised naming what it was given."""
-    saved = [b.clone() for b in model.buffers()]
+    its weights, buffers and the host RNG put back; a failure is raised naming what it was
+    given."""
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with kept_weights(model) as put_back, torch.no_grad(), torch.random.fork_rng(devices=[]):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                out = _forward(model, micro, saved, caught)
+                out = _forward(model, micro, put_back, caught)
     except Exception as e:  # name what the model was given: usually the labels are wrong
         raise _failure(e, micro) from e
-    finally:
-        restore_buffers(model, saved)
     return out, caught
 
 
 def _forward(
     model: torch.nn.Module,
     micro: MicroBatch,
-    saved: list[torch.Tensor],
+    put_back: Callable[[], None],
     caught: list[warnings.WarningMessage],
 ) -> object:
     """``model(*args, **kwargs)`` in the modes it trains in (each module's as the user set it);
     where the host has no float16 kernel for an op (torch 2.0's CPU: matmul, convolution),
-    again from the ``saved`` buffers, as the device computes such an op."""
+    again from the weights as they were (``put_back``), as the device computes such an op."""
     try:
         return model(*micro.args, **micro.kwargs)
     except RuntimeError as e:
         if NO_HALF_KERNEL not in str(e):
             raise
-    restore_buffers(model, saved)
+    put_back()
     del caught[:]
     with _HostFloat16():
         return model(*micro.args, **micro.kwargs)

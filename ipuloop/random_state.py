@@ -56,5 +56,5 @@ class Draw(NamedTuple):
     saved step's)."""
 
     order: dict[str, Any] | None = None
-    sampler: torch.Tensor | None = None
+    sampler: object = None  # (a list of generator states; one tensor in older checkpoints)
     then: dict[str, Any] | None = None

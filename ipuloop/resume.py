@@ -148,7 +148,7 @@ def check_optimizer(sd: dict[str, Any], ours: torch.optim.Optimizer) -> None:
 def _data_factors(plan: Plan) -> dict[str, Any]:
     """The training data factors of the whole run: ``plan`` is one instance's share of N, and
     N instances of R replicas read as one process with N*R replicas (``ipuloop.processes``)."""
-    o = plan.loader.options
+    o = plan.opts
     n = o.Distributed.numProcesses
     return {
         "factors": {
@@ -195,6 +195,8 @@ class Resume:
         self.val_rng: dict[str, Any] | None = None  # as the running validation began
         self.val_in_step = False  # the running validation is a step's (val_every_n_steps)
         self.plan: Plan | None = None  # the running (or last) fit's: its epochs' draws
+        self.val_plans: tuple[Plan, ...] = ()  # its validation sets'
+        self._seeded: set[str] = set()  # a loaded checkpoint's loaders that drew a base seed
         self._draw: Draw | None = None  # a loaded checkpoint's, until the next epoch draws
         self._step_validation = False  # a loaded checkpoint was taken during one: run it again
         self._device_rng: torch.Tensor | None = None  # a loaded one, until the model compiles
@@ -268,6 +270,7 @@ class Resume:
             "optimizer_extras": optimizer_extras(optimizer),
             "sampler_rng": self._sampler_rng(),
             "epoch_rng": self._epoch_rng(),
+            "seeded": sorted(self._seeded | self._seeded_now()),
             "callbacks": {cb.state_key: cb.state_dict() for cb in parts.callbacks},
         }
         if executor is not None and executor.isCompiled():
@@ -276,12 +279,18 @@ class Resume:
             sd["device_rng"] = self._device_rng
         return copy.deepcopy(sd)
 
-    def _sampler_rng(self) -> torch.Tensor | None:
-        """The loader generator's state: a loaded epoch start's, until the epoch draws; else
-        that of the fit's plan (as it is now)."""
+    def _sampler_rng(self) -> object:
+        """The states of the generators the loader's order draws from: a loaded epoch start's,
+        until the epoch draws; else those of the fit's plan (as they are now)."""
         if self._draw is not None and self._draw.order is None:
             return self._draw.sampler
         return self.plan.generator_state() if self.plan is not None else None
+
+    def _seeded_now(self) -> set[str]:
+        """The fit's loaders whose workers' base seed was drawn (persistent workers draw it
+        once: a resumed run's workers start without drawing it again)."""
+        plans = (self.plan, *self.val_plans) if self.plan is not None else ()
+        return {p.name for p in plans if p.source.was_seeded()}
 
     def _epoch_rng(self) -> dict[str, Any] | None:
         """The state the running epoch drew its order from (a loaded one until it draws)."""
@@ -314,6 +323,7 @@ class Resume:
                 cb.load_state_dict(sd["callbacks"][key])
         # checked against the next fit's loader
         self._loaded_data = _run_factors(sd.get("data"), sd.get("processes"))
+        self._seeded = set(sd.get("seeded", ()))
         if sd.get("device_rng") is not None:
             if executor is not None and executor.isCompiled():
                 executor.rng_state = sd["device_rng"]
@@ -325,12 +335,15 @@ class Resume:
             set_rng_state(sd["rng"])
             self._draw = Draw(sampler=sd.get("sampler_rng"))  # the loader's own generator
 
-    def continue_at(self, plan: Plan, state: State) -> None:
-        """A fit starts with the training ``plan``: its data factors, after a load (that
-        recorded them) checked by ``_align`` first (a failed check keeps the loaded ones for
-        the next fit); its epochs' draws, which a checkpoint records. No validation of it has
-        begun yet."""
+    def continue_at(self, plan: Plan, state: State, val_plans: tuple[Plan, ...] = ()) -> None:
+        """A fit starts with the training ``plan`` (and ``val_plans``): its data factors, after
+        a load (that recorded them) checked by ``_align`` first (a failed check keeps the
+        loaded ones for the next fit); its epochs' draws, which a checkpoint records; the
+        loaders whose workers' base seed the saved run drew. No validation of it has begun."""
         self.val_rng = None
+        for p in (plan, *val_plans):
+            if p.name in self._seeded:
+                p.source.seeded()
         now = _data_factors(plan)
         if self._loaded_data is not None:
             _align(self._loaded_data, now, plan, state)
@@ -344,6 +357,7 @@ class Resume:
         self._loaded_data = None
         self._train_data = now
         self.plan = plan
+        self.val_plans = val_plans
 
 
 def _state_key_in(
@@ -389,11 +403,12 @@ def _align(
     new = now["factors"]
     was = saved.get("instances", 1)
     instances = now["instances"]
-    if st.epoch_step and plan.samples is None and was != instances:
+    if st.epoch_step and plan.own and was != instances:
         raise ValueError(
             f"Cannot resume in the middle of epoch {st.epoch} with {instances} instance(s): "
-            f"{source} was written by {was}, and each instance reads an IterableDataset "
-            "on its own, so the samples already read are not known in another layout. Resume "
+            f"{source} was written by {was}, and each instance reads its loader on its own (an "
+            "IterableDataset, a poptorch.DataLoader), so the samples already read are not "
+            "known in another layout. Resume "
             f"with {was} instance(s) (finishing this epoch), or from a checkpoint taken at the "
             "end of an epoch."
         )
@@ -421,7 +436,7 @@ def _align(
             stacklevel=4,
         )
         return
-    calls = describe_factors(plan.loader.options, plan.micro, training=True)
+    calls = describe_factors(plan.opts, plan.micro, training=True)
     if instances > 1:
         calls += f" on each of {instances} instances, {per_step} in all"
     raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import ci_share
@@ -18,15 +19,16 @@ collect_ignore_glob = ["fixtures/*"]
 
 @pytest.fixture
 def epoch_readers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The iterator each training epoch reads (``Plan.epoch`` given a ``Draw``), in the order
-    the epochs start: its loader workers, its prefetching loader."""
+    """What each training epoch reads (``Plan.epoch`` given a ``Draw``), in the order the
+    epochs start: ``units``, torch's iterator of its loader's batches (its workers: ``_workers``),
+    and ``calls``, the host calls it hands out (read ahead: a ``read_ahead.Ahead``)."""
     readers: list[Any] = []
     epoch = Plan.epoch
 
     def recorded(self: Plan, *args: Any, **kwargs: Any) -> Any:
         it = epoch(self, *args, **kwargs)
         if (args[2:] or [kwargs.get("draw")])[0] is not None:  # a training epoch's
-            readers.append(it)
+            readers.append(SimpleNamespace(units=self.source.live, calls=it))
         return it
 
     monkeypatch.setattr(Plan, "epoch", recorded)

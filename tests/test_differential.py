@@ -39,16 +39,11 @@ The reference's rules (``reference``), from docs/poptorch-semantics.md §2 and d
 - An interruption changes nothing: a stopped and continued fit, and a fit resumed from a
   ``state_dict`` in a new loop, train and log as the uninterrupted fit does.
 
-The sample order: the loop rebuilds the loader with its sampler (here torch's
-``RandomSampler`` over the loader's ``generator``, or ``SequentialSampler``) and draws each
-epoch's whole order once when the epoch starts (``loaders.ResumableSampler.set_epoch``), then
-makes the one draw of the loader's generator that a torch ``DataLoader`` iterator makes for its
-workers' base seed (``loaders._one_draw``). The reference reads the same ``RandomSampler`` over a
-generator seeded as the loader's, and makes that draw after it, each epoch (``epoch_orders``).
-So the reference is independent of the loop's code (it never reads the loop's order), and
-comparable. Note that a plain torch ``DataLoader`` makes the base-seed draw *before* the
-permutation, so the loop's order differs from plain torch's with the same generator:
-``test_the_loop_reads_the_order_the_reference_draws`` pins the loop's order down.
+The sample order: plain torch's. The reference iterates a torch ``DataLoader`` made as the
+loop's is (the same sampler, over a generator seeded as the loader's) each epoch
+(``epoch_orders``); it never reads the loop's order. ``test_the_loop_reads_the_order_the_
+reference_draws`` pins the loop's order down against it. The loaders' own settings (workers,
+samplers, collate functions, streams) are searched in ``test_differential_data.py``.
 
 Replaying a failure: Hypothesis prints the falsifying ``Config(...)`` (and a
 ``@reproduce_failure`` blob); ``check(Config(...))`` runs that one configuration alone, e.g.
@@ -262,16 +257,11 @@ def lr_factor(update: int) -> float:
 
 # -- the reference: plain torch -------------------------------------------------------------------
 def epoch_orders(cfg: Config, generator_seed: int) -> list[list[int]]:
-    """Each epoch's sample order, drawn as the module's docstring says."""
+    """Each epoch's sample order: plain torch's, iterating a loader made as ``make_loader``
+    makes the loop's (over the indices, the same sampler and generator)."""
     g = torch.Generator().manual_seed(generator_seed)
-    orders = []
-    for _ in range(cfg.epochs):
-        if cfg.shuffle:
-            orders.append(list(RandomSampler(range(cfg.samples), generator=g)))
-        else:
-            orders.append(list(range(cfg.samples)))
-        torch.empty((), dtype=torch.int64).random_(generator=g)  # the iterator's base seed
-    return orders
+    loader = DataLoader(range(cfg.samples), batch_size=cfg.micro, shuffle=cfg.shuffle, generator=g)
+    return [[int(i) for batch in loader for i in batch] for _ in range(cfg.epochs)]
 
 
 def set_train(model: Net) -> None:
@@ -604,11 +594,9 @@ def test_the_loop_reads_the_order_the_reference_draws() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*samples are dropped each epoch")
         loop.fit(make_loader(cfg, logged, cfg.seed), epochs=2)
-    read = logged.log[-2 * cfg.steps * cfg.combined :]  # (the loop's probe reads one first)
-    want = [i for order in epoch_orders(cfg, cfg.seed) for i in order[: cfg.steps * cfg.combined]]
-    assert read == want
-    # ... which is not plain torch's: its iterator draws the base seed before the permutation
+    read = logged.log[-2 * cfg.steps * cfg.combined :]  # (the loop's probe reads some first)
+    # plain torch's order: its iterator draws the workers' base seed, then the permutation
     g = torch.Generator().manual_seed(cfg.seed)
     torch_loader = DataLoader(range(cfg.samples), batch_size=2, shuffle=True, generator=g)
-    torch_order = [int(i) for _ in range(2) for batch in torch_loader for i in batch]
-    assert torch_order != [i for order in epoch_orders(cfg, cfg.seed) for i in order]
+    epochs = [[int(i) for batch in torch_loader for i in batch] for _ in range(2)]
+    assert read == [i for order in epochs for i in order[: cfg.steps * cfg.combined]]

@@ -719,18 +719,27 @@ class _Changing(Dataset):
 
 
 @pytest.mark.parametrize(
-    "change,match",
-    [
-        ("extra", r"expected 2 arguments but got 3"),
-        ("dtype", r"Data type mismatch for .*expected torch.float32 but got torch.float64"),
+    "change,error,match",
+    [  # another structure: the loop's check, before the call; another dtype: PopTorch's
+        ("extra", ValueError, r"micro-batch 2 in dataset order .* \[\[4, 4\], \[4, 2\], \[4\]\]"),
+        (
+            "dtype",
+            poptorch.Error,
+            r"Data type mismatch for .*expected torch.float32 but got torch.float64",
+        ),
     ],
 )
-def test_changed_arguments_after_compilation_are_rejected(change, match):
-    """Step 2's batch differs from the compiled one: that step is refused, not run."""
+def test_changed_arguments_after_compilation_are_rejected(change, error, match):
+    """Step 2's batch differs from the compiled one: refused before compiling where the host
+    check's first micro-batches show it (another structure), else that step is refused, not
+    run (another dtype)."""
     loop = _tiny_loop(poptorch.Options())
     loader = DataLoader(_Changing(8, change), batch_size=4)  # steps 0, 1 fine; 2 changed
-    with pytest.raises(poptorch.Error, match=match):
+    with pytest.raises(error, match=match):
         loop.fit(loader)
+    if change == "extra":
+        assert loop.state.step == 0 and loop.train_model is None
+        return
     assert loop.state.step == 2
     assert not loop.train_model.isAttachedToDevice()  # torn down
 
@@ -1119,7 +1128,7 @@ def test_loader_workers_stop_when_fit_is_interrupted(epoch_readers):
 
     class Interrupt(Callback):
         def on_train_step_end(self, loop) -> None:
-            workers.extend(epoch_readers[-1]._workers)  # the running epoch's
+            workers.extend(epoch_readers[-1].units._workers)  # the running epoch's
             if loop.state.step == 2:
                 raise KeyboardInterrupt  # what the first Ctrl-C raises
 

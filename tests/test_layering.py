@@ -466,7 +466,7 @@ def _fit(kind: str):
 
 # What carries a batch's values from the loader to the logs (docs/layout.md): loop.py, which
 # calls each in turn, and state.py, whose logs they land in, are counted with them.
-WAY = {"loop", "plan", "feed", "loaders", "outputs", "accumulators", "processes", "state"}
+WAY = {"loop", "sources", "host_calls", "feed", "outputs", "accumulators", "processes", "state"}
 
 
 @pytest.mark.parametrize("kind", ["plain", "custom", "widest"])
@@ -485,7 +485,7 @@ def test_a_batch_s_way(kind):
     )
     assert set(logged) <= set(logs)
     modules = set(way.modules([logs[k] for k in logged])) | {"loop", "state"}
-    assert {"plan", "outputs", "accumulators"} <= modules  # (the walk finds them)
+    assert {"host_calls", "outputs", "accumulators"} <= modules  # (the walk finds them)
     assert modules <= WAY and len(modules) <= 8, sorted(modules)
     assert way.relays == []
 

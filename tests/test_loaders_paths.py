@@ -179,8 +179,8 @@ class Readers(Callback):
         self.seen: list = []
 
     def on_train_step_end(self, loop) -> None:
-        threads = {t.name for t in threading.enumerate()}
-        self.seen.append((self.epochs[-1], "poptorch.AsynchronousDataAccessor" in threads))
+        threads = {t.name for t in threading.enumerate() if t.is_alive()}
+        self.seen.append((self.epochs[-1], "ipuloop-read-ahead" in threads))
 
 
 def train(
@@ -219,31 +219,31 @@ def train(
 
 
 def test_async_mode_and_its_options_are_kept(epoch_readers):
+    """A ``poptorch.DataLoader`` in ``Async`` mode is read ahead with its ``buffer_size``, each
+    epoch by a thread of its own that ends with the epoch."""
     readers = Readers(epoch_readers)
     train(
         poptorch.DataLoaderMode.Async,
         {"buffer_size": 5, "early_preload": True},
         callbacks=[readers],
     )
-    assert readers.seen and all(prefetching for _, prefetching in readers.seen)
-    accessors = {id(r.loader._accessor): r.loader._accessor for r, _ in readers.seen}
-    assert len(accessors) == 2  # one per epoch, built once its order is drawn
-    for acc in accessors.values():
-        assert acc._settings == {
-            "buffer_size": 5,
-            "miss_sleep_time_in_ms": 0.1,
-            "load_indefinitely": False,
-            "early_preload": True,
-            "sharing_strategy": poptorch.SharingStrategy.ForkServer,
-        }
-        assert acc.rebatched_size is None and acc._channel is None  # stopped at epoch end
+    assert readers.seen and any(prefetching for _, prefetching in readers.seen)
+    aheads = {id(r.calls): r.calls for r, _ in readers.seen}
+    assert len(aheads) == 2  # one per epoch, started once its order is drawn
+    for ahead in aheads.values():
+        assert ahead.waiting.maxsize == 5 and not ahead.thread.is_alive()
 
 
 def test_async_rebatched_and_its_worker_size_are_kept(epoch_readers):
+    """``AsyncRebatched`` with ``rebatched_worker_size=2``: its batches of 2 are re-cut into
+    host calls of 6, as PopTorch's accessor re-cuts them."""
     readers = Readers(epoch_readers)
-    train(poptorch.DataLoaderMode.AsyncRebatched, worker_size=2, epochs=1, callbacks=[readers])
-    loader = readers.seen[0][0].loader
-    assert loader.batch_size == 2 and loader._accessor.rebatched_size == 6
+    loop, _ = train(
+        poptorch.DataLoaderMode.AsyncRebatched, worker_size=2, epochs=1, callbacks=[readers]
+    )
+    units = readers.seen[0][0].units
+    assert units._index_sampler.inner.batch_size == 2  # (torch reads batches of 2)
+    assert loop.state.steps_per_epoch == 40 // 6 and loop.state.samples == 36
 
 
 @pytest.mark.parametrize(
@@ -278,14 +278,14 @@ def test_validate_and_predict_read_an_async_loader_through_its_mode():
     class Threads(Callback):
         def on_validation_step_end(self, loop) -> None:
             seen.append(
-                sum(t.name == "poptorch.AsynchronousDataAccessor" for t in threading.enumerate())
+                sum(t.name == "ipuloop-read-ahead" for t in threading.enumerate() if t.is_alive())
             )
 
     loop = Loop(net, opts, loss_fn=nn.MSELoss(), progress=False, callbacks=[Threads()])
     assert loop.validate(asynchronous) == loop.validate(sync)
-    # 41 samples: 7 calls each; the user's Async loader prefetches in a thread of its own,
-    # the loop's Async run in a second one, the Sync run in none
-    assert seen == [2] * 7 + [1] * 7
+    # 41 samples: 7 calls each; the Async loader is read ahead by the loop's thread (which may
+    # end before the steps), the Sync one by none
+    assert len(seen) == 14 and seen[0] == 1 and seen[7:] == [0] * 7
     torch.testing.assert_close(loop.predict(asynchronous), loop.predict(sync), rtol=0, atol=0)
 
 
@@ -308,26 +308,27 @@ class FakePopTorchAccessor:
 
 
 def test_async_settings_are_read_from_poptorchs_accessor_layout():
-    from ipuloop.read_ahead import prefetch_of
+    from ipuloop.read_ahead import async_of
+    from ipuloop.sources import _rebatched
 
     loader = poptorch.DataLoader(options(di=2), regression_data(), batch_size=3)
-    assert prefetch_of(poptorch, loader, "loader") is None  # Sync
-    assert prefetch_of(poptorch, DataLoader(regression_data()), "loader") is None
+    assert async_of(loader, "loader") is None  # Sync
+    assert async_of(DataLoader(regression_data()), "loader") is None
     loader._accessor = FakePopTorchAccessor()
-    p = prefetch_of(poptorch, loader, "loader")
-    assert p.mode == poptorch.DataLoaderMode.Async and p.worker_size is None
-    assert p.options == {
+    assert async_of(loader, "loader") == {
         "buffer_size": 7,
         "miss_sleep_time_in_ms": 0.5,
         "early_preload": True,
         "sharing_strategy": poptorch.SharingStrategy.FileSystem,
     }
-    loader._accessor = FakePopTorchAccessor(rebatched_size=6)
-    p = prefetch_of(poptorch, loader, "loader")  # loader.batch_size 6: the default size
-    assert p.mode == poptorch.DataLoaderMode.AsyncRebatched and p.worker_size is None
+    assert not _rebatched(loader)
+    loader._accessor = FakePopTorchAccessor(rebatched_size=6)  # batch_size 6: the default size
+    assert not _rebatched(loader)
+    loader._accessor = FakePopTorchAccessor(rebatched_size=12)  # batches re-cut into 12
+    assert _rebatched(loader)
     loader._accessor = FakePopTorchAccessor(terminated=True)
     with pytest.warns(UserWarning, match="cannot be read"):
-        assert prefetch_of(poptorch, loader, "loader").options == {}
+        assert async_of(loader, "loader") == {}
     loader._accessor = None
 
 

@@ -313,14 +313,23 @@ def test_setoptimizer_only_when_hyperparameters_change():
     assert loop.train_model._device_optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
-def test_predict_returns_every_sample_in_dataset_order():
+def test_predict_returns_every_sample_in_the_loaders_order():
+    """One output per sample, in the order plain torch iterating the loader yields them (a
+    shuffled loader's too), the last host call padded; in dataset order for a sequential one."""
     net = Net()
     ds = data(50)
     loop = Loop(copy.deepcopy(net), options(4), progress=False)
-    out = loop.predict(DataLoader(ds, batch_size=4, shuffle=True))
     net.eval()
     with torch.no_grad():
-        assert torch.allclose(out, net(ds.tensors[0]), atol=1e-6)
+        assert torch.allclose(loop.predict(DataLoader(ds, batch_size=4)), net(ds.tensors[0]))
+        g = torch.Generator().manual_seed(3)
+        out = loop.predict(DataLoader(ds, batch_size=4, shuffle=True, generator=g))
+        g.manual_seed(3)
+        order = [
+            i for b in DataLoader(range(50), batch_size=4, shuffle=True, generator=g) for i in b
+        ]
+        assert len(set(order)) == 50 and order != list(range(50))
+        assert torch.allclose(out, net(ds.tensors[0][order]), atol=1e-6)
 
 
 def test_plain_model_with_loss_fn_and_replicas_argument():

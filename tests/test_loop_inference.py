@@ -222,8 +222,13 @@ def test_validation_counts_every_sample(n, group):
             "f1": torchmetrics.F1Score("multiclass", num_classes=OUT, average="macro"),
         },
     )
-    logs = loop.validate(DataLoader(ds, batch_size=4, shuffle=True))
-    x, y = ds.tensors
+    g = torch.Generator().manual_seed(2)
+    logs = loop.validate(DataLoader(ds, batch_size=4, shuffle=True, generator=g))
+    g.manual_seed(2)  # the samples in the order the loader yields them, as plain torch reads it
+    order = [
+        int(i) for b in DataLoader(range(n), batch_size=4, shuffle=True, generator=g) for i in b
+    ]
+    x, y = (t[order] for t in ds.tensors)
     out = plain_eval(net, x)
     losses = [
         nn.functional.cross_entropy(out[i : i + 4], y[i : i + 4]) for i in range(0, n - n % 4, 4)

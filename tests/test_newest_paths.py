@@ -75,40 +75,49 @@ def _sampler_loader(workers: int) -> DataLoader:
     return DataLoader(Rows(), batch_sampler=Shuffled(), num_workers=workers)
 
 
-def _reference(epochs: int = 2) -> nn.Module:
-    """The uninterrupted fit without workers (itself checked against a plain-torch loop below)."""
+def _reference(workers: int = 0, epochs: int = 2) -> nn.Module:
+    """The uninterrupted fit (itself checked against a plain-torch loop below)."""
     loop = _sampler_loop()
-    loop.fit(_sampler_loader(0), epochs)
+    loop.fit(_sampler_loader(workers), epochs)
     return loop.model  # (the Linear: the loss the loop gave it is loop.model_with_loss)
 
 
-def test_a_batch_sampler_fit_without_workers_is_the_plain_torch_loop():
-    """The reference: each epoch draws one order from the global RNG after the seed, then SGD
-    on the mean squared error of each micro-batch, in that order."""
-    ours = _reference(epochs=1)
+def _plain(workers: int, epochs: int) -> nn.Module:
+    """Plain torch: each epoch ``for x, y in loader``, SGD on the mean squared error of each
+    micro-batch, from the loop's seeds."""
     torch.manual_seed(0)
     model = nn.Linear(FEATURES, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ds = Rows()
     torch.manual_seed(1)
     random.seed(1)
-    for idx in iter(Shuffled()):
-        x, y = ds.x[idx], ds.y[idx]
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    torch.testing.assert_close(ours.weight, model.weight)
+    loader = _sampler_loader(workers)
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return model
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_sampler_fit_is_the_plain_torch_loop(workers):
+    """The loop reads the loader as torch does: without workers each epoch draws one order
+    from the global RNG; with workers torch calls ``iter()`` on the batch sampler twice as its
+    iterator starts (once as it is built, once as it resets), so a sampler drawing as it is
+    iterated draws twice, and the order read is the second."""
+    ours = _reference(workers, epochs=2)
+    torch.testing.assert_close(ours.weight, _plain(workers, 2).weight)
+    if workers:
+        assert not torch.equal(ours.weight, _reference(0, epochs=2).weight)
 
 
 @pytest.mark.parametrize(
     "async_data", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"]
 )
-def test_a_batch_sampler_with_workers_reads_the_order_drawn_once(async_data):
-    """With loader workers, torch calls ``iter()`` on the batch sampler twice as its iterator
-    starts: the epoch's order is still drawn once, so the fit is bitwise the one without
-    workers, and a fit resumed at step 3 runs the 13 steps left of its epoch and the next,
-    ending bitwise where the uninterrupted fit without workers ends."""
-    want = _reference()
+def test_a_batch_sampler_with_workers_resumes_exactly(async_data):
+    """With loader workers (and read ahead), a fit resumed at step 3 runs the 13 steps left of
+    its epoch and the next, ending bitwise where the uninterrupted fit ends."""
+    want = _reference(workers=2)
     loop = _sampler_loop(async_data)
     loop.fit(_sampler_loader(2), 2)
     assert loop.state.step == 32
