@@ -181,6 +181,7 @@ class Loop:
         self._set_metrics: dict[str, dict[str, Any]] = {}  # several val sets: each one's
         self._frozen = False  # train_opts: settable in on_configure, then frozen
         self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
+        self._fitting = False  # a fit runs: a validate() or predict() of a hook is its own
         # The run this loop is an instance of: this process alone, or several (torchrun,
         # mpirun, poprun), whose instances other than 0 show no progress and write no logs.
         self._processes: Processes = join(
@@ -351,12 +352,15 @@ class Loop:
         with self._running(
             plan, *(p for _, p in val_plan or ()), fit=True
         ), self.executors.marking_loss():
+            self._fitting = True
             try:
                 self._hooks.scope(
                     "on_fit_start", lambda: self._epochs(plan, val_plan, epochs), CancelFit
                 )
             except Preempted:
                 self._hooks.fire("on_preempt")
+            finally:
+                self._fitting = False
             self.executors.detach(self.train_model)  # weights and optimizer state to host
             self._hooks.fire("on_fit_end")
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
@@ -573,21 +577,36 @@ class Loop:
         With several processes, each instance that calls it validates alone, as predict
         does: every sample, and metrics of its own samples only, waiting for no other
         instance (inside ``fit``, validation is shared out between the instances instead).
+
+        Called from a hook while a fit runs, it returns its own logs and leaves the fit's
+        alone: ``state.logs``, the history, what callbacks monitor and the progress display
+        are the fit's (no validation hook fires for it).
         """
         st = self.state
-        st.start_call()
+        nested = self._fitting
+        if not nested:
+            st.start_call()
         plans = self._val_plans(loader, "loader", partition=False)  # every sample
-        metrics = {f"{s}:{k}": m for s, _ in plans for k, m in self._metrics_of(s).items()}
+        metrics = {
+            f"{s}:{k}": m for s, _ in plans for k, m in self._metrics_of(s, nested=nested).items()
+        }
         with self._running(*(p for _, p in plans)), self._processes.unsynced(metrics):
             try:
-                return self._run_validation(plans, ALONE, in_fit=False)
+                return self._run_validation(plans, ALONE, in_fit=False, nested=nested)
             except (CancelEpoch, CancelFit):  # a hook ended the validation early: no val logs
-                st.drop_logs("val_", self._logged())
+                if not nested:
+                    st.drop_logs("val_", self._logged())
                 return {}
 
-    def _metrics_of(self, suffix: str) -> dict[str, Any]:
+    def _metrics_of(self, suffix: str, *, nested: bool = False) -> dict[str, Any]:
         """The validation metrics of the set ``suffix``: the loop's for one loader, else
-        clones of them kept per set (each set has its own states)."""
+        clones of them kept per set (each set has its own states); ``nested``: a validation
+        of a hook inside a fit, whose states are its own (the fit's may be running)."""
+        if nested:
+            key = f"(nested){suffix}"
+            if key not in self._set_metrics:
+                self._set_metrics[key] = {k: m.clone() for k, m in self.metrics.items()}
+            return self._set_metrics[key]
         if not suffix:
             return self.metrics
         if suffix not in self._set_metrics:
@@ -595,12 +614,14 @@ class Loop:
         return self._set_metrics[suffix]
 
     def _run_validation(
-        self, plans: ValPlans, processes: Processes, *, in_fit: bool
+        self, plans: ValPlans, processes: Processes, *, in_fit: bool, nested: bool = False
     ) -> dict[str, float]:
         """A validation over ``plans`` (each validation set in turn), its numbers summed over
-        ``processes`` (the fit's, or this instance alone: ``validate()``)."""
+        ``processes`` (the fit's, or this instance alone: ``validate()``); ``nested``: a
+        ``validate()`` of a hook inside a fit, which fires no hook and writes no log."""
         st = self.state
-        self._hooks.fire("on_validation_start")
+        if not nested:
+            self._hooks.fire("on_validation_start")
         network = self.model_with_loss
         loss_fn = network.loss_fn if isinstance(network, WithLoss) else None
         every: dict[str, float] = {}
@@ -608,7 +629,7 @@ class Loop:
             for suffix, plan in plans:
                 run = Validation(
                     plan,
-                    metrics=self._metrics_of(suffix),
+                    metrics=self._metrics_of(suffix, nested=nested),
                     metric_output=self._metric_output,
                     loss_fn=loss_fn,
                     warned=self._warned,
@@ -621,17 +642,21 @@ class Loop:
                         model = self._inference_model(plan, "validate", args, kwargs)
                     self.executors.activate(model)
                     run.add(model(*args, **kwargs), labels, samples)
-                    self._hooks.fire("on_validation_step_end")
+                    if not nested:
+                        self._hooks.fire("on_validation_step_end")
                     if in_fit:  # a stop (SIGTERM, on any instance) ends it here
                         processes.check_preempted(st)
                 logs = run.logs(processes, suffix)
+                every.update(logs)
+                if nested:
+                    continue
                 if not suffix and "val_loss" not in logs:  # none this time, not a stale one
                     st.drop_logs("val_", ("loss",))
                 elif suffix and f"val_loss/{suffix}" not in logs:
                     st.logs.pop(f"val_loss/{suffix}", None)
                 st.logs.update(logs)
-                every.update(logs)
-        self._hooks.fire("on_validation_end")
+        if not nested:
+            self._hooks.fire("on_validation_end")
         return every
 
     def predict(self, loader: DataLoader) -> Any:
@@ -650,7 +675,8 @@ class Loop:
         is fed as keyword inputs less its ``label_key`` entry. Float64 inputs run, and come
         back, as float32 (as on the device).
         """
-        self.state.start_call()
+        if not self._fitting:  # (called from a hook of a fit: the fit's error state stays)
+            self.state.start_call()
         plan = self._inference_plan(loader, "loader", partition=False)
         run = Predictions(plan.layout, plan.source.dataset)
         model = None

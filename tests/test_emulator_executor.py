@@ -1448,3 +1448,39 @@ def test_get_latency_of_a_final_output_spans_the_whole_call():
     assert low == high == mean >= 3 * Slow.PAUSE  # the one output waits for every iteration
     model.destroy()
     assert model.getLatency() == (0.0, 0.0, 0.0)
+
+
+def test_the_trace_leaves_weights_a_forward_writes_in_place_as_they_were():
+    """PopTorch traces the model without running it on the device: a parameter ``forward``
+    writes in place under ``no_grad`` (an EMA) and a BatchNorm's statistics are, after
+    ``compile``, what they were; the first call writes them once."""
+
+    class Averaging(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.bn = torch.nn.BatchNorm1d(2)
+            self.avg = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+        def forward(self, x, y):
+            out = self.bn(self.lin(x))
+            with torch.no_grad():
+                self.avg.add_(out.mean(0))
+            return out, torch.nn.functional.cross_entropy(out, y)
+
+    torch.manual_seed(0)
+    model = Averaging()
+    reference = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.0)
+    training = poptorch.trainingModel(model, poptorch.Options(), optimizer=opt)
+    training.compile(x, y)
+    training.copyWeightsToHost()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    training(x, y)
+    training.copyWeightsToHost()
+    reference(x, y)  # once, in plain torch
+    torch.testing.assert_close(model.avg, reference.avg)
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
+    training.destroy()

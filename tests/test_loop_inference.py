@@ -308,3 +308,50 @@ def test_validation_of_a_model_without_a_loss_in_eval_mode():
     torch.testing.assert_close(
         loop.predict(DataLoader(TensorDataset(x), batch_size=2)), plain_eval(loop.model, x)
     )
+
+
+def test_validate_and_predict_from_a_hook_leave_the_fit_alone():
+    """A ``validate(test)`` and a ``predict`` in ``on_epoch_end`` return their own results; the
+    fit's logs, history, early stopping and checkpoint ranking stay on the fit's validation,
+    no validation hook fires for them, and the fit trains as it does without them."""
+    from ipuloop import Callback
+    from ipuloop.callbacks import EarlyStopping
+
+    train, val, test = data(64), data(24, 2), data(20, 3)
+    got = []
+
+    class Events(Callback):
+        def __init__(self):
+            self.events = []
+
+        def on_validation_start(self, loop):
+            self.events.append("start")
+
+        def on_validation_end(self, loop):
+            self.events.append(("end", loop.state.logs["val_loss"]))
+
+    class Nested(Callback):
+        def on_epoch_end(self, loop):
+            logs = loop.validate(DataLoader(test, batch_size=4))
+            out = loop.predict(DataLoader(test, batch_size=4))
+            got.append((logs, out.shape))
+
+    def fit(*extra):
+        net = Net()
+        events, stop = Events(), EarlyStopping("val_loss", patience=5)
+        loop = Loop(net, options(2), progress=False, callbacks=[events, stop, *extra],
+                    metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+                    optimizer=poptorch.optim.SGD(net.parameters(), lr=0.1))
+        history = loop.fit(DataLoader(train, batch_size=4), epochs=3,
+                           val_loader=DataLoader(val, batch_size=4))
+        return loop, history, events.events, stop
+
+    alone, history, events, stop = fit()
+    nested, nested_history, nested_events, nested_stop = fit(Nested())
+    assert nested_history == history and nested_events == events and len(events) == 6
+    assert nested_stop.best == stop.best
+    assert all(torch.equal(a, b) for a, b in zip(nested.model.parameters(), alone.model.parameters()))
+    assert len(got) == 3 and all(shape == (20, OUT) for _, shape in got)
+    own = {k: v for k, v in got[-1][0].items()}
+    assert set(own) == {"val_loss", "val_acc"} and own["val_loss"] != history[-1]["val_loss"]
+    assert own == nested.validate(DataLoader(test, batch_size=4))  # what validate() returns

@@ -363,3 +363,50 @@ def test_the_mark_stays_only_where_the_returned_loss_needs_it(expression, hooked
     loop = Loop(model, progress=False, callbacks=[Look()])
     loop.fit(DataLoader(TensorDataset(X, Y), batch_size=4), max_steps=3)
     assert seen == [hooked] * 3
+
+
+# -- nothing before the first step changes the model -----------------------------------------------
+class WithAverage(nn.Module):
+    """A model-with-loss keeping a running average of its outputs as a parameter, written in
+    place under ``no_grad`` in ``forward`` (a target network's EMA), and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(6, 1)
+        self.bn = nn.BatchNorm1d(1)
+        self.avg = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, x, y=None):
+        out = self.bn(self.lin(x))
+        with torch.no_grad():
+            self.avg.mul_(0.9).add_(0.1 * out.mean())
+        return out if y is None else (out, F.mse_loss(out, y))
+
+
+def test_the_host_check_and_the_compile_leave_every_weight_as_it_was():
+    """The host check runs a micro-batch through the model and the compile traces one: neither
+    moves a parameter or a buffer, so the first step starts from the user's weights and the
+    fit's in-place writes are those of plain torch, one per micro-batch."""
+    model = WithAverage()
+    before = weights(model)
+    seen = {}
+
+    class AtCompileEnd(Callback):
+        def on_compile_end(self, loop):
+            loop.train_model.copyWeightsToHost()
+            seen.update(weights(loop.model))
+
+    loop = Loop(model, progress=False, callbacks=[AtCompileEnd()],
+                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05))
+    loop.fit(DataLoader(TensorDataset(X, Y), batch_size=8), epochs=2)
+    assert_same(seen, before)
+    reference = WithAverage()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for _ in range(2):
+        for i in range(0, len(X), 8):
+            opt.zero_grad()
+            reference(X[i : i + 8], Y[i : i + 8])[1].backward()
+            opt.step()
+    for k, v in weights(reference).items():
+        torch.testing.assert_close(weights(model)[k], v, rtol=2e-5, atol=1e-7, msg=k)

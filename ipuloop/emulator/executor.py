@@ -376,7 +376,10 @@ class PoplarExecutor(HardwareOnly):
         ]
         margs, mkwargs = _unflatten(micro, spec)
         weights = self._weights
-        saved = [b.clone() for b in weights.dev_buffers]
+        # PopTorch traces without running the graph on the device: a forward's in-place writes
+        # to its weights and buffers (statistics, an EMA under no_grad) are undone
+        kept = [*weights.dev_params, *weights.dev_buffers]
+        saved = [t.detach().clone() for t in kept]
         # Random ops draw from the device generator, which the trace leaves as it found it; the
         # host generator is not touched (the device's RNG is its own).
         rng = self._rng_state if self._rng_state is not None else self._initial_rng_state()
@@ -408,8 +411,8 @@ class PoplarExecutor(HardwareOnly):
                 weights.swap_out()
             _running_on_ipu = False
             with torch.no_grad():
-                for b, s in zip(weights.dev_buffers, saved):
-                    b.copy_(s)
+                for t, s in zip(kept, saved):
+                    t.copy_(s)
             traced_rng = self._swap_rng(host_rng)
         self._op_modes = tuple(
             m for m, on in ((MixedFloat, mixed.cast), (_group_norm.StridedGroupNorm, strided)) if on
