@@ -128,15 +128,17 @@ class OneShape:
         self.sampler = sampler  # a custom batch sampler's type, for messages
         self.first: Any = None
         self.dropped = 0  # samples of the short units dropped
+        self._refused: tuple = ()  # the short unit found last: where, its shapes, the expected
         self.index = 0  # units checked
 
     def epoch(self) -> None:
         """A new epoch: its units are counted from 0 in messages."""
         self.index = 0
 
-    def check(self, batch: object) -> bool:
-        """Whether ``batch`` goes into a host call (False: a short unit, dropped); a
-        ``ValueError`` when it cannot have the compiled shape."""
+    def check(self, batch: object) -> bool | str:
+        """Whether ``batch`` goes into a host call (False: a short unit, dropped; ``SHORT``: a
+        short unit, refused unless it ends the epoch); a ``ValueError`` when it cannot have the
+        compiled shape."""
         index = self.index
         self.index += 1
         shapes = _shapes(batch)
@@ -147,6 +149,9 @@ class OneShape:
                 return True
             if self.short == "drop" and n < self.unit:
                 return self._short(batch, index)
+            if n < self.unit:
+                self._refused = (index, shapes, f"{self.unit} samples (the batch size)")
+                return SHORT
             raise self._error(index, shapes, f"{self.unit} samples (the batch size)")
         if shapes == self.first:
             return True
@@ -157,7 +162,15 @@ class OneShape:
             raise self._error(index, _without_rows(shapes), expected)
         if self.short == "drop" and _shorter(shapes, self.first):
             return self._short(batch, index)
-        raise self._error(index, shapes, f"the shapes of the first, {self.first}")
+        expected = f"the shapes of the first, {self.first}"
+        if _shorter(shapes, self.first):
+            self._refused = (index, shapes, expected)
+            return SHORT
+        raise self._error(index, shapes, expected)
+
+    def short_error(self) -> ValueError:
+        """The error for the short batch ``check`` found last (a host call would read it)."""
+        return self._error(*self._refused)
 
     def _short(self, batch: object, index: int) -> bool:
         n = rows(batch)
@@ -192,19 +205,27 @@ class OneShape:
 
 def joined(units: Iterator[Any], per_call: int, shape: OneShape) -> Iterator[Any]:
     """Host calls of ``per_call`` units each, in order, every unit checked (``shape``); a short
-    one dropped where ``shape`` drops it; an incomplete last call dropped."""
+    one dropped where ``shape`` drops it (a stream's), else refused unless it ends the epoch in
+    its incomplete last call, which is dropped."""
     while True:
         parts: list[Any] = []
         while len(parts) < per_call:
             unit = next(units, _END)
             if unit is _END:
                 return
-            if shape.check(unit):
+            fits = shape.check(unit)
+            if fits is SHORT:  # (the last batch of a BatchSampler(drop_last=False)...)
+                whole = shape.short == "refuse" and len(parts) + 1 == per_call
+                if whole or next(units, _END) is not _END:
+                    raise shape.short_error()  # a host call would read it
+                return  # (the epoch's remainder, its short last batch with it)
+            if fits:
                 parts.append(unit)
         yield join(parts, "a loader's batches")
 
 
 _END = object()
+SHORT = "short"  # ``OneShape.check``: a batch of fewer samples, refused unless it ends the epoch
 
 
 def cut(

@@ -258,9 +258,11 @@ class Loop:
         epoch it cuts short is not counted as complete. A fit asked for no more epochs than
         ``state.epoch`` already holds runs none, with a warning.
 
-        An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B the loader's
-        batch size), each running DI optimizer updates; the remainder is dropped (with a
-        warning) whatever the loader's ``drop_last``. A dataset shorter than one host call is
+        The loader's micro-batches are those plain torch iterating it yields (its collate
+        function, workers, sampler and generator as torch runs them), DI * GA * RF a host call
+        in that order. An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B
+        the loader's batch size), each running DI optimizer updates; the remainder is read and
+        dropped (with a warning) whatever the loader's ``drop_last``. A dataset shorter than one host call is
         a ``ValueError`` naming every factor, raised before anything is compiled.
 
         With several processes, an error that ends it on one instance ends it on every
@@ -408,7 +410,10 @@ class Loop:
             st.logs.update(logs)
         else:  # no step ran (cancelled): no train values, rather than the last epoch's
             st.drop_logs("train_", self._logged())
-        if st.should_stop() and plan.steps and st.epoch_step < plan.steps:
+        ended = plan.steps is not None and st.epoch_step >= plan.steps  # (a stream: it ended)
+        if plan.reading.ended and plan.steps is not None and st.epoch_step != plan.steps:
+            self._warn_length(plan)
+        if st.should_stop() and not (ended or plan.reading.ended):
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         every = st.val_every_n_steps
         if val_plan is not None and not (every and st.step and st.step % every == 0):
@@ -417,6 +422,24 @@ class Loop:
         st.epoch_step = 0
         st.history.append({"epoch": st.epoch, **st.logs})
         self._hooks.event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing to skip
+
+    def _warn_length(self, plan: Plan) -> None:
+        """A stream whose epoch held another number of host calls than its length promised
+        (``Loop.num_updates`` counts those), once."""
+        if plan.name in self._warned:
+            return
+        self._warned.add(plan.name)
+        warnings.warn(
+            f"{plan.name}: its epoch held {self.state.epoch_step} host call(s), but the length "
+            f"of its {type(plan.source.dataset).__name__} promised {plan.steps} "
+            f"(len(dataset) // micro-batch size, {plan.source.full} micro-batches, over "
+            f"{plan.source.per_call} a host call), so Loop.num_updates counted other updates "
+            "than the fit runs. Loader workers that each yield the whole stream, or end their "
+            "shares with short batches, do this: shard the stream by worker "
+            "(torch.utils.data.get_worker_info()) and pass drop_last=True, or give __len__ "
+            "what the loader yields.",
+            stacklevel=5,
+        )
 
     def _validate_in_fit(self, val_plan: ValPlans, *, in_step: bool = False) -> None:
         """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
@@ -514,6 +537,8 @@ class Loop:
                 hooks.event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
             if boundary(st):
                 break
+        else:
+            plan.reading.ended = True  # (every host call of the epoch was read)
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call(plan, st.epoch)
 
@@ -565,9 +590,9 @@ class Loop:
         dict of loaders, validated in turn; it returns every set's logs, each under its set's
         name (``val_loss/<name>``, ``val_loss/dataloader_idx_<i>``).
 
-        Every sample counts: the samples are read in order and the last host call is padded
-        with copies of the last one (an IterableDataset as it ends, read in the order its
-        loader yields it, workers included). The metrics see every sample, and so does val_loss, the
+        Every sample counts: the samples are read in the order the loader yields them and the
+        last host call is padded with copies of the last one (an IterableDataset as it ends,
+        workers included). The metrics see every sample, and so does val_loss, the
         mean loss per sample: the device's loss for the micro-batches without padding and,
         with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
         (without ``loss_fn`` those are left out, and a warning says how many samples
@@ -660,13 +685,13 @@ class Loop:
         return every
 
     def predict(self, loader: DataLoader) -> Any:
-        """Outputs for every sample of ``loader``'s dataset, in dataset order.
+        """Outputs for every sample ``loader`` yields, in the order it yields them (dataset
+        order for a sequential loader), as plain torch iterating it would see them.
 
-        Batches are read in order (shuffle and the sampler are ignored). The samples are
-        padded with copies of the last one up to whole host calls and the padding's outputs
-        are dropped, so no sample is lost to the combined batch size (an IterableDataset is
-        padded as it ends, and its outputs come in the order its loader yields its samples,
-        with workers too, so they line up with the labels the loader gives). With input replica
+        The last host call is padded with copies of the last sample and the padding's outputs
+        are dropped, so no sample is lost to the combined batch size (an IterableDataset's
+        outputs come in the order its loader yields its samples, with workers too, so they
+        line up with the labels the loader gives). With input replica
         grouping each sample's output is returned once. A model returning a tuple, list,
         namedtuple or dict of tensors gets the same structure back, each tensor joined over
         the samples. After a fit (or validate) with N inputs, every batch of N elements is
@@ -695,15 +720,18 @@ class Loop:
         """Any error fires ``on_exception`` once and propagates; a fit's also ends the other
         instances' fits first (what propagates may then name the instance that failed first)
         and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
-        The loader workers (and prefetching loaders) of ``plans`` stop when the call ends,
-        however it ends."""
+        The loader workers (and read-ahead threads) of ``plans`` stop when the call ends,
+        however it ends, but a persistent-workers loader's when it ends well: they go on to its
+        next epoch or call, as torch keeps them for the loader's life."""
         outer = self._reading  # (a validate() from a fit's hook reads beside the fit)
         reading = tuple(p for p in plans if p is not None)
         self._reading = outer + reading
         signals = handle_signals(self._on_sigterm, self._kill_workers) if fit else None
         with signals or contextlib.nullcontext():
+            ended_well = False
             try:
                 yield
+                ended_well = True
             except BaseException as caught:
                 error = self._processes.failed(caught, self.state) if fit else caught
                 self._hooks.report(error)
@@ -714,8 +742,8 @@ class Loop:
                 raise error from caught
             finally:
                 self._reading = outer
-                for plan in reading:
-                    plan.close()
+                for plan in reading:  # (persistent workers go on, as torch's, unless it failed)
+                    plan.close(keep=ended_well and not self.state.preempted)
 
     def _on_sigterm(self) -> None:
         self._processes.on_sigterm(self.state)  # several processes: all stop at one boundary

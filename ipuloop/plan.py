@@ -106,6 +106,7 @@ class Reading:
     """What a plan's running epoch leaves behind (the one part of a plan that changes)."""
 
     reader: Any = None  # the host calls of the epoch last started
+    ended: bool = False  # they were all read (a stream of unknown length ended)
     drawn_from: dict[str, Any] | None = None  # the random state its last training epoch drew
     # its order from (the host's, with the states of its order's generators under "sampler")
 
@@ -147,12 +148,14 @@ class Plan:
         ``set_epoch`` is given the epoch's ``number`` first. ``draw`` records the random state
         the order is drawn from in ``reading.drawn_from``, or draws it from a resumed epoch's,
         then goes on from the saved step's (``draw.then``) once the steps are skipped."""
+        self.reading.ended = False
         drawn = None if draw is None else self._draw(draw)
         then = None if draw is None else draw.then
         started = None if then is None else (lambda: set_rng_state(then))
         source = self.source
         by_reading = source.stream or source.rebatched  # (no batches to skip into, or stop at)
-        stop = None if self.steps is None or by_reading else self.steps * self.per_step
+        shared = self.selection.size > 1  # (the run's last, incomplete call: read by none)
+        stop = self.steps * self.per_step if shared and self.steps is not None else None
         skip = 0 if by_reading else skip_steps * self.per_step
         selection = replace(self.selection, skip=skip, stop=stop, started=started, drawn=drawn)
         units = source.start(selection, number)
@@ -247,12 +250,13 @@ class Plan:
         for batch in batches:
             check.check(batch)
 
-    def close(self) -> None:
-        """Stop the loader workers (or read-ahead thread) of the epoch last started."""
+    def close(self, *, keep: bool = False) -> None:
+        """Stop the read-ahead thread and the loader workers of the epoch last started;
+        ``keep``: a persistent-workers loader keeps its workers (the call ended well)."""
         reader, self.reading.reader = self.reading.reader, None
         if isinstance(reader, Ahead):
             reader.terminate()
-        self.source.close()
+        self.source.close(keep=keep)
         if isinstance(reader, Ahead):
             reader.join()
 
@@ -396,11 +400,9 @@ def _training(source: Source, micro: int, f: Factors, size: int) -> Plan:
         steps = source.samples // combined
     if steps is not None and not source.stream:
         _check_samples(source, micro, f, size, steps)
+    custom = _custom_name(source)
     shape = OneShape(
-        f.name,
-        source.unit,
-        "drop" if source.stream else "refuse",
-        sampler=_custom_name(source),
+        f.name, source.unit, "drop" if source.stream else "refuse" if custom else "last", custom
     )
     return Plan(
         name=f.name,

@@ -281,20 +281,27 @@ class Source:
     def stream(self) -> bool:
         return self.order is None
 
+    @property
+    def persistent(self) -> bool:
+        return bool(getattr(self.reader, "persistent_workers", False))
+
     def start(self, selection: Selection, number: int | None) -> Iterator[Any]:
         """An iterator over this epoch's units, read as ``selection`` says; ``number``: a
-        training epoch's, told to the samplers with ``set_epoch`` first. A stream skips by
-        reading; a persistent-workers loader whose base seed was drawn starts its workers
-        again without drawing it."""
+        training epoch's, told to the samplers with ``set_epoch`` first. A persistent-workers
+        loader goes on with its running workers, as torch's does; one whose base seed was
+        drawn but whose workers were stopped (a call that failed, a resumed process) starts
+        them again without drawing it."""
         if number is not None:
             _tell_epoch(self.samplers, number)
         if self.epoch_hook is not None:
             self.epoch_hook(number)
         reader = self.reader
-        persistent = bool(getattr(reader, "persistent_workers", False))
-        if not persistent:
+        seeded = self.was_seeded()
+        if not self.persistent:
             self.close()  # (the last epoch's iterator)
-        if persistent and self.live is None and self.loader in _SEEDED:
+        elif getattr(reader, "_iterator", None) is not None and not seeded:
+            self.close()  # (an epoch drawn again that drew its workers' base seed: as it did)
+        if self.persistent and getattr(reader, "_iterator", None) is None and seeded:
             with kept_random_state(self.gens):  # its workers start; no draw is kept
                 self._select(_NONE)
                 iter(reader)
@@ -322,13 +329,40 @@ class Source:
     def was_seeded(self) -> bool:
         return self.loader in _SEEDED
 
-    def close(self) -> None:
-        """Stop the loader workers of the running iterator (a persistent one's too: the next
-        call starts them again)."""
+    def close(self, *, keep: bool = False) -> None:
+        """Stop the loader workers of the running iterator; ``keep``: a persistent-workers
+        loader keeps them for its next epoch or call, as torch keeps them for the loader's
+        life (they stop when a call fails or is interrupted)."""
         it, self.live = self.live, None
+        persistent = getattr(self.reader, "_iterator", None)
+        if keep and self.persistent:
+            return
         close(it)
-        if it is not None and getattr(self.reader, "_iterator", None) is it:
+        if persistent is not None:
+            close(persistent)
             self.reader._iterator = None  # (torch's persistent iterator, now stopped)
+
+
+# The reader of a loader over its own batch sampler, kept as long as the loader lives: a
+# persistent-workers loader's workers go on from one call to the next, as the loader's own would
+_READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ordered(loader: DataLoader, inner: Any, dataset: Any) -> tuple[DataLoader, Order]:
+    """The reader of ``loader`` over the batches of ``inner`` and its ``Order``: the one kept
+    for the loader when ``inner`` is its own batch sampler."""
+    own = inner is loader.batch_sampler
+    if own:
+        with contextlib.suppress(TypeError):
+            kept = _READERS.get(loader)
+            if kept is not None:
+                return kept
+    order = Order(inner)
+    reader = _reader(loader, order, dataset)
+    if own:
+        with contextlib.suppress(TypeError):
+            _READERS[loader] = (reader, order)
+    return reader, order
 
 
 def _reader(loader: DataLoader, order: Order, dataset: Any) -> DataLoader:
@@ -382,10 +416,10 @@ def torch_source(
         samples = _length(whole)
         units = _length(inner)
         full = None if samples is None else samples // unit
-    order = Order(inner)
+    reader, order = _ordered(loader, inner, dataset)
     return Source(
         name=name,
-        reader=_reader(loader, order, dataset),
+        reader=reader,
         loader=loader,
         dataset=dataset,
         unit=unit,
@@ -453,10 +487,10 @@ def poptorch_source(
         units = _length(inner)
         full = None if samples is None or not unit else samples // unit
     samplers = (sampler, inner, getattr(inner, "sampler", None))
-    order = Order(inner)
+    reader, order = _ordered(loader, inner, dataset)
     return Source(
         name=name,
-        reader=_reader(loader, order, dataset),
+        reader=reader,
         loader=loader,
         dataset=dataset,
         unit=unit,

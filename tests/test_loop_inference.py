@@ -339,18 +339,26 @@ def test_validate_and_predict_from_a_hook_leave_the_fit_alone():
     def fit(*extra):
         net = Net()
         events, stop = Events(), EarlyStopping("val_loss", patience=5)
-        loop = Loop(net, options(2), progress=False, callbacks=[events, stop, *extra],
-                    metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
-                    optimizer=poptorch.optim.SGD(net.parameters(), lr=0.1))
-        history = loop.fit(DataLoader(train, batch_size=4), epochs=3,
-                           val_loader=DataLoader(val, batch_size=4))
+        loop = Loop(
+            net,
+            options(2),
+            progress=False,
+            callbacks=[events, stop, *extra],
+            metrics={"acc": torchmetrics.Accuracy("multiclass", num_classes=OUT)},
+            optimizer=poptorch.optim.SGD(net.parameters(), lr=0.1),
+        )
+        history = loop.fit(
+            DataLoader(train, batch_size=4), epochs=3, val_loader=DataLoader(val, batch_size=4)
+        )
         return loop, history, events.events, stop
 
     alone, history, events, stop = fit()
     nested, nested_history, nested_events, nested_stop = fit(Nested())
     assert nested_history == history and nested_events == events and len(events) == 6
     assert nested_stop.best == stop.best
-    assert all(torch.equal(a, b) for a, b in zip(nested.model.parameters(), alone.model.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(nested.model.parameters(), alone.model.parameters())
+    )
     assert len(got) == 3 and all(shape == (20, OUT) for _, shape in got)
     own = {k: v for k, v in got[-1][0].items()}
     assert set(own) == {"val_loss", "val_acc"} and own["val_loss"] != history[-1]["val_loss"]

@@ -397,8 +397,12 @@ def test_the_host_check_and_the_compile_leave_every_weight_as_it_was():
             loop.train_model.copyWeightsToHost()
             seen.update(weights(loop.model))
 
-    loop = Loop(model, progress=False, callbacks=[AtCompileEnd()],
-                optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05))
+    loop = Loop(
+        model,
+        progress=False,
+        callbacks=[AtCompileEnd()],
+        optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05),
+    )
     loop.fit(DataLoader(TensorDataset(X, Y), batch_size=8), epochs=2)
     assert_same(seen, before)
     reference = WithAverage()
