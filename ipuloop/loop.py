@@ -262,8 +262,8 @@ class Loop:
         function, workers, sampler and generator as torch runs them), DI * GA * RF a host call
         in that order. An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B
         the loader's batch size), each running DI optimizer updates; the remainder is read and
-        dropped (with a warning) whatever the loader's ``drop_last``. A dataset shorter than one host call is
-        a ``ValueError`` naming every factor, raised before anything is compiled.
+        dropped (with a warning) whatever the loader's ``drop_last``. A dataset shorter than
+        one host call is a ``ValueError`` naming every factor, raised before anything compiles.
 
         With several processes, an error that ends it on one instance ends it on every
         instance within seconds, naming that instance (``ipuloop.processes``).
