@@ -264,7 +264,8 @@ def dist_timeout(env: Any = None, error: type = ValueError) -> float:
 
 
 # Where an instance leaves the run's first failure for a launcher that serves the group's store
-# (python -m ipuloop.poprun), in the store itself, under none of the prefixes groups add.
+# (python -m ipuloop.emulate.poprun), in the store itself, under none of the prefixes groups
+# add.
 LAUNCHER_FAILURE_KEY = "ipuloop/launcher/failure"
 
 

@@ -101,11 +101,26 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def inside(module: str, package: str) -> bool:
+    """Whether ``module`` is ``package`` or one of its submodules (``ipuloop.emulator`` is not
+    inside ``ipuloop.emulate``)."""
+    return module == package or module.startswith(package + ".")
+
+
 def forbidden(edges: dict[str, set[str]]) -> list[str]:
     """The edges the layering rules forbid, as "a -> b (why)"."""
     bad = []
     for a, targets in edges.items():
         for b in sorted(targets):
+            if inside(a, "ipuloop.emulate") and not (
+                inside(b, "ipuloop.emulate")
+                or inside(b, "ipuloop.emulator")
+                or b in ("ipuloop.rules", "ipuloop.group_teardown")
+            ):
+                bad.append(
+                    f"{a} -> {b} (the emulator's tools import only themselves, the emulator and "
+                    "the leaves it imports)"
+                )
             if a.startswith("ipuloop.emulator") and not (
                 b.startswith("ipuloop.emulator") or b in ("ipuloop.rules", "ipuloop.group_teardown")
             ):
@@ -214,6 +229,8 @@ def test_the_graph_is_read():  # the reader finds relative, aliased and function
     assert "ipuloop.callbacks.base" in edges["ipuloop.loop"]
     assert "ipuloop.integrations.ipu_config" in edges["ipuloop"]  # inside ``__getattr__``
     assert "ipuloop.integrations.tensorboard" in edges["ipuloop.deprecated"]  # from . import x
+    assert "ipuloop.emulate" in edges["ipuloop.emulate.poprun"]  # from . import BINDING
+    assert "ipuloop.emulate" in edges["ipuloop.emulate._binding.poptorch"]
 
 
 @pytest.mark.parametrize(
@@ -241,6 +258,8 @@ def test_cycle_checker(edges, expected):
         ("ipuloop.loop", "ipuloop.callbacks"),
         ("ipuloop.processes", "ipuloop.loop"),
         ("ipuloop.resume", "ipuloop.loop"),
+        ("ipuloop.emulate.poprun", "ipuloop.processes"),
+        ("ipuloop.emulate", "ipuloop.backend"),
     ],
 )
 def test_forbidden_checker(edge):
@@ -256,6 +275,8 @@ def test_allowed_edges_pass():
                 "ipuloop.emulator.data": {"ipuloop.rules", "ipuloop.emulator.options"},
                 "ipuloop.loop": {"ipuloop.callbacks.base"},
                 "ipuloop.callbacks.checkpoint": {"ipuloop.checkpoint_io"},
+                "ipuloop.emulate": {"ipuloop.emulator", "ipuloop.group_teardown"},
+                "ipuloop.emulate.poprun": {"ipuloop.emulate", "ipuloop.rules"},
             }
         )
         == []
@@ -345,6 +366,9 @@ def test_the_layer_table_is_read():  # the table's patterns, as the test reads t
     assert layer_of("ipuloop", table) == 7
     assert layer_of("ipuloop.examples.mnist", table) == 7
     assert layer_of("ipuloop.deprecated", table) == 7
+    assert layer_of("ipuloop.emulate", table) == 7  # the emulator's tools, a folder of their own
+    assert layer_of("ipuloop.emulate.poprun", table) == 7
+    assert layer_of("ipuloop.emulate._binding.popdist", table) == 7
 
 
 def test_no_basename_twice():

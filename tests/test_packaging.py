@@ -40,4 +40,4 @@ def test_wheel_ships_py_typed(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "ipuloop/py.typed" in names
     assert "ipuloop/plot.py" in names and "ipuloop/integrations/tensorboard.py" in names
-    assert "ipuloop/_binding/poptorch.py" in names  # python -m ipuloop.emulate's workers
+    assert "ipuloop/emulate/_binding/poptorch.py" in names  # python -m ipuloop.emulate's workers
