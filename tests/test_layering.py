@@ -13,6 +13,7 @@ detour (``batch_way``).
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -228,7 +229,7 @@ def test_the_graph_is_read():  # the reader finds relative, aliased and function
     assert "ipuloop.backend" in edges["ipuloop.integrations.ipu_config"]  # inside a function
     assert "ipuloop.callbacks.base" in edges["ipuloop.loop"]
     assert "ipuloop.integrations.ipu_config" in edges["ipuloop"]  # inside ``__getattr__``
-    assert "ipuloop.integrations.tensorboard" in edges["ipuloop.deprecated"]  # from . import x
+    assert "ipuloop.emulator._logging" in edges["ipuloop.emulator.optim"]  # from . import x
     assert "ipuloop.emulate" in edges["ipuloop.emulate.poprun"]  # from . import BINDING
     assert "ipuloop.emulate" in edges["ipuloop.emulate._binding.poptorch"]
 
@@ -345,10 +346,10 @@ def upward(edges: dict[str, set[str]], table: dict[str, int]) -> list[str]:
     [
         ("ipuloop.callbacks", "ipuloop.integrations.tensorboard", True),  # the kernel's callbacks
         ("ipuloop.loop", "ipuloop.integrations.ipu_config", True),  # the loop: below them
-        ("ipuloop.callbacks.progress", "ipuloop.plot", True),  # a first layout's name
-        ("ipuloop.callbacks", "ipuloop.deprecated", True),
+        ("ipuloop.callbacks.progress", "ipuloop.emulate.poprun", True),  # the emulator's tools
+        ("ipuloop.loop", "ipuloop.emulate", True),
         ("ipuloop", "ipuloop.integrations.ipu_config", False),  # the public names, above them
-        ("ipuloop.deprecated", "ipuloop.integrations.scalars", False),
+        ("ipuloop.emulate", "ipuloop.emulator", False),
         ("ipuloop.integrations.scalars", "ipuloop.callbacks.base", False),
     ],
 )
@@ -365,7 +366,6 @@ def test_the_layer_table_is_read():  # the table's patterns, as the test reads t
     assert layer_of("ipuloop.integrations.tensorboard", table) == 6  # above the loop
     assert layer_of("ipuloop", table) == 7
     assert layer_of("ipuloop.examples.mnist", table) == 7
-    assert layer_of("ipuloop.deprecated", table) == 7
     assert layer_of("ipuloop.emulate", table) == 7  # the emulator's tools, a folder of their own
     assert layer_of("ipuloop.emulate.poprun", table) == 7
     assert layer_of("ipuloop.emulate._binding.popdist", table) == 7
@@ -382,9 +382,21 @@ def test_no_basename_twice():
 
 
 # -- the kernel apart from its integrations ------------------------------------------------------
+# The kernel: the loop's modules, each a file at the top of ipuloop/, and the built-in callbacks
+# (ipuloop/callbacks/), subfolders of neither. Beside it, each a folder of its own: the emulator
+# and its tools, the integrations and the examples (docs/layout.md).
+KERNEL = (ROOT, ROOT / "callbacks")
+BESIDE = ("emulator", "emulate", "integrations", "examples")
+
+
+def kernel_modules() -> dict[str, Path]:
+    """The kernel's modules by name: the files of the folders of ``KERNEL``."""
+    return {name: path for name, path in module_names().items() if path.parent in KERNEL}
+
+
 def test_importing_ipuloop_imports_no_integration(tmp_path):
-    """A fit, with ipuloop and its callbacks imported, loads no integration, nor the first
-    layout's modules; ``ipuloop.IPUConfig`` imports its integration on first use."""
+    """A fit, with ipuloop and its callbacks imported, loads no integration, nor the emulator's
+    tools; ``ipuloop.IPUConfig`` imports its integration on first use."""
     code = (
         "import sys, torch, ipuloop, ipuloop.callbacks as cb\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
@@ -393,8 +405,9 @@ def test_importing_ipuloop_imports_no_integration(tmp_path):
         "loop = Loop(WithLoss(torch.nn.Linear(4, 2), torch.nn.CrossEntropyLoss()),\n"
         "            progress=False, callbacks=[cb.CSVLogger('log.csv')])\n"
         "loop.fit(DataLoader(ds, batch_size=4), epochs=1)\n"
-        "outside = ('ipuloop.integrations', 'ipuloop.config', 'ipuloop.plot')\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith(outside))\n"
+        "outside = ('ipuloop.integrations', 'ipuloop.emulate')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(outside) and m != 'ipuloop.emulator'\n"
+        "                and not m.startswith('ipuloop.emulator.'))\n"
         "assert loaded == [], loaded\n"
         "import ipuloop.integrations.ipu_config as ic\n"
         "assert ipuloop.IPUConfig is ic.IPUConfig\n"
@@ -402,6 +415,83 @@ def test_importing_ipuloop_imports_no_integration(tmp_path):
         "assert all(hasattr(ipuloop, n) for n in ipuloop.__all__ if n != 'poptorch')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
+
+
+def outside_imports(paths: list[Path]) -> list[str]:
+    """The import statements of ``paths`` that run when each is imported (at module level, in
+    an ``if`` or ``try`` there, not under ``TYPE_CHECKING``) and name no ipuloop module."""
+    found = set()
+    for path in paths:
+        source = path.read_text()
+        todo = list(ast.parse(source).body)
+        while todo:
+            node = todo.pop(0)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.dump(node.test):
+                todo += node.body + node.orelse
+            elif isinstance(node, ast.Try):
+                todo += node.body + node.orelse + node.finalbody
+                todo += [n for handler in node.handlers for n in handler.body]
+            elif isinstance(node, ast.Import):
+                if all(a.name.split(".")[0] != "ipuloop" for a in node.names):
+                    found.add(ast.get_source_segment(source, node) or "")
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                if (node.module or "").split(".")[0] not in ("ipuloop", "__future__"):
+                    found.add(ast.get_source_segment(source, node) or "")
+    return sorted(found)
+
+
+SIDE_EFFECTS = r"""
+import json, logging, os, signal, sys, warnings
+for statement in json.loads(sys.argv[1]):  # what ipuloop's modules import besides ipuloop
+    try:
+        exec(statement)
+    except ImportError:  # (an optional package, imported in a ``try`` there)
+        pass
+
+
+def state():
+    root = logging.getLogger()
+    return {
+        "sys.path": repr(sys.path), "sys.meta_path": repr(sys.meta_path),
+        "sys.path_hooks": repr(sys.path_hooks), "os.environ": repr(dict(os.environ)),
+        "warnings.filters": repr(warnings.filters), "sys.excepthook": repr(sys.excepthook),
+        "signals": repr([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]),
+        "the root logger": repr((root.handlers, root.level)),
+    }
+
+
+modules, before = dict(sys.modules), state()
+import ipuloop
+after = state()
+print(json.dumps({
+    "changed": [k for k in before if before[k] != after[k]],
+    "replaced": sorted(k for k, m in modules.items() if sys.modules.get(k) is not m),
+    "added": {k: getattr(sys.modules[k], "__file__", None) for k in set(sys.modules) - set(modules)},
+}))
+"""
+
+
+def test_importing_ipuloop_loads_the_kernel_and_changes_nothing_else(tmp_path):
+    """A fresh interpreter that has imported what ipuloop's modules import from elsewhere
+    (torch...) then imports ipuloop: the modules it adds are the kernel's, each loaded from its
+    file (no module object made up, no other name bound in ``sys.modules``); no entry there is
+    replaced; and the module path, the import hooks, the environment, the warning filters, the
+    signal handlers and the root logger are as they were. So every file at the top of ipuloop/
+    is one the loop runs, and importing ipuloop has no side effects."""
+    kernel = kernel_modules()
+    statements = outside_imports(list(kernel.values()))
+    assert "import torch" in statements  # (the reader finds them)
+    out = subprocess.run(
+        [sys.executable, "-c", SIDE_EFFECTS, json.dumps(statements)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=True,
+    )
+    found = json.loads(out.stdout)
+    assert found["changed"] == [] and found["replaced"] == []
+    assert found["added"] == {name: str(path) for name, path in kernel.items()}
 
 
 def kernel_statements() -> int:
