@@ -4,9 +4,7 @@ Its kernel (the loop, its parts and the built-in callbacks) is 4,120 statements 
 2026-11-28: ``ast`` statements less docstrings, by ``tests/test_layering.py``).
 ``IPUConfig``, the TensorBoard, W&B and MLflow loggers and plotting live in
 ``ipuloop.integrations``, which the kernel never imports: ``IPUConfig`` here is imported on
-first use. The first layout's names (``ipuloop.config``, ``ipuloop.plot``,
-``ipuloop.distributed``, ``ipuloop.errors``, the loggers in ``ipuloop.callbacks``) warn until
-their removal: see ``ipuloop.deprecated``.
+first use. Importing ipuloop loads the kernel's modules and changes nothing else.
 
 ``from ipuloop import poptorch`` gives the real poptorch when it is installed, else the
 CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
@@ -14,10 +12,8 @@ CPU/CUDA emulator (``IPULOOP_BACKEND`` overrides; see ``ipuloop.backend``).
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
-from . import deprecated  # noqa: F401 (it puts the first layout's names in place)
 from .backend import backend_name
 from .callbacks import Callback, CancelEpoch, CancelFit, CancelStep, ProgressBar
 from .loop import Loop, NonFiniteLossError, WithLoss
@@ -54,6 +50,4 @@ def __getattr__(name: str):
         from .integrations.ipu_config import IPUConfig
 
         return IPUConfig
-    if name in ("distributed", "errors"):  # the first layout's (``deprecated``): warn when read
-        return sys.modules[f"{__name__}.{name}"]
     raise AttributeError(f"module 'ipuloop' has no attribute {name!r}")

@@ -1,16 +1,15 @@
 """The "16-mixed" advice: which matmuls compute in float32 as the device runs the model, and why.
 
 One micro-batch runs on the host as the device gets it (float inputs float16, weights float32).
-Each op computes as PopTorch computes it under the emulator's own rule for float16 and float32
-operands in one op (``emulator.device.precision.MixedFloat``, read from there, not restated),
-while ``MixedDtypes`` records the dtype each op gives. When most matmuls and convolutions
-compute in float32, ``check_mixed`` warns, naming the float32 tensor that promoted the
-activations, and how to keep them in float16.
+Each op computes as PopTorch computes it under the rule for float16 and float32 operands in one
+op that the emulator's device runs too (``mixed_float.MixedFloat``, a leaf both import, so this
+module imports no emulator), while ``MixedDtypes`` records the dtype each op gives. When most
+matmuls and convolutions compute in float32, ``check_mixed`` warns, naming the float32 tensor
+that promoted the activations, and how to keep them in float16.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any, Callable, Dict, Tuple, cast
 
@@ -18,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .backend import backend_name
+from .mixed_float import MixedFloat
 from .modes import kept_weights
 from .outputs import WithLoss
 
@@ -64,7 +63,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 class MixedDtypes(TorchFunctionMode):
-    """Records the dtype each op computes in. Entered above the emulator's ``MixedFloat``, which
+    """Records the dtype each op computes in. Entered above ``MixedFloat``, which
     computes each op as a 16-mixed device does, it sees every op's operands and result:
     ``matmuls``, the dtype of each matmul and convolution, in order; ``promoted``, the first op
     whose float16 operand met a float32 one and gave float32, as ``(op, float32 operand)``
@@ -118,22 +117,6 @@ def _float32_names(model: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-def _device_rule() -> type[TorchFunctionMode]:
-    """The emulator's ``MixedFloat``: how a 16-mixed device computes an op with float16 and
-    float32 operands. Where real PopTorch runs the loop, importing the emulator here must not
-    change PopTorch's logger, which the emulator's ``poptorch.logger`` shares by name (a second
-    console handler, the level set again): its handlers and level are put back."""
-    logger = logging.getLogger("poptorch::python")
-    kept = None if backend_name() == "emulator" else (list(logger.handlers), logger.level)
-    try:
-        from .emulator.device.precision import MixedFloat
-    finally:
-        if kept is not None:  # (the emulator, imported already, changed nothing now)
-            logger.handlers[:] = kept[0]
-            logger.setLevel(kept[1])
-    return MixedFloat
-
-
 def _record(model: torch.nn.Module, args: Args, kwargs: Kwargs) -> MixedDtypes | None:
     """Run ``model`` once as the device computes it, recording each op's dtype (its weights,
     buffers and the host RNG as they were); None when the model fails this run."""
@@ -142,7 +125,7 @@ def _record(model: torch.nn.Module, args: Args, kwargs: Kwargs) -> MixedDtypes |
         with kept_weights(model), torch.no_grad(), torch.random.fork_rng(devices=[]):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (the float32 probe has shown them)
-                with _device_rule()(), record:  # (each module in the mode it trains in)
+                with MixedFloat(), record:  # (each module in the mode it trains in)
                     model(*args, **kwargs)
     except Exception:  # noqa: BLE001 (a model that runs in float32 may fail here in float16)
         return None

@@ -425,7 +425,7 @@ class ProcessGroup(Processes):
         mine = f"{type(error).__name__}: {error}{notes}"[:4000]
         self.store = _default_store()  # (held: it outlives the group, which goes next)
         first = self._first_failure({"instance": self.rank, "error": mine, "step": st.step})
-        if first is not None:  # and for a launcher serving the store (python -m ipuloop.poprun)
+        if first is not None:  # and for a launcher serving the store (ipuloop.emulate.poprun)
             tell_launcher(self.store, first)
         _leave_group()
         raised = error

@@ -79,7 +79,7 @@ def input_groups(opts: Any) -> int:
     return max(opts.replication_factor // opts.input_group_size, 1)
 
 
-def host_call_factor(opts: Any, training: bool) -> int:  # noqa: FBT001 (plan.py, loaders.py)
+def host_call_factor(opts: Any, training: bool) -> int:  # noqa: FBT001 (plan.py calls it so)
     """Micro-batches in one host batch: DI * max(RF // input_group_size, 1) * (GA if training
     else 1). Replicas of one input group read the same samples, so they count once; an
     inference call runs no gradient accumulation."""
@@ -264,7 +264,8 @@ def dist_timeout(env: Any = None, error: type = ValueError) -> float:
 
 
 # Where an instance leaves the run's first failure for a launcher that serves the group's store
-# (python -m ipuloop.poprun), in the store itself, under none of the prefixes groups add.
+# (python -m ipuloop.emulate.poprun), in the store itself, under none of the prefixes groups
+# add.
 LAUNCHER_FAILURE_KEY = "ipuloop/launcher/failure"
 
 

@@ -1,3 +1,3 @@
 """The package version, a leaf every module may read."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -42,9 +42,15 @@ def _carried(v: Any) -> bool:
     return not (hasattr(cls, "deviceIterations") and hasattr(cls, "toDict"))  # the options
 
 
+# The leaf the emulated device computes 16-bit ops with: PopTorch's stand-in runs it in a call
+DEVICE_LEAVES = ("/mixed_float.py",)
+
+
 def module_of(filename: str) -> str | None:
     """``filename``'s ipuloop module ("plan", "callbacks.base"), None outside the loop side."""
     if not filename.startswith(ROOT) or "/emulator/" in filename or "/_binding/" in filename:
+        return None
+    if filename.endswith(DEVICE_LEAVES):
         return None
     return filename[len(ROOT) : -3].replace("/", ".")
 

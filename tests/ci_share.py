@@ -11,10 +11,11 @@ cost. Outside CI (no ``IPULOOP_CI_SHARE``) nothing changes.
 
 Which files belong to one environment (``IPULOOP_CI_SIDE``):
 - ``sdk`` (Python 3.8, torch 2.0.1, as PopTorch 3.4 pins): the emulator's own tests, which
-  mirror PopTorch on the torch it runs on; the ecosystem programs, the model garden and
-  benchmarks/overhead.py, which need that environment's packages; test_hardening.py, whose
-  stress repeats time signals against a child process's start, which this Python and torch
-  make in about half the time;
+  mirror PopTorch on the torch it runs on, and ``test_mixed_float.py`` (the emulator device's
+  rule for float16 and float32 operands, whose host kernels differ by torch); the ecosystem
+  programs, the model garden and benchmarks/overhead.py, which need that environment's
+  packages; test_hardening.py, whose stress repeats time signals against a child process's
+  start, which this Python and torch make in about half the time;
 - ``current`` (the current torch): benchmarks/gpu.py's tests.
 """
 
@@ -32,6 +33,7 @@ SIDE = os.environ.pop("IPULOOP_CI_SIDE", "")
 BELONGS = {
     "sdk": (
         "test_emulator_",
+        "test_mixed_float",
         "test_ecosystem_",
         "test_model_garden",
         "test_docs_lightning",

@@ -5,6 +5,7 @@ model, a ``poptorch`` distribution (for version checks through ``importlib.metad
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -261,10 +262,39 @@ def test_under_emulate_an_installed_popdist_and_horovod_are_imported_not_the_sta
     assert p.stdout.split() == ["popdist", "horovod.torch", "poptorch_geometric", "examples_utils"]
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "poptorch.py",
+        "popdist/__init__.py",
+        "horovod/__init__.py",
+        "examples_utils/__init__.py",
+        "poptorch_geometric/__init__.py",
+    ],
+)
+def test_a_binding_module_finds_ipuloop_where_it_is_not_installed(name, monkeypatch):
+    """A Python child whose environment has no ipuloop (a subprocess started with another
+    interpreter, in another folder) reaches the binding folder through PYTHONPATH: each binding
+    module puts the folder that holds the ipuloop package on the module path before it imports
+    ipuloop. Its lines before that import run here with ipuloop not found."""
+    path = REPO / "ipuloop" / "emulate" / "_binding" / name
+    source = path.read_text()
+    head = source[: source.index("from ipuloop")]
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "ipuloop" else found(n, *a)
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = len(sys.path)
+    exec(compile(head, str(path), "exec"), {"__file__": str(path), "__name__": "probe"})
+    assert len(sys.path) == before + 1
+    assert Path(sys.path[-1]) == REPO and (REPO / "ipuloop" / "__init__.py").is_file()
+
+
 def test_without_emulate_no_poptorch_distribution_is_seen():
     import importlib.metadata
 
-    binding = str(REPO / "ipuloop" / "_binding")
+    binding = str(REPO / "ipuloop" / "emulate" / "_binding")
     if binding in sys.path:
         pytest.skip("this process runs under ipuloop.emulate")
     with pytest.raises(importlib.metadata.PackageNotFoundError):
@@ -272,7 +302,7 @@ def test_without_emulate_no_poptorch_distribution_is_seen():
 
 
 def test_the_emulated_distribution_is_the_emulated_version():
-    dist = REPO / "ipuloop" / "_binding" / f"poptorch-{poptorch.__version__}.dist-info"
+    dist = REPO / "ipuloop" / "emulate" / "_binding" / f"poptorch-{poptorch.__version__}.dist-info"
     metadata = (dist / "METADATA").read_text()
     assert "Name: poptorch\n" in metadata
     assert f"Version: {poptorch.__version__}\n" in metadata
@@ -297,7 +327,10 @@ def test_a_wheel_of_ipuloop_carries_the_binding_folder(tmp_path):
     assert p.returncode == 0, p.stderr
     (wheel,) = (tmp_path / "dist").glob("ipuloop-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    dist = f"ipuloop/_binding/poptorch-{poptorch.__version__}.dist-info"
+    dist = f"ipuloop/emulate/_binding/poptorch-{poptorch.__version__}.dist-info"
     assert {f"{dist}/METADATA", f"{dist}/top_level.txt"} <= names
-    assert {"ipuloop/_binding/poptorch.py", "ipuloop/_binding/popart.py"} <= names
-    assert {"ipuloop/_binding/popdist/__init__.py", "ipuloop/_binding/horovod/__init__.py"} <= names
+    assert {"ipuloop/emulate/_binding/poptorch.py", "ipuloop/emulate/_binding/popart.py"} <= names
+    assert {
+        "ipuloop/emulate/_binding/popdist/__init__.py",
+        "ipuloop/emulate/_binding/horovod/__init__.py",
+    } <= names

@@ -155,7 +155,7 @@ def test_gradient_accumulation_counts_micro_batch_gradients():
 
 class MixedDot(nn.Module):
     """float32 master weights computing in float16: loss = sum(c @ w) with c float16, so the
-    matmul runs in float16 on a float16 cast of w (the emulator's MixedFloat, as PopTorch
+    matmul runs in float16 on a float16 cast of w (``mixed_float.MixedFloat``, as PopTorch
     computes an op in its first operand's type); d loss / d w16 = c (times the loss scale)."""
 
     def __init__(self, n: int) -> None:

@@ -1,6 +1,6 @@
 """Horovod's host-side collectives as the emulator gives them (``ipuloop/emulator/horovod.py``)
 for one instance: Horovod's values (the input's own), its argument rules and its errors. Two
-instances over one process group: ``tests/test_poprun.py``."""
+instances over one process group: ``tests/test_emulate_poprun.py``."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ from ipuloop import Callback, Loop
 
 PACKAGE = os.path.dirname(os.path.abspath(ipuloop.__file__))
 FORWARDING = {
-    os.path.join(PACKAGE, "emulator", "device", f) for f in ("precision.py", "group_norm.py")
+    os.path.join(PACKAGE, "mixed_float.py"),
+    os.path.join(PACKAGE, "emulator", "device", "group_norm.py"),
 }
 
 T = torch.Tensor
@@ -96,7 +97,7 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in HOST_READS:
             # the line that made the call: the first frame out of the emulator's own function
-            # modes, which pass every call on (``precision.MixedFloat`` on a host without
+            # modes, which pass every call on (``mixed_float.MixedFloat`` on a host without
             # float16 kernels, ``group_norm.StridedGroupNorm``)
             caller = next(
                 f

@@ -5,14 +5,20 @@ The layers are read from the table in docs/layout.md (leaves < PopTorch and what
 reads < parts < wiring < the loop < integrations < entry points): a module imports its own
 layer or lower ones, with no exception. No two modules share a basename. So the kernel never
 imports ``ipuloop.integrations`` (IPUConfig, the experiment loggers, plotting), a layer above
-the loop, and importing ipuloop imports none of them. And
-at run time, a batch's way from the loader to the logged loss crosses few modules and takes no
-detour (``batch_way``).
+the loop, and importing ipuloop imports none of them. The loop reaches the emulator only
+through ``backend``, and the emulator and its tools import of the rest only the leaves both
+sides need (``SHARED``).
+
+The kernel is two folders' files (``KERNEL``: the top of ``ipuloop/`` and ``ipuloop/callbacks/``);
+every other folder stands beside it (``BESIDE``). Importing ipuloop loads the kernel and changes
+nothing else. And at run time, a batch's way from the loader to the logged loss crosses few
+modules and takes no detour (``batch_way``).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -42,11 +48,21 @@ def module_names() -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The ipuloop modules ``name`` (at ``path``) imports, anywhere in its body."""
+    """The ipuloop modules ``name`` (at ``path``) imports, anywhere in its body, with those it
+    names to ``importlib.import_module`` as a string (``backend``'s emulator)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+        elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -101,18 +117,36 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def inside(module: str, package: str) -> bool:
+    """Whether ``module`` is ``package`` or one of its submodules (``ipuloop.emulator`` is not
+    inside ``ipuloop.emulate``)."""
+    return module == package or module.startswith(package + ".")
+
+
+# The leaves both the loop and the emulator import: all the emulator imports of ipuloop.
+SHARED = ("ipuloop.rules", "ipuloop.group_teardown", "ipuloop.mixed_float")
+
+
 def forbidden(edges: dict[str, set[str]]) -> list[str]:
     """The edges the layering rules forbid, as "a -> b (why)"."""
     bad = []
     for a, targets in edges.items():
         for b in sorted(targets):
-            if a.startswith("ipuloop.emulator") and not (
-                b.startswith("ipuloop.emulator") or b in ("ipuloop.rules", "ipuloop.group_teardown")
+            emulator = inside(a, "ipuloop.emulator") or inside(a, "ipuloop.emulate")
+            if inside(a, "ipuloop.emulate") and not (
+                inside(b, "ipuloop.emulate") or inside(b, "ipuloop.emulator") or b in SHARED
             ):
                 bad.append(
-                    f"{a} -> {b} (the emulator imports nothing of ipuloop but rules and "
-                    "group_teardown)"
+                    f"{a} -> {b} (the emulator's tools import only themselves, the emulator and "
+                    "the leaves it imports)"
                 )
+            if inside(a, "ipuloop.emulator") and not (inside(b, "ipuloop.emulator") or b in SHARED):
+                bad.append(
+                    f"{a} -> {b} (the emulator imports nothing of ipuloop but rules, "
+                    "group_teardown and mixed_float)"
+                )
+            if not emulator and inside(b, "ipuloop.emulator") and a != "ipuloop.backend":
+                bad.append(f"{a} -> {b} (the loop reaches the emulator only through backend)")
             if a.startswith(("ipuloop.callbacks", "ipuloop.integrations")) and b in (
                 "ipuloop.loop",
                 "ipuloop.executors",
@@ -177,6 +211,20 @@ def test_no_forbidden_edge():
     assert forbidden(graph()) == []
 
 
+def test_the_loop_reaches_the_emulator_only_through_backend():
+    """Outside the emulator and its tools, one module imports the emulator: ``backend``, which
+    says which PopTorch is in use. A rule both sides need is a leaf both import (``SHARED``),
+    not a module of the emulator the loop reads."""
+    edges = graph()
+    reaching = sorted(
+        a
+        for a, targets in edges.items()
+        if not (inside(a, "ipuloop.emulator") or inside(a, "ipuloop.emulate"))
+        and any(inside(b, "ipuloop.emulator") for b in targets)
+    )
+    assert reaching == ["ipuloop.backend"]
+
+
 def test_no_lower_module_takes_the_loop():
     """Below the loop, no function is handed the loop itself (an upward dependency that no
     import shows): each part gets what it reads, and a callback the loop's ``LoopView``."""
@@ -209,11 +257,15 @@ def test_loop_reader_checker(source, found):
 def test_the_graph_is_read():  # the reader finds relative, aliased and function-local imports
     edges = graph()
     assert "ipuloop.rules" in edges["ipuloop.emulator.executor"]
+    assert "ipuloop.mixed_float" in edges["ipuloop.emulator.executor"]
+    assert "ipuloop.emulator" in edges["ipuloop.backend"]  # importlib.import_module("...")
     assert "ipuloop.checkpoint_io" in edges["ipuloop.callbacks.checkpoint"]  # from .. import x
     assert "ipuloop.backend" in edges["ipuloop.integrations.ipu_config"]  # inside a function
     assert "ipuloop.callbacks.base" in edges["ipuloop.loop"]
     assert "ipuloop.integrations.ipu_config" in edges["ipuloop"]  # inside ``__getattr__``
-    assert "ipuloop.integrations.tensorboard" in edges["ipuloop.deprecated"]  # from . import x
+    assert "ipuloop.emulator._logging" in edges["ipuloop.emulator.optim"]  # from . import x
+    assert "ipuloop.emulate" in edges["ipuloop.emulate.poprun"]  # from . import BINDING
+    assert "ipuloop.emulate" in edges["ipuloop.emulate._binding.poptorch"]
 
 
 @pytest.mark.parametrize(
@@ -241,6 +293,11 @@ def test_cycle_checker(edges, expected):
         ("ipuloop.loop", "ipuloop.callbacks"),
         ("ipuloop.processes", "ipuloop.loop"),
         ("ipuloop.resume", "ipuloop.loop"),
+        ("ipuloop.emulate.poprun", "ipuloop.processes"),
+        ("ipuloop.emulate", "ipuloop.backend"),
+        ("ipuloop.mixed_advice", "ipuloop.emulator.device.precision"),
+        ("ipuloop.integrations.ipu_config", "ipuloop.emulator"),
+        ("ipuloop.emulator.device.precision", "ipuloop.mixed_advice"),
     ],
 )
 def test_forbidden_checker(edge):
@@ -254,8 +311,13 @@ def test_allowed_edges_pass():
         forbidden(
             {
                 "ipuloop.emulator.data": {"ipuloop.rules", "ipuloop.emulator.options"},
+                "ipuloop.emulator.executor": {"ipuloop.mixed_float", "ipuloop.group_teardown"},
+                "ipuloop.backend": {"ipuloop.emulator", "ipuloop.rules"},
+                "ipuloop.mixed_advice": {"ipuloop.mixed_float"},
                 "ipuloop.loop": {"ipuloop.callbacks.base"},
                 "ipuloop.callbacks.checkpoint": {"ipuloop.checkpoint_io"},
+                "ipuloop.emulate": {"ipuloop.emulator", "ipuloop.group_teardown"},
+                "ipuloop.emulate.poprun": {"ipuloop.emulate", "ipuloop.rules"},
             }
         )
         == []
@@ -324,10 +386,10 @@ def upward(edges: dict[str, set[str]], table: dict[str, int]) -> list[str]:
     [
         ("ipuloop.callbacks", "ipuloop.integrations.tensorboard", True),  # the kernel's callbacks
         ("ipuloop.loop", "ipuloop.integrations.ipu_config", True),  # the loop: below them
-        ("ipuloop.callbacks.progress", "ipuloop.plot", True),  # a first layout's name
-        ("ipuloop.callbacks", "ipuloop.deprecated", True),
+        ("ipuloop.callbacks.progress", "ipuloop.emulate.poprun", True),  # the emulator's tools
+        ("ipuloop.loop", "ipuloop.emulate", True),
         ("ipuloop", "ipuloop.integrations.ipu_config", False),  # the public names, above them
-        ("ipuloop.deprecated", "ipuloop.integrations.scalars", False),
+        ("ipuloop.emulate", "ipuloop.emulator", False),
         ("ipuloop.integrations.scalars", "ipuloop.callbacks.base", False),
     ],
 )
@@ -344,7 +406,9 @@ def test_the_layer_table_is_read():  # the table's patterns, as the test reads t
     assert layer_of("ipuloop.integrations.tensorboard", table) == 6  # above the loop
     assert layer_of("ipuloop", table) == 7
     assert layer_of("ipuloop.examples.mnist", table) == 7
-    assert layer_of("ipuloop.deprecated", table) == 7
+    assert layer_of("ipuloop.emulate", table) == 7  # the emulator's tools, a folder of their own
+    assert layer_of("ipuloop.emulate.poprun", table) == 7
+    assert layer_of("ipuloop.emulate._binding.popdist", table) == 7
 
 
 def test_no_basename_twice():
@@ -358,9 +422,21 @@ def test_no_basename_twice():
 
 
 # -- the kernel apart from its integrations ------------------------------------------------------
+# The kernel: the loop's modules, each a file at the top of ipuloop/, and the built-in callbacks
+# (ipuloop/callbacks/), subfolders of neither. Beside it, each a folder of its own: the emulator
+# and its tools, the integrations and the examples (docs/layout.md).
+KERNEL = (ROOT, ROOT / "callbacks")
+BESIDE = ("emulator", "emulate", "integrations", "examples")
+
+
+def kernel_modules() -> dict[str, Path]:
+    """The kernel's modules by name: the files of the folders of ``KERNEL``."""
+    return {name: path for name, path in module_names().items() if path.parent in KERNEL}
+
+
 def test_importing_ipuloop_imports_no_integration(tmp_path):
-    """A fit, with ipuloop and its callbacks imported, loads no integration, nor the first
-    layout's modules; ``ipuloop.IPUConfig`` imports its integration on first use."""
+    """A fit, with ipuloop and its callbacks imported, loads no integration, nor the emulator's
+    tools; ``ipuloop.IPUConfig`` imports its integration on first use."""
     code = (
         "import sys, torch, ipuloop, ipuloop.callbacks as cb\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
@@ -369,8 +445,9 @@ def test_importing_ipuloop_imports_no_integration(tmp_path):
         "loop = Loop(WithLoss(torch.nn.Linear(4, 2), torch.nn.CrossEntropyLoss()),\n"
         "            progress=False, callbacks=[cb.CSVLogger('log.csv')])\n"
         "loop.fit(DataLoader(ds, batch_size=4), epochs=1)\n"
-        "outside = ('ipuloop.integrations', 'ipuloop.config', 'ipuloop.plot')\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith(outside))\n"
+        "outside = ('ipuloop.integrations', 'ipuloop.emulate')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(outside) and m != 'ipuloop.emulator'\n"
+        "                and not m.startswith('ipuloop.emulator.'))\n"
         "assert loaded == [], loaded\n"
         "import ipuloop.integrations.ipu_config as ic\n"
         "assert ipuloop.IPUConfig is ic.IPUConfig\n"
@@ -380,19 +457,109 @@ def test_importing_ipuloop_imports_no_integration(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
 
 
-def kernel_statements() -> int:
-    """The kernel's statements (``ast`` statements, docstrings left out): the modules of the
-    layers below the integrations but the emulator, and the public names (``__init__.py``)."""
-    table = layers()
+def outside_imports(paths: list[Path]) -> list[str]:
+    """The import statements of ``paths`` that run when each is imported (at module level, in
+    an ``if`` or ``try`` there, not under ``TYPE_CHECKING``) and name no ipuloop module."""
+    found = set()
+    for path in paths:
+        source = path.read_text()
+        todo = list(ast.parse(source).body)
+        while todo:
+            node = todo.pop(0)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.dump(node.test):
+                todo += node.body + node.orelse
+            elif isinstance(node, ast.Try):
+                todo += node.body + node.orelse + node.finalbody
+                todo += [n for handler in node.handlers for n in handler.body]
+            elif isinstance(node, ast.Import):
+                if all(a.name.split(".")[0] != "ipuloop" for a in node.names):
+                    found.add(ast.get_source_segment(source, node) or "")
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                if (node.module or "").split(".")[0] not in ("ipuloop", "__future__"):
+                    found.add(ast.get_source_segment(source, node) or "")
+    return sorted(found)
+
+
+SIDE_EFFECTS = r"""
+import json, logging, os, signal, sys, warnings
+for statement in json.loads(sys.argv[1]):  # what ipuloop's modules import besides ipuloop
+    try:
+        exec(statement)
+    except ImportError:  # (an optional package, imported in a ``try`` there)
+        pass
+
+
+def state():
+    root = logging.getLogger()
+    return {
+        "sys.path": repr(sys.path), "sys.meta_path": repr(sys.meta_path),
+        "sys.path_hooks": repr(sys.path_hooks), "os.environ": repr(dict(os.environ)),
+        "warnings.filters": repr(warnings.filters), "sys.excepthook": repr(sys.excepthook),
+        "signals": repr([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]),
+        "the root logger": repr((root.handlers, root.level)),
+    }
+
+
+modules, before = dict(sys.modules), state()
+import ipuloop
+after = state()
+print(json.dumps({
+    "changed": [k for k in before if before[k] != after[k]],
+    "replaced": sorted(k for k, m in modules.items() if sys.modules.get(k) is not m),
+    "added": {k: getattr(sys.modules[k], "__file__", None) for k in set(sys.modules) - set(modules)},
+}))
+"""
+
+
+def test_importing_ipuloop_loads_the_kernel_and_changes_nothing_else(tmp_path):
+    """A fresh interpreter that has imported what ipuloop's modules import from elsewhere
+    (torch...) then imports ipuloop: the modules it adds are the kernel's, each loaded from its
+    file (no module object made up, no other name bound in ``sys.modules``); no entry there is
+    replaced; and the module path, the import hooks, the environment, the warning filters, the
+    signal handlers and the root logger are as they were. So every file at the top of ipuloop/
+    is one the loop runs, and importing ipuloop has no side effects."""
+    kernel = kernel_modules()
+    statements = outside_imports(list(kernel.values()))
+    assert "import torch" in statements  # (the reader finds them)
+    out = subprocess.run(
+        [sys.executable, "-c", SIDE_EFFECTS, json.dumps(statements)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=True,
+    )
+    found = json.loads(out.stdout)
+    assert found["changed"] == [] and found["replaced"] == []
+    assert found["added"] == {name: str(path) for name, path in kernel.items()}
+
+
+def statements(path: Path) -> int:
+    """A file's statements: ``ast`` statements, docstrings left out (a formatter changes none)."""
     total = 0
-    for name, path in module_names().items():
-        layer = layer_of(name, table) or 0
-        if name.startswith("ipuloop.emulator") or (layer >= 6 and name != "ipuloop"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-            total += isinstance(node, ast.stmt) and not docstring
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        total += isinstance(node, ast.stmt) and not docstring
     return total
+
+
+def kernel_statements() -> int:
+    """The kernel's statements: those of the files in the folders of ``KERNEL``."""
+    return sum(statements(path) for path in kernel_modules().values())
+
+
+def test_the_kernel_is_two_folders_and_the_rest_stands_beside_it():
+    """``ipuloop/`` holds the kernel's files and folders: the callbacks (the kernel's too) and
+    those beside it (``BESIDE``), each a product of its own. A new folder is one of them or
+    changes this definition, and docs/layout.md's with it."""
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {"callbacks", *BESIDE}
+    table = layers()
+    kernel = kernel_modules()
+    assert "ipuloop.loop" in kernel and "ipuloop.callbacks.base" in kernel
+    assert all((layer_of(m, table) or 0) <= 5 or m == "ipuloop" for m in kernel)  # below
+    beside = [m for m in module_names() if m not in kernel]
+    assert all(any(inside(m, f"ipuloop.{f}") for f in BESIDE) for m in beside), beside
 
 
 # How the kernel's size is stated: "<figure> statements" and the day it was counted, as

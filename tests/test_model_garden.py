@@ -3,8 +3,9 @@ under tests/fixtures/model_garden) run on the emulator as their READMEs run them
 their own generated data:
 
 - the CNN application: training with one instance, training with two through
-  ``python -m ipuloop.poprun`` (popdist, horovod.torch's collectives, PopTorch's DataLoader shared
-  out between the instances), and the inference benchmark, which reads ``getLatency()``;
+  ``python -m ipuloop.emulate.poprun`` (popdist, horovod.torch's collectives, PopTorch's
+  DataLoader shared out between the instances), and the inference benchmark, which reads
+  ``getLatency()``;
 - ViT pretraining (pipelined over two IPUs, Adam, mixup), with one and two instances.
 
 They need timm, PyTurboJPEG, PyYAML, attrdict, randaugment and transformers (the ``model-garden``
@@ -127,7 +128,7 @@ def test_training_two_instances_through_the_launcher(app):
         [
             sys.executable,
             "-m",
-            "ipuloop.poprun",
+            "ipuloop.emulate.poprun",
             "--num-instances=2",
             "--num-replicas=2",
             sys.executable,
@@ -224,8 +225,8 @@ def test_vit_pretraining(garden, tmp_path, instances):
     if instances == 1:
         cmd = [sys.executable, "-m", "ipuloop.emulate", *args]
     else:
-        cmd = [sys.executable, "-m", "ipuloop.poprun", "--num-instances=2", "--num-replicas=2"]
-        cmd += [sys.executable, *args]
+        cmd = [sys.executable, "-m", "ipuloop.emulate.poprun", "--num-instances=2"]
+        cmd += ["--num-replicas=2", sys.executable, *args]
     out = run(cmd, vit)
     found = vit_losses(out)
     assert found and all(math.isfinite(v) and v > 0 for v in found), out[-4000:]

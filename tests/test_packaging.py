@@ -39,5 +39,5 @@ def test_wheel_ships_py_typed(tmp_path):
     (wheel,) = tmp_path.glob("ipuloop-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "ipuloop/py.typed" in names
-    assert "ipuloop/plot.py" in names and "ipuloop/integrations/tensorboard.py" in names
-    assert "ipuloop/_binding/poptorch.py" in names  # python -m ipuloop.emulate's workers
+    assert "ipuloop/integrations/plotting.py" in names and "ipuloop/callbacks/base.py" in names
+    assert "ipuloop/emulate/_binding/poptorch.py" in names  # python -m ipuloop.emulate's workers

@@ -9,7 +9,8 @@ command ``[sys.executable, SCRIPT | -m MODULE | -c CODE, *args]`` (``-u``, ``-B`
 would. The returned object is a ``subprocess.Popen``: pipes, ``communicate``, timeouts,
 ``send_signal`` and ``returncode`` (negative for a signal) work on the child itself, whose
 ``pid`` is its own. Inside a warm child, ``subprocess.Popen`` does the same for the Python
-children it starts (torchrun's workers, ``ipuloop.poprun``'s instances, a benchmark's runs).
+children it starts (torchrun's workers, ``ipuloop.emulate.poprun``'s instances, a benchmark's
+runs).
 
 What the child gets, as a fresh interpreter would: its ``argv``, environment, working folder,
 standard streams, ``sys.path`` (its first entry and PYTHONPATH's), a fresh ``__main__``,

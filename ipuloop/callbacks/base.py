@@ -144,7 +144,8 @@ class Callback:
 
     The loop calls only the hooks a callback overrides, in ascending ``order`` (stable).
     A callback with state to checkpoint returns it from ``state_dict()`` (tensors, numbers,
-    strings, lists and dicts only) and takes it back in ``load_state_dict()``.
+    strings, lists and dicts only) and takes it back in ``load_state_dict()``: their
+    docstrings give the contract.
 
     A method named like a hook but not one (``on_epoch_begin``), or named as a Lightning hook
     the loop never calls (``on_train_batch_end``, ``transfer_batch_to_device``,
@@ -173,10 +174,32 @@ class Callback:
         return type(self).__qualname__
 
     def state_dict(self) -> dict[str, Any]:
+        """This callback's state for a checkpoint; the base has none (``{}``).
+
+        Read by ``Loop.state_dict()``, which ``ModelCheckpoint`` calls when it saves (or a
+        program calls by hand), after ``on_save_checkpoint`` has fired: a hook may stash there
+        what this returns. The result is stored in the checkpoint under ``state_key`` and must
+        hold only tensors, numbers, strings, booleans, None, and lists, tuples and dicts of
+        them: checkpoints load with ``torch.load(weights_only=True)``, which rejects any other
+        object, so a checkpoint holding one fails to load (``CheckpointError``), though it
+        saved.
+
+        It is read on every instance of a run, ``main_instance_only`` or not (that flag only
+        keeps the hooks from firing elsewhere), and instance 0 writes the checkpoint: what is
+        saved is instance 0's state.
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Take back a ``state_dict()`` result, as saved; the base ignores it.
+
+        Called by ``Loop.load_state_dict`` (``fit(resume_from=...)`` calls it before
+        ``on_fit_start``), in the order of the loop's callbacks, before ``on_load_checkpoint``
+        fires; only when the checkpoint holds state under this callback's ``state_key``
+        (otherwise the callback keeps the state it has). On several processes every instance
+        gets the state instance 0 saved, ``main_instance_only`` callbacks too, although their
+        hooks run on instance 0 only.
+        """
 
     def on_configure(self, loop: LoopView) -> None: ...
     def on_fit_start(self, loop: LoopView) -> None: ...

@@ -34,6 +34,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from .. import rules
+from ..mixed_float import MixedFloat
 from . import _logging
 from . import blocks as _blocks
 from . import options as _options_mod
@@ -48,7 +49,6 @@ from .device.anchors import Anchors
 from .device.device_state import DeviceWeights, emulator_device, swap_rng, wrapped_class
 from .device.latency import latency
 from .device.optimizer_sync import OptimizerSync
-from .device.precision import MixedFloat
 from .device.signature import Signature
 from .device.signature import unflatten as _unflatten
 from .enums import ConnectionType, OutputMode, ReductionType

@@ -12,7 +12,5 @@ matplotlib) only when used:
 - ``plotting``: curves from a ``CSVLogger`` file (``python -m ipuloop.integrations.plotting``).
 
 Each is imported from its module (``from ipuloop.integrations.tensorboard import
-TensorBoardLogger``); ``from ipuloop import IPUConfig`` imports ``IPUConfig`` on first use. The
-first layout's names (``ipuloop.config``, ``ipuloop.plot``, the loggers in ``ipuloop.callbacks``)
-forward here with a ``DeprecationWarning`` until their removal (``ipuloop.deprecated``).
+TensorBoardLogger``); ``from ipuloop import IPUConfig`` imports ``IPUConfig`` on first use.
 """

@@ -127,9 +127,9 @@ def _group(pid: int, n: int, device: torch.device) -> Any:
                 "launcher's variables (torchrun's RANK and WORLD_SIZE, mpirun's "
                 "OMPI_COMM_WORLD_RANK and OMPI_COMM_WORLD_SIZE, or poprun's POPDIST_*). Launch "
                 f"every instance with `python -m torch.distributed.run --nproc-per-node {n} "
-                f"SCRIPT` (torchrun) or `python -m ipuloop.poprun --num-instances {n} python "
-                "SCRIPT`, or call torch.distributed.init_process_group() before the first "
-                "call, or run one process (Options.Distributed.disable())."
+                "SCRIPT` (torchrun) or `python -m ipuloop.emulate.poprun --num-instances "
+                f"{n} python SCRIPT`, or call torch.distributed.init_process_group() before the "
+                "first call, or run one process (Options.Distributed.disable())."
             )
         _create(dist, pid, n, device)
     rank, size = dist.get_rank(), dist.get_world_size()

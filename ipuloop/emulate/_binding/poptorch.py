@@ -15,7 +15,8 @@ import sys
 __all__: list = []
 
 if importlib.util.find_spec("ipuloop") is None:  # e.g. a subprocess in another folder
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    # the folder that holds ipuloop/ (this file: ipuloop/emulate/_binding/poptorch.py)
+    sys.path.append(os.path.abspath(os.path.join(__file__, *[os.pardir] * 4)))
 
 from ipuloop.emulate import install  # (the path above first)
 

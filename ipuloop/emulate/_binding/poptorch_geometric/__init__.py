@@ -8,7 +8,8 @@ import os
 import sys
 
 if importlib.util.find_spec("ipuloop") is None:  # e.g. a subprocess in another folder
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    # the folder that holds ipuloop/ (this file: ipuloop/emulate/_binding/*/__init__.py)
+    sys.path.append(os.path.abspath(os.path.join(__file__, *[os.pardir] * 5)))
 
 from ipuloop.emulate import stand_in  # (the path above first)
 

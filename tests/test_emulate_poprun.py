@@ -1,6 +1,6 @@
-"""``python -m ipuloop.poprun``: poprun's command line read (options used, ignored, refused by
-name), the environment each instance gets, the command it runs, and two instances of a
-model-garden-like program trained in one process group; a failing instance ends the others."""
+"""``python -m ipuloop.emulate.poprun``: poprun's command line read (options used, ignored,
+refused by name), the environment each instance gets, the command it runs, and two instances of
+a model-garden-like program trained in one process group; a failing instance ends the others."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from launch import clean_env, free_port
 import warm
 
-from ipuloop import poprun
-from ipuloop.emulate import BINDING
+from ipuloop.emulate import BINDING, poprun
 
 
 def test_defaults_one_instance_and_a_replica_each():
@@ -94,7 +94,8 @@ def test_each_instance_gets_poprun_s_mpirun_s_and_the_group_s_environment():
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "2", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "12345")
     assert env["IPULOOP_EMULATOR_IPUS"] == "16"  # the 16 IPUs hold 8 replicas x 2
-    assert env["PYTHONPATH"].split(":")[:2] == [BINDING, "/elsewhere"]
+    assert env["PYTHONPATH"].split(":") == [BINDING, "/elsewhere", poprun.ROOT]
+    assert (Path(poprun.ROOT) / "ipuloop" / "__init__.py").is_file()  # ipuloop, where not installed
     big = poprun.parse(["--num-instances=2", "--num-replicas=16", "--ipus-per-replica=4", "x"])
     assert poprun.instance_env(big, 0, {}, 1)["IPULOOP_EMULATOR_IPUS"] == "64"
 
@@ -166,7 +167,7 @@ GARDEN = textwrap.dedent(
 
 def _poprun(tmp_path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return warm.run(
-        [sys.executable, "-m", "ipuloop.poprun", *args],
+        [sys.executable, "-m", "ipuloop.emulate.poprun", *args],
         cwd=tmp_path,
         env=clean_env(MASTER_PORT=str(free_port()), IPULOOP_DIST_TIMEOUT="60"),
         capture_output=True,

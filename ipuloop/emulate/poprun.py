@@ -1,8 +1,8 @@
-"""``python -m ipuloop.poprun [POPRUN OPTIONS] COMMAND [ARGS...]``: poprun's command line on one
-host, each instance of COMMAND running on the emulator (as ``python -m ipuloop.emulate`` runs a
-program) with the environment poprun gives it, all joining one ``torch.distributed`` group.
+"""``python -m ipuloop.emulate.poprun [POPRUN OPTIONS] COMMAND [ARGS...]``: poprun's command line
+on one host, each instance of COMMAND running on the emulator (as ``python -m ipuloop.emulate``
+runs a program) with the environment poprun gives it, all joining one ``torch.distributed`` group.
 
-    python -m ipuloop.poprun --num-instances 2 --num-replicas 4 python train.py --epochs 1
+    python -m ipuloop.emulate.poprun --num-instances 2 --num-replicas 4 python train.py --epochs 1
 
 Options used: ``--num-instances`` (default 1), ``--num-replicas`` (default: the instances; a
 multiple of them), ``--ipus-per-replica`` (default 1), ``--only-output-from-instance I``,
@@ -49,12 +49,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Any
 
-from .emulate import BINDING
-from .rules import LAUNCHER_FAILURE_KEY
+from ..rules import LAUNCHER_FAILURE_KEY
+from . import BINDING
 
 __all__ = ["Topology", "instance_env", "main", "parse"]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ipuloop is
+# the folder that holds the ipuloop package (this file is ipuloop/emulate/poprun.py)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRACE_S = 1.0  # after an instance fails, the others' time to end by themselves
 KILL_AFTER_S = 5.0  # then SIGTERM, and this long before SIGKILL
 DEFAULT_IPUS = 16
@@ -168,7 +169,7 @@ def parse(argv: list[str]) -> Topology:
         if option not in _USED and option not in _IGNORED:
             raise UsageError(
                 f"poprun's {option} is not supported by ipuloop's poprun, which runs every "
-                "instance on this host on the emulator (python -m ipuloop.poprun --help)."
+                "instance on this host on the emulator (python -m ipuloop.emulate.poprun --help)."
             )
         if not eq:
             if option in ("--print-topology", "--numa-aware") and (
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         top = parse(argv)
         raise SystemExit(run(top))
     except UsageError as e:
-        print(f"ipuloop.poprun: {e}", file=sys.stderr)
+        print(f"ipuloop.emulate.poprun: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -184,15 +184,16 @@ def _leave_at_once(error: BaseException) -> None:
     instances at exit (they may be waiting in a collective for it): their waits then fail,
     and a launcher sees this instance end (the loop's instances leave so on an error too).
     First it leaves its error in the group's store as the run's first failure, unless an
-    instance did before (``rules.tell_launcher``: ``python -m ipuloop.poprun`` names it)."""
+    instance did before (``rules.tell_launcher``: ``python -m ipuloop.emulate.poprun`` names
+    it)."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is None or not dist.is_available() or not dist.is_initialized():
             return
         import datetime
 
-        from .group_teardown import destroy_group
-        from .rules import tell_launcher
+        from ..group_teardown import destroy_group
+        from ..rules import tell_launcher
 
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=3))
@@ -201,7 +202,3 @@ def _leave_at_once(error: BaseException) -> None:
         destroy_group()
     except Exception:  # noqa: BLE001 (leaving a broken group: the exit is what matters)
         pass
-
-
-if __name__ == "__main__":
-    main()
