@@ -56,7 +56,10 @@ class Loop:
         opts: ``poptorch.Options`` (never modified: the loop clones it), an
             ``ipuloop.IPUConfig``, or None for defaults.
         optimizer: one optimizer over the model's parameters (``poptorch.optim`` or
-            ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01).
+            ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01). A
+            ``torch.optim`` one runs on the device as its ``poptorch.optim`` twin, which
+            follows its hyper-parameters, and gets the state back after each fit (so
+            checkpoints hold it).
         loss_fn: makes ``model`` a model-with-loss (``loss_fn(output, labels)``).
         metrics: torchmetrics metrics (a dict or ``MetricCollection``), computed on the host
             from what the device returns, logged as ``train_<name>`` and ``val_<name>``. Each
@@ -358,6 +361,7 @@ class Loop:
             except Preempted:
                 self._hooks.fire("on_preempt")
             self.executors.detach(self.train_model)  # weights and optimizer state to host
+            self.executors.read_optimizer_state()  # (a torch.optim optimizer's, from its twin)
             self._hooks.fire("on_fit_end")
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
@@ -701,15 +705,17 @@ class Loop:
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
         """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
-        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers, so a
-        stateful ``torch.optim`` one keeps it on the device, out of every checkpoint."""
+        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers. A
+        ``torch.optim`` SGD, Adam, AdamW or RMSprop runs as its ``poptorch.optim`` twin, whose
+        state the loop reads back; another stateful optimizer is refused, naming the fix."""
         check_resumable(self.optimizer, self.poptorch)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts.
 
         Fires ``on_save_checkpoint`` first (callbacks stash what their ``state_dict`` needs).
-        A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
+        A stateful optimizer whose state PopTorch cannot read back is refused
+        (``check_resumable``)."""
         self.check_resumable()
         self._hooks.fire("on_save_checkpoint")
         sd = self._resume.capture(self._checkpointed())
@@ -737,6 +743,7 @@ class Loop:
             callbacks=self.callbacks,
             executor=self.train_model,
             model_with_loss=self.model_with_loss,
+            twin=self.executors.twin,
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:
