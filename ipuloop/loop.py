@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from .accumulators import Predictions, TrainEpoch, Validation
+from .accumulators import Predictions, TrainEpoch, Validation, mark_estimates
 from .backend import backend_name, poptorch_module
 from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
@@ -408,6 +408,8 @@ class Loop:
             st.logs.update(logs)
         else:  # no step ran (cancelled): no train values, rather than the last epoch's
             st.drop_logs("train_", self._logged())
+        if not plan.layout.exact:  # Final, EveryN: from the returned micro-batches only
+            mark_estimates(st.logs, self._returns.logged)
         if st.should_stop() and plan.steps and st.epoch_step < plan.steps:
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         every = st.val_every_n_steps
@@ -430,7 +432,7 @@ class Loop:
 
     def _logged(self) -> tuple[str, ...]:
         """The names of the loss, the metrics and the values the model logged."""
-        return ("loss", "loss_exact", *self.metrics, *self._returns.logged)
+        return ("loss", *self.metrics, *self._returns.logged)
 
     def _train_epoch(self, plan: Plan, val_plan: ValPlans | None) -> None:
         st = self.state
@@ -448,6 +450,8 @@ class Loop:
         per_step_micro_batches = layout.micro_batches * instances
         per_step_updates = layout.di
         boundary = self._processes.at_boundary
+        estimates = not layout.exact  # Final, EveryN: the logs name the estimated values
+        logged = self._returns.logged
         step_start = hooks.hooks["on_train_step_start"]
         step_end = hooks.hooks["on_train_step_end"]
         if self._resume.take_step_validation():  # saved during a step's validation: finish it
@@ -506,6 +510,8 @@ class Loop:
             st.logs["loss"] = epoch.add(step)
             if logs is not None:  # values the model logs: reduced as the loss is
                 st.logs.update(epoch.add_logs(logs, layout))
+            if estimates:
+                mark_estimates(st.logs, logged)
             if metrics:
                 epoch.update_metrics(output, labels, layout)
             if every is not None and st.step % every == 0 and val_plan is not None:

@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from . import optimizer_twin
-from .accumulators import TrainEpoch
+from .accumulators import TrainEpoch, upgrade_logs
 from .callbacks.base import Callback, CancelEpoch, CancelFit
 from .outputs import loss_fn_state, weights_for
 from .plan import Plan
@@ -322,8 +322,8 @@ class Resume:
             for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
                 setattr(optimizer, k, v)
         st.load_counters(sd["counters"])
-        st.history = [dict(h) for h in sd["history"]]
-        st.logs = dict(sd.get("logs", {}))
+        st.history = [upgrade_logs(h) for h in sd["history"]]  # (older: train_loss_exact)
+        st.logs = upgrade_logs(sd.get("logs", {}))
         parts.epoch.load_state_dict(sd)
         self._step_validation = bool(sd.get("step_validation", False))
         for cb in callbacks:

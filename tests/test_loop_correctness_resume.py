@@ -306,3 +306,19 @@ def test_one_state_is_not_saved_under_two_names(tmp_path):
     loop.fit(loader, EPOCHS)  # 4 steps per epoch: the step save and the epoch save coincide
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch1-step4", "epoch2-step8"]
     assert [e["name"] for e in ckpt.kept] == ["epoch1-step4", "epoch2-step8"]
+
+
+def test_a_checkpoint_with_the_older_exact_flag_loads_naming_its_estimates():
+    """Checkpoints written before ``estimated`` hold ``train_loss_exact`` in their history
+    and logs (0.0: the train values are estimates): they load, the flag read as names."""
+    loop, loader, _ = H.make_loop(1, 2, n=N)
+    loop.fit(loader, 2)
+    sd = loop.state_dict()
+    sd["history"] = [{**h, "train_loss_exact": 0.0} for h in sd["history"]]
+    sd["logs"] = {**sd["logs"], "train_loss_exact": 1.0}
+    again, loader, _ = H.make_loop(1, 2, n=N)
+    again.load_state_dict(sd)
+    assert [h["estimated"] for h in again.state.history] == ["loss train_loss"] * 2
+    assert not any("train_loss_exact" in h for h in again.state.history)
+    assert "train_loss_exact" not in again.state.logs and "estimated" not in again.state.logs
+    assert again.fit(loader, 3)[-1]["epoch"] == 3  # and the fit goes on

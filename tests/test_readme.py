@@ -197,7 +197,7 @@ def _check_logged_values(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> 
     step_acc, train_acc, val_acc = map(float, out.split()[-3:])
     h = ns["history"][-1]
     assert 0.5 < val_acc <= 1 and 0.5 < train_acc <= 1 and 0 <= step_acc <= 1
-    assert h["train_loss_exact"] == 1.0  # Sum: every micro-batch's value
+    assert "estimated" not in h  # Sum: every micro-batch's value, no estimate
 
 
 def _check_val_every_n_steps(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
@@ -375,8 +375,8 @@ def test_the_docs_say_the_dtype_predict_returns_under_16_mixed_and_it_does(monke
 def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
     assert (
         "Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
-        "outputs, so the train metrics, like `train_loss`, are computed over those "
-        "micro-batches only: estimates"
+        "outputs, so every training value is computed over those micro-batches only: an "
+        "estimate. That is the step's `loss`, `train_loss`, the train metrics"
     ) in page("loop.md")
     import torchmetrics
 
@@ -391,13 +391,15 @@ def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
         def compute(self):
             return self.n
 
-    rows = {}
+    rows, estimated = {}, {}
     for mode in ("All", "Final"):
         opts = poptorch.Options().deviceIterations(2).outputMode(getattr(poptorch.OutputMode, mode))
         opts.Training.gradientAccumulation(2)
         loop = Loop(_model_with_loss(), opts, metrics={"rows": Rows()}, progress=False)
-        rows[mode] = loop.fit(_data(64, 2), epochs=1)[-1]["train_rows"]
+        row = loop.fit(_data(64, 2), epochs=1)[-1]
+        rows[mode], estimated[mode] = row["train_rows"], row.get("estimated")
     assert rows == {"All": 64, "Final": 8 * 2}  # 8 steps; Final: the last micro-batch of 2
+    assert estimated == {"All": None, "Final": "loss train_loss train_rows"}  # and says so
 
 
 def test_the_docs_say_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):
