@@ -23,6 +23,7 @@ from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
 from .feed import Feed
+from .fit_summary import describe
 from .loop_options import check_fit_args, check_val_every, resolve, val_sets
 from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
@@ -39,6 +40,19 @@ __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
 
 # The validation sets of a fit or a validate(): (log suffix, plan) each; one loader: ("", plan)
 ValPlans = Tuple[Tuple[str, Plan], ...]  # (typing's: a runtime alias on Python 3.8)
+
+
+def _resumed(path: str, st: State, plan: Plan) -> str:
+    """Where a fit resumed from ``path`` continues, as the summary says it."""
+    where = (
+        f"at its step {st.epoch_step + 1}" + (f" of {plan.steps}" if plan.steps else "")
+        if st.epoch_step
+        else "at its start"
+    )
+    return (
+        f"resumed from {path}: epoch {st.epoch + 1} {where} "
+        f"(after step {st.step}, update {st.update})"
+    )
 
 
 def _val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
@@ -226,6 +240,38 @@ class Loop:
         """The loop's events, with the callbacks attached to each."""
         return self._hooks.describe()
 
+    def summary(self, train_loader: DataLoader) -> str:
+        """What ``fit(train_loader)`` would run, as the progress display prints it before the
+        first step: the backend and device; the factors and the samples a host call; steps and
+        optimizer updates per epoch and the output mode; each IPU with the layers its
+        ``BeginBlock`` starts and their parameters; the precision and optimizer; torch's
+        threads against the host's idle cores (with the fix when they outnumber them)."""
+        plan = build(
+            self.poptorch,
+            train_loader,
+            self.train_opts,
+            training=True,
+            name="train_loader",
+            async_options=self._async,
+        )
+        return self._summary(plan)
+
+    def _summary(self, plan: Plan, resumed: str | None = None) -> str:
+        return describe(
+            pt=self.poptorch,
+            backend=backend_name(),
+            opts=self.train_opts,
+            micro=plan.micro,
+            combined=plan.combined,
+            steps=plan.steps,
+            model=self.model,  # the user's module: its names (a loss_fn= wrapper's are not)
+            optimizer=self.optimizer,
+            twin=self.executors.twin,
+            precision=self.precision,
+            instances=self._processes.size,
+            resumed=resumed,
+        )
+
     def stop(self) -> None:
         """End the fit after the current step."""
         self.state.stop_requested = True
@@ -333,9 +379,10 @@ class Loop:
         )
         if self.executors.train is None:  # the modes the training model is traced in
             warn_if_evaluating(self.model, 4)
+        loaded = None
         if resume_from is not None:
             self.check_resumable()
-            self._load(resume_from)
+            loaded = self._load(resume_from)
         self._resume.continue_at(plan, st)
         self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
@@ -350,6 +397,7 @@ class Loop:
             max_steps=max_steps,
             validates=val_plan is not None,
             val_sets=tuple(s for s, _ in val_plan or () if s),
+            summary=self._summary(plan, None if loaded is None else _resumed(loaded, st, plan)),
         )
         with self._running(
             plan, *(p for _, p in val_plan or ()), fit=True
@@ -759,9 +807,11 @@ class Loop:
         them; optimizer state and counters stay."""
         self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
 
-    def _load(self, source: str) -> None:
+    def _load(self, source: str) -> str | None:
+        """Load the checkpoint ``source`` names; returns its path (None: none yet)."""
         if source == "last":  # the callbacks that know where checkpoints are say which
             source = resume_path(self.callbacks)
             if source is None:
-                return
+                return None
         self.load_state_dict(load_checkpoint(source, backend=backend_name()))
+        return str(source)

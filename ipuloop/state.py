@@ -50,6 +50,7 @@ class State:
     # are val_loss/<suffix>...); one val_loader: none (val_loss...)
     val_every_n_steps: int | None = None  # fit(val_every_n_steps=): also a validation at each
     # step that is a multiple of it, before that step's on_train_step_end
+    summary: str = ""  # what the fit runs (``Loop.summary``), and where a resumed one goes on
     # Flags, read at step boundaries:
     stop_requested: bool = False  # set by Loop.stop(); the fit ends after the current step
     preempted: bool = False  # set by SIGTERM; the fit ends after the current step, exit 143
@@ -69,9 +70,11 @@ class State:
         max_steps: int | None,
         validates: bool,
         val_sets: tuple[str, ...] = (),
+        summary: str = "",
     ) -> None:
         """A fit starts: its settings, no stop flag and no error yet."""
         self.start_call()
+        self.summary = summary
         self.stop_requested = False
         self.preempted = False
         self.steps_per_epoch = steps_per_epoch

@@ -249,7 +249,16 @@ def _check_emulated_program(ns: dict, out: str, tmp_path: pathlib.Path, capsys) 
     assert (ns["model"].net(x).argmax(-1) == y).float().mean() > 0.8  # trained on the host's
 
 
+def _check_summary(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    lines = out.splitlines()
+    assert "  batch: micro 8 x DI 2 x GA 4 x RF 1 = 64 samples a host call" in lines
+    assert "  epoch: 4 steps, 8 optimizer updates; output mode Sum" in lines
+    assert "  ipu 0: 0 Sequential; 544 params" in lines and "  ipu 1: 1 Linear; 66 params" in lines
+    assert ns["loop"].train_model is None  # a summary compiles and runs nothing
+
+
 CHECKS = {
+    "print(loop.summary(": _check_summary,
     "loop = Loop(model_with_loss, opts, optimizer=poptorch.optim.AdamW(": _check_top,
     "class Tokens(Dataset):": _check_dict_batches,
     "class WithAccuracy(nn.Module):": _check_logged_values,

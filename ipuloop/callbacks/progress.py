@@ -22,7 +22,12 @@ def _estimates(logs: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 class ProgressBar(Callback):
-    """Shows loss and metrics while fitting.
+    """Shows what a fit runs, then loss and metrics while fitting.
+
+    At the fit's start it prints ``state.summary`` (``Loop.summary``: the backend, factors,
+    steps, each IPU's layers, precision, threads, and for a resumed fit the checkpoint and
+    where it continues). Under ``OutputMode.Final`` or ``EveryN`` it marks the step's loss and
+    lists the epoch's estimated values (``state.logs["estimated"]``).
 
     Args:
         every: on a non-terminal, print a line every ``every`` steps (default: about 10
@@ -41,6 +46,10 @@ class ProgressBar(Callback):
     def _tty(self) -> bool:
         s = self.stream or sys.stderr
         return hasattr(s, "isatty") and s.isatty()
+
+    def on_fit_start(self, loop: LoopView) -> None:
+        if loop.state.summary:  # what the fit runs, before its first step (Loop.summary)
+            print(loop.state.summary, file=self.stream or sys.stdout, flush=True)
 
     def on_epoch_start(self, loop: LoopView) -> None:
         self._steps = loop.state.steps_per_epoch
