@@ -10,7 +10,9 @@ user_id, ipu_id)`` registers a forward pre-hook on the module holding ``_user_id
 ``_ipu_id`` (PopTorch's ``ops.py`` and the emulator's ``blocks.py`` alike). A layer belongs to the
 block begun last before it, in the order the modules are registered (the order a
 ``Sequential`` runs them). Blocks opened inside ``forward`` (``with poptorch.Block(...)``,
-``BlockFunction``) are not visible before the model runs: the summary then says it found none.
+``BlockFunction``) are not visible before the model runs: the summary then lists the stages
+the options' execution strategy names (``PipelinedExecution(Stage("B1").ipu(0), ...)``: its
+``stage``s, as PopTorch and the emulator keep them), and the model's parameters in all.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from .poptorch_types import Options
 from .rules import ALL, EVERY_N, FINAL, SUM, input_groups, uses_ipu_model
 
-__all__ = ["describe", "placement", "thread_advice", "host_cores", "host_load"]
+__all__ = ["describe", "placement", "strategy_stages", "thread_advice", "host_cores", "host_load"]
 
 _MODES = {FINAL: "Final", EVERY_N: "EveryN", ALL: "All", SUM: "Sum"}
 _SHOWN = 4  # layer names listed per IPU before "+N more"
@@ -166,6 +168,22 @@ def _layers(shown: list[str]) -> str:
     return text or "(no layer of its own)"
 
 
+def strategy_stages(opts: Options) -> list[str]:
+    """The stages the options' execution strategy names, each as its blocks and IPU
+    (``B1 on ipu 0``); empty when it names none (automatic stages)."""
+    strategy = getattr(opts, "_execution_strategy", None)  # PopTorch's attribute, and ours
+    block_map = getattr(strategy, "_block_map", None) or {}
+    out: list[str] = []
+    seen: set[int] = set()
+    for stage in block_map.values():
+        if id(stage) in seen:
+            continue
+        seen.add(id(stage))
+        ipu = getattr(stage, "_ipu", None)
+        out.append("+".join(map(str, stage.blocks)) + (f" on ipu {ipu}" if ipu is not None else ""))
+    return out
+
+
 def _device(pt: Any, backend: str, opts: Options) -> str:
     version = getattr(pt, "__version__", "")
     if backend == "poptorch":
@@ -228,6 +246,9 @@ def describe(
         lines += [f"  {label}: {_layers(names)}; {n:,} params" for label, names, n in placed]
     else:
         total = sum(p.numel() for p in set(_params(model, recurse=True)))
+        stages = strategy_stages(opts)
+        if stages:  # blocks opened inside forward: their layers are known once it runs
+            lines.append(f"  stages: {', '.join(stages)} (poptorch.Block in forward)")
         lines.append(f"  model: {type(model).__name__}, {total:,} params (no BeginBlock)")
     lines.append(f"  precision {precision}; optimizer {_optimizer(pt, optimizer, twin)}")
     threads, advice = thread_advice(torch.get_num_threads(), host_cores(), host_load())

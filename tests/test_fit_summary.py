@@ -120,3 +120,26 @@ def test_threads_beyond_the_idle_cores_name_the_fix(threads, cores, load, fix):
         assert advice is None
     else:
         assert advice is not None and fix in advice
+
+
+def test_blocks_opened_in_forward_are_listed_by_the_strategy_s_stages(quiet_host):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            with poptorch.Block("B1"):
+                x = self.a(x)
+            with poptorch.Block("B2"):
+                return self.b(x)
+
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(4)
+    opts.setExecutionStrategy(
+        poptorch.PipelinedExecution(poptorch.Stage("B1").ipu(0), poptorch.Stage("B2").ipu(1))
+    )
+    loop = Loop(Net(), opts, loss_fn=nn.CrossEntropyLoss(), progress=False)
+    lines = loop.summary(_loader(64)).splitlines()
+    assert "  stages: B1 on ipu 0, B2 on ipu 1 (poptorch.Block in forward)" in lines
+    assert "  model: Net, 154 params (no BeginBlock)" in lines
