@@ -411,6 +411,21 @@ def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
     assert estimated == {"All": None, "Final": "loss train_loss train_rows"}  # and says so
 
 
+def test_install_names_torch_s_cpu_build_and_every_timing_its_host_and_load():
+    """A machine without a GPU would pull torch's CUDA wheels (about 5 GB): the install says
+    how to take the CPU-only build; and a time a user reads says what it was measured on."""
+    from test_docs_shape import paragraphs
+
+    command = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+    guide = (PAGES / "getting-started.md").read_text()
+    for text in (README.read_text(), guide):
+        assert command in text and "5 GB" in text
+        for start, lines in paragraphs(text):
+            prose = " ".join(lines)
+            if re.search(r"\b\d+(\.\d+)? ?(s|min|minutes)\b", prose):
+                assert "host" in prose and ("load" in prose or "idle" in prose), (start, prose)
+
+
 def test_the_docs_say_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):
     text = page("getting-started.md")
     assert "set `OMP_NUM_THREADS=1` or call `torch.set_num_threads(1)`" in text
