@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -20,7 +20,7 @@ import torch
 from .exceptions import NonFiniteLossError
 from .outputs import Layout, Returns, StepLoss, check_logged, map_tensors
 from .processes import Processes
-from .state import State
+from .state import ESTIMATED, State
 
 __all__ = [
     "Metric",
@@ -31,7 +31,30 @@ __all__ = [
     "metric_logs",
     "metric_state",
     "concat",
+    "ESTIMATED",
+    "mark_estimates",
+    "upgrade_logs",
 ]
+
+
+def mark_estimates(logs: dict[str, Any], logged: Container[str] = ()) -> None:
+    """Name in ``logs[ESTIMATED]`` every training value ``logs`` holds: ``loss``, the values
+    the model logs (``logged``: their names) and the ``train_`` values. For a fit whose output
+    mode returns only some micro-batches (``Layout.exact`` False)."""
+    logs[ESTIMATED] = " ".join(
+        k for k in logs if k != ESTIMATED and (k == "loss" or k in logged or k.startswith("train_"))
+    )
+
+
+def upgrade_logs(logs: dict[str, Any]) -> dict[str, Any]:
+    """Logs as a checkpoint written before ``ESTIMATED`` held them (a history row, the last
+    logs): their flag ``train_loss_exact`` (1.0, or 0.0 for estimates) becomes the names of the
+    estimated values."""
+    logs = dict(logs)
+    exact = logs.pop("train_loss_exact", None)
+    if exact is not None and not exact and ESTIMATED not in logs:
+        mark_estimates(logs)
+    return logs
 
 
 class Metric(Protocol):
@@ -189,12 +212,13 @@ class TrainEpoch:
             m.update(output, aligned)
 
     def logs(self) -> dict[str, float]:
-        """The epoch's logs: ``train_loss``, ``train_loss_exact``, ``train_<metric>`` and
-        ``train_<logged name>``; none when no step ran (a cancelled epoch)."""
+        """The epoch's logs: ``train_loss``, ``train_<metric>`` and ``train_<logged name>``;
+        none when no step ran (a cancelled epoch). Whether they are estimates is the fit's
+        output mode's (``mark_estimates``)."""
         loss = self.loss
         if not loss.count:
             return {}
-        logs = {"train_loss": loss.total / loss.count, "train_loss_exact": float(loss.exact)}
+        logs = {"train_loss": loss.total / loss.count}
         logs.update(metric_logs("train_", self.metrics))  # host-side: no sync
         logs.update({"train_" + k: t / n for k, (t, n) in self.logged.items() if n})
         return logs

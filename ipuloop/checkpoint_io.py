@@ -73,6 +73,23 @@ def fsync_dir(folder: Path) -> None:
         raise CheckpointError(folder, f"cannot be synced to disk: {e}") from e
 
 
+def file_mode() -> int:
+    """The mode a new file gets from ``open()``: 0o666 less the process's umask (0o644 under the
+    usual 022). ``mkstemp`` creates its files 0o600, which would hide them from the user's
+    group and others where the umask lets them read. Read from ``/proc`` where it is (setting
+    the umask to read it back races with other threads), else set and put back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """The one write primitive: ``path`` ends with its old content or ``data``, never a mix."""
     try:
@@ -81,7 +98,7 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise CheckpointError(path, f"cannot be written: {e}") from e
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide checkpoints from others
+            os.fchmod(f.fileno(), file_mode())  # mkstemp's 0600 would hide them from others
             for offset in range(0, len(data), CHUNK):
                 if write_hook is not None:
                     write_hook(path, offset)

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import optimizer_twin
 from .modes import eval_mode
 from .outputs import MarkLoss, Returns, WithLoss
 from .poptorch_types import Executor, Options
@@ -137,7 +138,10 @@ class Executors:
     ) -> None:
         self.poptorch = poptorch
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # the host's: what callbacks and schedulers change
+        # what the device runs: the optimizer itself, or a torch.optim one's poptorch.optim twin
+        self.twin = optimizer_twin.make(poptorch, optimizer) if optimizer is not None else None
+        self.device_optimizer = self.twin if self.twin is not None else optimizer
         self.returns = returns if returns is not None else Returns()  # where the loss is
         self.train: Executor | None = None
         self.micro: int | None = None  # the micro-batch size the training model is built for
@@ -183,9 +187,22 @@ class Executors:
     def training_model(self, opts: Options) -> Executor:
         """The training executor, built (not compiled) on first use."""
         if self.train is None:  # each module in the mode the user set: PopTorch traces them so
-            with _plain_numbers(self.optimizer):
-                self.train = self.poptorch.trainingModel(self.model, opts, optimizer=self.optimizer)
+            self._follow()
+            opt = self.device_optimizer
+            with _plain_numbers(opt):
+                self.train = self.poptorch.trainingModel(self.model, opts, optimizer=opt)
         return self.train
+
+    def _follow(self) -> None:
+        """The twin takes the host optimizer's hyper-parameters as they are now."""
+        if self.twin is not None:
+            optimizer_twin.follow(self.optimizer, self.twin)
+
+    def read_optimizer_state(self) -> None:
+        """A twin's state (as PopTorch last read it back) into the host optimizer, for its
+        ``state_dict()``: after a fit, once the training model has detached."""
+        if self.twin is not None and self.train is not None:
+            optimizer_twin.read_state(self.optimizer, self.twin)
 
     def compile(
         self, executor: Executor, args: tuple, kwargs: dict, rng_state: torch.Tensor | None = None
@@ -194,6 +211,8 @@ class Executors:
         random state to ``rng_state`` when given; returns the seconds it took."""
         start = time.perf_counter()
         self.activate(executor)
+        if executor is self.train:
+            self._follow()  # (a hook may have changed the host optimizer since it was built)
         executor.compile(*args, **kwargs)
         if executor is self.train:
             self._pushed = optimizer_hyperparameters(self.optimizer)
@@ -289,8 +308,10 @@ class Executors:
             assert self.train is not None  # (pushed before a training step)
             if self._pushed is not None and len(current["groups"]) != len(self._pushed["groups"]):
                 raise ValueError(_group_change(len(current["groups"]), len(self._pushed["groups"])))
-            with _plain_numbers(opt):
-                self.train.setOptimizer(opt)
+            self._follow()
+            device = self.device_optimizer
+            with _plain_numbers(device):
+                self.train.setOptimizer(device)
             self.pushes += 1
             self._pushed = current
         self._seen = _Seen(opt)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from .accumulators import Predictions, TrainEpoch, Validation
+from .accumulators import Predictions, TrainEpoch, Validation, mark_estimates
 from .backend import backend_name, poptorch_module
 from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
@@ -23,6 +23,7 @@ from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
 from .feed import Feed
+from .fit_summary import describe
 from .loop_options import check_fit_args, check_val_every, resolve, val_sets
 from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
@@ -41,6 +42,19 @@ __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
 ValPlans = Tuple[Tuple[str, Plan], ...]  # (typing's: a runtime alias on Python 3.8)
 
 
+def _resumed(path: str, st: State, plan: Plan) -> str:
+    """Where a fit resumed from ``path`` continues, as the summary says it."""
+    where = (
+        f"at its step {st.epoch_step + 1}" + (f" of {plan.steps}" if plan.steps else "")
+        if st.epoch_step
+        else "at its start"
+    )
+    return (
+        f"resumed from {path}: epoch {st.epoch + 1} {where} "
+        f"(after step {st.step}, update {st.update})"
+    )
+
+
 def _val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
     """The validation host calls the instances compare: one set's, or each set's."""
     steps = tuple(p.steps for _, p in val_plans)
@@ -56,7 +70,10 @@ class Loop:
         opts: ``poptorch.Options`` (never modified: the loop clones it), an
             ``ipuloop.IPUConfig``, or None for defaults.
         optimizer: one optimizer over the model's parameters (``poptorch.optim`` or
-            ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01).
+            ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01). A
+            ``torch.optim`` one runs on the device as its ``poptorch.optim`` twin, which
+            follows its hyper-parameters, and gets the state back after each fit (so
+            checkpoints hold it).
         loss_fn: makes ``model`` a model-with-loss (``loss_fn(output, labels)``).
         metrics: torchmetrics metrics (a dict or ``MetricCollection``), computed on the host
             from what the device returns, logged as ``train_<name>`` and ``val_<name>``. Each
@@ -224,6 +241,38 @@ class Loop:
         """The loop's events, with the callbacks attached to each."""
         return self._hooks.describe()
 
+    def summary(self, train_loader: DataLoader) -> str:
+        """What ``fit(train_loader)`` would run, as the progress display prints it before the
+        first step: the backend and device; the factors and the samples a host call; steps and
+        optimizer updates per epoch and the output mode; each IPU with the layers its
+        ``BeginBlock`` starts and their parameters; the precision and optimizer; torch's
+        threads against the host's idle cores (with the fix when they outnumber them)."""
+        plan = build(
+            self.poptorch,
+            train_loader,
+            self.train_opts,
+            training=True,
+            name="train_loader",
+            async_options=self._async,
+        )
+        return self._summary(plan)
+
+    def _summary(self, plan: Plan, resumed: str | None = None) -> str:
+        return describe(
+            pt=self.poptorch,
+            backend=backend_name(),
+            opts=self.train_opts,
+            micro=plan.micro,
+            combined=plan.combined,
+            steps=plan.steps,
+            model=self.model,  # the user's module: its names (a loss_fn= wrapper's are not)
+            optimizer=self.optimizer,
+            twin=self.executors.twin,
+            precision=self.precision,
+            instances=self._processes.size,
+            resumed=resumed,
+        )
+
     def stop(self) -> None:
         """End the fit after the current step."""
         self.state.stop_requested = True
@@ -333,9 +382,10 @@ class Loop:
         )
         if self.executors.train is None:  # the modes the training model is traced in
             warn_if_evaluating(self.model, 4)
+        loaded = None
         if resume_from is not None:
             self.check_resumable()
-            self._load(resume_from)
+            loaded = self._load(resume_from)
         self._resume.continue_at(plan, st, tuple(p for _, p in val_plan or ()))
         self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
         if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
@@ -350,6 +400,7 @@ class Loop:
             max_steps=max_steps,
             validates=val_plan is not None,
             val_sets=tuple(s for s, _ in val_plan or () if s),
+            summary=self._summary(plan, None if loaded is None else _resumed(loaded, st, plan)),
         )
         with self._running(
             plan, *(p for _, p in val_plan or ()), fit=True
@@ -364,6 +415,7 @@ class Loop:
             finally:
                 self._fitting = False
             self.executors.detach(self.train_model)  # weights and optimizer state to host
+            self.executors.read_optimizer_state()  # (a torch.optim optimizer's, from its twin)
             self._hooks.fire("on_fit_end")
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
@@ -410,6 +462,8 @@ class Loop:
             st.logs.update(logs)
         else:  # no step ran (cancelled): no train values, rather than the last epoch's
             st.drop_logs("train_", self._logged())
+        if not plan.layout.exact:  # Final, EveryN: from the returned micro-batches only
+            mark_estimates(st.logs, self._returns.logged)
         ended = plan.steps is not None and st.epoch_step >= plan.steps  # (a stream: it ended)
         if plan.reading.ended and plan.steps is not None and st.epoch_step != plan.steps:
             self._warn_length(plan)
@@ -453,7 +507,7 @@ class Loop:
 
     def _logged(self) -> tuple[str, ...]:
         """The names of the loss, the metrics and the values the model logged."""
-        return ("loss", "loss_exact", *self.metrics, *self._returns.logged)
+        return ("loss", *self.metrics, *self._returns.logged)
 
     def _train_epoch(self, plan: Plan, val_plan: ValPlans | None) -> None:
         st = self.state
@@ -471,6 +525,8 @@ class Loop:
         per_step_micro_batches = layout.micro_batches * instances
         per_step_updates = layout.di
         boundary = self._processes.at_boundary
+        estimates = not layout.exact  # Final, EveryN: the logs name the estimated values
+        logged = self._returns.logged
         step_start = hooks.hooks["on_train_step_start"]
         step_end = hooks.hooks["on_train_step_end"]
         if self._resume.take_step_validation():  # saved during a step's validation: finish it
@@ -529,6 +585,8 @@ class Loop:
             st.logs["loss"] = epoch.add(step)
             if logs is not None:  # values the model logs: reduced as the loss is
                 st.logs.update(epoch.add_logs(logs, layout))
+            if estimates:
+                mark_estimates(st.logs, logged)
             if metrics:
                 epoch.update_metrics(output, labels, layout)
             if every is not None and st.step % every == 0 and val_plan is not None:
@@ -755,15 +813,17 @@ class Loop:
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
         """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
-        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers, so a
-        stateful ``torch.optim`` one keeps it on the device, out of every checkpoint."""
+        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers. A
+        ``torch.optim`` SGD, Adam, AdamW or RMSprop runs as its ``poptorch.optim`` twin, whose
+        state the loop reads back; another stateful optimizer is refused, naming the fix."""
         check_resumable(self.optimizer, self.poptorch)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything an exact resume needs, as tensors, numbers, strings, lists and dicts.
 
         Fires ``on_save_checkpoint`` first (callbacks stash what their ``state_dict`` needs).
-        A ``torch.optim`` optimizer with state is refused (``check_resumable``)."""
+        A stateful optimizer whose state PopTorch cannot read back is refused
+        (``check_resumable``)."""
         self.check_resumable()
         self._hooks.fire("on_save_checkpoint")
         sd = self._resume.capture(self._checkpointed())
@@ -791,6 +851,7 @@ class Loop:
             callbacks=self.callbacks,
             executor=self.train_model,
             model_with_loss=self.model_with_loss,
+            twin=self.executors.twin,
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:
@@ -800,9 +861,11 @@ class Loop:
         them; optimizer state and counters stay."""
         self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
 
-    def _load(self, source: str) -> None:
+    def _load(self, source: str) -> str | None:
+        """Load the checkpoint ``source`` names; returns its path (None: none yet)."""
         if source == "last":  # the callbacks that know where checkpoints are say which
             source = resume_path(self.callbacks)
             if source is None:
-                return
+                return None
         self.load_state_dict(load_checkpoint(source, backend=backend_name()))
+        return str(source)

@@ -179,7 +179,7 @@ def weights_for(
 # Names a logged value may not take: the loss and the counters (the logs' other keys in
 # CSVLogger rows and ModelCheckpoint filenames)
 RESERVED_LOGS = frozenset(
-    {"loss", "loss_exact", "epoch", "step", "update", "micro_batch", "samples", "epoch_step"}
+    {"loss", "estimated", "epoch", "step", "update", "micro_batch", "samples", "epoch_step"}
 )
 
 
@@ -390,6 +390,12 @@ class Layout:
         """How many micro-batch losses a returned loss sums, and whether that is all of them."""
         n = sum(map(len, self.rows))
         return n, n == self.micro_batches
+
+    @property
+    def exact(self) -> bool:
+        """Whether a call returns every micro-batch's loss (All, Sum; Final and EveryN only
+        when they return each one): else the logs computed from it are estimates."""
+        return self._loss_count[1]
 
     @cached_property
     def _returned(self) -> int:

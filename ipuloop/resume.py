@@ -32,7 +32,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .accumulators import TrainEpoch
+from . import optimizer_twin
+from .accumulators import TrainEpoch, upgrade_logs
 from .callbacks.base import Callback, CancelEpoch, CancelFit
 from .outputs import loss_fn_state, weights_for
 from .plan import Plan
@@ -57,10 +58,12 @@ OPTIMIZER_EXTRAS = ("loss_scaling", "max_grad_norm", "max_weight_norm")
 
 def check_resumable(opt: torch.optim.Optimizer | None, poptorch: ModuleType) -> None:
     """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
-    writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers, so a
-    stateful ``torch.optim`` one keeps it on the device, out of every checkpoint."""
-    po = poptorch.optim
-    if opt is None or isinstance(opt, (po.SGD, po.Adam, po.AdamW, po.RMSprop, po.LAMB)):
+    writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers. A
+    ``torch.optim`` SGD, Adam, AdamW or RMSprop runs as its ``poptorch.optim`` twin
+    (``optimizer_twin``), whose state the loop reads back; a stateful optimizer without a twin
+    would keep its state on the device, out of every checkpoint."""
+    reason = optimizer_twin.why_not(poptorch, opt)
+    if reason is None:
         return
     if isinstance(opt, torch.optim.SGD) and not any(g.get("momentum") for g in opt.param_groups):
         return  # plain SGD: no state to lose
@@ -70,8 +73,9 @@ def check_resumable(opt: torch.optim.Optimizer | None, poptorch: ModuleType) -> 
             for c in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.RMSprop)
             if isinstance(opt, c)
         ),
-        type(opt).__name__,
+        None,
     )
+    assert opt is not None  # (None has no reason)
     args = ", ".join(
         f"{k}={v!r}"
         for k, v in opt.defaults.items()
@@ -88,12 +92,19 @@ def check_resumable(opt: torch.optim.Optimizer | None, poptorch: ModuleType) -> 
             "centered",
         )
     )
+    fix = (
+        f"Use a poptorch.optim optimizer with the same values, e.g. "
+        f"poptorch.optim.{twin}(params, {args}), or a torch.optim.{twin} itself with only the "
+        "arguments its poptorch.optim twin takes."
+        if twin is not None
+        else "Use a torch.optim or poptorch.optim SGD, Adam, AdamW or RMSprop (or "
+        "poptorch.optim.LAMB), whose state the loop checkpoints."
+    )
     raise ValueError(
-        f"optimizer={type(opt).__module__}.{type(opt).__qualname__} keeps its state "
-        "(momentum, moments) on the IPU only: PopTorch reads and writes optimizer state for "
-        "poptorch.optim optimizers alone, so a checkpoint would hold none and a resumed fit "
-        "would restart it from zero. Use its poptorch.optim twin, with the same values: "
-        f"poptorch.optim.{twin}(params, {args})."
+        f"optimizer={type(opt).__module__}.{type(opt).__qualname__} {reason}: PopTorch reads "
+        "and writes optimizer state (momentum, moments) for poptorch.optim optimizers alone, "
+        "so its state would stay on the IPU, out of every checkpoint, and a resumed fit would "
+        f"restart it from zero. {fix}"
     )
 
 
@@ -186,6 +197,7 @@ class Checkpointed:
     callbacks: Sequence[Callback]  # each one's state_dict, under its state_key
     executor: Executor | None  # the training executor, None before the first step
     model_with_loss: torch.nn.Module  # what runs: ``model``, or the WithLoss around it
+    twin: torch.optim.Optimizer | None = None  # what the device runs for a torch.optim one
 
 
 class Resume:
@@ -257,7 +269,11 @@ class Resume:
         sd: dict[str, Any] = {
             "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "loss_fn": loss_fn_state(parts.model_with_loss),  # (loss_fn=CrossEntropyLoss(weight=))
-            "optimizer": optimizer.state_dict(),
+            "optimizer": (
+                optimizer.state_dict()
+                if parts.twin is None
+                else optimizer_twin.state_dict(optimizer, parts.twin)  # the device's state
+            ),
             "optimizer_type": type(optimizer).__name__,
             "optimizer_shapes": group_shapes(optimizer),  # checked by the resume
             "data": self._train_data,  # the factors the counters refer to
@@ -308,13 +324,15 @@ class Resume:
         check_optimizer(sd, optimizer)
         weights = weights_for(parts.model_with_loss, parts.model, sd["model"], sd.get("loss_fn"))
         (executor or parts.model_with_loss).load_state_dict(weights)
-        if sd.get("optimizer") is not None:
+        if sd.get("optimizer") is not None and parts.twin is not None:
+            optimizer_twin.load_state_dict(optimizer, parts.twin, sd["optimizer"])
+        elif sd.get("optimizer") is not None:
             optimizer.load_state_dict(sd["optimizer"])
             for k, v in sd.get("optimizer_extras", {}).items():  # pushed before the first step
                 setattr(optimizer, k, v)
         st.load_counters(sd["counters"])
-        st.history = [dict(h) for h in sd["history"]]
-        st.logs = dict(sd.get("logs", {}))
+        st.history = [upgrade_logs(h) for h in sd["history"]]  # (older: train_loss_exact)
+        st.logs = upgrade_logs(sd.get("logs", {}))
         parts.epoch.load_state_dict(sd)
         self._step_validation = bool(sd.get("step_validation", False))
         for cb in callbacks:

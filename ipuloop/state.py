@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["State"]
+__all__ = ["State", "ESTIMATED"]
+
+# The logs' key that names, space-separated, the training values the logs hold that are
+# estimates: under an output mode that returns only some micro-batches (Final, EveryN), the
+# step's loss, the values the model logs and every train_ value are computed from those alone.
+ESTIMATED = "estimated"
 
 
 @dataclass
@@ -28,8 +33,10 @@ class State:
     # size; with input replica grouping, the replicas of a group share theirs)
     epoch_step: int = 0  # host batches the running epoch has read: its steps, and those a
     # hook cancelled (CancelStep: read, never run); where a resume continues the epoch
-    logs: dict[str, float] = field(default_factory=dict)  # latest step and epoch values
-    history: list[dict[str, float]] = field(default_factory=list)  # one dict per epoch
+    # latest step and epoch values (numbers; under Final or EveryN also "estimated", the names
+    # of those that are estimates, space-separated: ``accumulators.ESTIMATED``)
+    logs: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one dict per epoch
     compile_time: dict[str, float] = field(default_factory=dict)  # seconds, per executor
     # Several processes (torchrun, mpirun, poprun): this instance's index and their count.
     # Instance 0 alone shows progress, writes logs and checkpoints.
@@ -43,6 +50,7 @@ class State:
     # are val_loss/<suffix>...); one val_loader: none (val_loss...)
     val_every_n_steps: int | None = None  # fit(val_every_n_steps=): also a validation at each
     # step that is a multiple of it, before that step's on_train_step_end
+    summary: str = ""  # what the fit runs (``Loop.summary``), and where a resumed one goes on
     # Flags, read at step boundaries:
     stop_requested: bool = False  # set by Loop.stop(); the fit ends after the current step
     preempted: bool = False  # set by SIGTERM; the fit ends after the current step, exit 143
@@ -62,9 +70,11 @@ class State:
         max_steps: int | None,
         validates: bool,
         val_sets: tuple[str, ...] = (),
+        summary: str = "",
     ) -> None:
         """A fit starts: its settings, no stop flag and no error yet."""
         self.start_call()
+        self.summary = summary
         self.stop_requested = False
         self.preempted = False
         self.steps_per_epoch = steps_per_epoch

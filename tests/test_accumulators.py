@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from ipuloop import NonFiniteLossError, State
-from ipuloop.accumulators import Predictions, TrainEpoch, Validation, concat, metric_logs
+from ipuloop.accumulators import (
+    Predictions,
+    TrainEpoch,
+    Validation,
+    concat,
+    mark_estimates,
+    metric_logs,
+    upgrade_logs,
+)
 from ipuloop.outputs import ALL, EVERY_N, FINAL, SUM, Layout, Returns
 from ipuloop.processes import Processes
 
@@ -85,9 +93,28 @@ def test_train_loss_under_each_output_mode(mode, period, returned, means, epoch_
         for r in returned
     ]
     assert got == means
-    assert te.logs() == {"train_loss": epoch_loss, "train_loss_exact": exact}
+    assert te.logs() == {"train_loss": epoch_loss}
+    assert layout.exact is bool(exact)  # Final, EveryN: the logs are estimates
     te.reset()
     assert te.logs() == {}
+
+
+def test_the_estimates_are_named_and_older_flags_read_as_names():
+    logs = {"loss": 1.0, "x0": 2.0, "train_loss": 1.5, "train_acc": 0.5, "val_loss": 3.0}
+    mark_estimates(logs, logged={"x0"})
+    assert logs["estimated"] == "loss x0 train_loss train_acc"  # never a val_ value
+    mark_estimates(logs, logged={"x0"})  # again: the same names, not itself
+    assert logs["estimated"] == "loss x0 train_loss train_acc"
+    # a checkpoint written before: train_loss_exact 0.0 (estimates) or 1.0 (exact)
+    old = {"epoch": 1, "loss": 1.0, "train_loss": 1.5, "train_loss_exact": 0.0, "val_loss": 3.0}
+    assert upgrade_logs(old) == {
+        "epoch": 1,
+        "loss": 1.0,
+        "train_loss": 1.5,
+        "val_loss": 3.0,
+        "estimated": "loss train_loss",
+    }
+    assert upgrade_logs({"train_loss": 1.5, "train_loss_exact": 1.0}) == {"train_loss": 1.5}
 
 
 def test_train_logged_values_are_reduced_as_the_loss():
@@ -121,7 +148,6 @@ def test_train_epoch_state_dict_gives_the_same_logs_back():
         == te.logs()
         == {
             "train_loss": 2.0,
-            "train_loss_exact": 1.0,
             "train_total": 3.0,
             "train_acc": 0.5,
         }

@@ -849,7 +849,7 @@ def test_missing_monitor_lists_the_logs(tmp_path):
     with pytest.warns(UserWarning, match="no such log yet at step 1"), pytest.raises(
         ValueError,
         match=r"train_acc.*epoch 1, step 4.*Available: "
-        r"\['loss', 'train_loss', 'train_loss_exact'\]",
+        r"\['loss', 'train_loss'\]",
     ):
         loop.fit(loader, EPOCHS)
 

@@ -30,9 +30,8 @@ def test_one_row_per_epoch_matches_the_history(tmp_path):
         "update",
         "loss",
         "train_loss",
-        "train_loss_exact",
         "val_loss",
-    ]
+    ]  # every value exact (Sum): no column names estimates
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
     assert [int(r["step"]) for r in rows] == [4, 8, 12]
     assert [int(r["update"]) for r in rows] == [8, 16, 24]  # 2 device iterations per step
@@ -51,7 +50,7 @@ def test_step_rows_and_a_header_rewritten_for_new_keys(tmp_path):
     path = tmp_path / "m.csv"
     make_loop([CSVLogger(path, every_n_steps=2), Late()]).fit(loader(), epochs=2)
     header, rows = read(path)
-    assert header == ["epoch", "step", "update", "loss", "train_loss", "train_loss_exact", "extra"]
+    assert header == ["epoch", "step", "update", "loss", "train_loss", "extra"]
     assert [(r["epoch"], r["step"]) for r in rows] == [
         ("0", "2"),
         ("0", "4"),
@@ -99,3 +98,30 @@ def test_bad_every_n_steps():
         ValueError, match="every_n_steps must be an int >= 1 or None. Received: every_n_steps=0"
     ):
         CSVLogger("x.csv", every_n_steps=0)
+
+
+def test_a_column_names_the_estimates_under_final(tmp_path):
+    """OutputMode.Final returns each call's last micro-batch: the step's loss and the epoch's
+    train_loss are estimates, and the rows name them in one column."""
+    import torch
+
+    from ipuloop import Loop, poptorch
+    from test_callbacks_early_stopping import Net
+
+    path = tmp_path / "m.csv"
+    model = Net()
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2).outputMode(poptorch.OutputMode.Final),
+        progress=False,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        callbacks=[CSVLogger(path, every_n_steps=2)],
+    )
+    history = loop.fit(loader(), epochs=2, val_loader=loader(8, seed=1))
+    header, rows = read(path)
+    assert "estimated" in header
+    epoch_rows = [r for r in rows if r["train_loss"]]
+    step_rows = [r for r in rows if not r["train_loss"]]
+    assert [r["estimated"] for r in epoch_rows] == ["loss train_loss"] * 2
+    assert {r["estimated"] for r in step_rows} == {"loss"}  # a step row holds no train_ value
+    assert all(h["estimated"] == "loss train_loss" for h in history)  # val_loss is exact

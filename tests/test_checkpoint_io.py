@@ -4,6 +4,7 @@ manifest) read back verified, and the newest valid one of a folder."""
 from __future__ import annotations
 
 import io
+import os
 import stat
 from itertools import count
 from types import SimpleNamespace
@@ -122,3 +123,15 @@ def test_check_writable_names_a_folder_that_cannot_hold_checkpoints(tmp_path):
 )
 def test_plain_name(name, plain):
     assert ck.plain_name(name) is plain
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_a_written_file_gets_the_mode_open_would_give(tmp_path, umask, mode):
+    """Not mkstemp's 0600: 0666 less the umask, as ``open()`` gives a new file."""
+    old = os.umask(umask)
+    try:
+        assert ck.file_mode() == mode
+        ck.atomic_write(tmp_path / "f", b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == mode

@@ -137,18 +137,37 @@ def test_uncaught_exception_exits_1_with_traceback(runs):
     assert "Traceback" in stderr
 
 
-def test_no_arguments_prints_usage_and_exits_2(capsys):
+USAGE = "usage: python -m ipuloop.emulate [-h] [--ipus N] (SCRIPT | -m MODULE) [ARGS ...]"
+
+
+@pytest.mark.parametrize("argv", [[], ["--ipus", "4"]])
+def test_no_script_prints_the_usage_and_exits_2_naming_script(capsys, argv):
     with pytest.raises(SystemExit) as e:
-        emulate.main([])
+        emulate.main(argv)
     assert e.value.code == 2
-    assert "python -m ipuloop.emulate SCRIPT" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert err.startswith(USAGE + "\n")
+    assert "error: the following arguments are required: SCRIPT (or -m MODULE)" in err
 
 
-def test_help_exits_0(capsys):
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--ipus", "4", "--help"]])
+def test_help_is_argparse_style_and_exits_0(capsys, argv):
     with pytest.raises(SystemExit) as e:
-        emulate.main(["--help"])
+        emulate.main(argv)
     assert e.value.code == 0
-    assert "python -m ipuloop.emulate" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(USAGE + "\n")
+    assert "``" not in out and ":class:" not in out  # no reStructuredText
+    for option in ("--ipus N", "-m MODULE", "SCRIPT", "ARGS"):
+        assert option in out
+    assert "(default: $IPULOOP_EMULATOR_IPUS, else 16)" in out
+
+
+def test_an_unknown_option_before_the_script_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        emulate.main(["--ipu", "4", "train.py"])
+    assert e.value.code == 2
+    assert "unrecognized option '--ipu' before SCRIPT" in capsys.readouterr().err
 
 
 def test_missing_script_exits_2(tmp_path, capsys):
@@ -190,3 +209,6 @@ def test_main_in_process_runs_script_as_main(tmp_path, monkeypatch):
         "pt": "ipuloop.emulator",
         "env": "emulator",
     }
+    # what follows SCRIPT is the script's, --help and the launcher's own options included
+    assert emulate.main(["--ipus", "2", str(script), "--help", "--ipus", "3", "-m"]) is None
+    assert json.loads(out.read_text())["argv"] == [str(script), "--help", "--ipus", "3", "-m"]

@@ -25,6 +25,34 @@ def test_defaults_one_instance_and_a_replica_each():
     assert (top.instances, top.replicas, top.local_replicas) == (2, 2, 1)
 
 
+def test_help_shows_the_usage_and_each_option_s_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        poprun.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "usage: python -m ipuloop.emulate.poprun [-h] [OPTIONS] COMMAND [ARGS ...]\n"
+    )
+    assert '"""' not in out and "``" not in out  # argparse's help, not the module docstring
+    actions = [a for a in poprun.parser()._actions if a.option_strings and a.dest != "help"]
+    assert {o for a in actions for o in a.option_strings} == poprun._USED  # each it reads
+    for a in actions:
+        assert a.help and "(default: " in a.help, a.option_strings
+
+
+def test_no_command_is_the_usage_and_exit_2_and_a_command_s_help_is_its_own(capsys):
+    with pytest.raises(SystemExit) as e:
+        poprun.main(["--num-instances", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("usage: python -m ipuloop.emulate.poprun")
+        and "error: no command to run" in err
+    )
+    top = poprun.parse(["--num-instances", "2", "python", "train.py", "--help", "-H", "x"])
+    assert top.command == ["python", "train.py", "--help", "-H", "x"] and top.instances == 2
+
+
 def test_the_model_garden_s_options_are_read_or_taken():
     top = poprun.parse(
         [

@@ -7,6 +7,8 @@ Each test names the PopTorch 3.4 source (graphcore/poptorch) whose behaviour it 
 
 from __future__ import annotations
 
+import re
+
 import logging
 import os
 import subprocess
@@ -170,17 +172,31 @@ class _Weighted(nn.Module):
         return out, poptorch.identity_loss((out**2).sum(), reduction="none")
 
 
-def test_graph_compilation_progress_at_compile(capfd):
+def test_graph_compilation_says_once_what_the_emulator_does(capfd, monkeypatch):
     """python/_options_impl.py ``ProgressBar``: a tqdm bar "Graph compilation" on stderr
-    while the model compiles, unless ``Options.showCompilationProgressBar(False)``."""
-    model = poptorch.inferenceModel(_Add())
-    model(torch.ones(2), torch.ones(2))
-    assert "Graph compilation: 100%" in capfd.readouterr().err
-    model(torch.ones(2), torch.ones(2))  # no compilation: no bar
-    assert "Graph compilation" not in capfd.readouterr().err
+    while the model compiles, unless ``Options.showCompilationProgressBar(False)``. The
+    emulator's compilation is a trace, over in a moment: where the bar would be, it says so
+    once per process, with the device and the time it took, instead of a bar at 100% each
+    time."""
+    from ipuloop.emulator import _logging
+
+    monkeypatch.setattr(_logging, "_compilation_told", [False])  # a fresh process
     opts = poptorch.Options().showCompilationProgressBar(False)
     poptorch.inferenceModel(_Add(), opts)(torch.ones(2), torch.ones(2))
+    assert "Graph compilation" not in capfd.readouterr().err  # switched off: nothing
+    model = poptorch.inferenceModel(_Add())
+    model(torch.ones(2), torch.ones(2))
+    err = capfd.readouterr().err
+    assert re.fullmatch(
+        r"Graph compilation \(emulated\): the model was traced and checked on cpu in "
+        r"\d+\.\d\ds; there is no Poplar graph to compile, and later compilations of this "
+        r"process say nothing\.\n",
+        err,
+    ), err
+    model(torch.ones(2), torch.ones(2))  # no compilation
+    poptorch.inferenceModel(_Add())(torch.ones(2), torch.ones(2))  # another one
     assert "Graph compilation" not in capfd.readouterr().err
+    assert "%|" not in err  # no bar
 
 
 def test_options_from_a_file_are_logged_at_compile(capfd, tmp_path):

@@ -144,8 +144,8 @@ def test_emulate_presents_a_system_of_16_ipus_settable_with_ipus(tmp_path):
     ("args", "message"),
     [
         (["--ipus", "x", "p.py"], "--ipus takes the number of IPUs"),
-        (["--ipus", "2"], "no SCRIPT or -m MODULE"),
-        (["-m"], "no SCRIPT or -m MODULE"),
+        (["--ipus", "2"], "the following arguments are required: SCRIPT (or -m MODULE)"),
+        (["-m"], "argument -m: expected MODULE"),
     ],
 )
 def test_emulate_usage_errors_exit_2(args, message, capsys, monkeypatch):

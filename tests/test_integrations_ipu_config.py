@@ -381,6 +381,69 @@ def test_json_round_trip_string_file_and_folder(tmp_path):
     assert IPUConfig.load(tmp_path / "new") != IPUConfig()
 
 
+def test_save_to_a_new_name_makes_the_folder_the_docs_name(tmp_path):
+    """``save("ipu_config")`` writes ``ipu_config/ipu_config.json`` (docs/ipu-config.md), as
+    optimum's ``save_pretrained`` does; a new "*.json" name is a file."""
+    cfg = _rich_config()
+    assert cfg.save(tmp_path / "ipu_config") == tmp_path / "ipu_config" / CONFIG_NAME
+    assert IPUConfig.load(tmp_path / "ipu_config") == cfg
+    (tmp_path / "plain").write_text("{}")  # an existing file is overwritten, as before
+    assert cfg.save(tmp_path / "plain") == tmp_path / "plain"
+    assert IPUConfig.load(tmp_path / "plain") == cfg
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_a_saved_config_gets_the_mode_a_checkpoint_gets(tmp_path, umask, mode):
+    import stat
+
+    old = os.umask(umask)
+    try:
+        written = [IPUConfig().save(tmp_path / "a.json"), IPUConfig().save_pretrained(tmp_path)]
+    finally:
+        os.umask(old)
+    assert [stat.S_IMODE(p.stat().st_mode) for p in written] == [mode, mode]
+
+
+def test_save_pretrained_and_from_pretrained_as_optimum(tmp_path):
+    cfg = _rich_config()
+    folder = tmp_path / "out" / "run"  # made, parents too
+    assert cfg.save_pretrained(folder) == folder / CONFIG_NAME
+    assert sorted(os.listdir(folder)) == [CONFIG_NAME]
+    assert IPUConfig.from_pretrained(folder) == cfg
+    assert IPUConfig.from_pretrained(str(folder / CONFIG_NAME)) == cfg  # the file itself
+    assert IPUConfig.from_pretrained(tmp_path / "out", subfolder="run") == cfg
+    # keyword overrides, as optimum's: fields set, the others returned or refused
+    again = IPUConfig.from_pretrained(folder, device_iterations=7, seed=3)
+    assert (again.device_iterations, again.seed) == (7, 3)
+    assert again.replication_factor == cfg.replication_factor
+    got, unused = IPUConfig.from_pretrained(
+        folder, device_iterations=2, foo=1, return_unused_kwargs=True
+    )
+    assert got.device_iterations == 2 and unused == {"foo": 1}
+    with pytest.raises(TypeError, match="no IPUConfig field: foo"):
+        IPUConfig.from_pretrained(folder, foo=1)
+    with pytest.raises(ValueError, match="that is a file"):
+        cfg.save_pretrained(folder / CONFIG_NAME)
+    with pytest.raises(ValueError, match=f"holds no {CONFIG_NAME}"):
+        IPUConfig.from_pretrained(tmp_path)
+
+
+def test_a_hub_name_is_refused_at_once_naming_a_local_path(tmp_path, monkeypatch):
+    import socket
+
+    def offline(*args, **kwargs):
+        raise AssertionError("from_pretrained opened a connection")
+
+    monkeypatch.setattr(socket, "create_connection", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        IPUConfig.from_pretrained("Graphcore/bert-base-ipu")
+    msg = str(info.value)
+    assert "'Graphcore/bert-base-ipu'" in msg and "no such folder or file here" in msg
+    assert "huggingface-cli download Graphcore/bert-base-ipu ipu_config.json" in msg
+    assert "Pass a local folder" in msg
+
+
 def test_loading_reruns_validation(tmp_path):
     data = {**IPUConfig().to_dict(), "layer_per_ipu": [1]}
     (tmp_path / CONFIG_NAME).write_text(json.dumps(data))

@@ -134,3 +134,41 @@ def test_mnist_example_csv_option_plots(tmp_path, monkeypatch):
     assert sorted({u for u, _ in series["loss"]}) == [10, 20]  # 10 device iterations a step
     assert [u for u, _ in series["train_accuracy"]] == [10, 20]
     assert main([str(logs), "-o", str(tmp_path / "m.png")]) == 0
+
+
+def test_a_log_with_estimates_plots_them_labelled(tmp_path, monkeypatch):
+    """Under OutputMode.Final the CSV's ``estimated`` column names the estimates: it is read as
+    names, not as a curve, and their curves are labelled "(estimate)"."""
+    path = tmp_path / "final.csv"
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(4, 2))
+    Loop(
+        model,
+        poptorch.Options().deviceIterations(2).outputMode(poptorch.OutputMode.Final),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
+        callbacks=[CSVLogger(path, every_n_steps=1)],
+    ).fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=2)
+    from ipuloop.integrations import plotting
+
+    assert "estimated" not in read_csv(str(path))
+    assert plotting.estimates(str(path)) == {"loss", "train_loss", "train_acc"}
+    import matplotlib.axes
+
+    labels = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda self, *a, **k: labels.append(k.get("label")) or plot(self, *a, **k),
+    )
+    assert main([str(path), "-o", str(tmp_path / "c.png")]) == 0
+    assert sorted(labels) == [
+        "loss (step, estimate)",
+        "train_acc (estimate)",
+        "train_loss (estimate)",
+    ]

@@ -80,3 +80,29 @@ def test_missing_tensorboard_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
     with pytest.raises(ImportError, match=r'pip install "ipuloop\[tensorboard\]"'):
         TensorBoardLogger("runs")
+
+
+def test_estimates_are_written_under_their_own_tags(tmp_path):
+    """Under OutputMode.Final the training values come from each call's last micro-batch: they
+    are written as ``<name>_estimate``, never under the exact values' tags."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    loop = Loop(
+        model,
+        poptorch.Options().deviceIterations(2).outputMode(poptorch.OutputMode.Final),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        progress=False,
+        metrics={"acc": torchmetrics.Accuracy(task="multiclass", num_classes=2)},
+        callbacks=[TensorBoardLogger(tmp_path)],
+    )
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    history = loop.fit(loader, epochs=2, val_loader=loader)
+    s = scalars(tmp_path)
+    assert {"loss_estimate", "train_loss_estimate", "train_acc_estimate", "val_loss"} <= set(s)
+    assert not {"loss", "train_loss", "train_acc", "estimated"} & set(s)
+    assert [v for _, v in s["train_acc_estimate"]] == pytest.approx(
+        [h["train_acc"] for h in history]
+    )

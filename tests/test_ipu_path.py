@@ -239,10 +239,16 @@ def test_a_torch_optim_optimizer_state_stays_on_the_device():
         assert bool(opt.state) is read_back
 
 
+class _SubclassedAdamW(torch.optim.AdamW):
+    """A torch.optim subclass: its update may differ from AdamW's, so it has no twin."""
+
+
 @pytest.mark.parametrize("how", ["checkpoint", "resume", "state_dict"])
-def test_checkpointing_a_stateful_torch_optim_optimizer_is_refused_before_training(tmp_path, how):
+def test_checkpointing_a_stateful_optimizer_without_a_twin_is_refused_before_training(
+    tmp_path, how
+):
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    opt = _SubclassedAdamW(model.parameters(), lr=0.02)
     loop = Loop(
         model,
         optimizer=opt,
@@ -258,10 +264,12 @@ def test_checkpointing_a_stateful_torch_optim_optimizer_is_refused_before_traini
                 resume_from=str(tmp_path) if how == "resume" else None,
             )
     assert loop.train_model is None  # refused before anything was compiled
-    # stateless (SGD without momentum) and poptorch.optim optimizers checkpoint exactly
+    # stateless (SGD without momentum), poptorch.optim optimizers and the torch.optim ones the
+    # loop runs as their poptorch.optim twin checkpoint exactly
     for opt in (
         torch.optim.SGD(model.parameters(), lr=0.1),
         poptorch.optim.AdamW(model.parameters(), lr=0.02),
+        torch.optim.AdamW(model.parameters(), lr=0.02),
     ):
         Loop(model, optimizer=opt, progress=False).state_dict()
 

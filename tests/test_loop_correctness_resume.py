@@ -65,7 +65,8 @@ def test_mid_epoch_resume_with_whole_new_host_calls_continues_at_the_same_sample
     with pytest.warns(UserWarning, match=r"epoch 0 after its 8 samples.*deviceIterations 1 -> 2"):
         loop.fit(loader, EPOCHS, resume_from=str(ModelCheckpoint(tmp_path).latest()))
     assert ds2.log[:8] == reference[8:16]  # the unseen half of epoch 0, neither skipped nor re-read
-    assert len(ds2.log) == 8 + 16 and len(rec2.losses) == 1 + 2
+    # (each epoch read whole, as torch reads it: the 3 samples of its remainder read and dropped)
+    assert len(ds2.log) == (N - 8) + N and len(rec2.losses) == 1 + 2
     assert loop.state.epoch == EPOCHS and loop.state.epoch_step == 0
 
 
@@ -306,3 +307,19 @@ def test_one_state_is_not_saved_under_two_names(tmp_path):
     loop.fit(loader, EPOCHS)  # 4 steps per epoch: the step save and the epoch save coincide
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch1-step4", "epoch2-step8"]
     assert [e["name"] for e in ckpt.kept] == ["epoch1-step4", "epoch2-step8"]
+
+
+def test_a_checkpoint_with_the_older_exact_flag_loads_naming_its_estimates():
+    """Checkpoints written before ``estimated`` hold ``train_loss_exact`` in their history
+    and logs (0.0: the train values are estimates): they load, the flag read as names."""
+    loop, loader, _ = H.make_loop(1, 2, n=N)
+    loop.fit(loader, 2)
+    sd = loop.state_dict()
+    sd["history"] = [{**h, "train_loss_exact": 0.0} for h in sd["history"]]
+    sd["logs"] = {**sd["logs"], "train_loss_exact": 1.0}
+    again, loader, _ = H.make_loop(1, 2, n=N)
+    again.load_state_dict(sd)
+    assert [h["estimated"] for h in again.state.history] == ["loss train_loss"] * 2
+    assert not any("train_loss_exact" in h for h in again.state.history)
+    assert "train_loss_exact" not in again.state.logs and "estimated" not in again.state.logs
+    assert again.fit(loader, 3)[-1]["epoch"] == 3  # and the fit goes on

@@ -148,11 +148,42 @@ def test_a_second_fit_with_another_micro_batch_size_wraps_the_model_again():
     assert loop.state.history == b.state.history
 
 
+class _MySGD(torch.optim.SGD):
+    """A subclass: no poptorch.optim twin, so its momentum stays on the device."""
+
+
 def test_another_micro_batch_size_with_device_only_optimizer_state_names_the_fix():
     model = _model()
-    loop = _loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loop = _loop(model, _MySGD(model.parameters(), lr=0.1, momentum=0.9))
     loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
     with pytest.raises(ValueError, match="train_loader: micro-batch size 4") as e:
         loop.fit(DataLoader(_data(), batch_size=4), epochs=2)
     assert "batch_size=2" in str(e.value) and "poptorch.optim.SGD" in str(e.value)
     loop.fit(DataLoader(_data(), batch_size=2), epochs=2)  # the size it compiled for: trains
+
+
+def test_another_micro_batch_size_with_a_torch_optimizer_s_twin_carries_its_state_over():
+    """torch.optim.SGD with momentum runs as its poptorch.optim twin, whose state the host
+    reads back: wrapping the model again for another micro-batch size keeps it, as a resume
+    from a checkpoint of the first fit with the new loader does."""
+    model = _model()
+    loop = _loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loop.fit(DataLoader(_data(), batch_size=2), epochs=1)
+    with pytest.warns(UserWarning, match="compiled again"):
+        loop.fit(DataLoader(_data(), batch_size=4), epochs=2)
+    ref = _model()
+    a = _loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+    a.fit(DataLoader(_data(), batch_size=2), epochs=1)
+    resumed = _model()
+    b = _loop(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9))
+    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match="other factors"):
+        b.fit(DataLoader(_data(), batch_size=4), epochs=2)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(model), _weights(resumed)))
+    # and the momentum mattered: with it restarted from zero the weights end elsewhere
+    fresh = _model()
+    c = _loop(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+    c.load_weights(a.model.state_dict())
+    c.state.epoch = 1
+    c.fit(DataLoader(_data(), batch_size=4), epochs=2)
+    assert not all(torch.equal(x, y) for x, y in zip(_weights(model), _weights(fresh)))

@@ -197,7 +197,7 @@ def _check_logged_values(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> 
     step_acc, train_acc, val_acc = map(float, out.split()[-3:])
     h = ns["history"][-1]
     assert 0.5 < val_acc <= 1 and 0.5 < train_acc <= 1 and 0 <= step_acc <= 1
-    assert h["train_loss_exact"] == 1.0  # Sum: every micro-batch's value
+    assert "estimated" not in h  # Sum: every micro-batch's value, no estimate
 
 
 def _check_val_every_n_steps(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
@@ -249,7 +249,16 @@ def _check_emulated_program(ns: dict, out: str, tmp_path: pathlib.Path, capsys) 
     assert (ns["model"].net(x).argmax(-1) == y).float().mean() > 0.8  # trained on the host's
 
 
+def _check_summary(ns: dict, out: str, tmp_path: pathlib.Path, capsys) -> None:
+    lines = out.splitlines()
+    assert "  batch: micro 8 x DI 2 x GA 4 x RF 1 = 64 samples a host call" in lines
+    assert "  epoch: 4 steps, 8 optimizer updates; output mode Sum" in lines
+    assert "  ipu 0: 0 Sequential; 544 params" in lines and "  ipu 1: 1 Linear; 66 params" in lines
+    assert ns["loop"].train_model is None  # a summary compiles and runs nothing
+
+
 CHECKS = {
+    "print(loop.summary(": _check_summary,
     "loop = Loop(model_with_loss, opts, optimizer=poptorch.optim.AdamW(": _check_top,
     "class Tokens(Dataset):": _check_dict_batches,
     "class WithAccuracy(nn.Module):": _check_logged_values,
@@ -375,8 +384,8 @@ def test_the_docs_say_the_dtype_predict_returns_under_16_mixed_and_it_does(monke
 def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
     assert (
         "Under `OutputMode.Final` or `EveryN` the device returns only some micro-batches' "
-        "outputs, so the train metrics, like `train_loss`, are computed over those "
-        "micro-batches only: estimates"
+        "outputs, so every training value is computed over those micro-batches only: an "
+        "estimate. That is the step's `loss`, `train_loss`, the train metrics"
     ) in page("loop.md")
     import torchmetrics
 
@@ -391,13 +400,30 @@ def test_the_docs_say_metrics_are_estimates_under_final_and_they_are():
         def compute(self):
             return self.n
 
-    rows = {}
+    rows, estimated = {}, {}
     for mode in ("All", "Final"):
         opts = poptorch.Options().deviceIterations(2).outputMode(getattr(poptorch.OutputMode, mode))
         opts.Training.gradientAccumulation(2)
         loop = Loop(_model_with_loss(), opts, metrics={"rows": Rows()}, progress=False)
-        rows[mode] = loop.fit(_data(64, 2), epochs=1)[-1]["train_rows"]
+        row = loop.fit(_data(64, 2), epochs=1)[-1]
+        rows[mode], estimated[mode] = row["train_rows"], row.get("estimated")
     assert rows == {"All": 64, "Final": 8 * 2}  # 8 steps; Final: the last micro-batch of 2
+    assert estimated == {"All": None, "Final": "loss train_loss train_rows"}  # and says so
+
+
+def test_install_names_torch_s_cpu_build_and_every_timing_its_host_and_load():
+    """A machine without a GPU would pull torch's CUDA wheels (about 5 GB): the install says
+    how to take the CPU-only build; and a time a user reads says what it was measured on."""
+    from test_docs_shape import paragraphs
+
+    command = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+    guide = (PAGES / "getting-started.md").read_text()
+    for text in (README.read_text(), guide):
+        assert command in text and "5 GB" in text
+        for start, lines in paragraphs(text):
+            prose = " ".join(lines)
+            if re.search(r"\b\d+(\.\d+)? ?(s|min|minutes)\b", prose):
+                assert "host" in prose and ("load" in prose or "idle" in prose), (start, prose)
 
 
 def test_the_docs_say_how_many_threads_on_a_small_cpu_and_the_example_picks_them(monkeypatch):

@@ -16,7 +16,7 @@ attached at each event)::
             if val_loader and state.step % val_every_n_steps == 0: validation, as below
             on_train_step_end                    # state.logs["loss"] is this step's mean loss
             if loop.stop() was called or max_steps is reached: leave the epoch
-        epoch logs: train_loss, train_loss_exact, train_<metric>
+        epoch logs: train_loss, train_<metric> (Final, EveryN: "estimated" names the estimates)
         if the epoch was left before its last step: go to on_fit_end   # incomplete epoch
         if val_loader (and the last step did not validate):
             on_validation_start

@@ -7,6 +7,7 @@ import os
 import warnings
 from typing import Any
 
+from ..state import ESTIMATED
 from .base import Callback, LoopView
 
 __all__ = ["CSVLogger"]
@@ -25,6 +26,10 @@ class CSVLogger(Callback):
     logs. A new fit starts a new file; a resumed
     one keeps the rows its checkpoint had written and appends (rows written after that
     checkpoint are dropped, as the resumed run writes them again).
+
+    Under an output mode that returns only some micro-batches (Final, EveryN), the column
+    ``estimated`` names the row's values that are estimates, space-separated (``loss
+    train_loss train_acc``); it is absent when every value is exact.
 
     Args:
         path: the CSV file (its folder is created).
@@ -69,6 +74,8 @@ class CSVLogger(Callback):
         os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half
 
     def _write(self, loop: LoopView, logs: dict[str, Any]) -> None:
+        if ESTIMATED in logs:  # the row's estimates only (a step row holds no train_ value)
+            logs = {**logs, ESTIMATED: " ".join(k for k in logs[ESTIMATED].split() if k in logs)}
         row = {
             **logs,
             "epoch": loop.state.epoch,

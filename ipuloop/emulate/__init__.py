@@ -16,6 +16,7 @@ on a machine without IPUs.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -140,28 +141,87 @@ def stand_in(
         setattr(module, sub, child)
 
 
+PROG = "python -m ipuloop.emulate"
+USAGE = f"{PROG} [-h] [--ipus N] (SCRIPT | -m MODULE) [ARGS ...]"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line as ``--help`` shows it. ``main`` reads the options itself, only
+    before SCRIPT (or -m MODULE): everything after belongs to the program, ``--help``
+    included."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        usage=USAGE,
+        description=(
+            "Run a PopTorch program (or a module, such as pytest) on ipuloop's emulator: "
+            "`import poptorch` in it, and in the Python processes it starts, gets the "
+            "emulator. SCRIPT runs as __main__ with sys.argv = [SCRIPT, ARGS...]; its exit "
+            "status is this command's."
+        ),
+        epilog=(
+            f"example: {PROG} train.py --epochs 1   (train.py gets --epochs 1; "
+            f"`{PROG} train.py --help` shows train.py's help)"
+        ),
+    )
+    p.add_argument(
+        "--ipus",
+        metavar="N",
+        help="IPUs of the emulated system, so that poptorch.ipuHardwareIsAvailable() answers "
+        "as on a machine with them; 0: none (default: $IPULOOP_EMULATOR_IPUS, else 16)",
+    )
+    p.add_argument(
+        "-m",
+        metavar="MODULE",
+        dest="module",
+        help="run MODULE as `python -m MODULE` does, instead of a SCRIPT (default: none)",
+    )
+    p.add_argument("script", metavar="SCRIPT", nargs="?", help="the program's file")
+    p.add_argument(
+        "args",
+        metavar="ARGS",
+        nargs="*",
+        help="the program's arguments, passed to it untouched (--help included)",
+    )
+    return p
+
+
 def _usage(message: str) -> None:
-    print(f"ipuloop.emulate: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    parser().error(message)  # the usage line and "PROG: error: MESSAGE" on stderr, status 2
+
+
+def _options(argv: list[str]) -> tuple[str, list[str]]:
+    """The IPUs and what runs (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``): the
+    options are read up to SCRIPT or MODULE only."""
+    ipus = os.environ.get("IPULOOP_EMULATOR_IPUS", "16")
+    while argv and argv[0].startswith("-") and argv[0] != "-m":
+        option, eq, value = argv[0].partition("=")
+        if option in ("-h", "--help"):
+            parser().print_help()
+            raise SystemExit(0)
+        if option == "--":
+            argv = argv[1:]
+            break
+        if option != "--ipus":
+            _usage(f"unrecognized option {argv[0]!r} before SCRIPT (options after it go to SCRIPT)")
+        if not eq:
+            value = (argv[1:2] or [""])[0]
+        argv = argv[1:] if eq else argv[2:]
+        if not value.isdigit():
+            _usage(
+                f"--ipus takes the number of IPUs of the emulated system (0: none); got {value!r}"
+            )
+        ipus = value
+    if not argv:
+        _usage("the following arguments are required: SCRIPT (or -m MODULE)")
+    if argv[0] == "-m" and len(argv) < 2:
+        _usage("argument -m: expected MODULE")
+    if argv[0] != "-m" and not os.path.isfile(argv[0]):
+        _usage(f"no such script: {argv[0]}")
+    return ipus, argv
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        raise SystemExit(0 if argv else 2)
-    ipus = os.environ.get("IPULOOP_EMULATOR_IPUS", "16")
-    if argv[0] == "--ipus" or argv[0].startswith("--ipus="):
-        ipus = argv[0][len("--ipus=") :] if "=" in argv[0] else (argv[1:2] or [""])[0]
-        argv = argv[1:] if "=" in argv[0] else argv[2:]
-        if not ipus.isdigit():
-            _usage(
-                f"--ipus takes the number of IPUs of the emulated system (0: none); got {ipus!r}"
-            )
-    if not argv or (argv[0] == "-m" and len(argv) < 2):
-        _usage("no SCRIPT or -m MODULE to run")
-    if argv[0] != "-m" and not os.path.isfile(argv[0]):
-        _usage(f"no such script: {argv[0]}")
+    ipus, argv = _options(list(sys.argv[1:] if argv is None else argv))
     os.environ["IPULOOP_EMULATOR_IPUS"] = ipus  # inherited by the processes it starts
     install()
     try:

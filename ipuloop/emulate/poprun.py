@@ -34,6 +34,7 @@ else the first to exit with an error.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -42,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections import deque
@@ -471,17 +473,97 @@ def run(top: Topology, env: dict[str, str] | None = None) -> int:
     return 128 - code if code < 0 else code
 
 
+PROG = "python -m ipuloop.emulate.poprun"
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=78, break_on_hyphens=False, break_long_words=False)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line as ``--help`` shows it (``parse`` reads it: poprun's options, up to
+    COMMAND, whose arguments are its own)."""
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [-h] [OPTIONS] COMMAND [ARGS ...]",
+        description=_wrap(
+            "poprun's command line on this host: COMMAND runs as --num-instances instances, "
+            "each on ipuloop's emulator with the environment poprun gives it (POPDIST_*, "
+            "mpirun's OMPI_COMM_WORLD_*, torchrun's RANK/WORLD_SIZE/MASTER_*), all in one "
+            "torch.distributed group. Each output line is tagged [1,i]<stdout>: as poprun's "
+            "mpirun tags it; when an instance fails, the others are ended and the launcher "
+            "exits with its status, naming it."
+        ),
+        epilog=f"example: {PROG} --num-instances 2 --num-replicas 4 python train.py --epochs 1\n\n"
+        + _wrap(
+            "Taken and ignored (they place a run on a Pod): --vipu-*, --reset-partition, "
+            "--update-partition, --remove-partition, --sync-type, --numa-aware, "
+            "--host-subnet, --network-interface, -v/--vv. Refused by name: other hosts, "
+            "several ILDs, --offline-mode, --process-placement."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--num-instances", metavar="N", help="instances of COMMAND (default: 1)")
+    p.add_argument(
+        "--num-replicas",
+        metavar="R",
+        help="replicas of all instances together, a multiple of N (default: N, one each)",
+    )
+    p.add_argument("--ipus-per-replica", metavar="P", help="IPUs each replica uses (default: 1)")
+    p.add_argument(
+        "--only-output-from-instance",
+        metavar="I",
+        help="show only instance I's output; the others' last error lines are shown when "
+        "they fail (default: every instance's)",
+    )
+    p.add_argument(
+        "--executable-cache-path",
+        metavar="DIR",
+        help="PopTorch's executable cache, POPTORCH_CACHE_DIR (default: none)",
+    )
+    p.add_argument(
+        "--print-topology",
+        metavar="yes|no",
+        nargs="?",
+        help="print each instance's replicas and IPUs first (default: no; bare: yes)",
+    )
+    p.add_argument(
+        "--mpi-global-args",
+        metavar="ARGS",
+        help="mpirun's arguments: -x NAME[=VALUE] exports NAME to the instances, the network "
+        "settings are ignored (default: none)",
+    )
+    p.add_argument("--mpi-local-args", metavar="ARGS", help="as --mpi-global-args (default: none)")
+    p.add_argument("--num-ilds", metavar="1", help="IPU-Link domains: 1, this host's (default: 1)")
+    p.add_argument(
+        "--host",
+        "-H",
+        metavar="HOSTS",
+        help="the hosts, which must name this one (default: this host)",
+    )
+    p.add_argument(
+        "command",
+        metavar="COMMAND",
+        help="the program: one starting with python runs on the emulator as "
+        "`python -m ipuloop.emulate` runs it; another runs as it is, with the emulator bound "
+        "in the Python processes it starts",
+    )
+    p.add_argument(
+        "args", metavar="ARGS", nargs="*", help="COMMAND's arguments, passed to it untouched"
+    )
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        raise SystemExit(0 if argv else 2)
+    if argv and argv[0] in ("-h", "--help"):
+        parser().print_help()
+        raise SystemExit(0)
     try:
         top = parse(argv)
-        raise SystemExit(run(top))
     except UsageError as e:
-        print(f"ipuloop.emulate.poprun: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        parser().error(str(e))  # the usage line and "PROG: error: ..." on stderr, status 2
+    raise SystemExit(run(top))
 
 
 if __name__ == "__main__":

@@ -77,18 +77,24 @@ def popart_log_level() -> str:
     return _popart_level[0]
 
 
-def show_compilation_progress() -> None:
-    """PopTorch's "Graph compilation" progress bar (tqdm, on stderr), shown complete: the
-    emulator's compilation (a trace and checks) has no stages worth showing one by one."""
-    import tqdm  # only where a compilation shows it
+_compilation_told = [False]  # the process has said what its compilations do
 
-    bar = tqdm.tqdm(
-        desc="Graph compilation",
-        total=100,
-        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]",
+
+def show_compilation_progress(seconds: float, device: object) -> None:
+    """Where PopTorch shows its "Graph compilation" progress bar (tqdm, on stderr): what the
+    emulator did instead, once per process. Its compilation is a trace of one micro-batch and
+    PopTorch's checks, done in a moment, with no stages to show one by one: a bar jumping to
+    100% at every compilation would say nothing."""
+    if _compilation_told[0]:
+        return
+    _compilation_told[0] = True
+    print(
+        f"Graph compilation (emulated): the model was traced and checked on {device} in "
+        f"{seconds:.2f}s; there is no Poplar graph to compile, and later compilations of "
+        "this process say nothing.",
+        file=sys.stderr,
+        flush=True,
     )
-    bar.update(100)
-    bar.close()
 
 
 class _Formatter(logging.Formatter):

@@ -349,7 +349,7 @@ class PoplarExecutor(HardwareOnly):
             self._trace(leaves, spec, prod, di, ga, rf)
             _options_mod.log_compiled_options(o, self.num_ipus // rf)
             if o._show_compilation_progress_bar:
-                _logging.show_compilation_progress()
+                _logging.show_compilation_progress(time.perf_counter() - start, self._device)
         except BaseException:
             # A failed compilation leaves no executable behind (PopTorch: isCompiled() False).
             self._compiled = self._attached = False

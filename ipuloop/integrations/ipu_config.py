@@ -17,7 +17,8 @@ Follows optimum-graphcore's `IPUConfig` (docs/poptorch-semantics.md §7), with t
 - int fields reject bool; assigning a name that is not a field raises AttributeError.
 
 Left out: the train()/eval() mode switch (pass `for_inference=`), embedding and projection
-serialisation, `parallelize_kwargs`, `explicit_ir_inference`, `compile_only`, the Hub. An
+serialisation, `parallelize_kwargs`, `explicit_ir_inference`, `compile_only`, the Hub
+(`from_pretrained` takes a local folder or file; a Hub name is refused, naming the fix). An
 optimum `ipu_config.json` still loads: those keys and its `optimum_version` /
 `transformers_version` are accepted and dropped, with a warning when a setting is switched on.
 Derived values (`inference_*`, `ipus_per_replica`) are resolved once, in the constructor, as
@@ -34,9 +35,11 @@ import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import torch
+
+from ..checkpoint_io import file_mode
 
 __all__ = [
     "CONFIG_NAME",
@@ -466,15 +469,43 @@ class IPUConfig:
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write JSON to the file `path`, or to `path/ipu_config.json` when `path` is a folder
-        (an existing one, or a path ending in '/'). Atomic: temp file, then `os.replace`."""
+        """Write JSON to `path` and return the file written: `path/ipu_config.json` when `path`
+        is a folder (an existing one, a path ending in '/', or a new path whose name does not
+        end in ".json", which is created as `save_pretrained` creates it), else the file
+        `path` (an existing file, or a new "*.json"). Atomic: temp file, then `os.replace`; the
+        file gets the mode `open()` gives (0644 under the usual umask), as checkpoints do."""
         target = Path(path)
-        if target.is_dir() or str(path).endswith(("/", os.sep)):
-            target = target / CONFIG_NAME
+        folder = (
+            target.is_dir()
+            or str(path).endswith(("/", os.sep))
+            or (not target.exists() and target.suffix.lower() != ".json")
+        )
+        return self._write(target / CONFIG_NAME if folder else target)
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """optimum-graphcore's (transformers') `save_pretrained`: make the folder
+        `save_directory` if needed and write `ipu_config.json` in it; returns that file.
+        Hub uploads (`push_to_hub=True`) are refused."""
+        folder = Path(save_directory)
+        if folder.is_file():
+            raise ValueError(
+                f"save_pretrained(save_directory={str(save_directory)!r}): that is a file, and "
+                "save_pretrained writes a folder holding ipu_config.json. Pass a folder, or "
+                f"write this file with save({str(save_directory)!r})."
+            )
+        if kwargs.get("push_to_hub"):
+            raise ValueError(
+                "save_pretrained(push_to_hub=True): ipuloop does not upload to the Hugging Face "
+                "Hub. Save to a folder, then upload it with `huggingface-cli upload`."
+            )
+        return self._write(folder / CONFIG_NAME)
+
+    def _write(self, target: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
+                os.fchmod(f.fileno(), file_mode())  # mkstemp's 0600 would hide it from others
                 f.write(self.to_json_string())
                 f.flush()
                 os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
@@ -496,6 +527,72 @@ class IPUConfig:
                 f"{target} is not a JSON IPUConfig ({e}). Write it with IPUConfig.save(path)."
             ) from None
         return cls.from_dict(data)
+
+    @overload
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike[str],
+        *,
+        return_unused_kwargs: Literal[False] = ...,
+        **kwargs: Any,
+    ) -> IPUConfig: ...
+
+    @overload
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike[str],
+        *,
+        return_unused_kwargs: Literal[True],
+        **kwargs: Any,
+    ) -> tuple[IPUConfig, dict[str, Any]]: ...
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike[str],
+        *,
+        return_unused_kwargs: bool = False,
+        **kwargs: Any,
+    ) -> IPUConfig | tuple[IPUConfig, dict[str, Any]]:
+        """optimum-graphcore's (transformers') `from_pretrained`, for local paths: a folder
+        holding `ipu_config.json` (or `subfolder=` inside it), or a JSON file. Each keyword
+        naming a field overrides the file's value, as in optimum; with
+        `return_unused_kwargs=True` the others come back beside the config, else they are an
+        error naming them. Anything that is neither an existing folder nor a file (a Hub name,
+        "Graphcore/bert-base-ipu") is refused at once, offline, naming the fix."""
+        where = Path(pretrained_model_name_or_path)
+        subfolder = kwargs.pop("subfolder", None)
+        if subfolder:
+            where = where / subfolder
+        if not where.exists():
+            name = str(pretrained_model_name_or_path)
+            raise ValueError(
+                f"IPUConfig.from_pretrained({name!r}): no such folder or file here, and ipuloop "
+                "reads no Hugging Face Hub repository. Pass a local folder holding "
+                f"{CONFIG_NAME} or a JSON file; for a Hub repository, download it first, e.g. "
+                f"`huggingface-cli download {name} {CONFIG_NAME} --local-dir DIR`, then pass "
+                "DIR."
+            )
+        if where.is_dir() and not (where / CONFIG_NAME).is_file():
+            raise ValueError(
+                f"IPUConfig.from_pretrained({str(pretrained_model_name_or_path)!r}): the folder "
+                f"{where} holds no {CONFIG_NAME}. Pass the folder save_pretrained wrote, or the "
+                "JSON file itself."
+            )
+        config = cls.load(where)
+        overrides = {k: v for k, v in kwargs.items() if k in _FIELDS}
+        unused = {k: v for k, v in kwargs.items() if k not in _FIELDS}
+        if unused and not return_unused_kwargs:
+            raise TypeError(
+                f"IPUConfig.from_pretrained got keyword(s) that are no IPUConfig field: "
+                f"{', '.join(sorted(unused))}. Valid fields: {', '.join(_FIELDS)}; pass "
+                "return_unused_kwargs=True to get the others back."
+            )
+        if overrides:
+            config.update(**overrides)
+        return (config, unused) if return_unused_kwargs else config
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IPUConfig):

@@ -4,8 +4,9 @@
 One panel per quantity, each against optimizer updates (the ``update`` column): ``loss``
 (the step losses of ``CSVLogger(every_n_steps=...)`` rows, ``train_loss`` and ``val_loss``
 per epoch), then one panel per metric (``train_<name>`` and ``val_<name>``) and per other
-logged value. Needs matplotlib (``pip install "ipuloop[plot]"``). A file that is not a
-CSVLogger file is one line on stderr and exit status 2.
+logged value. A value the file's ``estimated`` column names (under ``OutputMode.Final`` or
+``EveryN``) is labelled "(estimate)". Needs matplotlib (``pip install "ipuloop[plot]"``). A
+file that is not a CSVLogger file is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = ["main", "plot_csv", "read_csv"]
 
 INSTALL = 'pip install "ipuloop[plot]"'
 COUNTERS = ("epoch", "step", "update")
+ESTIMATED = "estimated"  # CSVLogger's column naming each row's estimates (not a curve)
 
 
 class NotALog(ValueError):
@@ -48,19 +50,26 @@ def read_csv(path: str) -> dict[str, list[tuple[float, float]]]:
     header, data = rows[0], rows[1:]
     if not data:
         raise NotALog("a CSVLogger file with no rows: nothing to plot")
-    series: dict[str, list[tuple[float, float]]] = {k: [] for k in header[3:]}
+    keys = [k for k in header[3:] if k != ESTIMATED]
+    series: dict[str, list[tuple[float, float]]] = {k: [] for k in keys}
     for line, row in enumerate(data, start=2):
         if len(row) > len(header):
             raise NotALog(f"line {line} has {len(row)} cells, the header {len(header)}")
         cells = dict(zip(header, row))
         try:
             update = float(cells["update"])
-            for key in header[3:]:
+            for key in keys:
                 if cells.get(key, ""):
                     series[key].append((update, float(cells[key])))
         except ValueError as e:
             raise NotALog(f"line {line}: {e}") from e
     return series
+
+
+def estimates(path: str) -> set[str]:
+    """The columns that the file's ``estimated`` column names in any row."""
+    with open(path, newline="") as f:
+        return {k for row in csv.DictReader(f) for k in (row.get(ESTIMATED) or "").split()}
 
 
 def panels(columns: list[str]) -> dict[str, list[str]]:
@@ -88,6 +97,7 @@ def plot_csv(path: str, output: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    estimated = estimates(path)
     groups = {name: [k for k in keys if series[k]] for name, keys in panels(list(series)).items()}
     groups = {name: keys for name, keys in groups.items() if keys}
     if not groups:
@@ -98,11 +108,13 @@ def plot_csv(path: str, output: str) -> list[str]:
     for ax, (name, keys) in zip(axes.flat, groups.items()):
         for key in keys:
             xs, ys = zip(*series[key])
+            mark = " (estimate)" if key in estimated else ""
             if key.startswith(("train_", "val_")):  # one point per epoch
                 color = "tab:blue" if key.startswith("train_") else "tab:orange"
-                ax.plot(xs, ys, marker="o", linewidth=2, color=color, label=key)
+                ax.plot(xs, ys, marker="o", linewidth=2, color=color, label=key + mark)
             else:  # one point per logged step
-                ax.plot(xs, ys, linewidth=1, color="tab:gray", alpha=0.7, label=f"{key} (step)")
+                label = f"{key} (step{', estimate' if mark else ''})"
+                ax.plot(xs, ys, linewidth=1, color="tab:gray", alpha=0.7, label=label)
         ax.set_title(name)
         ax.set_xlabel("optimizer updates")
         ax.grid(alpha=0.3)

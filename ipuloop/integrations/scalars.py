@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ..callbacks.base import Callback, LoopView
+from ..state import ESTIMATED
 
 __all__ = ["ScalarLogger", "hyperparameters"]
 
@@ -24,10 +25,14 @@ class ScalarLogger(Callback):
       e.g. ``loss``, the step's mean loss) and ``samples_per_second`` (the step's samples over
       the time since the previous step ended, or since the epoch started or the model
       compiled: data loading counts, compilation and validation do not);
-    - every epoch: the epoch logs (``train_*``; the flag ``train_loss_exact`` is left out);
+    - every epoch: the epoch logs (``train_*``);
     - every validation of the fit (at an epoch end, or at a step with
       ``fit(val_every_n_steps=)``): the ``val_*`` logs; its time is left out of
       ``samples_per_second``. A ``validate()`` outside a fit logs nothing.
+
+    Under an output mode that returns only some micro-batches (Final, EveryN), the training
+    values the logs name as estimates (``state.logs["estimated"]``: the step's ``loss``, the
+    values the model logs, every ``train_`` value) are recorded as ``<name>_estimate``.
 
     Instance 0 alone logs when several processes train (``main_instance_only``).
     """
@@ -93,7 +98,9 @@ class ScalarLogger(Callback):
 
     def on_train_step_end(self, loop: LoopView) -> None:
         st = loop.state
-        values = {k: float(v) for k, v in st.logs.items() if not k.startswith(("train_", "val_"))}
+        values = _marked(
+            {k: v for k, v in st.logs.items() if not k.startswith(("train_", "val_"))}, st.logs
+        )
         now = time.perf_counter()
         if self._since is not None and now > self._since and st.samples > self._samples:
             values["samples_per_second"] = (st.samples - self._samples) / (now - self._since)
@@ -103,13 +110,20 @@ class ScalarLogger(Callback):
 
     def on_epoch_end(self, loop: LoopView) -> None:
         st = loop.state
-        values = {
-            k: float(v)
-            for k, v in st.logs.items()
-            if k.startswith("train_") and not k.endswith("_exact")
-        }
+        values = _marked({k: v for k, v in st.logs.items() if k.startswith("train_")}, st.logs)
         if values:
             self.log_scalars(values, st.update)
+
+
+def _marked(values: dict[str, Any], logs: dict[str, Any]) -> dict[str, float]:
+    """``values`` as numbers, each one ``logs`` names as an estimate under ``<name>_estimate``
+    (the names themselves are not a number: left out)."""
+    estimated = set(str(logs.get(ESTIMATED, "")).split())
+    return {
+        f"{k}_estimate" if k in estimated else k: float(v)
+        for k, v in values.items()
+        if k != ESTIMATED
+    }
 
 
 def hyperparameters(loop: LoopView) -> dict[str, Any]:

@@ -27,7 +27,11 @@ class TensorBoardLogger(ScalarLogger):
       recorded at the update that step starts from;
     - every validation of the fit (at epoch ends, and at steps with
       ``fit(val_every_n_steps=)``): the ``val_*`` logs;
-    - every epoch: the ``train_*`` logs (the flag ``train_loss_exact`` is left out).
+    - every epoch: the ``train_*`` logs.
+
+    Under ``OutputMode.Final`` or ``EveryN`` the training values are estimates, from the
+    micro-batches the device returns: each is written as ``<name>_estimate`` (``loss_estimate``,
+    ``train_acc_estimate``).
 
     The file is flushed at every epoch end and closed when the fit ends. A resumed fit
     purges what the interrupted run wrote after its checkpoint (``SummaryWriter(purge_step=)``
