@@ -9,7 +9,8 @@ pipelined blocks, B=40, DI=10, GA=10, AdamW lr 1e-3, the accuracy metric) over a
 ``DataLoader`` with ``--workers`` worker processes (0 by default, as in the example); real MNIST
 with ``--mnist-dir``, else ``--synthetic N`` random MNIST-shaped samples. ``--workload mlp``:
 ``overhead.py``'s tiny MLP (32-32-10, cross-entropy, SGD lr 0.01, B=32, DI=1, GA=1) on 16,000
-random samples.
+random samples. ``--workload many``: the same MLP with 100 micro-batches of 8 a host call (DI=20,
+GA=5), read by 2 loader workers (``--workers``): a host call joined from many micro-batches.
 
 Variants, each a fit of ``--steps`` training steps in this process, from the same initial
 weights and seed, in an order rotated every repeat: ``sync`` (the default reading),
@@ -49,6 +50,7 @@ LABELS = {
 WORKLOADS = {  # batch size, device iterations, gradient accumulation, steps, warm-up steps
     "mnist": (40, 10, 10, 14, 2),
     "mlp": (32, 1, 1, 500, 50),
+    "many": (8, 20, 5, 40, 4),  # 100 micro-batches a host call, read by loader workers
 }
 
 
@@ -74,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--device-iterations", type=int, default=None)
     p.add_argument("--gradient-accumulation", type=int, default=None)
-    p.add_argument("--workers", type=int, default=0, help="torch loader worker processes")
+    p.add_argument(
+        "--workers", type=int, default=None, help="torch loader worker processes (0; many: 2)"
+    )
     p.add_argument("--steps", type=int, default=None, help="training steps per fit")
     p.add_argument("--warmup", type=int, default=None, help="first steps left out of the timing")
     p.add_argument("--repeats", type=int, default=None, help="default: 9 (mnist), 7 (mlp)")
@@ -98,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.repeats is None:
         args.repeats = 9 if args.workload == "mnist" else 7
+    if args.workers is None:
+        args.workers = 2 if args.workload == "many" else 0
     if args.out is None:
         args.out = str(HERE / f"async_data_{args.workload}.json")
     variants = [v for v in args.variants.split(",") if v]
@@ -114,7 +120,7 @@ def load_data(args: argparse.Namespace) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    if args.workload == "mlp":
+    if args.workload in ("mlp", "many"):
         return torch.utils.data.TensorDataset(
             torch.randn(16000, 32, generator=g), torch.randint(0, 10, (16000,), generator=g)
         )
@@ -131,7 +137,7 @@ def load_data(args: argparse.Namespace) -> Any:
 def network(args: argparse.Namespace) -> Any:
     import torch.nn as nn
 
-    if args.workload == "mlp":
+    if args.workload in ("mlp", "many"):
         return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
     from ipuloop.examples.mnist import Network
 
@@ -146,7 +152,7 @@ def make_loop(args: argparse.Namespace, net: Any, callbacks: list, variant: str)
 
     opts = poptorch.Options().deviceIterations(args.device_iterations)
     opts.Training.gradientAccumulation(args.gradient_accumulation)
-    if args.workload == "mlp":
+    if args.workload in ("mlp", "many"):
         import torch
 
         return Loop(
@@ -282,7 +288,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def table(res: dict) -> str:
     meta, args, out = res["meta"], res["args"], res["results"]
-    if args["workload"] == "mlp":
+    if args["workload"] in ("mlp", "many"):
         data = "the tiny MLP on 16,000 random samples"
     else:
         data = (

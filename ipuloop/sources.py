@@ -4,8 +4,8 @@ The loop reads every loader through a ``Source``: a torch ``DataLoader`` (``read
 yields what the loader yields, each batch a *unit* of ``unit`` rows, of which a host call
 takes ``per_call``; for a map-style dataset, the ``Order`` its batches of indices are read in,
 which one epoch's ``Selection`` skips into (a resume), shares out between instances (several
-processes) or stops (the remainder of a training epoch, which no whole host call reads). Units
-are joined into host calls by ``host_calls.py``.
+processes) or stops (several processes: the run's last, incomplete host call, which none
+reads). Units are joined into host calls by ``host_calls.py``.
 
 - A torch ``DataLoader`` over a map-style dataset is read through a loader built once over the
   same dataset, collate function, workers (``worker_init_fn``, ``persistent_workers``,
@@ -21,9 +21,10 @@ are joined into host calls by ``host_calls.py``.
   joined into host calls as PopTorch joins them; under several processes each instance reads
   its own loader, as PopTorch partitions it.
 
-A persistent-workers loader draws its workers' base seed once, as its first iterator starts;
-an iterator the loop starts again for it (after a call ended, or in a resumed process) starts
-without that draw (``Source.start``), so the random state moves as it does for the loader.
+A persistent-workers loader keeps its workers from one call to the next, as torch keeps them for
+the loader's life (the reader is kept with the loader), and draws its workers' base seed once, as
+its first iterator starts; workers started again (after a failed call, or in a resumed process)
+start without that draw (``Source.start``), so the random state moves as it does for the loader.
 """
 
 from __future__ import annotations
