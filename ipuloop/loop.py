@@ -464,7 +464,8 @@ class Loop:
             st.drop_logs("train_", self._logged())
         if not plan.layout.exact:  # Final, EveryN: from the returned micro-batches only
             mark_estimates(st.logs, self._returns.logged)
-        ended = plan.steps is not None and st.epoch_step >= plan.steps  # (a stream: it ended)
+        # (a stream's length only promises its steps: it is complete when it ended)
+        ended = not plan.source.stream and plan.steps is not None and st.epoch_step >= plan.steps
         if plan.reading.ended and plan.steps is not None and st.epoch_step != plan.steps:
             self._warn_length(plan)
         if st.should_stop() and not (ended or plan.reading.ended):
@@ -535,6 +536,7 @@ class Loop:
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)
             if boundary(st):
+                self._read_remainder(plan, batches)
                 return
         every = st.val_every_n_steps if val_plan is not None else None
         # The device holds the optimizer as last pushed: it is compared where user code may
@@ -594,11 +596,23 @@ class Loop:
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
             if boundary(st):
+                self._read_remainder(plan, batches)
                 break
         else:
             plan.reading.ended = True  # (every host call of the epoch was read)
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call(plan, st.epoch)
+
+    def _read_remainder(self, plan: Plan, batches: Iterator[Any]) -> None:
+        """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the
+        epoch's remainder, as the epoch read to its end does: the random state a dataset draws
+        from moves as in one uninterrupted fit. (A SIGTERM leaves it to the resumed fit.)"""
+        st = self.state
+        if plan.source.stream or st.preempted or plan.steps is None or st.epoch_step < plan.steps:
+            return
+        for _ in batches:  # (an incomplete host call: dropped)
+            pass
+        plan.reading.ended = True
 
     def _compile_train(self, args: tuple, kwargs: dict) -> Executor:
         model = self.executors.training_model(self.train_opts)

@@ -596,9 +596,9 @@ def test_the_loop_reads_the_order_the_reference_draws() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*samples are dropped each epoch")
         loop.fit(make_loader(cfg, logged, cfg.seed), epochs=2)
-    read = logged.log[-2 * cfg.steps * cfg.combined :]  # (the loop's probe reads some first)
-    # plain torch's order: its iterator draws the workers' base seed, then the permutation
+    read = logged.log[-2 * cfg.samples :]  # (the loop's probe reads some first)
+    # plain torch's order: its iterator draws the workers' base seed, then the permutation;
+    # each epoch read whole, its remainder too
     g = torch.Generator().manual_seed(cfg.seed)
     torch_loader = DataLoader(range(cfg.samples), batch_size=2, shuffle=True, generator=g)
-    epochs = [[int(i) for batch in torch_loader for i in batch] for _ in range(2)]
-    assert read == [i for order in epochs for i in order[: cfg.steps * cfg.combined]]
+    assert read == [int(i) for _ in range(2) for batch in torch_loader for i in batch]
