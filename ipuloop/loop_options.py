@@ -450,7 +450,7 @@ def check_val_every(
 def inference_options(pt: ModuleType, train: Options, user: Options | None) -> Options:
     """Options for validating or predicting: a clone of ``user`` (the ``inference_opts``),
     else of the training options without their training-only settings (the loader it reads
-    fits their device iterations: ``plan.fit_iterations``)."""
+    fits their device iterations: ``measure.fit_iterations``)."""
     if user is not None:
         opts = user.clone()
         if opts.Training.gradient_accumulation != 1:
