@@ -793,17 +793,14 @@ class Loop:
         instances' fits first (what propagates may then name the instance that failed first)
         and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
         The loader workers (and read-ahead threads) of ``plans`` stop when the call ends,
-        however it ends, but a persistent-workers loader's when it ends well: they go on to its
-        next epoch or call, as torch keeps them for the loader's life."""
+        however it ends (a persistent-workers loader's go on from epoch to epoch within it)."""
         outer = self._reading  # (a validate() from a fit's hook reads beside the fit)
         reading = tuple(p for p in plans if p is not None)
         self._reading = outer + reading
         signals = handle_signals(self._on_sigterm, self._kill_workers) if fit else None
         with signals or contextlib.nullcontext():
-            ended_well = False
             try:
                 yield
-                ended_well = True
             except BaseException as caught:
                 error = self._processes.failed(caught, self.state) if fit else caught
                 self._hooks.report(error)
@@ -814,8 +811,8 @@ class Loop:
                 raise error from caught
             finally:
                 self._reading = outer
-                for plan in reading:  # (persistent workers go on, as torch's, unless it failed)
-                    plan.close(keep=ended_well and not self.state.preempted)
+                for plan in reading:
+                    plan.close()
 
     def _on_sigterm(self) -> None:
         self._processes.on_sigterm(self.state)  # several processes: all stop at one boundary

@@ -188,13 +188,12 @@ class Plan:
         for batch in batches:
             check.check(batch)
 
-    def close(self, *, keep: bool = False) -> None:
-        """Stop the read-ahead thread and the loader workers of the epoch last started;
-        ``keep``: a persistent-workers loader keeps its workers (the call ended well)."""
+    def close(self) -> None:
+        """Stop the read-ahead thread and the loader workers of the epoch last started."""
         reader, self.reading.reader = self.reading.reader, None
         if isinstance(reader, Ahead):
             reader.terminate()
-        self.source.close(keep=keep)
+        self.source.close()
         if isinstance(reader, Ahead):
             reader.join()
 

@@ -21,10 +21,11 @@ reads). Units are joined into host calls by ``host_calls.py``.
   joined into host calls as PopTorch joins them; under several processes each instance reads
   its own loader, as PopTorch partitions it.
 
-A persistent-workers loader keeps its workers from one call to the next, as torch keeps them for
-the loader's life (the reader is kept with the loader), and draws its workers' base seed once, as
-its first iterator starts; workers started again (after a failed call, or in a resumed process)
-start without that draw (``Source.start``), so the random state moves as it does for the loader.
+A persistent-workers loader keeps its workers from epoch to epoch within a call, and draws its
+workers' base seed once, as its first iterator starts; its workers started again (by the next
+call, or in a resumed process) start without that draw (``Source.start``), so the random state
+moves as it does for the loader. (Their own random streams restart then: a dataset drawing
+random numbers in persistent workers draws others after a call ends than plain torch's.)
 """
 
 from __future__ import annotations
@@ -330,22 +331,18 @@ class Source:
     def was_seeded(self) -> bool:
         return self.loader in _SEEDED
 
-    def close(self, *, keep: bool = False) -> None:
-        """Stop the loader workers of the running iterator; ``keep``: a persistent-workers
-        loader keeps them for its next epoch or call, as torch keeps them for the loader's
-        life (they stop when a call fails or is interrupted)."""
+    def close(self) -> None:
+        """Stop the loader workers of the running iterator (a persistent-workers loader's too:
+        a call's workers do not outlive it; the next call starts them again)."""
         it, self.live = self.live, None
         persistent = getattr(self.reader, "_iterator", None)
-        if keep and self.persistent:
-            return
         close(it)
         if persistent is not None:
             close(persistent)
             self.reader._iterator = None  # (torch's persistent iterator, now stopped)
 
 
-# The reader of a loader over its own batch sampler, kept as long as the loader lives: a
-# persistent-workers loader's workers go on from one call to the next, as the loader's own would
+# The reader of a loader over its own batch sampler, kept as long as the loader lives
 _READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
