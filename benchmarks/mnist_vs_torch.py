@@ -7,9 +7,9 @@ A = ``python -m ipuloop.examples.mnist --data-dir DIR --epochs E`` (the example,
 B=40, DI=10, GA=10, AdamW lr 1e-3, 3 epochs, test micro-batch 8 x 100 device iterations).
 B = this file's ``--_hand`` mode: the same program written directly against torch: the same
 data preparation (``ipuloop.examples.mnist.load_mnist``), the same seeds and therefore the
-same initial weights and shuffled order, each host batch of 4000 samples split into 100
-micro-batches of 40 in [DI, GA] order, loss * 1/GA before backward, an AdamW step every 10
-micro-batches; then the test set in micro-batches of 8. Both are run as whole processes
+same initial weights, the training set read as a plain ``DataLoader(batch_size=40,
+shuffle=True)`` yields it (the micro-batches the Loop reads, 100 to a host call), loss * 1/GA
+before backward, an AdamW step every 10 micro-batches; then the test set in micro-batches of 8. Both are run as whole processes
 (interpreter start, imports, data loading, training, test), alternately A B A B ..., and the
 wall time of each process is compared (median over repeats). Both use the same number of
 torch threads (``--threads``, passed as OMP_NUM_THREADS).
@@ -47,7 +47,7 @@ ACC = re.compile(r"Accuracy on test set: ([0-9.]+)%")
 def hand(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     import torch
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import DataLoader
 
     from ipuloop.examples.mnist import Network, TrainingModelWithLoss, _data_dir, load_mnist
 
@@ -59,31 +59,27 @@ def hand(args: argparse.Namespace) -> int:
     model = TrainingModelWithLoss(Network())
     torch.manual_seed(args.seed)  # the Loop's seed= reseeds torch before the first epoch
     opt = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    sampler = RandomSampler(train_set)  # shuffle=True, as the example's loader
-    combined = b * di * ga
+    loader = DataLoader(train_set, batch_size=b, shuffle=True)  # the example's loader
+    per_call = di * ga  # micro-batches in one host call; an epoch's remainder is not trained
     t_loaded = time.perf_counter()
     data_s = compute_s = 0.0
     model.train()
     for epoch in range(args.epochs):
-        order = list(sampler)  # the epoch's order is drawn first, as the Loop draws it
-        loader = DataLoader(train_set, batch_size=combined, sampler=order, drop_last=True)
         total, count, correct = 0.0, 0, 0
+        calls = len(loader) // per_call
         t = time.perf_counter()
-        for x, y in loader:
+        for i, (x, y) in enumerate(loader):
             t1 = time.perf_counter()
             data_s += t1 - t
-            xs, ys = x.split(b), y.split(b)
-            losses = []
-            for d in range(di):
-                for a in range(ga):
-                    out, loss = model(xs[d * ga + a], ys[d * ga + a])
-                    (loss * (1.0 / ga)).backward()
-                    losses.append(loss.detach())
-                    correct += int((out.detach().argmax(1) == ys[d * ga + a]).sum())
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            total += float(torch.stack(losses).double().sum())
-            count += len(losses)
+            if i < calls * per_call:
+                out, loss = model(x, y)
+                (loss * (1.0 / ga)).backward()
+                total += float(loss.detach().double())
+                count += 1
+                correct += int((out.detach().argmax(1) == y).sum())
+                if (i + 1) % ga == 0:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
             t = time.perf_counter()
             compute_s += t - t1
         print(

@@ -57,7 +57,8 @@ def test_every_option_has_a_help_text_and_shows_its_default(capsys):
         mnist.parse_args(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text  # the description as text
-    options = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    # argparse titles the section "options:" from Python 3.10, "optional arguments:" before
+    options = re.split(r"\n  (?=-)", re.split(r"\n(?:options|optional arguments):\n", text, 1)[1])
     assert {e.split()[0] for e in options} >= {*FLAGS, "--inference-iterations", "--csv"}
     for entry in options:
         if "-h, --help" not in entry:
