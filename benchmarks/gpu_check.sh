@@ -31,7 +31,7 @@ fi
 
 echo "== CUDA tests"
 tests=0  # a failure is reported at the end: the benchmark still runs
-timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_host_syncs.py ||
+timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/loop/test_cuda.py tests/loop/test_host_syncs.py ||
     tests=$?
 
 echo "== benchmarks/gpu.py ($DEVICE, preset $PRESET)"

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import inspect
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-import ci_share
-import pytest
+# Every folder's modules are imported by name from any other's (the harness in support/: warm,
+# launch, helpers_train, batch_way, ci_share; a test file's shared pieces), whichever file runs
+# first or alone: each basename is unique under tests/
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_TESTS / "support")] + sorted(
+    str(d)
+    for d in _TESTS.glob("*/**")
+    if d.is_dir() and "fixtures" not in d.parts and d.name != "__pycache__" and d.name != "support"
+)
 
-import ipuloop.loop
-from ipuloop.plan import Plan
+import ci_share  # noqa: E402
+import pytest  # noqa: E402
 
-# Another project's programs, kept as published (tests/test_model_garden.py runs them): their
+import ipuloop.loop  # noqa: E402
+from ipuloop.plan import Plan  # noqa: E402
+
+# Another project's programs, kept as published (tests/programs/test_model_garden.py runs them): their
 # helper modules are not tests of this one
 collect_ignore_glob = ["fixtures/*"]
 
@@ -69,16 +81,11 @@ _THREADS_WORDS = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _mark_threads(items)
-    if ci_share.SHARE:
-        ci_share.order(items)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    """In CI, a test whose file the other environment runs is passed over (tests/ci_share.py)."""
-    if ci_share.SHARE and not ci_share.runs_here(item):
-        return True
-    return None
+    if ci_share.SIDE:  # in CI: this environment's files (tests/support/ci_share.py)
+        kept = ci_share.select(items)
+        ids = {id(item) for item in kept}
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in ids])
+        items[:] = kept
 
 
 def _mark_threads(items: list[pytest.Item]) -> None:

@@ -1,7 +1,7 @@
 """What ipuloop offers beside its kernel: ``IPUConfig``, the experiment loggers, plotting.
 
 The kernel (the loop, its parts and the built-in callbacks) never imports this package, a layer
-above the loop (``docs/layout.md``; ``tests/test_layering.py`` keeps it so). Each module here
+above the loop (``docs/layout.md``; ``tests/loop/test_layering.py`` keeps it so). Each module here
 imports the kernel's public parts and its own optional package (tensorboard, wandb, mlflow,
 matplotlib) only when used:
 

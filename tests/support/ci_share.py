@@ -1,0 +1,70 @@
+"""CI's two environments run one suite between them (.ci/run), each test file in the
+environment a fixed rule gives it, the same in every run.
+
+The rule is the file's folder (``FOLDERS``), with a few files placed apart (``FILES``):
+
+- ``sdk`` (Python 3.8, torch 2.0.1, as PopTorch 3.4 pins): the loop's core, ``loop/`` (the
+  Loop, resume, several processes, the IPU path, the checkpoint format, the signal stress
+  repeats) and ``data/`` (the data path), on the torch a real IPU system runs; the programs,
+  ``programs/`` (the examples, the ecosystem's programs, the model garden, the benchmarks'
+  smoke tests), which need that environment's packages, and ``docs/test_docs_lightning.py``
+  (Lightning's IPU strategy), for the same reason; ``emulate/`` (poprun and the bindings that
+  the ecosystem's programs import);
+- ``current`` (Python 3.11, the current torch, as a laptop without an IPU runs the emulator):
+  the emulator's own tests, ``emulator/``; the callbacks, the integrations, the pages
+  (``docs/``), the harness (``support/``) and ``programs/test_gpu_bench.py``.
+
+Both environments collect the whole suite; a test whose file the rule gives the other one is
+passed over, neither run nor reported. Outside CI (no ``IPULOOP_CI_SIDE``) nothing changes. A
+new folder under tests/ must be given an environment here: collection fails until it is.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Read once and taken out of the environment: a pytest a test starts in a subprocess runs what
+# it is given, all of it
+SIDE = os.environ.pop("IPULOOP_CI_SIDE", "")
+TESTS = Path(__file__).resolve().parents[1]
+FOLDERS = {
+    "loop": "sdk",
+    "data": "sdk",
+    "emulate": "sdk",
+    "emulator": "current",
+    "programs": "sdk",
+    "callbacks": "current",
+    "integrations": "current",
+    "docs": "current",
+    "support": "current",
+}
+FILES = {
+    "docs/test_docs_lightning.py": "sdk",
+    "programs/test_gpu_bench.py": "current",
+}
+if SIDE and SIDE not in set(FOLDERS.values()):
+    raise RuntimeError(f"IPULOOP_CI_SIDE={SIDE!r}: one of {sorted(set(FOLDERS.values()))}")
+
+
+def side_of(path: Path) -> str:
+    """The environment the test file at ``path`` runs in."""
+    relative = path.resolve().relative_to(TESTS)
+    if relative.as_posix() in FILES:
+        return FILES[relative.as_posix()]
+    folder = relative.parts[0] if len(relative.parts) > 1 else ""
+    if folder not in FOLDERS:
+        raise RuntimeError(
+            f"tests/{relative.as_posix()}: its folder has no CI environment: "
+            "give it one in tests/support/ci_share.py (FOLDERS)"
+        )
+    return FOLDERS[folder]
+
+
+def select(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The tests this environment runs, in their order; every file's side is checked, so a
+    folder without an environment fails collection in both."""
+    sides = {path: side_of(path) for path in {item.path for item in items}}
+    return [item for item in items if sides[item.path] == SIDE]
