@@ -89,7 +89,9 @@ def test_every_test_the_docs_name_exists():
     test function of that file: renaming a test means updating the page that cites it."""
     named = 0
     for path in DOCS.rglob("*.md"):
-        for file, name in re.findall(r"(?:tests/[\w/]*)?(test_\w+\.py)::(test_\w+)", path.read_text()):
+        for file, name in re.findall(
+            r"(?:tests/[\w/]*)?(test_\w+\.py)::(test_\w+)", path.read_text()
+        ):
             (found,) = (ROOT / "tests").rglob(file)  # each basename once under tests/
             source = found.read_text()
             assert re.search(rf"^def {name}\(", source, re.M), f"{path.name}: {file}::{name}"
