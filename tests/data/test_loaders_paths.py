@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from torch_versions import newer_torch
 import torch
 import torch.nn as nn
 import torchmetrics
@@ -378,10 +379,7 @@ def test_a_model_with_loss_that_broadcasts_is_still_refused():
 
 
 # -- a non-finite loss says what likely happened --------------------------------------------------
-NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 backward kernels on the CPU",
-)
+NEEDS_CPU_HALF_BACKWARD = newer_torch("torch < 2.1 has no float16 backward kernels on the CPU")
 
 
 def fit_error(x, y, precision="32", loss_scaling=None, epochs=1) -> str:

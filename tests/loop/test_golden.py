@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch_versions import newer_torch
 import torch
 
 import ipuloop.backend
@@ -108,10 +109,9 @@ def test_golden_loads_with_weights_only(case, monkeypatch):
     torch.load(case / "expected.pt", weights_only=True)
 
 
-@pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="the recorded losses and weights are torch 2.14's arithmetic; torch "
-    "2.0's kernels round differently (loading is tested on every torch)",
+@newer_torch(
+    "the recorded losses and weights are torch 2.14's arithmetic; torch "
+    "2.0's kernels round differently (loading is tested on every torch)"
 )
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_golden_resumes_to_the_recorded_weights(case, copy):

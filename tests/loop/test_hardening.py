@@ -24,6 +24,7 @@ from pathlib import Path
 
 import helpers_train as H
 import pytest
+from torch_versions import newer_torch
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, event, given, settings
@@ -1158,10 +1159,7 @@ def user_sigterm():
 
 
 @pytest.mark.parametrize("disk", ["injected", "tmpfs"])
-@pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1's trace exporter (kineto's C++ writer) reports no write error",
-)
+@newer_torch("torch < 2.1's trace exporter (kineto's C++ writer) reports no write error")
 def test_profile_capture_disk_full(tmp_path, monkeypatch, user_sigterm, disk):
     ckdir = tmp_path / "ckpt"
     with contextlib.ExitStack() as stack:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from torch_versions import newer_torch
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -275,10 +276,7 @@ def test_checkpointing_a_stateful_optimizer_without_a_twin_is_refused_before_tra
 
 
 # -- 4. inference options ----------------------------------------------------------------------
-@pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
-)
+@newer_torch("torch < 2.1 has no float16 CPU kernels for backward and optimizer ops")
 def test_inference_options_drop_training_only_settings():
     """``_TrainingOptions``: "You must not set these options for inference models"
     (``options.py``); PopART refuses automatic loss scaling for a session that does not train,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from torch_versions import newer_torch
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -13,9 +14,8 @@ from ipuloop.callbacks import Callback
 # torch 2.0's CPU has no float16 kernels for many backward and optimizer ops
 # ("mse_backward_cpu_out" not implemented for 'Half'): the emulator computes float16 forward
 # ops it lacks in float32, but not autograd's backward, so 16-bit training needs torch >= 2.1.
-NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+NEEDS_CPU_HALF_BACKWARD = newer_torch(
+    "torch < 2.1 has no float16 CPU kernels for backward and optimizer ops"
 )
 
 

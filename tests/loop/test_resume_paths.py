@@ -14,6 +14,7 @@ import time
 
 import helpers_train as H
 import pytest
+from torch_versions import newer_torch
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -35,9 +36,8 @@ N = H.samples_for(1, 2)  # 19 samples: 4 host calls of 4 (micro-batch 2, DI 1, G
 EPOCHS = 2
 
 # torch 2.0's CPU has no float16 kernels for backward and optimizer ops (as test_precision.py)
-NEEDS_CPU_HALF_BACKWARD = pytest.mark.skipif(
-    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
-    reason="torch < 2.1 has no float16 CPU kernels for backward and optimizer ops",
+NEEDS_CPU_HALF_BACKWARD = newer_torch(
+    "torch < 2.1 has no float16 CPU kernels for backward and optimizer ops"
 )
 
 

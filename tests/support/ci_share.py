@@ -6,13 +6,17 @@ The rule is the file's folder (``FOLDERS``), with a few files placed apart (``FI
 - ``sdk`` (Python 3.8, torch 2.0.1, as PopTorch 3.4 pins): the loop's core, ``loop/`` (the
   Loop, resume, several processes, the IPU path, the checkpoint format, the signal stress
   repeats) and ``data/`` (the data path), on the torch a real IPU system runs; the programs,
-  ``programs/`` (the examples, the ecosystem's programs, the model garden, the benchmarks'
-  smoke tests), which need that environment's packages, and ``docs/test_docs_lightning.py``
+  ``programs/`` (the ecosystem's programs, the model garden, the benchmarks' smoke tests),
+  which need that environment's packages, and ``docs/test_docs_lightning.py``
   (Lightning's IPU strategy), for the same reason; ``emulate/`` (poprun and the bindings that
   the ecosystem's programs import);
 - ``current`` (Python 3.11, the current torch, as a laptop without an IPU runs the emulator):
   the emulator's own tests, ``emulator/``; the callbacks, the integrations, the pages
-  (``docs/``), the harness (``support/``) and ``programs/test_gpu_bench.py``.
+  (``docs/``), the harness (``support/``), the examples (``programs/test_examples*.py``) and
+  ``programs/test_gpu_bench.py``.
+
+A test marked ``newer_torch`` (tests/support/torch_versions.py: it needs torch >= 2.1, and the
+SDK's would skip it) runs in ``current`` whatever its folder.
 
 Both environments collect the whole suite; a test whose file the rule gives the other one is
 passed over, neither run nor reported. Outside CI (no ``IPULOOP_CI_SIDE``) nothing changes. A
@@ -21,6 +25,7 @@ new folder under tests/ must be given an environment here: collection fails unti
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 
@@ -41,8 +46,9 @@ FOLDERS = {
     "docs": "current",
     "support": "current",
 }
-FILES = {
+FILES = {  # fnmatch patterns, relative to tests/
     "docs/test_docs_lightning.py": "sdk",
+    "programs/test_examples*.py": "current",
     "programs/test_gpu_bench.py": "current",
 }
 if SIDE and SIDE not in set(FOLDERS.values()):
@@ -52,8 +58,9 @@ if SIDE and SIDE not in set(FOLDERS.values()):
 def side_of(path: Path) -> str:
     """The environment the test file at ``path`` runs in."""
     relative = path.resolve().relative_to(TESTS)
-    if relative.as_posix() in FILES:
-        return FILES[relative.as_posix()]
+    for pattern, side in FILES.items():
+        if fnmatch.fnmatch(relative.as_posix(), pattern):
+            return side
     folder = relative.parts[0] if len(relative.parts) > 1 else ""
     if folder not in FOLDERS:
         raise RuntimeError(
@@ -67,4 +74,9 @@ def select(items: list[pytest.Item]) -> list[pytest.Item]:
     """The tests this environment runs, in their order; every file's side is checked, so a
     folder without an environment fails collection in both."""
     sides = {path: side_of(path) for path in {item.path for item in items}}
-    return [item for item in items if sides[item.path] == SIDE]
+    return [item for item in items if _side(item, sides[item.path]) == SIDE]
+
+
+def _side(item: pytest.Item, folder_side: str) -> str:
+    # a test that needs a newer torch than the SDK's runs on the current one, wherever it is
+    return "current" if item.get_closest_marker("newer_torch") else folder_side
