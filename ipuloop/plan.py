@@ -28,7 +28,7 @@ from .loop_options import inference_options, resolve_options
 from .measure import Factors, custom_name, measure
 from .outputs import Layout, map_tensors
 from .poptorch_types import Options
-from .processes import configured
+from .launchers import configured
 from .random_state import Draw, rng_state, set_rng_state
 from .read_ahead import Ahead, buffer_size
 from .rules import describe_factors
