@@ -9,10 +9,9 @@ import os
 import re
 import string
 
-__all__ = ["COUNTERS", "check_filename", "fields", "log_name", "without"]
+from ..state import COUNTERS, GROWING
 
-COUNTERS = ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
-_GROWING = ("step", "update", "micro_batch", "samples")  # larger at every training step
+__all__ = ["check_filename", "fields", "log_name", "without"]
 
 
 def check_filename(filename: str, monitor: str | None, every_n_steps: int | None) -> None:
@@ -53,7 +52,7 @@ def check_filename(filename: str, monitor: str | None, every_n_steps: int | None
                 f"(every_n_steps={every_n_steps}) before the first epoch end could not "
                 "name their folder. Leave it out, or set every_n_steps=None"
             )
-    if not keys & set(_GROWING):
+    if not keys & set(GROWING):
         raise bad(
             "has no {step} (or {update}, {micro_batch}, {samples}): two saves would "
             "get the same name, and the later would overwrite a kept checkpoint"

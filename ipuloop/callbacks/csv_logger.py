@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Any
 
-from ..state import ESTIMATED
+from ..state import CSV_COUNTERS, ESTIMATED
 from .base import Callback, LoopView
 
 __all__ = ["CSVLogger"]
@@ -55,7 +55,7 @@ class CSVLogger(Callback):
             )
         self.path = os.fspath(path)
         self.every_n_steps = every_n_steps
-        self.columns: list[str] = ["epoch", "step", "update"]
+        self.columns: list[str] = list(CSV_COUNTERS)
         self.rows = 0  # data rows in the file
         self._val_at: int | None = None  # the step of the last validation
 
