@@ -27,6 +27,7 @@ from .rules import (
     EVERY_N,
     MAX_IPUS,
     SUM,
+    check_int,
     check_return_period,
     ipu_count_error,
     reserved_ipus,
@@ -346,11 +347,9 @@ def check_fit_args(
     epochs: object, max_steps: object, val_every_n_steps: object, val_loader: object
 ) -> None:
     """``Loop.fit``'s counts, checked before anything is built."""
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
-    for k, v in (("max_steps", max_steps), ("val_every_n_steps", val_every_n_steps)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{k} must be an int >= 1 or None. Received: {k}={v!r}.")
+    check_int("epochs", epochs)
+    check_int("max_steps", max_steps, optional=True)
+    check_int("val_every_n_steps", val_every_n_steps, optional=True)
     if val_every_n_steps is not None and val_loader is None:
         raise ValueError(
             f"val_every_n_steps={val_every_n_steps} validates on val_loader, "

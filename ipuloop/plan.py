@@ -31,7 +31,7 @@ from .outputs import Layout, map_tensors
 from .poptorch_types import Options
 from .random_state import Draw, rng_state, set_rng_state
 from .read_ahead import Ahead, buffer_size
-from .rules import describe_factors
+from .rules import check_int, describe_factors
 from .sources import Selection, Source, kept_random_state, kill_workers
 
 __all__ = ["Plan", "build", "build_inference", "no_host_call", "num_updates", "training_steps"]
@@ -297,8 +297,7 @@ def num_updates(loader: DataLoader, opts: Options, epochs: int = 1) -> int:
     ``Loop.num_updates`` is this, a static method, so it can size the scheduler the ``Loop``
     takes. (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
     """
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
+    check_int("epochs", epochs)
     pt = poptorch_module()
     opts = configured(resolve_options(pt, opts, None)[0])
     steps = training_steps(pt, loader, opts, "loader")

@@ -30,6 +30,7 @@ from ..checkpoint_io import (
     read_manifest,
 )
 from ..exceptions import NonFiniteLossError
+from ..rules import check_int
 from ..state import State
 from .base import Callback, LoopView, check_monitor, check_val_set, overridden
 from .checkpoint_names import check_filename, fields, without
@@ -140,11 +141,9 @@ class ModelCheckpoint(Callback):
                 "that says which checkpoint is best (e.g. monitor='val_loss'). "
                 "Received: monitor=None."
             )
-        for k, v in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"{k} must be an int >= 0 or None. Received: {k}={v!r}.")
-        if not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"save_top_k must be an int >= -1. Received: {save_top_k!r}.")
+        check_int("every_n_epochs", every_n_epochs, 0, optional=True)
+        check_int("every_n_steps", every_n_steps, 0, optional=True)
+        check_int("save_top_k", save_top_k, -1)
         self.dirpath = Path(dirpath)
         if self.dirpath.is_file():
             raise CheckpointError(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..backend import backend_name
+from ..rules import check_int
 from .base import Callback, LoopView
 
 __all__ = ["ProfileCapture"]
@@ -44,9 +45,8 @@ class ProfileCapture(Callback):
     def __init__(
         self, start_step: int = 1, num_steps: int = 3, dirpath: str | os.PathLike = "profile"
     ) -> None:
-        for name, value, low in (("start_step", start_step, 0), ("num_steps", num_steps, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}.")
+        check_int("start_step", start_step, 0)
+        check_int("num_steps", num_steps)
         self.start_step = start_step
         self.num_steps = num_steps
         self.dirpath = os.fspath(dirpath)
