@@ -27,7 +27,7 @@ from .fit_summary import describe
 from .loop_options import check_fit_args, check_val_every, resolve, val_sets
 from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
-from .plan import Plan, build, build_inference, no_host_call, num_updates
+from .plan import Plan, build, build_inference, no_host_call_error, num_updates
 from .poptorch_types import Executor
 from .probe import probe_plan
 from .processes import ALONE, FitSettings, Processes, join
@@ -601,7 +601,7 @@ class Loop:
         else:
             plan.reading.ended = True  # (every host call of the epoch was read)
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
-            raise no_host_call(plan, st.epoch)
+            raise no_host_call_error(plan, st.epoch)
 
     def _read_remainder(self, plan: Plan, batches: Iterator[Any]) -> None:
         """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the

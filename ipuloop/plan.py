@@ -34,7 +34,14 @@ from .read_ahead import Ahead, buffer_size
 from .rules import check_int, describe_factors
 from .sources import Selection, Source, kept_random_state, kill_workers
 
-__all__ = ["Plan", "build", "build_inference", "no_host_call", "num_updates", "training_steps"]
+__all__ = [
+    "Plan",
+    "build",
+    "build_inference",
+    "no_host_call_error",
+    "num_updates",
+    "training_steps",
+]
 
 PROBED = 4  # micro-batches the host check reads before compiling, each with the first's shapes
 
@@ -275,7 +282,7 @@ def build_inference(
     return _built(loader, f)
 
 
-def no_host_call(plan: Plan, epoch: int) -> ValueError:
+def no_host_call_error(plan: Plan, epoch: int) -> ValueError:
     """A stream that yielded less than one host call in an epoch."""
     return ValueError(
         f"{plan.name} yielded no complete host call in epoch {epoch}: one host call takes "

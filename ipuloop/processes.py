@@ -218,7 +218,7 @@ class ProcessGroup(Processes):
         self.failure: tuple[BaseException, BaseException] | None = None  # (error, raised)
 
     # -- collectives ---------------------------------------------------------------------------
-    def _fail(self, what: str, e: BaseException) -> RuntimeError:
+    def _collective_error(self, what: str, e: BaseException) -> RuntimeError:
         if self.failure is not None:  # this instance left the run at a failure already
             return RuntimeError(
                 f"Instance {self.rank} of {self.size} cannot go on while {what}: the run's "
@@ -239,7 +239,7 @@ class ProcessGroup(Processes):
         try:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         except (RuntimeError, ValueError) as e:  # (ValueError: a group left already)
-            raise self._fail(what, e) from e
+            raise self._collective_error(what, e) from e
         return t.tolist()
 
     def gather(self, obj: object, what: str) -> list[Any]:
@@ -249,7 +249,7 @@ class ProcessGroup(Processes):
         try:
             dist.all_gather_object(out, obj)
         except (RuntimeError, ValueError) as e:
-            raise self._fail(what, e) from e
+            raise self._collective_error(what, e) from e
         return out
 
     # -- a failure ends every instance's fit -------------------------------------------------

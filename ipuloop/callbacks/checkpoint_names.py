@@ -17,50 +17,52 @@ __all__ = ["check_filename", "fields", "log_name", "without"]
 def check_filename(filename: str, monitor: str | None, every_n_steps: int | None) -> None:
     """``ModelCheckpoint``'s filename template, checked before any save."""
 
-    def bad(why: str) -> ValueError:
+    def filename_error(why: str) -> ValueError:
         return ValueError(
             f"ModelCheckpoint: filename={filename!r} {why}. Example: "
             "filename='epoch{epoch}-step{step}-{val_loss:.3f}'."
         )
 
     if not isinstance(filename, str):
-        raise bad("must be a str")
+        raise filename_error("must be a str")
     try:
         parts = list(string.Formatter().parse(filename))
     except ValueError as e:
-        raise bad(f"is not a format template ({e})") from None
+        raise filename_error(f"is not a format template ({e})") from None
     keys = {f for _, f, _, _ in parts if f is not None}
     text = "".join(t for t, _, _, _ in parts)
     if any(sep and sep in text for sep in ("/", os.sep, os.altsep)) or text.startswith("."):
-        raise bad("must give a plain folder name inside dirpath: no path separator, no leading '.'")
+        raise filename_error(
+            "must give a plain folder name inside dirpath: no path separator, no leading '.'"
+        )
     for key in sorted(keys):
         if not log_name(key):
-            raise bad(
+            raise filename_error(
                 f"has the field {{{key}}}: use names only (a counter or a log, a validation "
                 "set's as val_<name>/<set>), no positional fields, attributes or indices"
             )
         epoch_log = key.startswith(("train_", "val_"))
         if key not in COUNTERS and key != "loss" and key != monitor and not epoch_log:
-            raise bad(
+            raise filename_error(
                 f"names {{{key}}}, which is neither a counter ({', '.join(COUNTERS)}) "
                 "nor a log the loop writes (loss, train_<name>, val_<name>) nor the "
                 f"monitored log (monitor={monitor!r})"
             )
         if key.startswith("train_") and every_n_steps:
-            raise bad(
+            raise filename_error(
                 f"names {{{key}}}, a log written at the end of an epoch, so the step saves "
                 f"(every_n_steps={every_n_steps}) before the first epoch end could not "
                 "name their folder. Leave it out, or set every_n_steps=None"
             )
     if not keys & set(GROWING):
-        raise bad(
+        raise filename_error(
             "has no {step} (or {update}, {micro_batch}, {samples}): two saves would "
             "get the same name, and the later would overwrite a kept checkpoint"
         )
     try:  # a format spec that a counter (int) or a log (float) rejects
         filename.format(**{k: 0 if k in COUNTERS else 0.0 for k in keys})
     except (ValueError, TypeError) as e:
-        raise bad(f"cannot be formatted: {e}") from None
+        raise filename_error(f"cannot be formatted: {e}") from None
 
 
 def log_name(key: str) -> bool:

@@ -59,7 +59,7 @@ class ProfileCapture(Callback):
         try:
             os.makedirs(self.dirpath, exist_ok=True)
         except OSError as e:
-            raise self._error(e) from e
+            raise self._write_error(e) from e
 
     def on_configure(self, loop: LoopView) -> None:  # before the options freeze (the first fit)
         if backend_name() != "poptorch" or self.written:
@@ -137,7 +137,7 @@ class ProfileCapture(Callback):
             with open(ops, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=15) + "\n")
         except OSError as e:
-            raise self._error(e) from e
+            raise self._write_error(e) from e
         self.written = [trace, ops]
         first = loop.state.step - self._seen
         print(
@@ -146,7 +146,7 @@ class ProfileCapture(Callback):
             flush=True,
         )
 
-    def _error(self, e: OSError) -> OSError:
+    def _write_error(self, e: OSError) -> OSError:
         return OSError(
             e.errno,
             f"ProfileCapture cannot write to dirpath={self.dirpath!r}: "
