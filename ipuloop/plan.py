@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader
 
 from .backend import poptorch_module
 from .host_calls import OneShape, cut, joined
-from .launchers import configured
 from .loop_options import inference_options, resolve_options
 from .measure import Factors, custom_name, measure
 from .outputs import Layout, map_tensors
 from .poptorch_types import Options
+from .processes import configured
 from .random_state import Draw, rng_state, set_rng_state
 from .read_ahead import Ahead, buffer_size
 from .rules import check_int, describe_factors

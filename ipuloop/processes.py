@@ -39,24 +39,25 @@ process, as PopDist's local replicas), and needs no change to the program:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
+import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
 from .exceptions import InstanceFailedError
-from .group_teardown import destroy_group, keep_until_left
+from .group_teardown import destroy_group, keep_until_left, leave_process_group
 from .launchers import (
     DEFAULT_TIMEOUT,
     TIMEOUT_ENV,
     Launch,
-    configured,
     detect,
-    instance_of,
     is_main_process,
     num_processes,
     process_index,
@@ -82,6 +83,46 @@ __all__ = [
     "join",
     "configured",
 ]
+
+
+def _init_group(rank: int, size: int) -> None:
+    """Join the default process group, creating it (gloo) when nobody has."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(
+            "Several processes need torch.distributed, which this torch build lacks."
+        )
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, size):
+            raise ValueError(
+                f"The torch.distributed process group has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the options say process {rank} of {size}: "
+                "initialise the group with the launcher's rank and world size."
+            )
+        return
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT", "29500")
+    # env:// where the launcher set MASTER_*: under torchrun it joins the launcher's own store
+    launched = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
+    method = "env://" if launched else f"tcp://{addr}:{port}"
+    seconds = timeout_seconds()
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=method,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=seconds),
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"Instance {rank} of {size} could not join the other instances at "
+            f"{addr}:{port} within {seconds:g} s ({type(e).__name__}: {e}). Set MASTER_ADDR and "
+            f"MASTER_PORT to the same address on every instance (torchrun does), and "
+            f"{TIMEOUT_ENV} to wait longer."
+        ) from e
+    atexit.register(leave_process_group)
 
 
 def _default_store() -> Any:
@@ -450,7 +491,66 @@ def _no_group() -> bool:
 def join(opts: Options, inference_opts: Options | None, *, replicas_given: bool) -> Processes:
     """The run this process is an instance of: alone (``Processes``), or one of a run started
     by a launcher (``ProcessGroup``), whose process id and count ``opts`` (and the
-    ``inference_opts`` given, if any) then get, and whose process group it joins
-    (``launchers.instance_of``)."""
-    found = instance_of(opts, inference_opts, replicas_given=replicas_given)
-    return ALONE if found is None else ProcessGroup(*found)
+    ``inference_opts`` given, if any) then get, and whose process group it joins."""
+    launch = detect()
+    procs = opts.Distributed.numProcesses
+    if procs > 1:  # set by the program (configureProcessId) or read by Options (mpirun)
+        rank = opts.Distributed.processId
+        size = procs
+        launcher = launch.launcher if launch else "the options"
+        if launch is not None and (launch.rank, launch.size) != (rank, size):
+            raise ValueError(
+                f"The options say process {rank} of {size}, but {launch.launcher} started "
+                f"instance {launch.rank} of {launch.size}. Leave opts.Distributed unset: the "
+                "loop reads the launcher's environment."
+            )
+    elif launch is None:
+        return ALONE
+    else:
+        rank = launch.rank
+        size = launch.size
+        launcher = launch.launcher
+        opts.Distributed.configureProcessId(rank, size)
+    if launch is not None and launch.local_replicas is not None:  # poprun: replicas per instance
+        if opts.replication_factor == 1 and not replicas_given:
+            opts.replicationFactor(launch.local_replicas)
+        elif opts.replication_factor != launch.local_replicas:
+            raise ValueError(
+                f"poprun gives each instance {launch.local_replicas} replica(s), but the loop "
+                f"has replicationFactor {opts.replication_factor}. Leave replicas= unset under "
+                "poprun (its --num-replicas / --num-instances decide), or pass the same number."
+            )
+    if launch is not None and launch.launcher == "poprun":
+        _check_popdist_options(opts)
+    if inference_opts is not None and inference_opts.Distributed.numProcesses == 1:
+        inference_opts.Distributed.configureProcessId(rank, size)
+    _init_group(rank, size)
+    return ProcessGroup(rank, size, launcher)
+
+
+def _check_popdist_options(opts: Options) -> None:
+    """On an IPU system, PopDist's options also pick the instance's IPUs: say so when the
+    program built plain ones (the loop has set their process id and replicas)."""
+    try:
+        import popdist.poptorch
+    except ImportError:  # no Poplar SDK: nothing but the environment to go by
+        return
+    popdist_options = getattr(popdist.poptorch, "Options", None)
+    if isinstance(popdist_options, type) and not isinstance(opts, popdist_options):
+        warnings.warn(
+            "Running under poprun with options that are not popdist.poptorch.Options: "
+            "the loop set their process id and local replicas from PopDist, but "
+            "PopDist's own options also select this instance's IPUs. Build them with "
+            "popdist.poptorch.Options(ipus_per_replica=...) and pass those to Loop.",
+            stacklevel=4,
+        )
+
+
+def configured(opts: Options) -> Options:
+    """``opts`` with the launcher's process id and count, when a launcher started us."""
+    launch = detect()
+    if launch is None or opts.Distributed.numProcesses > 1:
+        return opts
+    opts = opts.clone()
+    opts.Distributed.configureProcessId(launch.rank, launch.size)
+    return opts
