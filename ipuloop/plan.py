@@ -15,9 +15,10 @@ resumed epoch's saved one (``random_state.Draw``).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Iterator, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -41,6 +42,8 @@ __all__ = [
     "no_host_call_error",
     "num_updates",
     "training_steps",
+    "ValPlans",
+    "val_steps",
 ]
 
 PROBED = 4  # micro-batches the host check reads before compiling, each with the first's shapes
@@ -210,6 +213,34 @@ class Plan:
         kill_workers(self.reading.reader)
         if isinstance(self.reading.reader, Ahead):
             self.reading.reader.join(2.0)
+
+    def warn_length(self, held: int, warned: set[str]) -> None:
+        """A stream whose epoch held ``held`` host calls, another number than its length
+        promised (``Loop.num_updates`` counts those); once per loader name in ``warned``."""
+        if self.name in warned:
+            return
+        warned.add(self.name)
+        warnings.warn(
+            f"{self.name}: its epoch held {held} host call(s), but the length "
+            f"of its {type(self.source.dataset).__name__} promised {self.steps} "
+            f"(len(dataset) // micro-batch size, {self.source.full} micro-batches, over "
+            f"{self.source.per_call} a host call), so Loop.num_updates counted other updates "
+            "than the fit runs. Loader workers that each yield the whole stream, or end their "
+            "shares with short batches, do this: shard the stream by worker "
+            "(torch.utils.data.get_worker_info()) and pass drop_last=True, or give __len__ "
+            "what the loader yields.",
+            stacklevel=5,
+        )
+
+
+# The validation sets of a fit or a validate(): (log suffix, plan) each; one loader: ("", plan)
+ValPlans = Tuple[Tuple[str, Plan], ...]  # (typing's: a runtime alias on Python 3.8)
+
+
+def val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
+    """The validation host calls the instances compare: one set's, or each set's."""
+    steps = tuple(p.steps for _, p in val_plans)
+    return steps[0] if len(steps) == 1 and not val_plans[0][0] else steps
 
 
 def _built(loader: DataLoader, f: Factors) -> Plan:
