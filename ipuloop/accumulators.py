@@ -28,6 +28,7 @@ __all__ = [
     "TrainEpoch",
     "Validation",
     "Predictions",
+    "SetMetrics",
     "metric_logs",
     "metric_state",
     "concat",
@@ -441,3 +442,22 @@ def concat(parts: list, keep: Any, rows: Any) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(concat(list(col), keep, rows) for col in zip(*parts))
     return parts  # not a tensor: one value per call, as returned
+
+
+class SetMetrics:
+    """The validation metrics of each validation set: the loop's own for one loader, else
+    clones of them kept per set (each set has its own states); a validation of a hook inside
+    a fit (``nested``) has states of its own too (the fit's may be running)."""
+
+    def __init__(self, metrics: dict[str, Any]) -> None:
+        self.metrics = metrics
+        self.sets: dict[str, dict[str, Any]] = {}
+
+    def of(self, suffix: str, *, nested: bool = False) -> dict[str, Any]:
+        """The metrics of the set ``suffix`` ("" for one loader)."""
+        if not suffix and not nested:
+            return self.metrics
+        key = f"(nested){suffix}" if nested else suffix
+        if key not in self.sets:
+            self.sets[key] = {k: m.clone() for k, m in self.metrics.items()}
+        return self.sets[key]

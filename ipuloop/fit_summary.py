@@ -25,6 +25,7 @@ import torch
 
 from .poptorch_types import Options
 from .rules import ALL, EVERY_N, FINAL, SUM, input_groups, uses_ipu_model
+from .state import State
 
 __all__ = ["describe", "placement", "strategy_stages", "thread_advice", "host_cores", "host_load"]
 
@@ -258,3 +259,17 @@ def describe(
     if resumed:
         lines.append("  " + resumed)
     return "\n".join(lines)
+
+
+def resumed_at(path: str, st: State, steps: int | None) -> str:
+    """Where a fit resumed from ``path`` continues (an epoch of ``steps`` host calls), as the
+    summary says it."""
+    where = (
+        f"at its step {st.epoch_step + 1}" + (f" of {steps}" if steps else "")
+        if st.epoch_step
+        else "at its start"
+    )
+    return (
+        f"resumed from {path}: epoch {st.epoch + 1} {where} "
+        f"(after step {st.step}, update {st.update})"
+    )

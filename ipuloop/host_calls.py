@@ -152,25 +152,25 @@ class OneShape:
             if n < self.unit:
                 self._refused = (index, shapes, f"{self.unit} samples (the batch size)")
                 return SHORT
-            raise self._error(index, shapes, f"{self.unit} samples (the batch size)")
+            raise self._shape_error(index, shapes, f"{self.unit} samples (the batch size)")
         if shapes == self.first:
             return True
         if self.short == "keep":
             if _without_rows(shapes) == _without_rows(self.first):
                 return True
             expected = f"the shapes of the first, {_without_rows(self.first)} beyond dim 0"
-            raise self._error(index, _without_rows(shapes), expected)
+            raise self._shape_error(index, _without_rows(shapes), expected)
         if self.short == "drop" and _shorter(shapes, self.first):
             return self._short(batch, index)
         expected = f"the shapes of the first, {self.first}"
         if _shorter(shapes, self.first):
             self._refused = (index, shapes, expected)
             return SHORT
-        raise self._error(index, shapes, expected)
+        raise self._shape_error(index, shapes, expected)
 
     def short_error(self) -> ValueError:
         """The error for the short batch ``check`` found last (a host call would read it)."""
-        return self._error(*self._refused)
+        return self._shape_error(*self._refused)
 
     def _short(self, batch: object, index: int) -> bool:
         n = rows(batch)
@@ -186,7 +186,7 @@ class OneShape:
         self.dropped += n
         return False
 
-    def _error(self, index: int, shapes: Any, expected: str) -> ValueError:
+    def _shape_error(self, index: int, shapes: Any, expected: str) -> ValueError:
         source = f"its batch sampler ({self.sampler}) yields" if self.sampler else "it yields"
         fix = (
             "pad every batch to one fixed shape in the collate_fn (sequences to one length, "

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Tuple
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
 
-from .accumulators import Predictions, TrainEpoch, Validation, mark_estimates
+from .accumulators import Predictions, SetMetrics, TrainEpoch, Validation, mark_estimates
 from .backend import backend_name, poptorch_module
 from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
 from .checkpoint_io import load_checkpoint
@@ -23,11 +23,26 @@ from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
 from .feed import Feed
-from .fit_summary import describe
-from .loop_options import check_fit_args, check_val_every, resolve, val_sets
+from .fit_summary import describe, resumed_at
+from .loop_options import (
+    LoopArgs,
+    check_fit_args,
+    check_val_every,
+    resolve,
+    val_sets,
+    warn_no_epochs,
+)
 from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
-from .plan import Plan, build, build_inference, no_host_call, num_updates
+from .plan import (
+    Plan,
+    ValPlans,
+    build,
+    build_inference,
+    no_host_call_error,
+    num_updates,
+    val_steps,
+)
 from .poptorch_types import Executor
 from .probe import probe_plan
 from .processes import ALONE, FitSettings, Processes, join
@@ -37,28 +52,6 @@ from .signals import Preempted, handle_signals
 from .state import State
 
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
-
-# The validation sets of a fit or a validate(): (log suffix, plan) each; one loader: ("", plan)
-ValPlans = Tuple[Tuple[str, Plan], ...]  # (typing's: a runtime alias on Python 3.8)
-
-
-def _resumed(path: str, st: State, plan: Plan) -> str:
-    """Where a fit resumed from ``path`` continues, as the summary says it."""
-    where = (
-        f"at its step {st.epoch_step + 1}" + (f" of {plan.steps}" if plan.steps else "")
-        if st.epoch_step
-        else "at its start"
-    )
-    return (
-        f"resumed from {path}: epoch {st.epoch + 1} {where} "
-        f"(after step {st.step}, update {st.update})"
-    )
-
-
-def _val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
-    """The validation host calls the instances compare: one set's, or each set's."""
-    steps = tuple(p.steps for _, p in val_plans)
-    return steps[0] if len(steps) == 1 and not val_plans[0][0] else steps
 
 
 class Loop:
@@ -151,24 +144,9 @@ class Loop:
         loss_key: str | int = "loss",
         async_data: bool | dict = False,
     ) -> None:
+        args = LoopArgs.of(locals())  # the arguments as given, recorded once
         self.poptorch = pt = poptorch_module()
-        r = resolve(
-            pt,
-            model,
-            opts,
-            inference_opts,
-            loss_fn=loss_fn,
-            label_key=label_key,
-            loss_key=loss_key,
-            metrics=metrics,
-            metric_output=metric_output,
-            replicas=replicas,
-            seed=seed,
-            optimizer=optimizer,
-            max_grad_norm=max_grad_norm,
-            precision=precision,
-        )
-        self.label_key = label_key
+        self._settings = r = resolve(pt, args)
         # the user's module (a checkpoint's "model" is its state_dict), and what runs: it, or
         # with loss_fn the WithLoss around it
         self.model: torch.nn.Module = model
@@ -177,13 +155,10 @@ class Loop:
         self.train_opts = r.train
         self.optimizer = r.optimizer
         self.precision = r.precision
-        self.check_finite = check_finite
         self.state = State()
         self.callbacks = arrange(callbacks, progress=progress)
         self.executors = Executors(pt, self.model_with_loss, self.optimizer, r.returns)
-        self._inference_opts = r.inference  # the inference_opts given (a clone), or None
         self._returns = r.returns
-        self._metric_output = metric_output
         self._hooks = Dispatcher(self, self.callbacks)
         # (the labels of a dict batch are needed for loss_fn or the metrics)
         self._feed = Feed(
@@ -195,14 +170,14 @@ class Loop:
         self._resume = Resume()
         self._async = async_settings(async_data)  # torch loaders read ahead: async_options
         self._warned: set[str] = set()  # one-time warnings given
-        self._set_metrics: dict[str, dict[str, Any]] = {}  # several val sets: each one's
+        self._val_metrics = SetMetrics(self.metrics)  # several val sets, nested validations
         self._frozen = False  # train_opts: settable in on_configure, then frozen
         self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
         self._fitting = False  # a fit runs: a validate() or predict() of a hook is its own
         # The run this loop is an instance of: this process alone, or several (torchrun,
         # mpirun, poprun), whose instances other than 0 show no progress and write no logs.
         self._processes: Processes = join(
-            self.train_opts, self._inference_opts, replicas_given=replicas is not None
+            self.train_opts, r.inference, replicas_given=replicas is not None
         )
         self.state.instance = self._processes.rank
         self.state.instances = self._processes.size
@@ -257,7 +232,8 @@ class Loop:
         )
         return self._summary(plan)
 
-    def _summary(self, plan: Plan, resumed: str | None = None) -> str:
+    def _summary(self, plan: Plan, loaded: str | None = None) -> str:
+        """The summary of a fit of ``plan``, resumed from the checkpoint ``loaded``, if any."""
         return describe(
             pt=self.poptorch,
             backend=backend_name(),
@@ -270,7 +246,7 @@ class Loop:
             twin=self.executors.twin,
             precision=self.precision,
             instances=self._processes.size,
-            resumed=resumed,
+            resumed=None if loaded is None else resumed_at(loaded, self.state, plan.steps),
         )
 
     def stop(self) -> None:
@@ -362,7 +338,7 @@ class Loop:
             copy_float=self.precision == "16-true",
             mixed=self.precision == "16-mixed",
             metrics=self.metrics,
-            metric_output=self._metric_output,
+            metric_output=self._settings.args.metric_output,
             returns=self._returns,
         )
         self._processes.check_agreement(
@@ -371,7 +347,7 @@ class Loop:
                 micro=plan.micro,
                 samples=plan.samples,
                 steps=plan.steps,
-                val_steps=None if val_plan is None else _val_steps(val_plan),
+                val_steps=None if val_plan is None else val_steps(val_plan),
                 val_every_n_steps=st.val_every_n_steps,
                 epochs=epochs,
                 max_steps=max_steps,
@@ -388,19 +364,13 @@ class Loop:
             loaded = self._load(resume_from)
         self._resume.continue_at(plan, st, tuple(p for _, p in val_plan or ()))
         self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
-        if st.epoch >= epochs:  # e.g. a second fit(epochs=3) after the first: nothing to run
-            warnings.warn(
-                f"fit(epochs={epochs}) has no epoch to run: {st.epoch} epoch(s) are "
-                "already complete, and epochs is the total, not a number to add. "
-                f"Pass epochs={st.epoch + epochs} to train {epochs} more.",
-                stacklevel=3,
-            )
+        warn_no_epochs(epochs, st.epoch)  # e.g. a second fit(epochs=3) after the first
         st.start_fit(
             steps_per_epoch=plan.steps,
             max_steps=max_steps,
             validates=val_plan is not None,
             val_sets=tuple(s for s, _ in val_plan or () if s),
-            summary=self._summary(plan, None if loaded is None else _resumed(loaded, st, plan)),
+            summary=self._summary(plan, loaded),
         )
         with self._running(
             plan, *(p for _, p in val_plan or ()), fit=True
@@ -467,7 +437,7 @@ class Loop:
         # (a stream's length only promises its steps: it is complete when it ended)
         ended = not plan.source.stream and plan.steps is not None and st.epoch_step >= plan.steps
         if plan.reading.ended and plan.steps is not None and st.epoch_step != plan.steps:
-            self._warn_length(plan)
+            plan.warn_length(st.epoch_step, self._warned)
         if st.should_stop() and not (ended or plan.reading.ended):
             return  # stopped mid-epoch (stop() or max_steps): the epoch is not complete
         every = st.val_every_n_steps
@@ -477,24 +447,6 @@ class Loop:
         st.epoch_step = 0
         st.history.append({"epoch": st.epoch, **st.logs})
         self._hooks.event("on_epoch_end", CancelEpoch)  # the epoch is over: nothing to skip
-
-    def _warn_length(self, plan: Plan) -> None:
-        """A stream whose epoch held another number of host calls than its length promised
-        (``Loop.num_updates`` counts those), once."""
-        if plan.name in self._warned:
-            return
-        self._warned.add(plan.name)
-        warnings.warn(
-            f"{plan.name}: its epoch held {self.state.epoch_step} host call(s), but the length "
-            f"of its {type(plan.source.dataset).__name__} promised {plan.steps} "
-            f"(len(dataset) // micro-batch size, {plan.source.full} micro-batches, over "
-            f"{plan.source.per_call} a host call), so Loop.num_updates counted other updates "
-            "than the fit runs. Loader workers that each yield the whole stream, or end their "
-            "shares with short batches, do this: shard the stream by worker "
-            "(torch.utils.data.get_worker_info()) and pass drop_last=True, or give __len__ "
-            "what the loader yields.",
-            stacklevel=5,
-        )
 
     def _validate_in_fit(self, val_plan: ValPlans, *, in_step: bool = False) -> None:
         """A validation at an epoch end, or ``in_step`` a step's (``val_every_n_steps``)."""
@@ -519,7 +471,7 @@ class Loop:
         batches = plan.epoch(st.epoch_step, st.epoch, self._resume.draw())
         split = self._feed.split
         returns = self._returns.split
-        check_finite = self.check_finite
+        check_finite = self._settings.args.check_finite
         metrics = bool(epoch.metrics)
         instances = self._processes.size  # the counters count the whole run
         per_step_samples = plan.combined * instances
@@ -601,7 +553,7 @@ class Loop:
         else:
             plan.reading.ended = True  # (every host call of the epoch was read)
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
-            raise no_host_call(plan, st.epoch)
+            raise no_host_call_error(plan, st.epoch)
 
     def _read_remainder(self, plan: Plan, batches: Iterator[Any]) -> None:
         """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the
@@ -630,7 +582,7 @@ class Loop:
             self.poptorch,
             loader,
             self.train_opts,
-            self._inference_opts,
+            self._settings.inference,
             name,
             partition=partition,
             async_options=self._async,
@@ -684,9 +636,8 @@ class Loop:
         if not nested:
             st.start_call()
         plans = self._val_plans(loader, "loader", partition=False)  # every sample
-        metrics = {
-            f"{s}:{k}": m for s, _ in plans for k, m in self._metrics_of(s, nested=nested).items()
-        }
+        of = self._val_metrics.of
+        metrics = {f"{s}:{k}": m for s, _ in plans for k, m in of(s, nested=nested).items()}
         with self._running(*(p for _, p in plans)), self._processes.unsynced(metrics):
             try:
                 return self._run_validation(plans, ALONE, in_fit=False, nested=nested)
@@ -694,21 +645,6 @@ class Loop:
                 if not nested:
                     st.drop_logs("val_", self._logged())
                 return {}
-
-    def _metrics_of(self, suffix: str, *, nested: bool = False) -> dict[str, Any]:
-        """The validation metrics of the set ``suffix``: the loop's for one loader, else
-        clones of them kept per set (each set has its own states); ``nested``: a validation
-        of a hook inside a fit, whose states are its own (the fit's may be running)."""
-        if nested:
-            key = f"(nested){suffix}"
-            if key not in self._set_metrics:
-                self._set_metrics[key] = {k: m.clone() for k, m in self.metrics.items()}
-            return self._set_metrics[key]
-        if not suffix:
-            return self.metrics
-        if suffix not in self._set_metrics:
-            self._set_metrics[suffix] = {k: m.clone() for k, m in self.metrics.items()}
-        return self._set_metrics[suffix]
 
     def _run_validation(
         self, plans: ValPlans, processes: Processes, *, in_fit: bool, nested: bool = False
@@ -726,8 +662,8 @@ class Loop:
             for suffix, plan in plans:
                 run = Validation(
                     plan,
-                    metrics=self._metrics_of(suffix, nested=nested),
-                    metric_output=self._metric_output,
+                    metrics=self._val_metrics.of(suffix, nested=nested),
+                    metric_output=self._settings.args.metric_output,
                     loss_fn=loss_fn,
                     warned=self._warned,
                     returns=self._returns,

@@ -12,7 +12,7 @@ import contextlib
 import random
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -27,6 +27,7 @@ from .rules import (
     EVERY_N,
     MAX_IPUS,
     SUM,
+    check_int,
     check_return_period,
     ipu_count_error,
     reserved_ipus,
@@ -35,6 +36,7 @@ from .rules import (
 
 __all__ = [
     "OptionsBuilder",
+    "LoopArgs",
     "Resolved",
     "resolve",
     "PRECISIONS",
@@ -51,6 +53,7 @@ __all__ = [
     "check_fit_args",
     "check_val_every",
     "val_sets",
+    "warn_no_epochs",
 ]
 
 PRECISIONS = ("32", "16-mixed", "16-true")
@@ -78,9 +81,39 @@ class OptionsBuilder(Protocol):
 
 
 @dataclass(frozen=True)
+class LoopArgs:
+    """``Loop``'s arguments as given, recorded once (``Loop`` documents each): what
+    ``resolve`` and the loop's parts read."""
+
+    model: torch.nn.Module
+    opts: object
+    optimizer: torch.optim.Optimizer | None
+    loss_fn: Callable | None
+    metrics: object
+    metric_output: Callable | None
+    callbacks: Any  # an iterable of Callback instances
+    replicas: int | str | None
+    inference_opts: object
+    seed: int | None
+    progress: bool | int
+    check_finite: bool
+    max_grad_norm: float | None
+    precision: str | int
+    label_key: str
+    loss_key: str | int
+    async_data: bool | dict
+
+    @classmethod
+    def of(cls, given: dict[str, Any]) -> LoopArgs:
+        """The record of ``Loop.__init__``'s ``locals()``, taken before it sets any other."""
+        return cls(**{f.name: given[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
 class Resolved:
     """What ``Loop``'s arguments resolve to, once."""
 
+    args: LoopArgs  # the arguments as given
     model: torch.nn.Module  # the model-with-loss (the model given, or it with loss_fn)
     returns: Returns  # where its return value holds the loss (loss_key)
     metrics: dict[str, Any]  # the metrics given, as a dict
@@ -91,25 +124,11 @@ class Resolved:
     optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
 
 
-def resolve(
-    pt: ModuleType,
-    model: object,
-    opts: object,
-    inference_opts: object,
-    *,
-    loss_fn: Callable | None,
-    label_key: object,
-    loss_key: str | int,
-    metrics: object,
-    metric_output: Callable | None,
-    replicas: int | str | None,
-    seed: int | None,
-    optimizer: torch.optim.Optimizer | None,
-    max_grad_norm: float | None,
-    precision: str | int,
-) -> Resolved:
+def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
     """``Loop``'s arguments, checked before anything compiles (each error names its
     argument)."""
+    model, label_key, metrics, precision = args.model, args.label_key, args.metrics, args.precision
+    optimizer, max_grad_norm = args.optimizer, args.max_grad_norm
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module. Received: model={type(model)!r}.")
     if not (isinstance(label_key, str) and label_key):
@@ -118,20 +137,20 @@ def resolve(
             f"batch). Received: label_key={label_key!r}."
         )
     check_model_dtype(model)
-    returns = Returns(loss_key)
-    if loss_fn is not None:
-        model = WithLoss(model, loss_fn, label_key=label_key)
-    metrics = resolve_metrics(metrics, metric_output)
+    returns = Returns(args.loss_key)
+    if args.loss_fn is not None:
+        model = WithLoss(model, args.loss_fn, label_key=label_key)
+    metrics = resolve_metrics(metrics, args.metric_output)
     precision = resolve_precision(precision)
     # One path on the emulator and on an IPU: float inputs are sent as float16; "16-true"
     # also makes the weights float16, "16-mixed" keeps them float32 (see ``Loop``).
     if precision == "16-true":
         model.half()
-    train, inference, per_replica = resolve_options(pt, opts, inference_opts)
-    if replicas is not None:
-        set_replicas(pt, train, replicas, per_replica)
-    if seed is not None:
-        seed_options(train, seed)
+    train, inference, per_replica = resolve_options(pt, args.opts, args.inference_opts)
+    if args.replicas is not None:
+        set_replicas(pt, train, args.replicas, per_replica)
+    if args.seed is not None:
+        seed_options(train, args.seed)
     check_optimizer_arg(optimizer)
     if max_grad_norm is not None:
         set_clipping(pt, optimizer, max_grad_norm)
@@ -139,6 +158,7 @@ def resolve(
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
     return Resolved(
+        args=args,
         model=model,
         returns=returns,
         metrics=metrics,
@@ -346,11 +366,9 @@ def check_fit_args(
     epochs: object, max_steps: object, val_every_n_steps: object, val_loader: object
 ) -> None:
     """``Loop.fit``'s counts, checked before anything is built."""
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
-    for k, v in (("max_steps", max_steps), ("val_every_n_steps", val_every_n_steps)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{k} must be an int >= 1 or None. Received: {k}={v!r}.")
+    check_int("epochs", epochs)
+    check_int("max_steps", max_steps, optional=True)
+    check_int("val_every_n_steps", val_every_n_steps, optional=True)
     if val_every_n_steps is not None and val_loader is None:
         raise ValueError(
             f"val_every_n_steps={val_every_n_steps} validates on val_loader, "
@@ -475,3 +493,14 @@ def inference_options(pt: ModuleType, train: Options, user: Options | None) -> O
     opts.anchored_tensors.clear()
     opts.outputMode(pt.OutputMode.All)
     return opts
+
+
+def warn_no_epochs(epochs: int, done: int) -> None:
+    """A fit asked for no more epochs than the ``done`` ones (``epochs`` is the total)."""
+    if done >= epochs:
+        warnings.warn(
+            f"fit(epochs={epochs}) has no epoch to run: {done} epoch(s) are "
+            "already complete, and epochs is the total, not a number to add. "
+            f"Pass epochs={done + epochs} to train {epochs} more.",
+            stacklevel=4,
+        )

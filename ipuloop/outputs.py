@@ -24,6 +24,7 @@ import torch
 from .backend import poptorch_module
 from .exceptions import NonFiniteLossError
 from .rules import ALL, DEFAULT, EVERY_N, FINAL, SUM, returned_iterations, returned_rows
+from .state import COUNTERS, ESTIMATED
 
 __all__ = [
     "WithLoss",
@@ -178,9 +179,7 @@ def weights_for(
 
 # Names a logged value may not take: the loss and the counters (the logs' other keys in
 # CSVLogger rows and ModelCheckpoint filenames)
-RESERVED_LOGS = frozenset(
-    {"loss", "estimated", "epoch", "step", "update", "micro_batch", "samples", "epoch_step"}
-)
+RESERVED_LOGS = frozenset({"loss", ESTIMATED, *COUNTERS})
 
 
 class Returns:

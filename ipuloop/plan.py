@@ -15,9 +15,10 @@ resumed epoch's saved one (``random_state.Draw``).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Iterator, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -31,10 +32,19 @@ from .poptorch_types import Options
 from .processes import configured
 from .random_state import Draw, rng_state, set_rng_state
 from .read_ahead import Ahead, buffer_size
-from .rules import describe_factors
+from .rules import check_int, describe_factors
 from .sources import Selection, Source, kept_random_state, kill_workers
 
-__all__ = ["Plan", "build", "build_inference", "no_host_call", "num_updates", "training_steps"]
+__all__ = [
+    "Plan",
+    "build",
+    "build_inference",
+    "no_host_call_error",
+    "num_updates",
+    "training_steps",
+    "ValPlans",
+    "val_steps",
+]
 
 PROBED = 4  # micro-batches the host check reads before compiling, each with the first's shapes
 
@@ -204,6 +214,34 @@ class Plan:
         if isinstance(self.reading.reader, Ahead):
             self.reading.reader.join(2.0)
 
+    def warn_length(self, held: int, warned: set[str]) -> None:
+        """A stream whose epoch held ``held`` host calls, another number than its length
+        promised (``Loop.num_updates`` counts those); once per loader name in ``warned``."""
+        if self.name in warned:
+            return
+        warned.add(self.name)
+        warnings.warn(
+            f"{self.name}: its epoch held {held} host call(s), but the length "
+            f"of its {type(self.source.dataset).__name__} promised {self.steps} "
+            f"(len(dataset) // micro-batch size, {self.source.full} micro-batches, over "
+            f"{self.source.per_call} a host call), so Loop.num_updates counted other updates "
+            "than the fit runs. Loader workers that each yield the whole stream, or end their "
+            "shares with short batches, do this: shard the stream by worker "
+            "(torch.utils.data.get_worker_info()) and pass drop_last=True, or give __len__ "
+            "what the loader yields.",
+            stacklevel=5,
+        )
+
+
+# The validation sets of a fit or a validate(): (log suffix, plan) each; one loader: ("", plan)
+ValPlans = Tuple[Tuple[str, Plan], ...]  # (typing's: a runtime alias on Python 3.8)
+
+
+def val_steps(val_plans: ValPlans) -> int | tuple[int | None, ...] | None:
+    """The validation host calls the instances compare: one set's, or each set's."""
+    steps = tuple(p.steps for _, p in val_plans)
+    return steps[0] if len(steps) == 1 and not val_plans[0][0] else steps
+
 
 def _built(loader: DataLoader, f: Factors) -> Plan:
     m = measure(loader, f)
@@ -275,7 +313,7 @@ def build_inference(
     return _built(loader, f)
 
 
-def no_host_call(plan: Plan, epoch: int) -> ValueError:
+def no_host_call_error(plan: Plan, epoch: int) -> ValueError:
     """A stream that yielded less than one host call in an epoch."""
     return ValueError(
         f"{plan.name} yielded no complete host call in epoch {epoch}: one host call takes "
@@ -297,8 +335,7 @@ def num_updates(loader: DataLoader, opts: Options, epochs: int = 1) -> int:
     ``Loop.num_updates`` is this, a static method, so it can size the scheduler the ``Loop``
     takes. (``len(loader) * epochs`` counts micro-batches: GA * RF times too many.)
     """
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise ValueError(f"epochs must be an int >= 1. Received: epochs={epochs!r}.")
+    check_int("epochs", epochs)
     pt = poptorch_module()
     opts = configured(resolve_options(pt, opts, None)[0])
     steps = training_steps(pt, loader, opts, "loader")

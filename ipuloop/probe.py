@@ -182,7 +182,7 @@ def _run(model: torch.nn.Module, micro: MicroBatch) -> tuple[object, list[warnin
                 warnings.simplefilter("always")
                 out = _forward(model, micro, put_back, caught)
     except Exception as e:  # name what the model was given: usually the labels are wrong
-        raise _failure(e, micro) from e
+        raise _model_error(e, micro) from e
     return out, caught
 
 
@@ -206,7 +206,7 @@ def _forward(
         return model(*micro.args, **micro.kwargs)
 
 
-def _failure(e: Exception, micro: MicroBatch) -> ValueError:
+def _model_error(e: Exception, micro: MicroBatch) -> ValueError:
     """The error for a model that failed on the probe's micro-batch, with what it was given."""
     return ValueError(
         f"{micro.name}: the model failed on the first micro-batch, run on the host before "

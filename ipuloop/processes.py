@@ -3,7 +3,8 @@
 A process alone is a run of one instance (``Processes``): its sums return their input and its
 stop flags are its own, so the loop has one path for one process and for several. Started by a
 launcher (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, mpirun's
-``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, poprun's ``POPDIST_*``), each process's
+``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``, poprun's ``POPDIST_*``, read by
+``launchers.py``), each process's
 ``Loop`` is one instance of a run with N instances of R replicas each (``replicas=`` stays per
 process, as PopDist's local replicas), and needs no change to the program:
 
@@ -46,14 +47,24 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 import torch
 
 from .exceptions import InstanceFailedError
 from .group_teardown import destroy_group, keep_until_left, leave_process_group
+from .launchers import (
+    DEFAULT_TIMEOUT,
+    TIMEOUT_ENV,
+    Launch,
+    detect,
+    is_main_process,
+    num_processes,
+    process_index,
+    timeout_seconds,
+)
 from .poptorch_types import Options
-from .rules import DEFAULT_DIST_TIMEOUT, DIST_TIMEOUT_ENV, dist_timeout, tell_launcher
+from .rules import tell_launcher
 from .signals import Preempted
 from .state import State
 
@@ -72,128 +83,6 @@ __all__ = [
     "join",
     "configured",
 ]
-
-TIMEOUT_ENV = DIST_TIMEOUT_ENV
-DEFAULT_TIMEOUT = DEFAULT_DIST_TIMEOUT
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What the launcher says about this process."""
-
-    rank: int  # instance index, 0 .. size - 1
-    size: int  # instances
-    local_rank: int  # index on this host
-    launcher: str  # "torchrun", "mpirun" or "poprun"
-    local_replicas: int | None = None  # poprun: replicas per instance
-
-
-def _int(env: Mapping[str, str], name: str) -> int:
-    value = env[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"{name}={value!r}: the launcher's environment must hold an integer there."
-        ) from None
-
-
-def detect(env: Mapping[str, str] | None = None) -> Launch | None:
-    """The launcher's view of this process, or None when it runs alone."""
-    env = os.environ if env is None else env
-    launch = None
-    if "POPDIST_NUM_TOTAL_REPLICAS" in env or "POPDIST_NUM_INSTANCES" in env:
-        launch = _popdist(env)
-    elif "RANK" in env and "WORLD_SIZE" in env:
-        launch = Launch(
-            rank=_int(env, "RANK"),
-            size=_int(env, "WORLD_SIZE"),
-            local_rank=int(env.get("LOCAL_RANK", "0")),
-            launcher="torchrun",
-        )
-    elif "OMPI_COMM_WORLD_SIZE" in env and "OMPI_COMM_WORLD_RANK" in env:
-        launch = Launch(
-            rank=_int(env, "OMPI_COMM_WORLD_RANK"),
-            size=_int(env, "OMPI_COMM_WORLD_SIZE"),
-            local_rank=int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")),
-            launcher="mpirun",
-        )
-    if launch is None or launch.size <= 1:
-        return None
-    if not 0 <= launch.rank < launch.size:
-        raise ValueError(
-            f"The {launch.launcher} environment gives instance index {launch.rank} "
-            f"of {launch.size} instances: the index must be in [0, {launch.size})."
-        )
-    return launch
-
-
-def _popdist(env: Mapping[str, str]) -> Launch:
-    try:  # on an IPU system: PopDist's own reading of poprun's environment
-        import popdist
-
-        if popdist.isPopdistEnvSet():
-            return Launch(
-                rank=int(popdist.getInstanceIndex()),
-                size=int(popdist.getNumInstances()),
-                local_rank=int(popdist.getLocalInstanceIndex()),
-                launcher="poprun",
-                local_replicas=int(popdist.getNumLocalReplicas()),
-            )
-    except ImportError:
-        pass
-    local = int(env.get("POPDIST_NUM_LOCAL_REPLICAS", "1"))
-    if "POPDIST_NUM_INSTANCES" in env:
-        size = _int(env, "POPDIST_NUM_INSTANCES")
-    else:
-        size = _int(env, "POPDIST_NUM_TOTAL_REPLICAS") // max(local, 1)
-    if "POPDIST_INSTANCE_INDEX" in env:
-        rank = _int(env, "POPDIST_INSTANCE_INDEX")
-    else:
-        rank = int(env.get("POPDIST_REPLICA_INDEX_OFFSET", "0")) // max(local, 1)
-    return Launch(
-        rank=rank,
-        size=size,
-        local_rank=int(env.get("POPDIST_LOCAL_INSTANCE_INDEX", "0")),
-        launcher="poprun",
-        local_replicas=local,
-    )
-
-
-def timeout_seconds(env: Mapping[str, str] | None = None) -> float:
-    """``IPULOOP_DIST_TIMEOUT``: seconds a collective waits for the other instances."""
-    return dist_timeout(env)
-
-
-def _group_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def process_index() -> int:
-    """This instance's index (0 when the process runs alone)."""
-    if _group_ready():
-        import torch.distributed as dist
-
-        return dist.get_rank()
-    launch = detect()
-    return launch.rank if launch else 0
-
-
-def num_processes() -> int:
-    """The number of instances (1 when the process runs alone)."""
-    if _group_ready():
-        import torch.distributed as dist
-
-        return dist.get_world_size()
-    launch = detect()
-    return launch.size if launch else 1
-
-
-def is_main_process() -> bool:
-    """True on instance 0: the one that prints, logs and writes checkpoints."""
-    return process_index() == 0
 
 
 def _init_group(rank: int, size: int) -> None:
@@ -370,7 +259,7 @@ class ProcessGroup(Processes):
         self.failure: tuple[BaseException, BaseException] | None = None  # (error, raised)
 
     # -- collectives ---------------------------------------------------------------------------
-    def _fail(self, what: str, e: BaseException) -> RuntimeError:
+    def _collective_error(self, what: str, e: BaseException) -> RuntimeError:
         if self.failure is not None:  # this instance left the run at a failure already
             return RuntimeError(
                 f"Instance {self.rank} of {self.size} cannot go on while {what}: the run's "
@@ -391,7 +280,7 @@ class ProcessGroup(Processes):
         try:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         except (RuntimeError, ValueError) as e:  # (ValueError: a group left already)
-            raise self._fail(what, e) from e
+            raise self._collective_error(what, e) from e
         return t.tolist()
 
     def gather(self, obj: object, what: str) -> list[Any]:
@@ -401,7 +290,7 @@ class ProcessGroup(Processes):
         try:
             dist.all_gather_object(out, obj)
         except (RuntimeError, ValueError) as e:
-            raise self._fail(what, e) from e
+            raise self._collective_error(what, e) from e
         return out
 
     # -- a failure ends every instance's fit -------------------------------------------------

@@ -2,7 +2,8 @@
 
 Also the two rules of a multi-process run that both keep: how long a wait on the other
 instances may last (``IPULOOP_DIST_TIMEOUT``), and where a failing instance tells a launcher
-which it is. How a process group is left at exit is ``group_teardown.py``.
+which it is. How a process group is left at exit is ``group_teardown.py``. And the one check of
+an integer argument (``check_int``), which the loop's and the callbacks' arguments take.
 
 A leaf: it imports only the standard library and torch, so the emulator (which imports nothing
 else of ipuloop) and the loop read the same rule. ``opts`` is a ``poptorch.Options`` of either
@@ -20,6 +21,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "check_int",
     "FINAL",
     "EVERY_N",
     "ALL",
@@ -298,3 +300,13 @@ def in_float32_as_float16(func: Any, args: tuple, kwargs: dict) -> Any:
     kernel for it (torch 2.0's CPU has no float16 matmul or convolution)."""
     args, kwargs = tree_map(_float32, (args, kwargs))
     return tree_map(_float16, func(*args, **kwargs))
+
+
+def check_int(name: str, value: object, low: int = 1, *, optional: bool = False) -> None:
+    """An integer argument: an int (a bool is not one) of at least ``low``, or None where
+    ``optional``; else a ``ValueError`` naming it and what it received."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        also = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {low}{also}. Received: {name}={value!r}.")

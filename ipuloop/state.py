@@ -9,12 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["State", "ESTIMATED"]
+__all__ = ["State", "ESTIMATED", "COUNTERS", "GROWING", "CSV_COUNTERS"]
 
 # The logs' key that names, space-separated, the training values the logs hold that are
 # estimates: under an output mode that returns only some micro-batches (Final, EveryN), the
 # step's loss, the values the model logs and every train_ value are computed from those alone.
 ESTIMATED = "estimated"
+
+# The counters, by name: ``State``'s attributes that count what has completed, as a checkpoint
+# holds them and a checkpoint's filename may name them; those larger at every training step;
+# those a CSV log's rows begin with.
+COUNTERS = ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
+GROWING = ("step", "update", "micro_batch", "samples")
+CSV_COUNTERS = ("epoch", "step", "update")
 
 
 @dataclass
@@ -97,10 +104,7 @@ class State:
 
     def counters(self) -> dict[str, int]:
         """The counters by name, as a checkpoint holds them."""
-        return {
-            k: getattr(self, k)
-            for k in ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
-        }
+        return {k: getattr(self, k) for k in COUNTERS}
 
     def load_counters(self, counters: dict[str, Any]) -> None:
         """Set the counters a checkpoint holds (``counters``)."""

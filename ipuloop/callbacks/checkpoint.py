@@ -1,4 +1,6 @@
-"""``ModelCheckpoint``: when to save the loop, which checkpoints to keep, and exact resume.
+"""``ModelCheckpoint``: when to save the loop, its checkpoints written and named, and exact resume.
+
+Which checkpoints are kept (the monitored log, top-k, best so far) is ``ranking.py``'s.
 
 How bytes reach the disk (atomic writes, the manifest as the commit, verification, finding
 the newest) is ``ipuloop.checkpoint_io``'s. Save order: write, commit, then rotate the old
@@ -10,10 +12,7 @@ old checkpoints its rotation did not reach, which each checkpoint lists) goes at
 from __future__ import annotations
 
 import io as _bytes
-import math
 import os
-import re
-import string
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,16 +30,11 @@ from ..checkpoint_io import (
     read_manifest,
 )
 from ..exceptions import NonFiniteLossError
+from ..rules import check_int
 from ..state import State
-from .base import (
-    Callback,
-    LoopView,
-    check_mode,
-    check_monitor,
-    check_val_set,
-    monitored,
-    overridden,
-)
+from .base import Callback, LoopView, check_monitor, check_val_set, overridden
+from .checkpoint_names import check_filename, fields, without
+from .ranking import Ranking
 
 __all__ = [
     "ModelCheckpoint",
@@ -49,92 +43,6 @@ __all__ = [
     "read_manifest",
     "FORMAT_VERSION",
 ]
-
-COUNTERS = ("epoch", "step", "update", "micro_batch", "samples", "epoch_step")
-_GROWING = ("step", "update", "micro_batch", "samples")  # larger at every training step
-
-
-def _check_filename(filename: str, monitor: str | None, every_n_steps: int | None) -> None:
-    """``ModelCheckpoint``'s filename template, checked before any save."""
-
-    def bad(why: str) -> ValueError:
-        return ValueError(
-            f"ModelCheckpoint: filename={filename!r} {why}. Example: "
-            "filename='epoch{epoch}-step{step}-{val_loss:.3f}'."
-        )
-
-    if not isinstance(filename, str):
-        raise bad("must be a str")
-    try:
-        parts = list(string.Formatter().parse(filename))
-    except ValueError as e:
-        raise bad(f"is not a format template ({e})") from None
-    keys = {f for _, f, _, _ in parts if f is not None}
-    text = "".join(t for t, _, _, _ in parts)
-    if any(sep and sep in text for sep in ("/", os.sep, os.altsep)) or text.startswith("."):
-        raise bad("must give a plain folder name inside dirpath: no path separator, no leading '.'")
-    for key in sorted(keys):
-        if not _log_name(key):
-            raise bad(
-                f"has the field {{{key}}}: use names only (a counter or a log, a validation "
-                "set's as val_<name>/<set>), no positional fields, attributes or indices"
-            )
-        epoch_log = key.startswith(("train_", "val_"))
-        if key not in COUNTERS and key != "loss" and key != monitor and not epoch_log:
-            raise bad(
-                f"names {{{key}}}, which is neither a counter ({', '.join(COUNTERS)}) "
-                "nor a log the loop writes (loss, train_<name>, val_<name>) nor the "
-                f"monitored log (monitor={monitor!r})"
-            )
-        if key.startswith("train_") and every_n_steps:
-            raise bad(
-                f"names {{{key}}}, a log written at the end of an epoch, so the step saves "
-                f"(every_n_steps={every_n_steps}) before the first epoch end could not "
-                "name their folder. Leave it out, or set every_n_steps=None"
-            )
-    if not keys & set(_GROWING):
-        raise bad(
-            "has no {step} (or {update}, {micro_batch}, {samples}): two saves would "
-            "get the same name, and the later would overwrite a kept checkpoint"
-        )
-    try:  # a format spec that a counter (int) or a log (float) rejects
-        filename.format(**{k: 0 if k in COUNTERS else 0.0 for k in keys})
-    except (ValueError, TypeError) as e:
-        raise bad(f"cannot be formatted: {e}") from None
-
-
-def _log_name(key: str) -> bool:
-    """A filename field that names a counter or a log: an identifier, or a validation set's
-    log ``val_<name>/<set>`` (the "/" is in the field only: the folder gets its value)."""
-    name, slash, suffix = key.partition("/")
-    return name.isidentifier() and (
-        not slash
-        or (name.startswith("val_") and re.fullmatch(r"[A-Za-z0-9_-]+", suffix) is not None)
-    )
-
-
-def _fields(template: str) -> list[str]:
-    return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-
-
-def _without(template: str, fields: set[str]) -> str:
-    """``template`` less each field of ``fields`` and the text just before it (its
-    separator): "epoch{epoch}-step{step}-{val_loss:.3f}" less val_loss is
-    "epoch{epoch}-step{step}"."""
-    out = []
-    for text, field, spec, conversion in string.Formatter().parse(template):
-        if field in fields:
-            continue
-        out.append(text.replace("{", "{{").replace("}", "}}"))
-        if field is not None:
-            out.append(
-                "{"
-                + field
-                + (f"!{conversion}" if conversion else "")
-                + (f":{spec}" if spec else "")
-                + "}"
-            )
-    return "".join(out)
 
 
 class ModelCheckpoint(Callback):
@@ -223,7 +131,8 @@ class ModelCheckpoint(Callback):
         name: str | None = None,
         load_best_at_end: bool = False,
     ) -> None:
-        self._sign = check_mode(mode)
+        # (the ranking checks mode first)
+        ranking = Ranking(monitor, mode, save_top_k=save_top_k, save_last=save_last)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty str or None. Received: name={name!r}.")
         if load_best_at_end and monitor is None:
@@ -232,11 +141,9 @@ class ModelCheckpoint(Callback):
                 "that says which checkpoint is best (e.g. monitor='val_loss'). "
                 "Received: monitor=None."
             )
-        for k, v in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps)):
-            if v is not None and (not isinstance(v, int) or v < 0):
-                raise ValueError(f"{k} must be an int >= 0 or None. Received: {k}={v!r}.")
-        if not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(f"save_top_k must be an int >= -1. Received: {save_top_k!r}.")
+        check_int("every_n_epochs", every_n_epochs, 0, optional=True)
+        check_int("every_n_steps", every_n_steps, 0, optional=True)
+        check_int("save_top_k", save_top_k, -1)
         self.dirpath = Path(dirpath)
         if self.dirpath.is_file():
             raise CheckpointError(
@@ -244,18 +151,14 @@ class ModelCheckpoint(Callback):
                 "is a file: dirpath must be a folder (created "
                 "if missing) for the checkpoint folders",
             )
-        _check_filename(filename, monitor, every_n_steps)
+        check_filename(filename, monitor, every_n_steps)
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
-        self.monitor = monitor
-        self.mode = mode
-        self.save_top_k = save_top_k
-        self.save_last = save_last
         self.save_on_exception = save_on_exception
         self.filename = filename
         self.name = name
         self.load_best_at_end = load_best_at_end
-        self.kept: list[dict[str, Any]] = []  # {"name", "step", "score"} of regular saves
+        self._ranking = ranking  # the kept regular saves, ranked
         self.resumed_from: str | None = None  # never deleted while this fit runs
         self._deferred: list[str] = []  # rotated out while protected: deleted at fit end
         self._saving: str | None = None  # the name being written, recorded in its own state
@@ -264,11 +167,6 @@ class ModelCheckpoint(Callback):
         self._last: tuple | None = None  # counters of the last save (skip identical saves)
         self._in_fit = False
         self._cleaned = False  # _clean_up ran in this process (at fit start, or a first save)
-        self._warned_unranked = False
-        # Steps whose weights the epoch logs belong to: the last validation's, the last epoch
-        # end's (a monitored epoch log ranks only a save at its step)
-        self._val_at: int | None = None
-        self._epoch_end_at: int | None = None
         self._best_weights: tuple[str, dict] | None = None  # load_best_at_end: (name, weights)
 
     @property
@@ -303,30 +201,49 @@ class ModelCheckpoint(Callback):
         return f"{type(self).__name__}({str(self.dirpath)!r}{name})"
 
     # -- what is kept ------------------------------------------------------------------------
-    def _ranked(self) -> list[dict[str, Any]]:
-        """The best ``save_top_k`` kept entries that have a score, best first (ties: the
-        newer first); not the one kept only as the last."""
-        ranked = [e for e in self.kept[::-1] if _is_score(e.get("score"))]
-        ranked.sort(key=lambda e: self._sign * e["score"])
-        return ranked if self.save_top_k < 0 else ranked[: self.save_top_k]
+    @property
+    def monitor(self) -> str | None:
+        """The log that ranks the checkpoints (None: by age)."""
+        return self._ranking.monitor
+
+    @property
+    def mode(self) -> str:
+        return self._ranking.mode
+
+    @property
+    def save_top_k(self) -> int:
+        return self._ranking.save_top_k
+
+    @property
+    def save_last(self) -> bool:
+        return self._ranking.save_last
+
+    @property
+    def kept(self) -> list[dict[str, Any]]:
+        """``{"name", "step", "score"}`` of the regular saves kept, oldest first."""
+        return self._ranking.kept
+
+    @kept.setter
+    def kept(self, entries: list[dict[str, Any]]) -> None:
+        self._ranking.kept = entries
 
     @property
     def best_k(self) -> dict[Path, float]:
         """The best ``save_top_k`` ranked checkpoints, best first: folder -> monitored value
         (not the one kept only as the last). Empty without ``monitor``, and before the first
         ranked save."""
-        return {self.dirpath / e["name"]: float(e["score"]) for e in self._ranked()}
+        return {self.dirpath / e["name"]: float(e["score"]) for e in self._ranking.ranked()}
 
     @property
     def best_path(self) -> Path | None:
         """The folder of the best ranked checkpoint kept (None: none, or no ``monitor``)."""
-        ranked = self._ranked()
+        ranked = self._ranking.ranked()
         return self.dirpath / ranked[0]["name"] if ranked else None
 
     @property
     def best_score(self) -> float | None:
         """The monitored value of ``best_path``."""
-        ranked = self._ranked()
+        ranked = self._ranking.ranked()
         return float(ranked[0]["score"]) if ranked else None
 
     @property
@@ -352,13 +269,13 @@ class ModelCheckpoint(Callback):
         self._pending = [
             n for n in state.get("rotating", []) if isinstance(n, str) and cio.plain_name(n)
         ]
-        self._val_at = self._epoch_end_at = None  # another run's steps
+        self._ranking.val_at = self._ranking.epoch_end_at = None  # another run's steps
         self._best_weights = None
 
     # -- events --------------------------------------------------------------------------------
     def on_fit_start(self, loop: LoopView) -> None:
         check_monitor(loop.state, self.monitor, "ModelCheckpoint")
-        for field in _fields(self.filename):  # a validation set's log, as the fit names them
+        for field in fields(self.filename):  # a validation set's log, as the fit names them
             check_val_set(loop.state, field, f"ModelCheckpoint: filename={self.filename!r}")
         self._check_step_fields(loop.state.val_every_n_steps)
         loop.check_resumable()  # before training, rather than at the first save
@@ -395,7 +312,7 @@ class ModelCheckpoint(Callback):
         """A ``val_`` log in the filename of step saves: each step save must follow a
         validation of its own weights, so every_n_steps must be a multiple of
         ``fit(val_every_n_steps=)``."""
-        logs = sorted(f for f in _fields(self.filename) if f.startswith("val_"))
+        logs = sorted(f for f in fields(self.filename) if f.startswith("val_"))
         every = self.every_n_steps
         if logs and every and not (val_every and every % val_every == 0):
             raise ValueError(
@@ -433,10 +350,10 @@ class ModelCheckpoint(Callback):
             self.save(loop, at_step=True)
 
     def on_validation_end(self, loop: LoopView) -> None:
-        self._val_at = loop.state.step  # the val logs score the weights of this step
+        self._ranking.val_at = loop.state.step  # the val logs score the weights of this step
 
     def on_epoch_end(self, loop: LoopView) -> None:
-        self._epoch_end_at = loop.state.step  # the epoch logs belong to this step's weights
+        self._ranking.epoch_end_at = loop.state.step  # the epoch logs belong to this step's weights
         if self.every_n_epochs and loop.state.epoch % self.every_n_epochs == 0:
             self.save(loop)
 
@@ -502,8 +419,9 @@ class ModelCheckpoint(Callback):
         (a warning names them), rather than fail."""
         suffix = "-exception" if exception else ""
         values = {**st.logs, **st.counters()}
-        fields = _fields(self.filename)
-        gone = {f for f in fields if f not in values or (always and not self._fresh(f, st.step))}
+        fresh = self._ranking.fresh
+        named = fields(self.filename)
+        gone = {f for f in named if f not in values or (always and not fresh(f, st.step))}
         if not gone:
             return self._plain(self.filename.format(**values) + suffix)
         if not always:
@@ -513,7 +431,7 @@ class ModelCheckpoint(Callback):
                 f"{missing!r} at epoch {st.epoch}, step {st.step}. Available logs: "
                 f"{sorted(st.logs)}."
             )
-        name = _without(self.filename, gone).format(**values)
+        name = without(self.filename, gone).format(**values)
         kind = "exception" if exception is not None else "preemption"
         warnings.warn(
             f"ModelCheckpoint: filename={self.filename!r} names "
@@ -534,72 +452,6 @@ class ModelCheckpoint(Callback):
         return name
 
     # -- retention -----------------------------------------------------------------------------
-    def _fresh(self, log: str, step: int) -> bool:
-        """Whether the log ``log`` was computed from the weights of ``step``: an epoch log
-        at the step where it was written, any other log (a step log) always."""
-        if log.startswith("val_"):
-            return step in (self._val_at, self._epoch_end_at)
-        if log.startswith("train_"):
-            return step == self._epoch_end_at
-        return True
-
-    def _score(self, loop: LoopView, *, at_step: bool, always: bool) -> float | None:
-        """The save's rank: None without monitor, NaN for an unranked save."""
-        monitor = self.monitor
-        st = loop.state
-        if monitor is None:
-            return None
-        missing = monitor not in st.logs
-        if (at_step or always) and (missing or not self._fresh(monitor, st.step)):
-            if not self._warned_unranked:  # e.g. val_loss at a mid-epoch step save
-                self._warned_unranked = True
-                why = (
-                    "no such log yet"
-                    if missing
-                    else "its value was computed from the weights of an earlier step"
-                )
-                warnings.warn(
-                    f"ModelCheckpoint(monitor={monitor!r}): {why} at step {st.step}: "
-                    "saves between the steps that write it are kept unranked (as "
-                    "the last, never among the best). Save at epoch ends "
-                    "(every_n_epochs) to rank by a validation log, or every_n_steps "
-                    "a multiple of fit(val_every_n_steps=).",
-                    stacklevel=4,
-                )
-            return math.nan
-        return monitored(st, monitor, "ModelCheckpoint")
-
-    def _keep(self, entries: list[dict[str, Any]], newest: str) -> set[str]:
-        """Names to keep: all (``save_top_k=-1``), or the best ``save_top_k`` ranked ones (the
-        newest without ``monitor``), plus the last."""
-        if self.save_top_k < 0:
-            return {e["name"] for e in entries}
-        ranked = entries[::-1]  # newest first; the sort is stable, so ties go to the newest
-        if self.monitor is not None:
-            ranked = [e for e in ranked if _is_score(e["score"])]  # unranked: no best slot
-            ranked.sort(key=lambda e: self._sign * e["score"])
-        keep = {e["name"] for e in ranked[: self.save_top_k]}
-        return keep | {newest} if self.save_last else keep
-
-    def _retain(
-        self, loop: LoopView, name: str, *, at_step: bool, always: bool, apart: bool
-    ) -> dict[str, Any] | None:
-        """The save's entry (its name, step and score) with ``kept`` set to the checkpoints
-        that stay beside it, or None (``kept`` as it was) when the save itself would not stay.
-        Regular saves rotate; exception saves (``apart``) sit apart, unranked."""
-        step = loop.state.step
-        entry: dict[str, Any] = {"name": name, "step": step, "score": None}
-        if apart:
-            return entry
-        entry["score"] = self._score(loop, at_step=at_step, always=always)
-        # one checkpoint per step: this save replaces one at the same step (same weights)
-        entries = [e for e in self.kept if e["name"] != name and e["step"] != step] + [entry]
-        keep = self._keep(entries, name)
-        if name not in keep:
-            return None  # neither among the best k nor kept as the last
-        self.kept = [e for e in entries if e["name"] in keep]
-        return entry
-
     def _rotate(self, old: list[dict[str, Any]], folder: Path) -> None:
         """After ``folder``'s commit, delete the checkpoints of ``old`` no longer kept; the
         resumed-from one, and one that cannot be deleted, wait for the fit's end."""
@@ -710,8 +562,8 @@ class ModelCheckpoint(Callback):
         if not self._cleaned:  # a save before any fit: a killed process's leftovers go first
             self._clean_up()
         old = self.kept
-        entry = self._retain(
-            loop, name, at_step=at_step, always=always, apart=exception is not None
+        entry = self._ranking.retain(
+            st, name, at_step=at_step, always=always, apart=exception is not None
         )
         if entry is None:
             return None
@@ -728,7 +580,3 @@ class ModelCheckpoint(Callback):
         """What ``fit(resume_from="last")`` loads: the newest checkpoint in ``dirpath`` (with
         several checkpointers, the newest any of them wrote: ``callbacks.base.resume_path``)."""
         return self.latest()
-
-
-def _is_score(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

@@ -7,7 +7,8 @@ import os
 import warnings
 from typing import Any
 
-from ..state import ESTIMATED
+from ..rules import check_int
+from ..state import CSV_COUNTERS, ESTIMATED
 from .base import Callback, LoopView
 
 __all__ = ["CSVLogger"]
@@ -44,18 +45,10 @@ class CSVLogger(Callback):
     main_instance_only = True
 
     def __init__(self, path: str | os.PathLike, every_n_steps: int | None = None) -> None:
-        if every_n_steps is not None and (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise ValueError(
-                f"every_n_steps must be an int >= 1 or None. Received: "
-                f"every_n_steps={every_n_steps!r}."
-            )
+        check_int("every_n_steps", every_n_steps, optional=True)
         self.path = os.fspath(path)
         self.every_n_steps = every_n_steps
-        self.columns: list[str] = ["epoch", "step", "update"]
+        self.columns: list[str] = list(CSV_COUNTERS)
         self.rows = 0  # data rows in the file
         self._val_at: int | None = None  # the step of the last validation
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..rules import check_int
 from ..state import State
 from .base import Callback, LoopView, check_mode, check_monitor, monitored
 
@@ -46,8 +47,7 @@ class EarlyStopping(Callback):
         check_finite: bool = True,
     ) -> None:
         self._sign = check_mode(mode)
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
-            raise ValueError(f"patience must be an int >= 1. Received: patience={patience!r}.")
+        check_int("patience", patience)
         if not (min_delta >= 0):  # also rejects NaN
             raise ValueError(f"min_delta must be >= 0. Received: min_delta={min_delta!r}.")
         self.monitor = monitor

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..backend import backend_name
+from ..rules import check_int
 from .base import Callback, LoopView
 
 __all__ = ["ProfileCapture"]
@@ -44,9 +45,8 @@ class ProfileCapture(Callback):
     def __init__(
         self, start_step: int = 1, num_steps: int = 3, dirpath: str | os.PathLike = "profile"
     ) -> None:
-        for name, value, low in (("start_step", start_step, 0), ("num_steps", num_steps, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}. Received: {name}={value!r}.")
+        check_int("start_step", start_step, 0)
+        check_int("num_steps", num_steps)
         self.start_step = start_step
         self.num_steps = num_steps
         self.dirpath = os.fspath(dirpath)
@@ -59,7 +59,7 @@ class ProfileCapture(Callback):
         try:
             os.makedirs(self.dirpath, exist_ok=True)
         except OSError as e:
-            raise self._error(e) from e
+            raise self._write_error(e) from e
 
     def on_configure(self, loop: LoopView) -> None:  # before the options freeze (the first fit)
         if backend_name() != "poptorch" or self.written:
@@ -137,7 +137,7 @@ class ProfileCapture(Callback):
             with open(ops, "w") as f:
                 f.write(prof.key_averages().table(sort_by=key, row_limit=15) + "\n")
         except OSError as e:
-            raise self._error(e) from e
+            raise self._write_error(e) from e
         self.written = [trace, ops]
         first = loop.state.step - self._seen
         print(
@@ -146,7 +146,7 @@ class ProfileCapture(Callback):
             flush=True,
         )
 
-    def _error(self, e: OSError) -> OSError:
+    def _write_error(self, e: OSError) -> OSError:
         return OSError(
             e.errno,
             f"ProfileCapture cannot write to dirpath={self.dirpath!r}: "

@@ -171,7 +171,7 @@ def _preload_forkserver() -> None:
         multiprocessing.set_forkserver_preload(modules + wanted)
 
 
-def _error_message(e: BaseException) -> tuple[BaseException, str]:
+def _worker_error(e: BaseException) -> tuple[BaseException, str]:
     """``e`` (or, where it does not pickle, a RuntimeError with its words) and its traceback,
     which the host prints: PopTorch's worker prints it ("Check above for details"), and a
     forkserver's worker may not write where the host does."""
@@ -221,7 +221,7 @@ def _worker_epoch(
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         raise
     except BaseException as e:  # noqa: BLE001 - re-raised by the host
-        out.put((epoch, _ERROR, _error_message(e)))
+        out.put((epoch, _ERROR, _worker_error(e)))
         return None, 0
     command = send(_EOF, None)
     return command if command[0] is not None else (None, 0)
@@ -265,7 +265,7 @@ class _WorkerProcess:
         except Exception as e:
             if method == "fork":
                 raise
-            raise _not_picklable(e, sharing_strategy, method) from e
+            raise _not_picklable_error(e, sharing_strategy, method) from e
         self.pid = self.process.pid
         # (PopTorch logs it in the worker; here the host does, as a forkserver's worker may
         # not write where the host does)
@@ -322,7 +322,7 @@ class _WorkerProcess:
             self.process.join(timeout=2)
 
 
-def _not_picklable(e: Exception, sharing_strategy: Any, method: str) -> Exception:
+def _not_picklable_error(e: Exception, sharing_strategy: Any, method: str) -> Exception:
     """``e``, raised pickling the dataset for a worker process that is not forked, as an
     exception of its type (where it takes a message) that says why and what to do."""
     message = (

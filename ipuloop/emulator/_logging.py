@@ -41,7 +41,7 @@ LEVEL_NAMES = tuple(sorted(_LEVELS))
 _popart_level = ["WARN"]
 
 
-def _unknown(level: object) -> ValueError:
+def _unknown_level_error(level: object) -> ValueError:
     names = list(LEVEL_NAMES)
     return ValueError(
         f"Unknown log level: {level}. Valid values are {', '.join(names[:-1])} and {names[-1]}"
@@ -60,7 +60,7 @@ def setLogLevel(level: int | str) -> None:
     if isinstance(level, str):
         entry = _LEVELS.get(level) or _INTERNAL.get(level)
     if entry is None:
-        raise _unknown(level)
+        raise _unknown_level_error(level)
     logger.setLevel(entry[1])
 
 

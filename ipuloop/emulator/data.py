@@ -35,7 +35,7 @@ from ._dataloader import (
     _EOF,
     _Channel,
     _dumps,
-    _not_picklable,
+    _not_picklable_error,
     _produce,
     _RingBufferView,
     _Source,
@@ -578,7 +578,7 @@ class AsynchronousDataAccessor:
                     f.write(_dumps(source.dataset, pickle.Pickler))
             except Exception as e:
                 folder.cleanup()
-                raise _not_picklable(e, strategy, "spawn") from e
+                raise _not_picklable_error(e, strategy, "spawn") from e
             source = _Source(None, ours, path)
         try:
             self._start(source, buffer_size, strategy, rebatched_size, load_indefinitely)

@@ -206,7 +206,7 @@ def allreduce(
         try:
             dist.all_reduce(t, op=reduce_op)
         except Exception as e:
-            raise _failed("allreduce", e) from e
+            raise _collective_error("allreduce", e) from e
         group_teardown.keep_until_left("ipuloop.emulator.horovod", t)  # (why: there)
         if op == Average:
             t = t / dist.get_world_size()
@@ -235,7 +235,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     try:
         dist.all_gather_object(gathered, tensor.detach().cpu())
     except Exception as e:
-        raise _failed("allgather", e) from e
+        raise _collective_error("allgather", e) from e
     return torch.cat([g.reshape(-1, *tensor.shape[1:]) for g in gathered]).to(tensor.device)
 
 
@@ -248,7 +248,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     try:
         dist.all_gather_object(gathered, obj)
     except Exception as e:
-        raise _failed("allgather_object", e) from e
+        raise _collective_error("allgather_object", e) from e
     return gathered
 
 
@@ -260,7 +260,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, **_
         try:
             dist.broadcast(t, src=root_rank)
         except Exception as e:
-            raise _failed("broadcast", e) from e
+            raise _collective_error("broadcast", e) from e
         group_teardown.keep_until_left("ipuloop.emulator.horovod", t)
     return t.to(device=tensor.device, dtype=tensor.dtype)
 
@@ -296,7 +296,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, **_:
     try:
         dist.broadcast_object_list(box, src=root_rank)
     except Exception as e:
-        raise _failed("broadcast_object", e) from e
+        raise _collective_error("broadcast_object", e) from e
     return box[0]
 
 
@@ -307,7 +307,7 @@ def barrier(process_set: Any = None) -> None:
         dist.barrier()
 
 
-def _failed(what: str, e: BaseException) -> RuntimeError:
+def _collective_error(what: str, e: BaseException) -> RuntimeError:
     return RuntimeError(
         f"horovod.{what} across instances failed: another instance died or stopped calling it "
         f"({distributed.TIMEOUT_ENV} bounds the wait). Cause: {type(e).__name__}: {e}"

@@ -1,5 +1,8 @@
 """`IPUConfig`: one JSON-serialisable configuration for training and inference `poptorch.Options`.
 
+Its fields are checked and parsed by `ipu_config_fields.py`; `placement.py` places a model's
+layers as it says (`place_layers`, `unplace_layers`, re-exported here).
+
 Follows optimum-graphcore's `IPUConfig` (docs/poptorch-semantics.md §7), with these differences:
 
 - the cross-field checks (a list `matmul_proportion`, and a `layers_per_ipu` without -1, must
@@ -33,13 +36,15 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, cast, overload
 
 import torch
 
 from ..checkpoint_io import file_mode
+from .ipu_config_fields import FIELDS, OPTIMUM_ONLY, PLACEMENT, convert, is_int
+from .placement import place_layers, strategy, unplace_layers
 
 __all__ = [
     "CONFIG_NAME",
@@ -50,137 +55,10 @@ __all__ = [
 ]
 
 CONFIG_NAME = "ipu_config.json"
-_OUTPUT_MODES = ("all", "sum", "final", "default")
-_TRUE, _FALSE = ("true", "1", "y", "yes"), ("false", "0", "n", "no")
 
 
 class IncompatibleIPUConfigError(ValueError):
     """IPUConfig values disagree with each other or with the model (optimum's name)."""
-
-
-# ---- per-field checks: each returns the value to store (lists copied, numbers as float) ----
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _type_error(name: str, v: object, expected: str) -> TypeError:
-    return TypeError(f"{name} must be {expected}. Received: {name}={v!r} ({type(v).__name__}).")
-
-
-def _pos_int(name: str, v: Any) -> int:
-    if not _is_int(v):
-        raise _type_error(name, v, "an int")
-    if v < 1:
-        raise ValueError(f"{name} must be >= 1. Received: {name}={v}.")
-    return v
-
-
-def _layers(name: str, v: Any) -> list[int]:
-    if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
-        raise _type_error(name, v, "a list of ints")
-    if not v:
-        raise ValueError(
-            f"{name} must not be empty; [-1] splits the layers evenly. Received: {name}=[]."
-        )
-    if min(v) < -1:
-        raise ValueError(
-            f"{name} must have all elements >= -1 (-1 is the wildcard). Received: {name}={list(v)}."
-        )
-    return list(v)
-
-
-def _proportion(name: str, v: Any) -> float | list[float]:
-    if _is_num(v):
-        values: list[Any] = [v]
-    elif isinstance(v, (list, tuple)) and v and all(_is_num(x) for x in v):
-        values = list(v)
-    else:
-        raise _type_error(name, v, "a float or a non-empty list of floats (one per IPU)")
-    if min(values) < 0:
-        raise ValueError(f"{name} must have all elements >= 0. Received: {name}={v!r}.")
-    return float(v) if _is_num(v) else [float(x) for x in values]
-
-
-def _typed(ok: Callable[[object], bool], expected: str) -> Callable[[str, Any], Any]:
-    def check(name: str, v: Any) -> Any:
-        if not ok(v):
-            raise _type_error(name, v, expected)
-        return v
-
-    return check
-
-
-_bool = _typed(lambda v: isinstance(v, bool), "a bool")
-_str = _typed(lambda v: isinstance(v, str), "a str")
-_seed = _typed(lambda v: v is None or _is_int(v), "an int or None")
-
-
-def _output_mode(name: str, v: Any) -> str:
-    if _str(name, v) not in _OUTPUT_MODES:
-        raise ValueError(f"{name} must be one of {_OUTPUT_MODES}. Received: {name}={v!r}.")
-    return v
-
-
-# Field -> check, in constructor order (a test keeps this in sync with __init__).
-_FIELDS = {
-    "replication_factor": _pos_int,
-    "inference_replication_factor": _pos_int,
-    "gradient_accumulation_steps": _pos_int,
-    "device_iterations": _pos_int,
-    "inference_device_iterations": _pos_int,
-    "layers_per_ipu": _layers,
-    "inference_layers_per_ipu": _layers,
-    "ipus_per_replica": _pos_int,
-    "inference_ipus_per_replica": _pos_int,
-    "optimizer_state_offchip": _bool,
-    "replicated_tensor_sharding": _bool,
-    "matmul_proportion": _proportion,
-    "inference_matmul_proportion": _proportion,
-    "enable_half_partials": _bool,
-    "recompute_checkpoint_every_layer": _bool,
-    "output_mode": _output_mode,
-    "seed": _seed,
-    "auto_loss_scaling": _bool,
-    "executable_cache_dir": _str,
-}
-# Keys an optimum-graphcore `ipu_config.json` may hold that ipuloop does not use: accepted so
-# its files load; each with the values that mean "off" (any other value warns, then is dropped).
-_SERIALISATION = tuple(
-    f"{p}{k}"
-    for p in ("", "inference_")
-    for k in (
-        "embedding_serialization_factor",
-        "serialized_embedding_splits_per_ipu",
-        "projection_serialization_factor",
-        "serialized_projection_splits_per_ipu",
-    )
-)
-_OPTIMUM_ONLY: dict[str, tuple[Any, ...] | None] = {
-    **dict.fromkeys(_SERIALISATION, (None, 1)),
-    "explicit_ir_inference": (False,),
-    "parallelize_kwargs": (None, {}),
-    "inference_parallelize_kwargs": (None, {}),
-    "execute_encoder_on_cpu_for_generation": (False,),
-    "sharded_execution_for_inference": (None, False, True),  # inference is always sharded
-    "enable_half_first_order_momentum": (None, False),  # deprecated in optimum too
-    "optimum_version": None,
-    "transformers_version": None,  # metadata written by save_pretrained
-}
-# Set last by the constructor, in the order of optimum's fallback rules.
-_PLACEMENT = (
-    "layers_per_ipu",
-    "inference_layers_per_ipu",
-    "ipus_per_replica",
-    "inference_ipus_per_replica",
-    "matmul_proportion",
-    "inference_matmul_proportion",
-)
 
 
 class IPUConfig:
@@ -219,12 +97,12 @@ class IPUConfig:
         executable_cache_dir: str = "",
         **unknown: Any,
     ) -> None:
-        given = {k: v for k, v in locals().items() if k in _FIELDS}
-        dropped = {k: unknown.pop(k) for k in list(unknown) if k in _OPTIMUM_ONLY}
+        given = {k: v for k, v in locals().items() if k in FIELDS}
+        dropped = {k: unknown.pop(k) for k in list(unknown) if k in OPTIMUM_ONLY}
         active = {
             k: v
             for k, v in dropped.items()
-            if _OPTIMUM_ONLY[k] is not None and v not in (_OPTIMUM_ONLY[k] or ())
+            if OPTIMUM_ONLY[k] is not None and v not in (OPTIMUM_ONLY[k] or ())
         }
         if active:
             names = ", ".join(f"{k}={v!r}" for k, v in sorted(active.items()))
@@ -237,10 +115,10 @@ class IPUConfig:
             names = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
             raise IncompatibleIPUConfigError(
                 f"IPUConfig received unknown arguments: {names}. Remove them; valid arguments: "
-                f"{', '.join(_FIELDS)}."
+                f"{', '.join(FIELDS)}."
             )
         object.__setattr__(self, "_ready", False)  # cross-field checks wait for every field
-        self.update(**{k: v for k, v in given.items() if k not in _PLACEMENT})
+        self.update(**{k: v for k, v in given.items() if k not in PLACEMENT})
         # §7.1 fallbacks, in optimum's order; only None means "not given".
         self.layers_per_ipu = layers_per_ipu
         self.inference_layers_per_ipu = (
@@ -280,11 +158,11 @@ class IPUConfig:
         On any error nothing changes. Attribute assignment is `update` of one field.
         """
         for name in changes:
-            if name not in _FIELDS:
+            if name not in FIELDS:
                 raise AttributeError(
-                    f"IPUConfig has no field {name!r}. Valid fields: {', '.join(_FIELDS)}."
+                    f"IPUConfig has no field {name!r}. Valid fields: {', '.join(FIELDS)}."
                 )
-        new = {name: _FIELDS[name](name, value) for name, value in changes.items()}
+        new = {name: FIELDS[name](name, value) for name, value in changes.items()}
         old = {name: self.__dict__[name] for name in new if name in self.__dict__}
         self.__dict__.update(new)
         if self._ready:
@@ -324,13 +202,13 @@ class IPUConfig:
         """
         p = "inference_" if for_inference else ""
         lpi, n = list(getattr(self, p + "layers_per_ipu")), getattr(self, p + "ipus_per_replica")
-        if not all(_is_int(k) and k >= -1 for k in lpi):  # only reachable by in-place mutation
+        if not all(is_int(k) and k >= -1 for k in lpi):  # only reachable by in-place mutation
             raise IncompatibleIPUConfigError(
                 f"Invalid values in {p}layers_per_ipu. {p}layers_per_ipu={lpi}"
             )
         if num_layers is None:
             return lpi
-        total = cast(int, num_layers) if _is_int(num_layers) else len(cast(Sequence, num_layers))
+        total = cast(int, num_layers) if is_int(num_layers) else len(cast(Sequence, num_layers))
         if n == 1:  # everything on IPU 0; layers_per_ipu is ignored
             return [total]
         if lpi in ([-1], [-1] * n):
@@ -417,7 +295,7 @@ class IPUConfig:
                 self.replicated_tensor_sharding and opts.replication_factor > 1
             )
         )
-        opts.setExecutionStrategy(_strategy(pt, for_inference=for_inference))
+        opts.setExecutionStrategy(strategy(pt, for_inference=for_inference))
         n, mp = getattr(self, p + "ipus_per_replica"), getattr(self, p + "matmul_proportion")
         mp = mp if isinstance(mp, list) else [mp] * n
         opts.setAvailableMemoryProportion({f"IPU{i}": mp[i] for i in range(n)})
@@ -445,18 +323,17 @@ class IPUConfig:
                     f"update_from_string expects 'key=value' items separated by ','. "
                     f"Received: {item!r} in {update_str!r}."
                 )
-            if key not in _FIELDS:
+            if key not in FIELDS:
                 raise ValueError(
-                    f"Key {key} isn't in the original config dict. Valid keys: "
-                    f"{', '.join(_FIELDS)}."
+                    f"Key {key} isn't in the original config dict. Valid keys: {', '.join(FIELDS)}."
                 )
-            changes[key] = _convert(key, raw, getattr(self, key))
+            changes[key] = convert(key, raw, getattr(self, key))
         return self.update(**changes)
 
     # ---- §7.6 serialisation ----
     def to_dict(self) -> dict[str, Any]:
         """Every field (derived ones resolved), JSON-compatible."""
-        return {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS}
+        return {name: copy.deepcopy(getattr(self, name)) for name in FIELDS}
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -582,12 +459,12 @@ class IPUConfig:
                 "JSON file itself."
             )
         config = cls.load(where)
-        overrides = {k: v for k, v in kwargs.items() if k in _FIELDS}
-        unused = {k: v for k, v in kwargs.items() if k not in _FIELDS}
+        overrides = {k: v for k, v in kwargs.items() if k in FIELDS}
+        unused = {k: v for k, v in kwargs.items() if k not in FIELDS}
         if unused and not return_unused_kwargs:
             raise TypeError(
                 f"IPUConfig.from_pretrained got keyword(s) that are no IPUConfig field: "
-                f"{', '.join(sorted(unused))}. Valid fields: {', '.join(_FIELDS)}; pass "
+                f"{', '.join(sorted(unused))}. Valid fields: {', '.join(FIELDS)}; pass "
                 "return_unused_kwargs=True to get the others back."
             )
         if overrides:
@@ -605,121 +482,3 @@ class IPUConfig:
         defaults = IPUConfig().to_dict()
         shown = (f"{k}={v!r}" for k, v in self.to_dict().items() if v != defaults[k])
         return f"IPUConfig({', '.join(shown)})"
-
-
-def _convert(key: str, raw: str, current: Any) -> Any:
-    """Parse `raw` like the field's current value (bool is tested before int)."""
-    if isinstance(current, bool):
-        if raw.lower() not in _TRUE + _FALSE:
-            raise ValueError(
-                f"Can't derive true or false from {raw!r} (key {key}). "
-                f"Use true/false, 1/0, y/n or yes/no."
-            )
-        return raw.lower() in _TRUE
-    if key == "seed" and raw.lower() in ("none", "null"):
-        return None
-    try:
-        if key.endswith("matmul_proportion") and not raw.startswith("["):
-            return float(raw)  # a list-valued proportion may go back to one float for all IPUs
-        if (raw.startswith("[") and not isinstance(current, str)) or isinstance(current, list):
-            if not (raw.startswith("[") and raw.endswith("]")):
-                raise ValueError("expected a list like [a b c]")
-            items = (t for t in re.split(r"[\s,]+", raw[1:-1]) if t)
-            return json.loads("[" + ",".join(items) + "]")
-        if current is None:  # seed while unset: take the literal as an int if it is one
-            for parse in (int, float):
-                try:
-                    return parse(raw)
-                except ValueError:
-                    pass
-            return raw  # the field check then says what it expected
-        return type(current)(raw)  # int, float or str
-    except ValueError as e:
-        raise ValueError(
-            f"Cannot convert {key}={raw!r} like its current value {current!r} "
-            f"({type(current).__name__}): {e}."
-        ) from None
-
-
-# ---- automatic placement ----
-
-
-def _strategy(pt: Any, *, for_inference: bool) -> Any:
-    auto = pt.AutoStage.AutoIncrement
-    return pt.ShardedExecution(auto) if for_inference else pt.PipelinedExecution(auto)
-
-
-class _CheckpointedForward:
-    """Instance-level `forward` recomputing the layer's activations in backward (emulator).
-
-    Holds the bound original, so `copy.deepcopy(model)` rebinds it to the copy."""
-
-    def __init__(self, forward: Any) -> None:
-        self.forward = forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.forward(*args, **kwargs)
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-
-
-class _RecomputeHook:
-    """Forward hook: `poptorch.recomputationCheckpoint` on the layer's output(s) (hardware)."""
-
-    def __init__(self, pt: Any) -> None:
-        self.pt = pt
-
-    def __call__(self, module: Any, inputs: Any, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):
-            return self.pt.recomputationCheckpoint(output)
-        if isinstance(output, tuple):  # PopTorch takes tensors only: the rest pass through
-            return tuple(
-                self.pt.recomputationCheckpoint(y) if isinstance(y, torch.Tensor) else y
-                for y in output
-            )
-        return output
-
-
-def place_layers(
-    layers: Sequence[torch.nn.Module], config: IPUConfig, *, for_inference: bool = False
-) -> Any:
-    """Annotate `layers` so each IPU gets its layers (`config.layer_ipu`); return the strategy.
-
-    Every layer gets `BeginBlock(layer, user_id=f"ipu{k}", ipu_id=k)`: one block per IPU, so
-    each layer says where it runs even when the model calls code between layers. Returns
-    `PipelinedExecution(AutoStage.AutoIncrement)` (training) or `ShardedExecution(...)`
-    (inference), the strategies `to_options` sets. With `recompute_checkpoint_every_layer`
-    (training only), each layer's output is a recomputation checkpoint: PopTorch's
-    `recomputationCheckpoint` on an IPU, `torch.utils.checkpoint` on the emulator.
-    Layers already placed raise `poptorch.Error`; call `unplace_layers` first.
-    """
-    from ipuloop.backend import backend_name, poptorch_module
-
-    pt = poptorch_module()
-    layers = list(layers)
-    checkpointing = config.recompute_checkpoint_every_layer and not for_inference
-    for layer, ipu in zip(layers, config.layer_ipu(len(layers), for_inference=for_inference)):
-        pt.BeginBlock(layer, user_id=f"ipu{ipu}", ipu_id=ipu)
-        if checkpointing and backend_name() == "emulator":
-            if not isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
-                layer.forward = _CheckpointedForward(layer.forward)
-        elif checkpointing:
-            if not any(isinstance(h, _RecomputeHook) for h in layer._forward_hooks.values()):
-                layer.register_forward_hook(_RecomputeHook(pt))
-    return _strategy(pt, for_inference=for_inference)
-
-
-def unplace_layers(layers: Sequence[torch.nn.Module]) -> None:
-    """Undo `place_layers`: `poptorch.removeBlocks` (recursive) and remove the checkpointing."""
-    from ipuloop.backend import poptorch_module
-
-    pt = poptorch_module()
-    for layer in layers:
-        pt.removeBlocks(layer)
-        if isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
-            del layer.__dict__["forward"]
-        for key, hook in list(layer._forward_hooks.items()):
-            if isinstance(hook, _RecomputeHook):
-                del layer._forward_hooks[key]

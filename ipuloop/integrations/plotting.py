@@ -17,11 +17,12 @@ import math
 import re
 import sys
 
+from ..state import CSV_COUNTERS as COUNTERS
+from ..state import ESTIMATED  # CSVLogger's column naming each row's estimates (not a curve)
+
 __all__ = ["main", "plot_csv", "read_csv"]
 
 INSTALL = 'pip install "ipuloop[plot]"'
-COUNTERS = ("epoch", "step", "update")
-ESTIMATED = "estimated"  # CSVLogger's column naming each row's estimates (not a curve)
 
 
 class NotALog(ValueError):

@@ -197,7 +197,7 @@ def test_replicas_count_ipus_as_poptorch_reserves_them(monkeypatch):
 def test_recomputation_checkpoints_get_tensors_only():
     """``recomputationCheckpoint`` raises ``ValueError("All inputs must be tensors")`` for any
     other argument (``ops.py``); a layer returning (tensor, None) passes the None through."""
-    from ipuloop.integrations.ipu_config import _RecomputeHook
+    from ipuloop.integrations.placement import _RecomputeHook
 
     with pytest.raises(ValueError, match="All inputs must be tensors"):
         poptorch.recomputationCheckpoint(torch.ones(1), None)

@@ -86,7 +86,7 @@ def test_each_set_is_logged_under_its_name_as_validating_it_alone(kind, tmp_path
 def test_each_set_has_its_own_metric_states():
     loop = _loop()
     loop.fit(_loader(16, 0), epochs=1, val_loader=_sets())
-    clean, noisy = (loop._metrics_of(s)["acc"] for s in ("clean", "noisy"))
+    clean, noisy = (loop._val_metrics.of(s)["acc"] for s in ("clean", "noisy"))
     assert clean is not noisy and all(loop.metrics["acc"] is not m for m in (clean, noisy))
     assert float(clean.compute()) == loop.state.logs["val_acc/clean"]
     assert float(noisy.compute()) == loop.state.logs["val_acc/noisy"]
