@@ -8,12 +8,11 @@ The rule is the file's folder (``FOLDERS``), with a few files placed apart (``FI
   repeats) and ``data/`` (the data path), on the torch a real IPU system runs; the programs,
   ``programs/`` (the ecosystem's programs, the model garden, the benchmarks' smoke tests),
   which need that environment's packages, and ``docs/test_docs_lightning.py``
-  (Lightning's IPU strategy), for the same reason; ``emulate/`` (poprun and the bindings that
-  the ecosystem's programs import);
+  (Lightning's IPU strategy), for the same reason;
 - ``current`` (Python 3.11, the current torch, as a laptop without an IPU runs the emulator):
-  the emulator's own tests, ``emulator/``; the callbacks, the integrations, the pages
-  (``docs/``), the harness (``support/``), the examples (``programs/test_examples*.py``) and
-  ``programs/test_gpu_bench.py``.
+  the emulator's own tests, ``emulator/``, and its tools', ``emulate/``; the callbacks, the
+  integrations, the pages (``docs/``), the harness (``support/``), the examples
+  (``programs/test_examples*.py``) and ``programs/test_gpu_bench.py``.
 
 A test marked ``newer_torch`` (tests/support/torch_versions.py: it needs torch >= 2.1, and the
 SDK's would skip it) runs in ``current`` whatever its folder.
@@ -38,8 +37,8 @@ TESTS = Path(__file__).resolve().parents[1]
 FOLDERS = {
     "loop": "sdk",
     "data": "sdk",
-    "emulate": "sdk",
     "emulator": "current",
+    "emulate": "current",
     "programs": "sdk",
     "callbacks": "current",
     "integrations": "current",
