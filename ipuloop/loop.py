@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -363,7 +362,9 @@ class Loop:
             self.check_resumable()
             loaded = self._load(resume_from)
         self._resume.continue_at(plan, st, tuple(p for _, p in val_plan or ()))
-        self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
+        rng = self.executors.rewrap_for(plan.micro)  # (the fit goes on: its checks passed)
+        if rng is not None:  # the next training model continues the device's random stream
+            self._resume.carry_device_rng(rng)
         warn_no_epochs(epochs, st.epoch)  # e.g. a second fit(epochs=3) after the first
         st.start_fit(
             steps_per_epoch=plan.steps,
@@ -390,31 +391,6 @@ class Loop:
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
-
-    def _rewrap(self, plan: Plan) -> None:
-        """A fit of another micro-batch size than the compiled training model's: the model is
-        wrapped and compiled again at the first step, with a warning; refused, naming the fix,
-        when the optimizer's state could not carry over (it lives on the device only)."""
-        was = self.executors.compiled_for_other(plan.micro)
-        if was is None:
-            return
-        try:
-            check_resumable(self.optimizer, self.poptorch)
-        except ValueError as e:
-            raise ValueError(
-                f"train_loader: micro-batch size {plan.micro}, but the training model was "
-                f"compiled for {was}, and wrapping it again would restart the optimizer's "
-                f"state. Pass a loader with batch_size={was}, or build the Loop with a "
-                f"poptorch.optim optimizer, whose state the host holds. ({e})"
-            ) from None
-        # the next training model continues the device's random stream
-        self._resume.carry_device_rng(self.executors.rewrap(plan.micro))
-        warnings.warn(
-            f"train_loader: micro-batch size {plan.micro}, and the training model was "
-            f"compiled for {was}: it is wrapped and compiled again at the first step. "
-            "The weights, the optimizer state and the device's random stream carry over.",
-            stacklevel=4,
-        )
 
     def _epochs(self, plan: Plan, val_plan: ValPlans | None, epochs: int) -> None:
         st = self.state
