@@ -35,9 +35,8 @@ from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
 from .plan import (
     Plan,
+    Plans,
     ValPlans,
-    build,
-    build_inference,
     no_host_call_error,
     num_updates,
     val_steps,
@@ -167,7 +166,7 @@ class Loop:
             dtype=r.input_dtype,
         )
         self._resume = Resume()
-        self._async = async_settings(async_data)  # torch loaders read ahead: async_options
+        self._plans = Plans(pt, self.train_opts, r.inference, async_settings(async_data))
         self._warned: set[str] = set()  # one-time warnings given
         self._val_metrics = SetMetrics(self.metrics)  # several val sets, nested validations
         self._frozen = False  # train_opts: settable in on_configure, then frozen
@@ -221,15 +220,7 @@ class Loop:
         optimizer updates per epoch and the output mode; each IPU with the layers its
         ``BeginBlock`` starts and their parameters; the precision and optimizer; torch's
         threads against the host's idle cores (with the fix when they outnumber them)."""
-        plan = build(
-            self.poptorch,
-            train_loader,
-            self.train_opts,
-            training=True,
-            name="train_loader",
-            async_options=self._async,
-        )
-        return self._summary(plan)
+        return self._summary(self._plans.train(train_loader))
 
     def _summary(self, plan: Plan, loaded: str | None = None) -> str:
         """The summary of a fit of ``plan``, resumed from the checkpoint ``loaded``, if any."""
@@ -320,14 +311,7 @@ class Loop:
             self._frozen = True
         st = self.state
         st.val_every_n_steps = val_every_n_steps  # (the instances compare it)
-        plan = build(
-            self.poptorch,
-            train_loader,
-            self.train_opts,
-            training=True,
-            name="train_loader",
-            async_options=self._async,
-        )
+        plan = self._plans.train(train_loader)
         val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
         check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
         probe_plan(
@@ -553,22 +537,11 @@ class Loop:
         return model
 
     # -- validation and predict -----------------------------------------------------------------
-    def _inference_plan(self, loader: DataLoader, name: str, *, partition: bool = True) -> Plan:
-        return build_inference(
-            self.poptorch,
-            loader,
-            self.train_opts,
-            self._settings.inference,
-            name,
-            partition=partition,
-            async_options=self._async,
-        )
-
     def _val_plans(self, loader: object, arg: str, *, partition: bool = True) -> ValPlans:
         """The plans of ``loader``'s validation sets (``loop_options.val_sets``: one loader,
         a list or a dict of them), each built as one validation loader is."""
         return tuple(
-            (suffix, self._inference_plan(one, name or "val_loader", partition=partition))
+            (suffix, self._plans.inference(one, name or "val_loader", partition=partition))
             for suffix, name, one in val_sets(loader, arg)
         )
 
@@ -686,7 +659,7 @@ class Loop:
         """
         if not self._fitting:  # (called from a hook of a fit: the fit's error state stays)
             self.state.start_call()
-        plan = self._inference_plan(loader, "loader", partition=False)
+        plan = self._plans.inference(loader, "loader", partition=False)
         run = Predictions(plan.layout, plan.source.dataset)
         model = None
         with self._running(plan), self.executors.inferring():
