@@ -46,7 +46,8 @@ from .probe import probe_plan
 from .processes import ALONE, FitSettings, Processes, join
 from .read_ahead import async_settings
 from .resume import Checkpointed, Resume, check_resumable
-from .signals import Preempted, handle_signals
+from .running import Reading
+from .signals import Preempted
 from .state import State
 
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
@@ -170,7 +171,7 @@ class Loop:
         self._warned: set[str] = set()  # one-time warnings given
         self._val_metrics = SetMetrics(self.metrics)  # several val sets, nested validations
         self._frozen = False  # train_opts: settable in on_configure, then frozen
-        self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
+        self._reading = Reading()  # the plans the running calls read
         self._fitting = False  # a fit runs: a validate() or predict() of a hook is its own
         # The run this loop is an instance of: this process alone, or several (torchrun,
         # mpirun, poprun), whose instances other than 0 show no progress and write no logs.
@@ -678,33 +679,19 @@ class Loop:
         instances' fits first (what propagates may then name the instance that failed first)
         and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
         The loader workers (and read-ahead threads) of ``plans`` stop when the call ends,
-        however it ends (a persistent-workers loader's go on from epoch to epoch within it)."""
-        outer = self._reading  # (a validate() from a fit's hook reads beside the fit)
-        reading = tuple(p for p in plans if p is not None)
-        self._reading = outer + reading
-        signals = handle_signals(self._on_sigterm, self._kill_workers) if fit else None
-        with signals or contextlib.nullcontext():
+        however it ends (``running.Reading``)."""
+        st = self.state  # SIGTERM, several processes: all stop at one boundary
+        with self._reading.during(plans, (lambda: self._processes.on_sigterm(st)) if fit else None):
             try:
                 yield
             except BaseException as caught:
-                error = self._processes.failed(caught, self.state) if fit else caught
+                error = self._processes.failed(caught, st) if fit else caught
                 self._hooks.report(error)
                 if fit:
                     self.executors.release()
                 if error is caught:
                     raise
                 raise error from caught
-            finally:
-                self._reading = outer
-                for plan in reading:
-                    plan.close()
-
-    def _on_sigterm(self) -> None:
-        self._processes.on_sigterm(self.state)  # several processes: all stop at one boundary
-
-    def _kill_workers(self) -> None:  # a second Ctrl-C: the process exits at once
-        for plan in self._reading:
-            plan.kill_workers()
 
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
