@@ -407,7 +407,7 @@ class Loop:
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)
             if boundary(st):
-                self._read_remainder(plan, batches)
+                plan.read_remainder(batches, st.epoch_step, preempted=st.preempted)
                 return
         every = st.val_every_n_steps if val_plan is not None else None
         # The device holds the optimizer as last pushed: it is compared where user code may
@@ -467,23 +467,12 @@ class Loop:
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
             if boundary(st):
-                self._read_remainder(plan, batches)
+                plan.read_remainder(batches, st.epoch_step, preempted=st.preempted)
                 break
         else:
             plan.reading.ended = True  # (every host call of the epoch was read)
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call_error(plan, st.epoch)
-
-    def _read_remainder(self, plan: Plan, batches: Iterator[Any]) -> None:
-        """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the
-        epoch's remainder, as the epoch read to its end does: the random state a dataset draws
-        from moves as in one uninterrupted fit. (A SIGTERM leaves it to the resumed fit.)"""
-        st = self.state
-        if plan.source.stream or st.preempted or plan.steps is None or st.epoch_step < plan.steps:
-            return
-        for _ in batches:  # (an incomplete host call: dropped)
-            pass
-        plan.reading.ended = True
 
     def _compile_train(self, args: tuple, kwargs: dict) -> Executor:
         model = self.executors.training_model(self.train_opts)

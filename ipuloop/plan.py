@@ -215,6 +215,17 @@ class Plan:
         if isinstance(self.reading.reader, Ahead):
             self.reading.reader.join(2.0)
 
+    def read_remainder(self, batches: Iterator[Any], epoch_step: int, *, preempted: bool) -> None:
+        """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the
+        epoch's remainder, as the epoch read to its end does: the random state a dataset draws
+        from moves as in one uninterrupted fit. (A SIGTERM, ``preempted``, leaves it to the
+        resumed fit.)"""
+        if self.source.stream or preempted or self.steps is None or epoch_step < self.steps:
+            return
+        for _ in batches:  # (an incomplete host call: dropped)
+            pass
+        self.reading.ended = True
+
     def warn_length(self, held: int, warned: set[str]) -> None:
         """A stream whose epoch held ``held`` host calls, another number than its length
         promised (``Loop.num_updates`` counts those); once per loader name in ``warned``."""
