@@ -16,8 +16,7 @@ from torch.utils.data import DataLoader
 
 from .accumulators import Predictions, SetMetrics, TrainEpoch, Validation, mark_estimates
 from .backend import backend_name, poptorch_module
-from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
-from .checkpoint_io import load_checkpoint
+from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange
 from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
@@ -45,7 +44,7 @@ from .poptorch_types import Executor
 from .probe import probe_plan
 from .processes import ALONE, FitSettings, Processes, join
 from .read_ahead import async_settings
-from .resume import Checkpointed, Resume, check_resumable
+from .resume import Checkpointed, Resume, check_resumable, read_checkpoint
 from .running import Reading
 from .signals import Preempted
 from .state import State
@@ -303,7 +302,10 @@ class Loop:
         loaded = None
         if resume_from is not None:
             self.check_resumable()
-            loaded = self._load(resume_from)
+            found = read_checkpoint(resume_from, self.callbacks)  # None: "last", none yet
+            if found is not None:
+                loaded, sd = found
+                self.load_state_dict(sd)
         self._resume.continue_at(plan, st, tuple(p for _, p in val_plan or ()))
         rng = self.executors.rewrap_for(plan.micro)  # (the fit goes on: its checks passed)
         if rng is not None:  # the next training model continues the device's random stream
@@ -690,12 +692,3 @@ class Loop:
         checkpoints held before), between fits: the next step, validation or predict runs
         them; optimizer state and counters stay."""
         self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
-
-    def _load(self, source: str) -> str | None:
-        """Load the checkpoint ``source`` names; returns its path (None: none yet)."""
-        if source == "last":  # the callbacks that know where checkpoints are say which
-            source = resume_path(self.callbacks)
-            if source is None:
-                return None
-        self.load_state_dict(load_checkpoint(source, backend=backend_name()))
-        return str(source)
