@@ -20,7 +20,6 @@ from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrang
 from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
-from .feed import Feed
 from .fit_summary import describe, resumed_at
 from .loop_options import (
     LoopArgs,
@@ -116,13 +115,7 @@ class Loop:
         self.executors = Executors(pt, self.model_with_loss, self.optimizer, r.returns)
         self._returns = r.returns
         self._hooks = Dispatcher(self, self.callbacks)
-        # (the labels of a dict batch are needed for loss_fn or the metrics)
-        self._feed = Feed(
-            self.model_with_loss,
-            label_key,
-            needs_labels=loss_fn is not None or bool(self.metrics),
-            dtype=r.input_dtype,
-        )
+        self._feed = r.feed  # a batch as the model's call
         self._resume = Resume()
         self._plans = Plans(pt, self.train_opts, r.inference, async_settings(async_data))
         self._warned: set[str] = set()  # one-time warnings given
@@ -580,13 +573,8 @@ class Loop:
                         processes.check_preempted(st)
                 logs = run.logs(processes, suffix)
                 every.update(logs)
-                if nested:
-                    continue
-                if not suffix and "val_loss" not in logs:  # none this time, not a stale one
-                    st.drop_logs("val_", ("loss",))
-                elif suffix and f"val_loss/{suffix}" not in logs:
-                    st.logs.pop(f"val_loss/{suffix}", None)
-                st.logs.update(logs)
+                if not nested:
+                    st.log_validation(logs, suffix)
         if not nested:
             self._hooks.fire("on_validation_end")
         return every

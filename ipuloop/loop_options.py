@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 from torch.utils.data import DataLoader
 
+from .feed import Feed
 from .outputs import MODE_NAMES, Returns, WithLoss
 from .poptorch_types import Options
 from .rules import (
@@ -167,6 +168,7 @@ class Resolved:
     precision: str  # one of PRECISIONS
     input_dtype: torch.dtype | None  # float inputs are sent as this (16-bit precisions)
     optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
+    feed: Feed  # a batch as the model's call (the labels of a dict batch kept when read)
 
 
 def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
@@ -202,6 +204,7 @@ def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
     if optimizer is None:  # PopTorch's default, made here rather than inside trainingModel,
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
+    input_dtype = None if precision == "32" else torch.float16
     return Resolved(
         args=args,
         model=model,
@@ -210,8 +213,15 @@ def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
         train=train,
         inference=inference,
         precision=precision,
-        input_dtype=None if precision == "32" else torch.float16,
+        input_dtype=input_dtype,
         optimizer=optimizer,
+        # (the labels of a dict batch are needed for loss_fn or the metrics)
+        feed=Feed(
+            model,
+            label_key,
+            needs_labels=args.loss_fn is not None or bool(metrics),
+            dtype=input_dtype,
+        ),
     )
 
 
