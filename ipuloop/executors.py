@@ -16,6 +16,7 @@ from . import optimizer_twin
 from .modes import eval_mode
 from .outputs import MarkLoss, Returns, WithLoss
 from .poptorch_types import Executor, Options
+from .resume import check_resumable
 from .rules import OPTIMIZER_GLOBALS, optimizer_hyperparameters
 
 __all__ = ["Executors"]
@@ -295,6 +296,33 @@ class Executors:
         self.train.destroy()
         self.train = None
         self._pushed = self._seen = None
+        return rng
+
+    def rewrap_for(self, micro: int) -> torch.Tensor | None:
+        """A fit of another micro-batch size than the compiled training model's: the model is
+        wrapped and compiled again at the first step, with a warning (``rewrap``; returns the
+        device's random state, for the next one to continue); refused, naming the fix, when
+        the optimizer's state could not carry over (it lives on the device only). None: the
+        compiled model runs the fit (or none is compiled yet)."""
+        was = self.compiled_for_other(micro)
+        if was is None:
+            return None
+        try:
+            check_resumable(self.optimizer, self.poptorch)
+        except ValueError as e:
+            raise ValueError(
+                f"train_loader: micro-batch size {micro}, but the training model was "
+                f"compiled for {was}, and wrapping it again would restart the optimizer's "
+                f"state. Pass a loader with batch_size={was}, or build the Loop with a "
+                f"poptorch.optim optimizer, whose state the host holds. ({e})"
+            ) from None
+        rng = self.rewrap(micro)
+        warnings.warn(
+            f"train_loader: micro-batch size {micro}, and the training model was "
+            f"compiled for {was}: it is wrapped and compiled again at the first step. "
+            "The weights, the optimizer state and the device's random stream carry over.",
+            stacklevel=4,
+        )
         return rng
 
     def push_optimizer(self) -> None:

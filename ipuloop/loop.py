@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -17,12 +16,10 @@ from torch.utils.data import DataLoader
 
 from .accumulators import Predictions, SetMetrics, TrainEpoch, Validation, mark_estimates
 from .backend import backend_name, poptorch_module
-from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange, resume_path
-from .checkpoint_io import load_checkpoint
+from .callbacks.base import Callback, CancelEpoch, CancelFit, CancelStep, arrange
 from .dispatcher import Dispatcher
 from .exceptions import NonFiniteLossError
 from .executors import Executors
-from .feed import Feed
 from .fit_summary import describe, resumed_at
 from .loop_options import (
     LoopArgs,
@@ -36,9 +33,8 @@ from .modes import warn_if_evaluating
 from .outputs import WithLoss, non_finite_error, weights_for
 from .plan import (
     Plan,
+    Plans,
     ValPlans,
-    build,
-    build_inference,
     no_host_call_error,
     num_updates,
     val_steps,
@@ -47,8 +43,9 @@ from .poptorch_types import Executor
 from .probe import probe_plan
 from .processes import ALONE, FitSettings, Processes, join
 from .read_ahead import async_settings
-from .resume import Checkpointed, Resume, check_resumable
-from .signals import Preempted, handle_signals
+from .resume import Checkpointed, Resume, check_resumable, read_checkpoint
+from .running import Reading
+from .signals import Preempted
 from .state import State
 
 __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
@@ -57,50 +54,8 @@ __all__ = ["Loop", "WithLoss", "NonFiniteLossError"]
 class Loop:
     """Train, validate and predict with a PopTorch model.
 
-    Args:
-        model: a model-with-loss (``forward(*inputs, labels)`` returns ``(output, loss)``,
-            and ``output`` without labels), or a plain model together with ``loss_fn``.
-        opts: ``poptorch.Options`` (never modified: the loop clones it), an
-            ``ipuloop.IPUConfig``, or None for defaults.
-        optimizer: one optimizer over the model's parameters (``poptorch.optim`` or
-            ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01). A
-            ``torch.optim`` one runs on the device as its ``poptorch.optim`` twin, which
-            follows its hyper-parameters, and gets the state back after each fit (so
-            checkpoints hold it).
-        loss_fn: makes ``model`` a model-with-loss (``loss_fn(output, labels)``).
-        metrics: torchmetrics metrics (a dict or ``MetricCollection``), computed on the host
-            from what the device returns, logged as ``train_<name>`` and ``val_<name>``. Each
-            gets ``update(output, labels)``: ``output`` is what the model returns beside its
-            loss (for the samples the output mode returns), labels aligned to it. Checked on
-            the host before compiling: a metric that rejects the output fails there.
-        metric_output: a function of that ``output`` giving what the metrics receive instead,
-            e.g. ``lambda out: out[0]`` for a model whose output is a tuple.
-        callbacks: ``Callback`` instances; a progress display is added unless ``progress``
-            is False.
-        replicas: data-parallel replicas (``replicationFactor``), or "auto" (on IPUs, the
-            most the system has room for; 1 on the emulator). Checked before compiling as
-            PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
-            the IPU Model), at most 64 IPUs, and no more than the system has.
-        inference_opts: options for validation and predict; default: the training options
-            without their training-only settings (``ipuloop.loop_options.inference_options``).
-        seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
-        check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
-        precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
-            are accepted: 16 means mixed), the same on the emulator and on an IPU: float
-            inputs are sent as float16; "16-true" also makes the weights float16
-            (docs/precision.md says how mixed ops compute). Loss scaling is static: set
-            ``loss_scaling`` on a ``poptorch.optim`` optimizer.
-        max_grad_norm: clip the global gradient norm on the device; sets the
-            ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
-            can clip on the IPU) and rejects any other optimizer.
-        label_key: the key of the labels in a dict batch (Transformers' "labels").
-        loss_key: the loss's key in a dict-like output ("loss", as Transformers'), or its
-            index in a tuple (0 for Transformers' ``(loss, logits)``; by default a tuple is
-            ``(output, loss)``).
-        async_data: read every torch ``DataLoader`` ahead, as ``DataLoaderMode.Async`` does
-            (True, or a dict of its ``async_options``, e.g. ``{"buffer_size": 4}``): the same
-            batches in the same order as reading synchronously (a ``poptorch.DataLoader``
-            keeps its own mode).
+    Its arguments are recorded as given in ``ipuloop.loop_options.LoopArgs``, which documents
+    each (the API reference's "The loop" page shows them).
 
     ``loop.model`` is the module given; with ``loss_fn`` it runs inside a ``WithLoss``,
     ``loop.model_with_loss`` (without, the same module). Checkpoints hold ``loop.model``'s
@@ -160,19 +115,13 @@ class Loop:
         self.executors = Executors(pt, self.model_with_loss, self.optimizer, r.returns)
         self._returns = r.returns
         self._hooks = Dispatcher(self, self.callbacks)
-        # (the labels of a dict batch are needed for loss_fn or the metrics)
-        self._feed = Feed(
-            self.model_with_loss,
-            label_key,
-            needs_labels=loss_fn is not None or bool(self.metrics),
-            dtype=r.input_dtype,
-        )
+        self._feed = r.feed  # a batch as the model's call
         self._resume = Resume()
-        self._async = async_settings(async_data)  # torch loaders read ahead: async_options
+        self._plans = Plans(pt, self.train_opts, r.inference, async_settings(async_data))
         self._warned: set[str] = set()  # one-time warnings given
         self._val_metrics = SetMetrics(self.metrics)  # several val sets, nested validations
         self._frozen = False  # train_opts: settable in on_configure, then frozen
-        self._reading: tuple[Plan, ...] = ()  # the plans the running call reads
+        self._reading = Reading()  # the plans the running calls read
         self._fitting = False  # a fit runs: a validate() or predict() of a hook is its own
         # The run this loop is an instance of: this process alone, or several (torchrun,
         # mpirun, poprun), whose instances other than 0 show no progress and write no logs.
@@ -222,15 +171,7 @@ class Loop:
         optimizer updates per epoch and the output mode; each IPU with the layers its
         ``BeginBlock`` starts and their parameters; the precision and optimizer; torch's
         threads against the host's idle cores (with the fix when they outnumber them)."""
-        plan = build(
-            self.poptorch,
-            train_loader,
-            self.train_opts,
-            training=True,
-            name="train_loader",
-            async_options=self._async,
-        )
-        return self._summary(plan)
+        return self._summary(self._plans.train(train_loader))
 
     def _summary(self, plan: Plan, loaded: str | None = None) -> str:
         """The summary of a fit of ``plan``, resumed from the checkpoint ``loaded``, if any."""
@@ -321,14 +262,7 @@ class Loop:
             self._frozen = True
         st = self.state
         st.val_every_n_steps = val_every_n_steps  # (the instances compare it)
-        plan = build(
-            self.poptorch,
-            train_loader,
-            self.train_opts,
-            training=True,
-            name="train_loader",
-            async_options=self._async,
-        )
+        plan = self._plans.train(train_loader)
         val_plan = None if val_loader is None else self._val_plans(val_loader, "val_loader")
         check_val_every(val_every_n_steps, plan.steps, epochs, max_steps)
         probe_plan(
@@ -361,9 +295,14 @@ class Loop:
         loaded = None
         if resume_from is not None:
             self.check_resumable()
-            loaded = self._load(resume_from)
+            found = read_checkpoint(resume_from, self.callbacks)  # None: "last", none yet
+            if found is not None:
+                loaded, sd = found
+                self.load_state_dict(sd)
         self._resume.continue_at(plan, st, tuple(p for _, p in val_plan or ()))
-        self._rewrap(plan)  # (once the fit is known to go on: its checks passed)
+        rng = self.executors.rewrap_for(plan.micro)  # (the fit goes on: its checks passed)
+        if rng is not None:  # the next training model continues the device's random stream
+            self._resume.carry_device_rng(rng)
         warn_no_epochs(epochs, st.epoch)  # e.g. a second fit(epochs=3) after the first
         st.start_fit(
             steps_per_epoch=plan.steps,
@@ -390,31 +329,6 @@ class Loop:
         if st.preempted:  # also when SIGTERM came after the last step: never swallowed
             raise SystemExit(143)  # 128 + SIGTERM, as if the signal had ended the process
         return st.history
-
-    def _rewrap(self, plan: Plan) -> None:
-        """A fit of another micro-batch size than the compiled training model's: the model is
-        wrapped and compiled again at the first step, with a warning; refused, naming the fix,
-        when the optimizer's state could not carry over (it lives on the device only)."""
-        was = self.executors.compiled_for_other(plan.micro)
-        if was is None:
-            return
-        try:
-            check_resumable(self.optimizer, self.poptorch)
-        except ValueError as e:
-            raise ValueError(
-                f"train_loader: micro-batch size {plan.micro}, but the training model was "
-                f"compiled for {was}, and wrapping it again would restart the optimizer's "
-                f"state. Pass a loader with batch_size={was}, or build the Loop with a "
-                f"poptorch.optim optimizer, whose state the host holds. ({e})"
-            ) from None
-        # the next training model continues the device's random stream
-        self._resume.carry_device_rng(self.executors.rewrap(plan.micro))
-        warnings.warn(
-            f"train_loader: micro-batch size {plan.micro}, and the training model was "
-            f"compiled for {was}: it is wrapped and compiled again at the first step. "
-            "The weights, the optimizer state and the device's random stream carry over.",
-            stacklevel=4,
-        )
 
     def _epochs(self, plan: Plan, val_plan: ValPlans | None, epochs: int) -> None:
         st = self.state
@@ -488,7 +402,7 @@ class Loop:
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)
             if boundary(st):
-                self._read_remainder(plan, batches)
+                plan.read_remainder(batches, st.epoch_step, preempted=st.preempted)
                 return
         every = st.val_every_n_steps if val_plan is not None else None
         # The device holds the optimizer as last pushed: it is compared where user code may
@@ -548,23 +462,12 @@ class Loop:
             if step_end:
                 hooks.event("on_train_step_end", CancelStep)  # the step has run: nothing to skip
             if boundary(st):
-                self._read_remainder(plan, batches)
+                plan.read_remainder(batches, st.epoch_step, preempted=st.preempted)
                 break
         else:
             plan.reading.ended = True  # (every host call of the epoch was read)
         if fresh and not seen:  # only an IterableDataset can get here (lengths are checked)
             raise no_host_call_error(plan, st.epoch)
-
-    def _read_remainder(self, plan: Plan, batches: Iterator[Any]) -> None:
-        """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the
-        epoch's remainder, as the epoch read to its end does: the random state a dataset draws
-        from moves as in one uninterrupted fit. (A SIGTERM leaves it to the resumed fit.)"""
-        st = self.state
-        if plan.source.stream or st.preempted or plan.steps is None or st.epoch_step < plan.steps:
-            return
-        for _ in batches:  # (an incomplete host call: dropped)
-            pass
-        plan.reading.ended = True
 
     def _compile_train(self, args: tuple, kwargs: dict) -> Executor:
         model = self.executors.training_model(self.train_opts)
@@ -577,22 +480,11 @@ class Loop:
         return model
 
     # -- validation and predict -----------------------------------------------------------------
-    def _inference_plan(self, loader: DataLoader, name: str, *, partition: bool = True) -> Plan:
-        return build_inference(
-            self.poptorch,
-            loader,
-            self.train_opts,
-            self._settings.inference,
-            name,
-            partition=partition,
-            async_options=self._async,
-        )
-
     def _val_plans(self, loader: object, arg: str, *, partition: bool = True) -> ValPlans:
         """The plans of ``loader``'s validation sets (``loop_options.val_sets``: one loader,
         a list or a dict of them), each built as one validation loader is."""
         return tuple(
-            (suffix, self._inference_plan(one, name or "val_loader", partition=partition))
+            (suffix, self._plans.inference(one, name or "val_loader", partition=partition))
             for suffix, name, one in val_sets(loader, arg)
         )
 
@@ -681,13 +573,8 @@ class Loop:
                         processes.check_preempted(st)
                 logs = run.logs(processes, suffix)
                 every.update(logs)
-                if nested:
-                    continue
-                if not suffix and "val_loss" not in logs:  # none this time, not a stale one
-                    st.drop_logs("val_", ("loss",))
-                elif suffix and f"val_loss/{suffix}" not in logs:
-                    st.logs.pop(f"val_loss/{suffix}", None)
-                st.logs.update(logs)
+                if not nested:
+                    st.log_validation(logs, suffix)
         if not nested:
             self._hooks.fire("on_validation_end")
         return every
@@ -710,7 +597,7 @@ class Loop:
         """
         if not self._fitting:  # (called from a hook of a fit: the fit's error state stays)
             self.state.start_call()
-        plan = self._inference_plan(loader, "loader", partition=False)
+        plan = self._plans.inference(loader, "loader", partition=False)
         run = Predictions(plan.layout, plan.source.dataset)
         model = None
         with self._running(plan), self.executors.inferring():
@@ -729,33 +616,19 @@ class Loop:
         instances' fits first (what propagates may then name the instance that failed first)
         and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
         The loader workers (and read-ahead threads) of ``plans`` stop when the call ends,
-        however it ends (a persistent-workers loader's go on from epoch to epoch within it)."""
-        outer = self._reading  # (a validate() from a fit's hook reads beside the fit)
-        reading = tuple(p for p in plans if p is not None)
-        self._reading = outer + reading
-        signals = handle_signals(self._on_sigterm, self._kill_workers) if fit else None
-        with signals or contextlib.nullcontext():
+        however it ends (``running.Reading``)."""
+        st = self.state  # SIGTERM, several processes: all stop at one boundary
+        with self._reading.during(plans, (lambda: self._processes.on_sigterm(st)) if fit else None):
             try:
                 yield
             except BaseException as caught:
-                error = self._processes.failed(caught, self.state) if fit else caught
+                error = self._processes.failed(caught, st) if fit else caught
                 self._hooks.report(error)
                 if fit:
                     self.executors.release()
                 if error is caught:
                     raise
                 raise error from caught
-            finally:
-                self._reading = outer
-                for plan in reading:
-                    plan.close()
-
-    def _on_sigterm(self) -> None:
-        self._processes.on_sigterm(self.state)  # several processes: all stop at one boundary
-
-    def _kill_workers(self) -> None:  # a second Ctrl-C: the process exits at once
-        for plan in self._reading:
-            plan.kill_workers()
 
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
@@ -807,12 +680,3 @@ class Loop:
         checkpoints held before), between fits: the next step, validation or predict runs
         them; optimizer state and counters stay."""
         self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
-
-    def _load(self, source: str) -> str | None:
-        """Load the checkpoint ``source`` names; returns its path (None: none yet)."""
-        if source == "last":  # the callbacks that know where checkpoints are say which
-            source = resume_path(self.callbacks)
-            if source is None:
-                return None
-        self.load_state_dict(load_checkpoint(source, backend=backend_name()))
-        return str(source)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 from torch.utils.data import DataLoader
 
+from .feed import Feed
 from .outputs import MODE_NAMES, Returns, WithLoss
 from .poptorch_types import Options
 from .rules import (
@@ -82,8 +83,53 @@ class OptionsBuilder(Protocol):
 
 @dataclass(frozen=True)
 class LoopArgs:
-    """``Loop``'s arguments as given, recorded once (``Loop`` documents each): what
-    ``resolve`` and the loop's parts read."""
+    """``Loop``'s arguments as given, recorded once: what ``resolve`` and the loop's parts read.
+
+    Attributes:
+        model: a model-with-loss (``forward(*inputs, labels)`` returns ``(output, loss)``,
+            and ``output`` without labels), or a plain model together with ``loss_fn``.
+        opts: ``poptorch.Options`` (never modified: the loop clones it), an
+            ``ipuloop.IPUConfig``, or None for defaults.
+        optimizer: one optimizer over the model's parameters (``poptorch.optim`` or
+            ``torch.optim`` SGD/Adam/AdamW/RMSprop); None gives PopTorch's SGD(lr=0.01). A
+            ``torch.optim`` one runs on the device as its ``poptorch.optim`` twin, which
+            follows its hyper-parameters, and gets the state back after each fit (so
+            checkpoints hold it).
+        loss_fn: makes ``model`` a model-with-loss (``loss_fn(output, labels)``).
+        metrics: torchmetrics metrics (a dict or ``MetricCollection``), computed on the host
+            from what the device returns, logged as ``train_<name>`` and ``val_<name>``. Each
+            gets ``update(output, labels)``: ``output`` is what the model returns beside its
+            loss (for the samples the output mode returns), labels aligned to it. Checked on
+            the host before compiling: a metric that rejects the output fails there.
+        metric_output: a function of that ``output`` giving what the metrics receive instead,
+            e.g. ``lambda out: out[0]`` for a model whose output is a tuple.
+        callbacks: ``Callback`` instances; a progress display is added unless ``progress``
+            is False.
+        replicas: data-parallel replicas (``replicationFactor``), or "auto" (on IPUs, the
+            most the system has room for; 1 on the emulator). Checked before compiling as
+            PopTorch checks the IPUs it reserves: a power of 2 (unless autoRoundNumIPUs or
+            the IPU Model), at most 64 IPUs, and no more than the system has.
+        inference_opts: options for validation and predict; default: the training options
+            without their training-only settings (``ipuloop.loop_options.inference_options``).
+        seed: seeds python, numpy, torch and the device (``Options.randomSeed``).
+        check_finite: raise ``NonFiniteLossError`` on a NaN or infinite returned loss.
+        precision: "32" (default), "16-mixed" or "16-true" (Lightning's 32, 16, "32-true"
+            are accepted: 16 means mixed), the same on the emulator and on an IPU: float
+            inputs are sent as float16; "16-true" also makes the weights float16
+            (docs/precision.md says how mixed ops compute). Loss scaling is static: set
+            ``loss_scaling`` on a ``poptorch.optim`` optimizer.
+        max_grad_norm: clip the global gradient norm on the device; sets the
+            ``max_grad_norm`` of a ``poptorch.optim`` SGD/Adam/AdamW (the optimizers that
+            can clip on the IPU) and rejects any other optimizer.
+        label_key: the key of the labels in a dict batch (Transformers' "labels").
+        loss_key: the loss's key in a dict-like output ("loss", as Transformers'), or its
+            index in a tuple (0 for Transformers' ``(loss, logits)``; by default a tuple is
+            ``(output, loss)``).
+        async_data: read every torch ``DataLoader`` ahead, as ``DataLoaderMode.Async`` does
+            (True, or a dict of its ``async_options``, e.g. ``{"buffer_size": 4}``): the same
+            batches in the same order as reading synchronously (a ``poptorch.DataLoader``
+            keeps its own mode).
+    """
 
     model: torch.nn.Module
     opts: object
@@ -122,6 +168,7 @@ class Resolved:
     precision: str  # one of PRECISIONS
     input_dtype: torch.dtype | None  # float inputs are sent as this (16-bit precisions)
     optimizer: torch.optim.Optimizer  # the one given, or PopTorch's default
+    feed: Feed  # a batch as the model's call (the labels of a dict batch kept when read)
 
 
 def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
@@ -157,6 +204,7 @@ def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
     if optimizer is None:  # PopTorch's default, made here rather than inside trainingModel,
         optimizer = pt.optim.SGD(model.parameters(), lr=0.01)  # so that its state can load
     resolve_output_mode(pt, train, metrics)
+    input_dtype = None if precision == "32" else torch.float16
     return Resolved(
         args=args,
         model=model,
@@ -165,8 +213,15 @@ def resolve(pt: ModuleType, args: LoopArgs) -> Resolved:
         train=train,
         inference=inference,
         precision=precision,
-        input_dtype=None if precision == "32" else torch.float16,
+        input_dtype=input_dtype,
         optimizer=optimizer,
+        # (the labels of a dict batch are needed for loss_fn or the metrics)
+        feed=Feed(
+            model,
+            label_key,
+            needs_labels=args.loss_fn is not None or bool(metrics),
+            dtype=input_dtype,
+        ),
     )
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "Plan",
     "build",
     "build_inference",
+    "Plans",
     "no_host_call_error",
     "num_updates",
     "training_steps",
@@ -214,6 +215,17 @@ class Plan:
         if isinstance(self.reading.reader, Ahead):
             self.reading.reader.join(2.0)
 
+    def read_remainder(self, batches: Iterator[Any], epoch_step: int, *, preempted: bool) -> None:
+        """A fit stopped (``max_steps``, ``stop()``) after its epoch's last step still reads the
+        epoch's remainder, as the epoch read to its end does: the random state a dataset draws
+        from moves as in one uninterrupted fit. (A SIGTERM, ``preempted``, leaves it to the
+        resumed fit.)"""
+        if self.source.stream or preempted or self.steps is None or epoch_step < self.steps:
+            return
+        for _ in batches:  # (an incomplete host call: dropped)
+            pass
+        self.reading.ended = True
+
     def warn_length(self, held: int, warned: set[str]) -> None:
         """A stream whose epoch held ``held`` host calls, another number than its length
         promised (``Loop.num_updates`` counts those); once per loader name in ``warned``."""
@@ -311,6 +323,38 @@ def build_inference(
         fitted_to=train if inference is None else None,
     )
     return _built(loader, f)
+
+
+@dataclass(frozen=True)
+class Plans:
+    """The plans of one loop's calls, each built from its loader with the loop's options: a
+    fit's (``train``), a validation's or predict's (``inference``)."""
+
+    poptorch: ModuleType
+    train_opts: Options  # the training options (frozen when the first fit starts)
+    inference_opts: Options | None  # the inference_opts given, or None: derived per loader
+    async_options: dict[str, Any] | None  # torch loaders read ahead (``Loop(async_data=...)``)
+
+    def train(self, loader: DataLoader) -> Plan:
+        return build(
+            self.poptorch,
+            loader,
+            self.train_opts,
+            training=True,
+            name="train_loader",
+            async_options=self.async_options,
+        )
+
+    def inference(self, loader: DataLoader, name: str, *, partition: bool = True) -> Plan:
+        return build_inference(
+            self.poptorch,
+            loader,
+            self.train_opts,
+            self.inference_opts,
+            name,
+            partition=partition,
+            async_options=self.async_options,
+        )
 
 
 def no_host_call_error(plan: Plan, epoch: int) -> ValueError:

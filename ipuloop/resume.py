@@ -34,7 +34,9 @@ import torch
 
 from . import optimizer_twin
 from .accumulators import TrainEpoch, upgrade_logs
-from .callbacks.base import Callback, CancelEpoch, CancelFit
+from .backend import backend_name
+from .callbacks.base import Callback, CancelEpoch, CancelFit, resume_path
+from .checkpoint_io import load_checkpoint
 from .outputs import loss_fn_state, weights_for
 from .plan import Plan
 from .poptorch_types import Executor
@@ -44,6 +46,7 @@ from .state import State
 
 __all__ = [
     "Resume",
+    "read_checkpoint",
     "Checkpointed",
     "check_resumable",
     "check_optimizer",
@@ -106,6 +109,17 @@ def check_resumable(opt: torch.optim.Optimizer | None, poptorch: ModuleType) -> 
         "so its state would stay on the IPU, out of every checkpoint, and a resumed fit would "
         f"restart it from zero. {fix}"
     )
+
+
+def read_checkpoint(source: str, callbacks: list[Callback]) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint ``source`` names (a path, or "last": the newest of those the callbacks
+    that know where checkpoints are write), read: its path and contents; None: none yet."""
+    if source == "last":
+        found = resume_path(callbacks)
+        if found is None:
+            return None
+        source = found
+    return str(source), load_checkpoint(source, backend=backend_name())
 
 
 def optimizer_extras(opt: torch.optim.Optimizer) -> dict[str, float]:

@@ -102,6 +102,15 @@ class State:
             for k in [k for k in self.logs if k == key or k.startswith((key + "_", key + "/"))]:
                 del self.logs[k]
 
+    def log_validation(self, logs: dict[str, float], suffix: str) -> None:
+        """A validation set's ``logs`` (``suffix``: its name, "" for one set) into the logs: a
+        val_loss it has none of this time is dropped, not left stale."""
+        if not suffix and "val_loss" not in logs:
+            self.drop_logs("val_", ("loss",))
+        elif suffix and f"val_loss/{suffix}" not in logs:
+            self.logs.pop(f"val_loss/{suffix}", None)
+        self.logs.update(logs)
+
     def counters(self) -> dict[str, int]:
         """The counters by name, as a checkpoint holds them."""
         return {k: getattr(self, k) for k in COUNTERS}

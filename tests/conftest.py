@@ -22,6 +22,7 @@ import ci_share  # noqa: E402
 import pytest  # noqa: E402
 
 import ipuloop.loop  # noqa: E402
+import ipuloop.running  # noqa: E402
 from ipuloop.plan import Plan  # noqa: E402
 
 # Another project's programs, kept as published (tests/programs/test_model_garden.py runs them): their
@@ -52,13 +53,13 @@ def second_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
     """What a second Ctrl-C runs before the process exits (the ``on_abort`` each fit gives
     ``signals.handle_signals``), one per fit: ``second_ctrl_c[-1]()`` runs the last fit's."""
     aborts: list[Callable[[], None]] = []
-    handle_signals = ipuloop.loop.handle_signals
+    handle_signals = ipuloop.running.handle_signals
 
     def recorded(on_term: Callable[[], None], on_abort: Callable[[], None]) -> Any:
         aborts.append(on_abort)
         return handle_signals(on_term, on_abort)
 
-    monkeypatch.setattr(ipuloop.loop, "handle_signals", recorded)
+    monkeypatch.setattr(ipuloop.running, "handle_signals", recorded)
     return aborts
 
 
