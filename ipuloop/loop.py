@@ -61,14 +61,11 @@ class Loop:
     ``loop.model_with_loss`` (without, the same module). Checkpoints hold ``loop.model``'s
     ``state_dict``, which loads into that module with plain ``load_state_dict``.
 
-    Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts
-    (Hugging Face's), fed as ``model(**batch)`` (``feed.split_batch``). A model-with-loss may
-    return scalars to log beside its loss (``outputs.Returns``): ``<name>`` per step,
-    ``train_<name>`` per epoch, ``val_<name>``. Before compiling, the
-    loop runs one micro-batch through the model on the host, so a label batch that differs
-    from the input batch, labels that would broadcast against the output in the loss (torch
-    warns of it; with ``loss_fn``, float labels ``[N]`` against an output ``[N, 1]`` too), or
-    a dtype the loss rejects fail before the first step, naming the shapes and dtypes received.
+    Batches are ``(inputs..., labels)`` tuples, fed as ``model(*inputs, labels)``, or dicts,
+    fed as ``model(**batch)``; a model-with-loss may return scalars to log beside its loss
+    (``outputs.Returns``). One micro-batch runs through the model on the host before compiling,
+    so mismatched labels, shapes or dtypes fail before the first step, naming what was received
+    (docs/loop.md, "Batches").
 
     Example::
 
@@ -167,10 +164,7 @@ class Loop:
 
     def summary(self, train_loader: DataLoader) -> str:
         """What ``fit(train_loader)`` would run, as the progress display prints it before the
-        first step: the backend and device; the factors and the samples a host call; steps and
-        optimizer updates per epoch and the output mode; each IPU with the layers its
-        ``BeginBlock`` starts and their parameters; the precision and optimizer; torch's
-        threads against the host's idle cores (with the fix when they outnumber them)."""
+        first step (docs/loop.md, "What a fit prints first")."""
         return self._summary(self._plans.train(train_loader))
 
     def _summary(self, plan: Plan, loaded: str | None = None) -> str:
@@ -210,26 +204,21 @@ class Loop:
         With ``val_loader``, validation runs at each epoch end and, with
         ``val_every_n_steps``, also at each step that is a multiple of it (``state.step``),
         before its ``on_train_step_end`` (an epoch end right after one does not validate
-        again). ``history`` has a row per epoch, with the epoch's last validation.
-        Several validation sets: a list of loaders (logged as Lightning does,
-        ``val_loss/dataloader_idx_<i>``; a list of one as one loader) or a dict of name ->
-        loader (``val_loss/<name>``), validated in turn, each with its own metric states, in
-        one validation (one ``on_validation_start`` and ``on_validation_end``).
+        again). ``history`` has a row per epoch, with the epoch's last validation. Several
+        validation sets, a list or a dict of loaders, are validated in turn in one validation,
+        each logged under its name (docs/loop.md, "Several validation sets").
 
-        ``resume_from`` (a checkpoint path, or "last" with a ModelCheckpoint callback: the
-        newest checkpoint written in its folder) continues an interrupted fit exactly; with
-        other factors than the saved run, as ``ipuloop.resume`` says (a warning, or a
-        ``ValueError`` naming each changed factor before any step). ``max_steps`` ends the
-        fit after that many training steps in total (for smoke runs), like ``stop()``: an
-        epoch it cuts short is not counted as complete. A fit asked for no more epochs than
-        ``state.epoch`` already holds runs none, with a warning.
+        ``resume_from`` (a checkpoint path, or "last": a ModelCheckpoint's newest) continues an
+        interrupted fit exactly; other factors than the saved run's warn or fail before any
+        step, as ``ipuloop.resume`` says. ``max_steps`` ends the fit after that many steps in
+        total, like ``stop()`` (an epoch it cuts short is not complete). A fit asked for no
+        more epochs than ``state.epoch`` holds runs none, with a warning.
 
-        The loader's micro-batches are those plain torch iterating it yields (its collate
-        function, workers, sampler and generator as torch runs them), DI * GA * RF a host call
-        in that order. An epoch is ``len(dataset) // (B * DI * GA * RF)`` steps (host calls, B
-        the loader's batch size), each running DI optimizer updates; the remainder is read and
-        dropped (with a warning) whatever the loader's ``drop_last``. A dataset shorter than
-        one host call is a ``ValueError`` naming every factor, raised before anything compiles.
+        The loader's micro-batches are those plain torch iterating it yields, DI * GA * RF a
+        host call in that order (docs/loop.md, "What the loop reads"): an epoch is
+        ``len(dataset) // (B * DI * GA * RF)`` steps of DI optimizer updates each, its
+        remainder read and dropped with a warning; a dataset shorter than one host call is a
+        ``ValueError`` naming every factor, before anything compiles.
 
         With several processes, an error that ends it on one instance ends it on every
         instance within seconds, naming that instance (``ipuloop.processes``).
@@ -506,22 +495,15 @@ class Loop:
         dict of loaders, validated in turn; it returns every set's logs, each under its set's
         name (``val_loss/<name>``, ``val_loss/dataloader_idx_<i>``).
 
-        Every sample counts: the samples are read in the order the loader yields them and the
-        last host call is padded with copies of the last one (an IterableDataset as it ends,
-        workers included). The metrics see every sample, and so does val_loss, the
-        mean loss per sample: the device's loss for the micro-batches without padding and,
-        with ``loss_fn``, ``loss_fn`` on the host for the samples of the one with padding
-        (without ``loss_fn`` those are left out, and a warning says how many samples
-        val_loss covers). A model that returns no loss in eval mode gets no val_loss. Each
-        value the model logs is ``val_<name>``, the mean over the micro-batches without padding.
+        Every sample counts, in the order the loader yields them: the last host call is
+        padded with copies of the last sample, the metrics see every sample, and val_loss is
+        the mean loss per sample (docs/loop.md, "Validation": the padded host call's loss, and
+        what a model-with-loss gives instead). Each value the model logs is ``val_<name>``.
 
-        With several processes, each instance that calls it validates alone, as predict
-        does: every sample, and metrics of its own samples only, waiting for no other
-        instance (inside ``fit``, validation is shared out between the instances instead).
-
-        Called from a hook while a fit runs, it returns its own logs and leaves the fit's
-        alone: ``state.logs``, the history, what callbacks monitor and the progress display
-        are the fit's (no validation hook fires for it).
+        With several processes, each instance that calls it validates every sample alone, as
+        predict does (inside ``fit``, validation is shared out between the instances instead).
+        Called from a hook while a fit runs, it returns its own logs and leaves the fit's logs,
+        history, monitors and progress display alone (no validation hook fires for it).
         """
         st = self.state
         nested = self._fitting
@@ -541,8 +523,7 @@ class Loop:
     def _run_validation(
         self, plans: ValPlans, processes: Processes, *, in_fit: bool, nested: bool = False
     ) -> dict[str, float]:
-        """A validation over ``plans`` (each validation set in turn), its numbers summed over
-        ``processes`` (the fit's, or this instance alone: ``validate()``); ``nested``: a
+        """A validation over ``plans`` in turn, summed over ``processes``; ``nested``: a
         ``validate()`` of a hook inside a fit, which fires no hook and writes no log."""
         st = self.state
         if not nested:
@@ -583,17 +564,11 @@ class Loop:
         """Outputs for every sample ``loader`` yields, in the order it yields them (dataset
         order for a sequential loader), as plain torch iterating it would see them.
 
-        The last host call is padded with copies of the last sample and the padding's outputs
-        are dropped, so no sample is lost to the combined batch size (an IterableDataset's
-        outputs come in the order its loader yields its samples, with workers too, so they
-        line up with the labels the loader gives). With input replica
-        grouping each sample's output is returned once. A model returning a tuple, list,
-        namedtuple or dict of tensors gets the same structure back, each tensor joined over
-        the samples. After a fit (or validate) with N inputs, every batch of N elements is
-        fed whole, and the last element of a batch of N + 1 (the labels) is ignored; before
-        any, a batch of two or more elements is taken as (inputs..., labels). A dict batch
-        is fed as keyword inputs less its ``label_key`` entry. Float64 inputs run, and come
-        back, as float32 (as on the device).
+        The last host call is padded with copies of the last sample, whose outputs are
+        dropped; with input replica grouping each sample's output comes once. A tuple, list,
+        namedtuple or dict of tensors comes back in the same structure, each tensor joined over
+        the samples. docs/loop.md, "Predict", says which batch elements are inputs (after a
+        fit with N inputs, a batch of N + 1 drops its labels) and how dicts and float64 run.
         """
         if not self._fitting:  # (called from a hook of a fit: the fit's error state stays)
             self.state.start_call()
@@ -613,10 +588,8 @@ class Loop:
     @contextlib.contextmanager
     def _running(self, *plans: Plan | None, fit: bool = False) -> Iterator[None]:
         """Any error fires ``on_exception`` once and propagates; a fit's also ends the other
-        instances' fits first (what propagates may then name the instance that failed first)
-        and releases the device, and SIGTERM and Ctrl-C are handled during it (``signals``).
-        The loader workers (and read-ahead threads) of ``plans`` stop when the call ends,
-        however it ends (``running.Reading``)."""
+        instances' fits first and releases the device. ``running.Reading``: the signals during
+        a fit, and the workers of ``plans`` stopped however the call ends."""
         st = self.state  # SIGTERM, several processes: all stop at one boundary
         with self._reading.during(plans, (lambda: self._processes.on_sigterm(st)) if fit else None):
             try:
@@ -632,10 +605,8 @@ class Loop:
 
     # -- checkpoint state -----------------------------------------------------------------------
     def check_resumable(self) -> None:
-        """Raise ``ValueError`` when a checkpoint could not resume exactly: PopTorch reads and
-        writes optimizer state (momentum, moments) only for ``poptorch.optim`` optimizers. A
-        ``torch.optim`` SGD, Adam, AdamW or RMSprop runs as its ``poptorch.optim`` twin, whose
-        state the loop reads back; another stateful optimizer is refused, naming the fix."""
+        """Raise ``ValueError`` when a checkpoint could not resume exactly: a stateful optimizer
+        whose state PopTorch cannot read back (no ``poptorch.optim`` twin), naming the fix."""
         check_resumable(self.optimizer, self.poptorch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -651,12 +622,9 @@ class Loop:
         return self._processes.checkpoint_state(self.state, self._epoch.metrics, sd)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``: the next ``fit`` continues where it was taken.
-
-        The optimizer must be of the saved type with the saved parameter-group layout
-        (checked before anything is restored). The next ``fit`` compares its loader's factors
-        with the saved ones: see ``fit``.
-        """
+        """Restore a ``state_dict()``: the next ``fit`` continues where it was taken. The
+        optimizer must be of the saved type and parameter-group layout (checked before anything
+        is restored); the next ``fit`` compares its loader's factors with the saved ones."""
         sd = self._processes.own_state(sd, self._epoch.metrics)  # several: this one's share
         self.executors.detach_inference()  # (validate, predict: to run the loaded weights)
         self._resume.restore(sd, self._checkpointed())
@@ -675,8 +643,6 @@ class Loop:
         )
 
     def load_weights(self, weights: dict[str, Any]) -> None:
-        """Load model weights only (``load_checkpoint(path)["model"]``: the user's module's
-        ``state_dict``, or the ``model.``-prefixed keys of its ``loss_fn=`` wrapper that
-        checkpoints held before), between fits: the next step, validation or predict runs
-        them; optimizer state and counters stay."""
+        """Load model weights only (``load_checkpoint(path)["model"]``, or an older checkpoint's
+        ``model.``-prefixed keys), between fits; optimizer state and counters stay."""
         self.executors.load_weights(weights_for(self.model_with_loss, self.model, weights))
