@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 if str(HERE.parent) not in sys.path:  # run as a file from a checkout without installing
     sys.path.insert(0, str(HERE.parent))
 VARIANTS = ("sync", "async", "batch_sampler")
@@ -331,6 +332,13 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _relative(value: Any) -> Any:
+    """A path under the repository as it is relative to the repository; anything else as is."""
+    if isinstance(value, str) and value.startswith(str(ROOT) + "/"):
+        return value[len(str(ROOT)) + 1 :]
+    return value
+
+
 def write_readme(path: str, workload: str, text: str) -> None:
     p = Path(path)
     doc = p.read_text()
@@ -360,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             "load": start_load,
             "command": "python benchmarks/async_data.py " + " ".join(sys.argv[1:]),
         },
-        "args": vars(args),
+        "args": {k: _relative(v) for k, v in vars(args).items()},  # no path of this host
         "results": results,
     }
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

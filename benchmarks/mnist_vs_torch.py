@@ -358,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(argv if argv is not None else sys.argv[1:]),
         },
         "epochs": args.epochs,
-        "commands": {"A": " ".join(example[1:]), "B": " ".join(hand_cmd[1:])},
+        "commands": {
+            "A": " ".join(example[1:]),
+            "B": " ".join(hand_cmd[1:]).replace(str(ROOT) + "/", ""),
+        },
         "order": [],
         "example": {"wall_s": [], "accuracy": []},
         "hand": {"wall_s": [], "accuracy": [], "phases_runs": []},
